@@ -1,0 +1,116 @@
+"""`deepinfer` command line: argument parsing and printing only; the work happens in the library."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ids wants comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--ids is empty")
+    return ids
+
+
+def _model_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from deepinfer.tiny import default_model_dir
+
+    return default_model_dir()
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from deepinfer.ask import ask, format_report
+
+    if args.prompt is None and args.ids is None:
+        print("deepinfer ask: give a PROMPT or --ids", file=sys.stderr)
+        return 2
+    report = ask(
+        _model_dir(args.model), prompt=args.prompt, ids=args.ids, chat=not args.raw, thinking=args.thinking,
+        max_tokens=args.max_tokens, top=args.top, numerics=args.numerics, revision=args.revision,
+        temperature=args.temperature, seed=args.seed,
+    )
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from deepinfer.tiny import write_tiny
+
+    out = write_tiny(args.dir, family=args.family, seed=args.seed)
+    print(f"wrote tiny {args.family} checkpoint (seed {args.seed}) to {out}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from deepinfer.config import ModelConfig
+    from deepinfer.weights import CheckpointReader, check_checkpoint
+
+    model_dir = _model_dir(args.model)
+    cfg = ModelConfig.from_checkpoint(model_dir)
+    print(f"{model_dir}: family {cfg.family}, dim {cfg.dim}, {cfg.n_layers} layers + {cfg.n_mtp_layers} MTP/DSpark")
+    print(f"{'layer':>5} {'kind':8} {'ratio':>5} {'indexer':7} {'hash':5} {'kv_src':>6} {'idx_src':>7} {'rope':>8}")
+    for row in cfg.schedule():
+        print(f"{row['layer']:>5} {row['kind']:8} {row['ratio']:>5} {str(row['indexer']):7} {str(row['hash_routed']):5} "
+              f"{str(row['kv_source']):>6} {str(row['index_source']):>7} {row['rope_base']:>8.0f}")
+    if not args.no_check:
+        report = check_checkpoint(CheckpointReader(model_dir), cfg)
+        print(report.summary())
+        return 0 if report.ok else 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 family inference with parity tools")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("ask", help="greedy/temperature completion by the reference oracle, with top-k per step")
+    a.add_argument("prompt", nargs="?", help="prompt text (chat-encoded unless --raw)")
+    a.add_argument("--ids", type=_ids, help="comma-separated token ids, used as they are")
+    mode = a.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true", help="encode PROMPT as one user turn (default)")
+    mode.add_argument("--raw", action="store_true", help="tokenize PROMPT as plain text")
+    a.add_argument("--thinking", action="store_true", help="chat in thinking mode (ends with <think>)")
+    a.add_argument("--max-tokens", type=int, default=16)
+    a.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    a.add_argument("--top", type=int, default=5, help="top-K tokens shown per step")
+    a.add_argument("--numerics", choices=("official", "exact"), default="official")
+    a.add_argument("--revision", choices=("current", "initial"), default="current",
+                   help="V4-Flash release whose kernels are emulated (official numerics)")
+    a.add_argument("--temperature", type=float, default=0.0)
+    a.add_argument("--seed", type=int, default=33377335)
+    a.add_argument("--json", help="also write the report as JSON to this file")
+    a.set_defaults(func=cmd_ask)
+
+    t = sub.add_parser("make-tiny", help="write a synthetic checkpoint in the official on-disk format")
+    t.add_argument("dir")
+    t.add_argument("--family", default="v4", choices=("v4",))
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_make_tiny)
+
+    i = sub.add_parser("inspect", help="config, layer schedule and tensor check of a checkpoint")
+    i.add_argument("model", nargs="?")
+    i.add_argument("--no-check", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input or a bad checkpoint: say what, no traceback
+        print(f"deepinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Shared fixtures: the embedded tiny V4 checkpoint (generated once per machine into the cache dir) and
+oracles over it in both numerics."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# The tiny model's matrices are small: one thread is as fast, and immune to oversubscription when
+# another process shares the 2 cores (OpenMP spin-waits made runs 50x slower here).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_dir():
+    from deepinfer.tiny import default_model_dir
+
+    return default_model_dir("v4", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_raw(tiny_v4_dir):
+    """Checkpoint tensors exactly as stored, loaded through the real loader (with its checks)."""
+    from deepinfer.config import ModelConfig
+    from deepinfer.weights import load_tensors
+
+    cfg = ModelConfig.from_checkpoint(tiny_v4_dir)
+    return cfg, load_tensors(tiny_v4_dir, cfg, progress=False)
+
+
+    num = Numerics(numerics, revision, cfg.act_block)
+    return V4Model(cfg, prepare_params(raw, cfg, num), num, max_batch, max_seq_len,
+                   keep_stale_state=quirks == "official")
+
+
+@pytest.fixture(scope="session")
+def oracle_factory(tiny_v4_raw):
+    """oracle_factory(numerics=..., ...) -> a fresh V4Model over the tiny checkpoint (fresh caches)."""
+    cfg, raw = tiny_v4_raw
+    params_cache = {}
+
+    def make(numerics="exact", revision="current", quirks="intended", max_batch=4, max_seq_len=512):
+        from deepinfer.reference.numerics import Numerics
+        from deepinfer.reference.params import prepare_params
+        from deepinfer.reference.v4 import V4Model
+
+        num = Numerics(numerics, revision, cfg.act_block)
+        key = (numerics, revision)
+        if key not in params_cache:
+            params_cache[key] = prepare_params(raw, cfg, num)
+        return V4Model(cfg, params_cache[key], num, max_batch, max_seq_len, keep_stale_state=quirks == "official")
+
+    return make
