@@ -11,6 +11,7 @@ Must not: touch tensors or files other than the two JSON configs.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -233,12 +234,13 @@ class ModelConfig:
         return rows
 
     def to_inference_json(self) -> dict[str, Any]:
-        """The `inference/config.json` (ModelArgs) form of this config, V4.1 keys only for v41."""
+        """The `inference/config.json` (ModelArgs) form of this config, V4.1 keys only for v41 (and, for v4,
+        those that differ from their defaults: the DSpark keys of V4-Flash-0731 / V4-Pro-0813)."""
         out = {}
         for f in fields(self):
             if f.name in ("family", "extra", "bos_token_id", "eos_token_id"):
                 continue
-            if not self.is_v41 and f.name in V41_ONLY_KEYS:
+            if not self.is_v41 and f.name in V41_ONLY_KEYS and getattr(self, f.name) == f.default:
                 continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
@@ -280,7 +282,8 @@ class ModelConfig:
             _check_agreement(hf_args, inf_args, hf_path, inf_path)
         merged = {**hf_args, **inf_args}
         if "n_mtp_layers" not in inf_args and "compress_ratios" in merged and "n_layers" in merged:
-            merged["n_mtp_layers"] = len(merged["compress_ratios"]) - merged["n_layers"]
+            if len(merged["compress_ratios"]) >= merged["n_layers"]:  # else keep the default and fail the length check
+                merged["n_mtp_layers"] = len(merged["compress_ratios"]) - merged["n_layers"]
         try:
             return cls.from_dict(merged, extra=hf_extra)
         except ConfigError as e:
@@ -310,8 +313,9 @@ def _check_agreement(hf: dict, inf: dict, hf_path: Path, inf_path: Path) -> None
         a, b = hf[key], inf[key]
         a = list(a) if isinstance(a, tuple) else a
         b = list(b) if isinstance(b, tuple) else b
-        if isinstance(a, float) or isinstance(b, float):
-            same = a is not None and b is not None and abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+        if isinstance(a, float) or isinstance(b, float):  # relative only: eps values like 1e-20 must be compared
+            numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+            same = numeric and math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
         else:
             same = a == b
         if not same:

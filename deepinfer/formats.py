@@ -54,8 +54,10 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     mant, exp = torch.frexp(s)  # s = mant * 2**exp with mant in [0.5, 1)
     if not bool(((mant == 0.5) & (s > 0)).all()):
         raise ValueError("E8M0 can only hold positive powers of two")
-    byte = (exp - 1 + 127).clamp(0, 254).to(torch.uint8)
-    return byte.view(torch.float8_e8m0fnu)
+    byte = exp - 1 + 127
+    if not bool(((byte >= 0) & (byte <= 254)).all()):  # was silently clamped (2**-130 -> 2**-127)
+        raise ValueError("E8M0 can only hold powers of two from 2**-127 to 2**127")
+    return byte.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOC
     values = fp4_codes_to_float(unpack_fp4(packed))
     out_dim, in_dim = values.shape[-2], values.shape[-1]
     expected = (out_dim, in_dim // block)
-    if tuple(scale.shape[-2:]) != expected:
+    if in_dim % block or tuple(scale.shape[-2:]) != expected:
         raise ValueError(
             f"FP4 scale shape {tuple(scale.shape)} does not match weight [{out_dim}, {in_dim}]: "
             f"expected {expected} (one scale per {block} elements of a row)"
@@ -170,6 +172,20 @@ def quant_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, to
     q = (tiles / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.view(bo * block, bi * block)[:out_dim, :in_dim].contiguous()
     return q, float_to_e8m0(s)
+
+
+def quant_fp8_rows(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [rows, cols] -> (E4M3 [rows, cols], E8M0 [rows, cols/block]): one pow2 scale per `block` of a row.
+
+    The layout of V4.1's engram tables (ParallelEngramEmbedding: weight E4M3, scale [rows, dim/32])."""
+    q, s = act_quant(weight, block)
+    return q, float_to_e8m0(s)
+
+
+def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse layout of `quant_fp8_rows`: E4M3 [rows, cols] x E8M0 [rows, cols/block] -> fp32."""
+    block = weight.shape[-1] // scale.shape[-1]
+    return (weight.to(torch.float32).unflatten(-1, (-1, block)) * scale_to_float(scale).unsqueeze(-1)).flatten(-2)
 
 
 def quant_fp4_rows(weight: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
