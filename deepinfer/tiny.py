@@ -40,9 +40,12 @@ HEAD_GAIN = 1.25  # head weight std; logits std ~ HEAD_GAIN * sqrt(dim) = 20 for
 
 def tiny_config(family: str = "v4") -> ModelConfig:
     """Tiny V4: window-only layers 0-1, ratio-4 (indexer) layers 2 and 4, ratio-128 layers 3 and 5,
-    hash routing on layers 0-2, one shared expert, an MTP layer; real vocabulary; window 16."""
+    hash routing on layers 0-2, one shared expert, an MTP layer; real vocabulary; window 16.
+    Tiny V4.1: see `tiny_config_v41`."""
+    if family == "v41":
+        return tiny_config_v41()
     if family != "v4":
-        raise ValueError(f"make-tiny supports family v4 here; got {family!r} (v41 comes with its oracle)")
+        raise ValueError(f"unknown family {family!r}; make-tiny knows v4 and v41")
     return ModelConfig(
         family="v4", vocab_size=129280, dim=256, moe_inter_dim=128, n_layers=6, n_hash_layers=3, n_mtp_layers=1,
         n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
@@ -51,6 +54,34 @@ def tiny_config(family: str = "v4") -> ModelConfig:
         compress_rope_theta=160000.0, original_seq_len=65536, rope_theta=10000.0, rope_factor=16.0,
         beta_fast=32, beta_slow=1, index_n_heads=4, index_head_dim=128, index_topk=8, hc_mult=4,
         hc_sinkhorn_iters=20, hc_eps=1e-6, dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4",
+    )
+
+
+def tiny_config_v41() -> ModelConfig:
+    """Tiny V4.1 with every feature on: window-only layers 0-1; ratio-2 KV groups 2-3 and 4-5 and a
+    ratio-1 group 6-9 (kv sources 2, 4, 6); index groups 2-3, 4-5, 6-7, 8-9 (layer 8 scores against
+    source 6's keys); candidate filter at layer 6 (2 blocks of 2 positions: engages beyond 4 positions)
+    consumed by layer 8; engram before layers 1 and 4 (small prime tables); one DSpark stage reading
+    layers 7-9; real vocabulary (the engram's compressed vocabulary needs the real tokenizer); window 16."""
+    from deepinfer.reference.engram import engram_primes  # the table sizes follow the official prime draw
+
+    engram_layers, vocab, heads, ngram = (1, 4), 1000, 2, 3
+    primes = engram_primes(engram_layers, ngram, heads, vocab)
+    return ModelConfig(
+        family="v41", vocab_size=129280, dim=256, moe_inter_dim=128, n_layers=10, n_mtp_layers=1, n_heads=4,
+        n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
+        route_scale=1.5, swiglu_limit=10.0, q_lora_rank=128, head_dim=256, rope_head_dim=64, norm_eps=1e-20,
+        o_groups=2, o_lora_rank=128, window_size=16, compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0),
+        compress_rope_theta=160000.0, original_seq_len=65536, rope_theta=10000.0, rope_factor=16.0,
+        beta_fast=32, beta_slow=1, index_n_heads=4, index_head_dim=128, index_topk=4, hc_mult=4,
+        hc_sinkhorn_iters=20, hc_eps=1e-6, dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4",
+        kv_source_layers=(2, 4, 6), index_source_layers=(2, 4, 6, 8), candidate_source_layer=6,
+        candidate_topk_blocks=2, candidate_block_size=2, engram_layer_ids=engram_layers,
+        engram_num_embeddings=tuple(sum(sum(n) for n in layer) for layer in primes), engram_max_ngram_size=ngram,
+        engram_vocab_size=vocab, engram_n_heads=heads, engram_head_dim=64, engram_pad_id=2,
+        engram_compressed_vocab_size=99092, dspark_block_size=5, dspark_noise_token_id=128799,
+        dspark_target_layer_ids=(7, 8, 9), dspark_markov_rank=32, dspark_n_routed_experts=4,
+        dspark_n_activated_experts=2,
     )
 
 
@@ -69,6 +100,8 @@ def _std(name: str, spec: TensorSpec, cfg: ModelConfig) -> float:
         std *= 1.5  # routed outputs are weighted by ~route_scale/k each; keep MoE output near the gain
     if name.endswith(("e_proj.weight", "h_proj.weight")):
         std *= 0.7
+    if name.endswith("engram.wkv.weight"):
+        std *= 0.3  # the value it writes into every stream stays a modest fraction of the residual
     if "gate.weight" in name:
         std *= 2.0  # routing logits of O(1): distinct experts for distinct tokens
     if "wgate.weight" in name:
@@ -103,6 +136,12 @@ def _plain(name: str, spec: TensorSpec, cfg: ModelConfig, g: torch.Generator) ->
         return randn(*shape) * 0.1
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * randn(*shape)
+    if name.endswith(("q_weight", "k_weight")):  # engram gate weights [hc, D]
+        return 1.0 + 0.1 * randn(*shape)
+    if name.endswith("gate.bias_vl"):
+        return randn(*shape) * 0.1
+    if "markov_head" in name or "confidence_head" in name:
+        return randn(*shape) * shape[-1] ** -0.5
     if len(shape) == 2:  # bf16 linears: compressor wkv/wgate, indexer weights_proj
         return randn(*shape) * _std(name, spec, cfg)
     raise ValueError(f"no initialiser for {name}")
@@ -117,6 +156,10 @@ def make_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     for name, spec in specs.items():
         if spec.kind == "scale":
             continue  # written with its weight
+        if name.endswith(".engram.embed.weight"):  # hash table: E4M3 rows with a pow2 scale per 32
+            q, sc = formats.quant_fp8_rows(torch.randn(*spec.shape, generator=g), 32)
+            out[name], out[name[: -len(".weight")] + ".scale"] = q, sc
+            continue
         if spec.kind in ("fp8", "fp4"):
             in_dim = spec.shape[1] * (2 if spec.kind == "fp4" else 1)
             w = torch.randn(spec.shape[0], in_dim, generator=g) * _std(name, spec, cfg)
@@ -139,7 +182,8 @@ _ARGS_TO_HF = {v: k for k, v in HF_TO_ARGS.items() if k != v}
 def hf_config(cfg: ModelConfig) -> dict:
     """HF `config.json` in the official V4 naming (architectures, quantization_config, rope_scaling)."""
     args = cfg.to_inference_json()
-    hf: dict = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
+    hf: dict = {"architectures": ["DeepseekV41ForCausalLM" if cfg.is_v41 else "DeepseekV4ForCausalLM"],
+                "model_type": "deepseek_v41" if cfg.is_v41 else "deepseek_v4"}
     for key, value in args.items():
         if key in ("dtype", "scale_fmt", "scale_dtype", "rope_factor", "original_seq_len", "beta_fast", "beta_slow"):
             continue
@@ -153,6 +197,12 @@ def hf_config(cfg: ModelConfig) -> dict:
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                 "scale_fmt": "ue8m0", "weight_block_size": [cfg.weight_block, cfg.weight_block]},
     })
+    if cfg.is_v41:  # the V4.1 release nests the language model under text_config (as its real config.json)
+        outer = {k: hf.pop(k) for k in ("architectures", "model_type", "bos_token_id", "eos_token_id",
+                                         "quantization_config")}
+        outer["quantization_config"]["expert_dtype"] = hf.pop("expert_dtype")
+        hf["rope_scaling"]["rope_type"] = hf["rope_scaling"].pop("type")
+        hf = {**outer, "dtype": "bfloat16", "pad_token_id": 2, "text_config": hf}
     return hf
 
 

@@ -50,3 +50,35 @@ def oracle_factory(tiny_v4_raw):
         return V4Model(cfg, params_cache[key], num, max_batch, max_seq_len, keep_stale_state=quirks == "official")
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_dir():
+    from deepinfer.tiny import default_model_dir
+
+    return default_model_dir("v41", seed=0)
+
+
+@pytest.fixture(scope="session")
+def oracle41_factory(tiny_v41_dir):
+    """oracle41_factory(numerics=..., quirks=...) -> a fresh V41Model over the tiny V4.1 checkpoint."""
+    from deepinfer.config import ModelConfig
+    from deepinfer.reference.numerics import Numerics
+    from deepinfer.reference.params import prepare_params
+    from deepinfer.reference.v41 import V41Model
+    from deepinfer.tokenizer import Tokenizer
+    from deepinfer.weights import load_tensors
+
+    cfg = ModelConfig.from_checkpoint(tiny_v41_dir)
+    raw = load_tensors(tiny_v41_dir, cfg, progress=False)
+    tok = Tokenizer.from_checkpoint(tiny_v41_dir)
+    cache = {}
+
+    def make(numerics="exact", quirks="intended", max_batch=4, max_seq_len=256):
+        num = Numerics(numerics, "current", cfg.act_block)
+        if numerics not in cache:
+            cache[numerics] = prepare_params(raw, cfg, num)
+        return V41Model(cfg, cache[numerics], num, max_batch, max_seq_len, quirks_official=quirks == "official",
+                        tokenizer=tok)
+
+    return make

@@ -30,7 +30,11 @@ def load_reference(
     params = prepare_params(raw, cfg, num)
     del raw
     if cfg.is_v41:
-        raise NotImplementedError("the V4.1 oracle is not built yet (issue 3); this checkpoint is family v41")
+        from deepinfer.reference.v41 import V41Model
+        from deepinfer.tokenizer import Tokenizer
+
+        return V41Model(cfg, params, num, max_batch_size, max_seq_len, quirks_official=quirks == "official",
+                        tokenizer=Tokenizer.from_checkpoint(model_dir))
     return V4Model(cfg, params, num, max_batch_size, max_seq_len, keep_stale_state=quirks == "official")
 
 

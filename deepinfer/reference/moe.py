@@ -1,5 +1,7 @@
-"""V4 mixture of experts of the reference (spec §3.9): sqrt-softplus gate with a selection-only bias or
-hash routing by token id, renormalised and scaled weights, clamped SwiGLU experts, one shared expert.
+"""Mixture of experts of the reference: sqrt-softplus gate with a selection-only bias or hash routing by
+token id, renormalised and scaled weights, clamped SwiGLU experts, one shared expert (V4 spec §3.9).
+V4.1 (§10.4): logits divided by gate_temp, no hash layers, weights normalised as w / (sum + 1e-20) when
+norm_topk_prob and top-k > 1, shared expert clamped (image-span tokens would use `bias_vl`: text only here).
 
 The routing weight multiplies the SwiGLU output BEFORE the down projection (and before its activation
 quantisation); per-expert outputs are accumulated in fp32 in expert order, then rounded once.
@@ -40,6 +42,8 @@ class MoE:
         """x [T, D], ids [T] -> (weights [T, k], expert indices [T, k])."""
         cfg, num = self.cfg, self.num
         logits = num.flinear(x, self.p["gate.weight"])  # fp32 gate on upcast bf16 weights
+        if cfg.is_v41:
+            logits = logits / cfg.gate_temp
         if cfg.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
@@ -51,7 +55,10 @@ class MoE:
         else:
             indices = (scores + self.p["gate.bias"]).topk(self.topk, dim=-1).indices
         weights = scores.gather(1, indices)
-        if cfg.score_func != "softmax":
+        if cfg.is_v41:
+            if cfg.norm_topk_prob and self.topk > 1:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # not norm_eps: as trained
+        elif cfg.score_func != "softmax":
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * cfg.route_scale, indices
 

@@ -33,6 +33,9 @@ def dequant_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, 
 def prepare_params(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, num: Numerics) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
+        if ".engram.embed." in name:  # the hash table stays as stored (memory-mapped); rows dequantised on use
+            out[name] = tensor
+            continue
         if name.endswith(".scale"):
             continue
         scale = raw.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None

@@ -35,6 +35,24 @@ QUIRKS: tuple[Quirk, ...] = (
             "Only a second sequence in the same model object whose prompt is shorter than 4 tokens at a ratio-4 "
             "layer (overlapping compressor): its first compressed entry pools the previous sequence's last block "
             "A-half rows. Ratio-128 layers are unaffected (stale rows are overwritten before they are pooled)."
+            " V4.1's compressors keep the same habit but never pool stale rows (no overlap)."
+        ),
+    ),
+    Quirk(
+        name="index-key-sharing-on-incomplete-groups",
+        family="v41",
+        where="V4.1 inference/model.py Indexer.forward (shared_attn.index_k), read in the vendored copy",
+        official=(
+            "An index-key owner publishes its key cache to the shared slot only on a call in which its "
+            "compressor emitted a new entry. On decode steps where a ratio-2 owner's group is incomplete the "
+            "slot still points at the last publisher (the ratio-1 source, layer 20 in the real model, from the "
+            "previous step), so the ratio-2 layers 2-19, owners included, score against that layer's keys."
+        ),
+        intended="Every indexer scores against the key cache of its own kv source (kv_source_of(layer)).",
+        effect=(
+            "Decode only, at even positions (P+1 odd) once a ratio-2 layer has more compressed entries than "
+            "index_topk (real model: from about position 1026; tiny model: from 10); the changed top-k then "
+            "propagates through the cache. Prefill is unaffected."
         ),
     ),
 )

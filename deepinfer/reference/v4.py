@@ -81,6 +81,28 @@ def head_collapse(x: torch.Tensor, p: dict, prefix: str, cfg: ModelConfig, num: 
     return collapse(x, pre, num)
 
 
+def check_forward_args(model, ids: torch.Tensor, start_pos: int) -> None:
+    """The official forward contract, with clear errors: [B, S] ids in the vocabulary, B <= max_batch,
+    positions within max_seq_len, and after the prefill exactly one token at the cached length."""
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [batch, seqlen], got shape {tuple(ids.shape)}")
+    B, S = ids.shape
+    if B > model.max_batch:
+        raise ValueError(f"batch {B} exceeds max_batch {model.max_batch}")
+    if S == 0:
+        raise ValueError("empty input")
+    if int(ids.min()) < 0 or int(ids.max()) >= model.cfg.vocab_size:
+        raise ValueError(f"token ids must be in [0, {model.cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+    if start_pos + S > model.max_seq_len:
+        raise ValueError(f"start_pos {start_pos} + {S} tokens exceeds max_seq_len {model.max_seq_len}")
+    if start_pos > 0:
+        if S != 1:
+            raise ValueError("after the prefill the reference takes exactly one token per call")
+        if start_pos != model.seq_len:
+            raise ValueError(f"decode at start_pos {start_pos} but {model.seq_len} tokens are cached")
+
+
+
 class V4Model:
     """The V4 oracle over contiguous per-sequence caches of `max_batch` x `max_seq_len`."""
 
@@ -98,22 +120,7 @@ class V4Model:
         self.seq_len = 0  # tokens processed so far (same for every sequence of the batch)
 
     def _check(self, ids: torch.Tensor, start_pos: int) -> None:
-        if ids.dim() != 2:
-            raise ValueError(f"ids must be [batch, seqlen], got shape {tuple(ids.shape)}")
-        B, S = ids.shape
-        if B > self.max_batch:
-            raise ValueError(f"batch {B} exceeds max_batch {self.max_batch}")
-        if S == 0:
-            raise ValueError("empty input")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
-        if start_pos + S > self.max_seq_len:
-            raise ValueError(f"start_pos {start_pos} + {S} tokens exceeds max_seq_len {self.max_seq_len}")
-        if start_pos > 0:
-            if S != 1:
-                raise ValueError("after the prefill the reference takes exactly one token per call")
-            if start_pos != self.seq_len:
-                raise ValueError(f"decode at start_pos {start_pos} but {self.seq_len} tokens are cached")
+        check_forward_args(self, ids, start_pos)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.p["embed.weight"][ids]

@@ -19,7 +19,7 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.weights.convert import converted_specs, native_name, routed_expert_index
 from deepinfer.weights.reader import CheckpointError, CheckpointReader
-from deepinfer.weights.schema import TensorSpec, expected_tensors
+from deepinfer.weights.schema import TensorSpec, expected_tensors, skipped_prefixes
 
 E8M0_NAN = 0xFF
 
@@ -82,14 +82,16 @@ def check_checkpoint(
 ) -> CheckReport:
     """Check every tensor of `reader` against `cfg`'s tensor table; reads headers only unless `scan_scales`.
 
-    Ignored (not unexpected): in HF files, `mtp.*` tensors that convert.py drops (names with `emb` or
+    Ignored (not unexpected): parts the language model does not use (`schema.skipped_prefixes`, e.g. the
+    V4.1 vision tower — present in real checkpoints, skipped on load with a note); in HF files, `mtp.*` tensors that convert.py drops (names with `emb` or
     ending in `head.weight`), and every `mtp.*` tensor when include_mtp is False.
     """
     if not isinstance(reader, CheckpointReader):
         reader = CheckpointReader(reader)
     report = CheckReport(str(reader.dir), reader.format)
     if reader.format == "hf":
-        _check_file_set(reader, None, expected_tensors(cfg, include_mtp), include_mtp, report, scan_scales)
+        _check_file_set(reader, None, expected_tensors(cfg, include_mtp), include_mtp, report, scan_scales,
+                        skipped_prefixes(cfg))
         for name, path in reader.unindexed.items():
             report.problems.append(Problem("unindexed", name, str(path), "present in the shard but not in the index"))
         return report
@@ -100,7 +102,7 @@ def check_checkpoint(
         except CheckpointError as e:
             report.problems.append(Problem("layout", "*", str(reader.files[rank]), str(e)))
             continue
-        _check_file_set(reader, rank, specs, include_mtp, report, scan_scales)
+        _check_file_set(reader, rank, specs, include_mtp, report, scan_scales, skipped_prefixes(cfg))
     return report
 
 
@@ -119,6 +121,7 @@ def _check_file_set(
     include_mtp: bool,
     report: CheckReport,
     scan_scales: bool,
+    skipped: tuple[str, ...] = (),
 ) -> None:
     """Compare the tensors of one HF checkpoint (rank None) or one mp rank file with `specs`."""
     if rank is None:
@@ -144,6 +147,8 @@ def _check_file_set(
         if spec is None:
             dropped_by_convert = rank is None and native_name(name) is None
             if name.startswith("mtp.") and (not include_mtp or dropped_by_convert):
+                report.ignored.append(name)
+            elif skipped and name.startswith(skipped):  # e.g. V4.1's vision tower: not loaded
                 report.ignored.append(name)
             else:
                 shape, dtype = shapes[name]

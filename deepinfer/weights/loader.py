@@ -11,6 +11,7 @@ the requested tensors plus one tensor's slices in memory.
 """
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -21,7 +22,14 @@ from deepinfer.config import ModelConfig
 from deepinfer.weights.check import check_checkpoint
 from deepinfer.weights.convert import expert_owner, is_wo_a, official_key_dim, routed_expert_index
 from deepinfer.weights.reader import CheckpointError, CheckpointReader
-from deepinfer.weights.schema import expected_tensors
+from deepinfer.weights.schema import expected_tensors, skipped_prefixes
+
+log = logging.getLogger(__name__)
+
+
+def is_mapped_table(name: str) -> bool:
+    """Tensors too large to read whole: the engram hash tables and their scales."""
+    return ".engram.embed." in name
 
 
 class LoadedWeights(dict[str, torch.Tensor]):
@@ -59,7 +67,14 @@ def load_tensors(
         report = check_checkpoint(reader, cfg, include_mtp=include_mtp)
         report.raise_if_failed()
         expert_dtype = report.expert_dtype
-    wanted = reader.names() if names is None else list(names)
+    skipped = skipped_prefixes(cfg)
+    if names is None:  # everything the language model uses; e.g. V4.1's vision tower stays on disk
+        wanted = [n for n in reader.names() if not (skipped and n.startswith(skipped))]
+        left = len(reader.names()) - len(wanted)
+        if left:
+            log.warning("%s: skipped %d tensors DeepInfer does not use (%s)", reader.dir, left, ", ".join(skipped))
+    else:
+        wanted = list(names)
     unknown = [n for n in wanted if n not in reader]
     if unknown:
         shown = ", ".join(unknown[:20]) + (f" and {len(unknown) - 20} more" if len(unknown) > 20 else "")
@@ -70,7 +85,8 @@ def load_tensors(
     show = progress and sys.stderr.isatty()
     for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not show):
         if reader.format == "hf":
-            out[name] = reader.get(name)
+            # V4.1's engram tables (~183 GiB in the real model) stay memory-mapped: rows are paged in on use
+            out[name] = reader.get_mapped(name) if is_mapped_table(name) else reader.get(name)
             continue
         out[name] = _assemble(reader, cfg, table, name)
         if is_wo_a(name) and name.endswith(".weight") and out[name].dtype == torch.bfloat16:

@@ -15,7 +15,9 @@ Must not: know tensor semantics (shapes per config, scales, sharding rules: `sch
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 import math
 import re
 import struct
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -68,6 +71,7 @@ class HeaderEntry:
     shape: tuple[int, ...]  # torch's shape (for F4: bytes along the last dim, i.e. header shape / 2)
     begin: int
     end: int
+    data_start: int = 0  # absolute file offset of the data section (8 + header length)
 
 
 def read_header(path: Path) -> dict[str, HeaderEntry]:
@@ -103,7 +107,7 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        entry = _parse_entry(path, name, info)
+        entry = dataclasses.replace(_parse_entry(path, name, info), data_start=8 + n)
         entries[name] = entry
         if entry.end > largest_end:
             largest_end, largest_name = entry.end, name
@@ -277,6 +281,23 @@ class CheckpointReader:
                 f"{path}: tensor {name} read as {t.dtype} {tuple(t.shape)}, header says {e.dtype} {e.shape}"
             )
         return t
+
+    def get_mapped(self, name: str, rank: int | None = None) -> torch.Tensor:
+        """The tensor as a read-only memory map of its bytes in the file: nothing is read until used.
+
+        For tables far larger than memory (V4.1's engram tables, ~183 GiB): index it to touch only the
+        rows needed (`index_select`), and the OS pages in just those.
+        """
+        i = self._pick(name, rank, strict=True)
+        e = self._headers[i][name]
+        if e.end == e.begin:
+            return torch.empty(e.shape, dtype=e.dtype)
+        raw = np.memmap(self.files[i], dtype=np.uint8, mode="r", offset=e.data_start + e.begin,
+                        shape=(e.end - e.begin,))
+        with warnings.catch_warnings():  # torch warns that the array is read-only: we never write to it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(raw)
+        return flat.view(e.dtype).view(e.shape)
 
     def close(self) -> None:
         self._handles.clear()  # safe_open handles release their mmap when dropped
