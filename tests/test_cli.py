@@ -46,3 +46,19 @@ def test_inspect_checks_the_checkpoint(tiny_v4_dir, capsys):
 def test_exact_numerics_flag(tiny_v4_dir, capsys):
     assert main(["ask", "--ids", "5,6,7", "--max-tokens", "2", "--numerics", "exact", "--model", str(tiny_v4_dir)]) == 0
     assert "numerics: exact" in capsys.readouterr().out
+
+
+def test_ask_on_tiny_v41(tiny_v41_dir, capsys):
+    assert main(["ask", "--ids", "5,6,7,8", "--max-tokens", "3", "--model", str(tiny_v41_dir)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"generated ids: \[\d+, \d+, \d+\]", out)
+
+
+def test_make_tiny_cli(tmp_path, capsys, monkeypatch):
+    from deepinfer import tiny
+    from deepinfer.config import ModelConfig
+
+    small = ModelConfig.from_dict({**tiny.tiny_config().to_inference_json(), "vocab_size": 512})
+    monkeypatch.setattr(tiny, "tiny_config", lambda family="v4": small)
+    assert main(["make-tiny", str(tmp_path / "t"), "--seed", "1"]) == 0
+    assert (tmp_path / "t" / "model.safetensors.index.json").exists()
