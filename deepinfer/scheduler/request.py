@@ -1,0 +1,98 @@
+"""`Request`: one sequence as the scheduler sees it — its tokens, how many of them are computed, its state.
+
+The central quantity is `num_computed_tokens`: every token of `all_token_ids` (prompt + outputs) plus any
+draft tokens that is not yet computed is a "token to compute". A prefill chunk, a decode token and a
+verified draft are the same thing to the scheduler; it only catches `num_computed_tokens` up.
+
+Must not: know about sampling (the engine turns SamplingParams into `max_tokens` and `stop_token_ids`;
+stop strings are the detokenizer's job and end a request through `Scheduler.finish`) or hold tensors.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed from position 0
+    FINISHED_STOPPED = "finished_stopped"  # a stop token (or a stop string, via Scheduler.finish)
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish_reason of a finished status."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+@dataclass(eq=False)  # identity semantics: two requests are never "equal" by value
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()  # EOS included by the engine unless ignore_eos
+    payload: Any = None  # opaque to the scheduler (e.g. SamplingParams, generator, detokenizer state)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    # Draft tokens proposed for the next step (set by the drafter between steps); computed together with
+    # the last real token and verified by the sampler.
+    draft_token_ids: list[int] = field(default_factory=list)
+    arrival_index: int = -1  # FCFS order, set by Scheduler.add_request
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id, or the stop string
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must be non-negative ints")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise ValueError(f"request {self.request_id!r}: max_tokens must be a positive int, got {self.max_tokens!r}")
+        self.stop_token_ids = frozenset(self.stop_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens (prompt + outputs), drafts excluded."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_to_compute(self, start: int, num: int) -> list[int]:
+        """Ids of positions [start, start + num): prompt, then outputs, then drafts."""
+        seq = self.prompt_token_ids + self.output_token_ids + self.draft_token_ids
+        assert start + num <= len(seq), (start, num, len(seq))
+        return seq[start : start + num]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
