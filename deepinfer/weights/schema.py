@@ -71,12 +71,12 @@ class _Table:
             self.fp8_linear(prefix, out_dim, in_dim)
 
 
-def _block(t: _Table, p: str, layer: int, experts: int | None = None) -> None:
-    """One transformer block (backbone layer or MTP stage) under prefix `p` (e.g. `layers.3`)."""
+def _block_core(t: _Table, p: str) -> str:
+    """What every block of both families has: norms, hyper-connection mixes, the attention projections.
+    Returns the attention prefix."""
     cfg = t.cfg
     D, H, hd = cfg.dim, cfg.n_heads, cfg.head_dim
     mix = (2 + cfg.hc_mult) * cfg.hc_mult
-    ratio = cfg.compress_ratios[layer]
     t.add(f"{p}.attn_norm.weight", (D,), "bf16")
     t.add(f"{p}.ffn_norm.weight", (D,), "bf16")
     for s in ("attn", "ffn"):
@@ -92,6 +92,15 @@ def _block(t: _Table, p: str, layer: int, experts: int | None = None) -> None:
     t.add(f"{a}.kv_norm.weight", (hd,), "bf16")
     t.fp8_linear(f"{a}.wo_a", cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, 0)
     t.fp8_linear(f"{a}.wo_b", D, cfg.o_groups * cfg.o_lora_rank, 1)
+    return a
+
+
+def _block(t: _Table, p: str, layer: int, experts: int | None = None) -> None:
+    """One transformer block (backbone layer or MTP stage) under prefix `p` (e.g. `layers.3`)."""
+    cfg = t.cfg
+    D, hd = cfg.dim, cfg.head_dim
+    ratio = cfg.compress_ratios[layer]
+    a = _block_core(t, p)
     if ratio and not cfg.is_v41:
         c = 2 if ratio == 4 else 1  # overlapping compressor keeps two halves
         _compressor(t, f"{a}.compressor", ratio, c * hd, hd)
@@ -141,23 +150,8 @@ def _block_v41(t: _Table, p: str, layer: int, backbone: bool) -> None:
     """A V4.1 block (spec §10): no hc_head, no compressor ape, compressors only on kv sources, indexers
     only on index sources (+ wk/k_norm on kv sources), engram on engram layers, gate bias and bias_vl."""
     cfg = t.cfg
-    D, H, hd = cfg.dim, cfg.n_heads, cfg.head_dim
-    mix = (2 + cfg.hc_mult) * cfg.hc_mult
-    t.add(f"{p}.attn_norm.weight", (D,), "bf16")
-    t.add(f"{p}.ffn_norm.weight", (D,), "bf16")
-    for s in ("attn", "ffn"):
-        t.add(f"{p}.hc_{s}_fn", (mix, cfg.hc_mult * D), "f32")
-        t.add(f"{p}.hc_{s}_base", (mix,), "f32")
-        t.add(f"{p}.hc_{s}_scale", (3,), "f32")
-    a = f"{p}.attn"
-    t.add(f"{a}.attn_sink", (H,), "f32", 0)
-    t.fp8_linear(f"{a}.wq_a", cfg.q_lora_rank, D)
-    t.add(f"{a}.q_norm.weight", (cfg.q_lora_rank,), "bf16")
-    t.fp8_linear(f"{a}.wq_b", H * hd, cfg.q_lora_rank, 0)
-    t.fp8_linear(f"{a}.wkv", hd, D)
-    t.add(f"{a}.kv_norm.weight", (hd,), "bf16")
-    t.fp8_linear(f"{a}.wo_a", cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, 0)
-    t.fp8_linear(f"{a}.wo_b", D, cfg.o_groups * cfg.o_lora_rank, 1)
+    D, hd = cfg.dim, cfg.head_dim
+    a = _block_core(t, p)
     if backbone and layer in cfg.kv_source_layers:
         t.add(f"{a}.compressor.wkv.weight", (hd, D), "bf16")
         if cfg.compress_ratios[layer] > 1:  # ratio 1 is a plain projection: no gate
