@@ -252,7 +252,9 @@ def fp4_act_quant_e4m3_scale(x: torch.Tensor, block: int = 16) -> tuple[torch.Te
     """
     xb = _blocks(x, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_AMAX_FLOOR_E4M3_SCALE)
-    s = (amax / FP4_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    # E4M3 cannot hold a scale above 448 (amax > 2688): saturate like a satfinite GPU conversion instead of
+    # torch's NaN. Unreachable for RMS-normalised latents; an assumption, since [Gk] is not the original.
+    s = (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     codes = fp4_round_codes((xb / s).clamp(-FP4_MAX, FP4_MAX))
     return codes.flatten(-2), s.squeeze(-1)
 
