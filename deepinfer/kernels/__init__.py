@@ -1,0 +1,34 @@
+"""Kernel registry: `get(op_name)` returns the implementation of one op for the engine model.
+
+Owns: the name -> callable table. Every op has a plain torch version (`torch_ops.py`, the twin that
+faster versions are tested against); Triton/CUDA versions will `register(name, fn, device="cuda")` later
+with the same signature. Must not: import the model, the reference oracle or hold per-batch state.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from deepinfer.kernels import torch_ops
+
+_REGISTRY: dict[tuple[str, str], Callable] = {}
+
+
+def register(op_name: str, fn: Callable, device: str = "cpu") -> None:
+    """Install `fn` as op `op_name` for `device` ("cpu" entries are the torch twins, used everywhere)."""
+    _REGISTRY[(op_name, device)] = fn
+
+
+def get(op_name: str, device: str = "cpu") -> Callable:
+    """The implementation of `op_name` for `device`, falling back to the torch version."""
+    fn = _REGISTRY.get((op_name, device)) or _REGISTRY.get((op_name, "cpu"))
+    if fn is None:
+        raise KeyError(f"unknown kernel op {op_name!r}; known: {sorted({n for n, _ in _REGISTRY})}")
+    return fn
+
+
+def ops() -> list[str]:
+    return sorted({n for n, _ in _REGISTRY})
+
+
+for _name in torch_ops.__all__:
+    register(_name, getattr(torch_ops, _name))

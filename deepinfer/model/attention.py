@@ -1,0 +1,122 @@
+"""V4 attention of the engine over a varlen batch: low-rank q, single-latent KV, window ring + paged
+compressed entries, the lightning indexer on ratio-4 layers, sparse attention with the sink, grouped
+low-rank output (spec §3.5-§3.8).
+
+Visibility (the invariant both implementations share): a query at position p sees window positions
+max(0, p-window+1)..p and compressed entries j < (p+1)//r — on ratio-4 layers only the indexer's top-k of
+those (ties toward the lower entry), k = min(index_topk, visible count).
+
+Per layer and sequence the keys are gathered into one flat pool [ring rows of positions < start_pos;
+this chunk's new rows; compressed entries 0..end//r-1] and one sparse-attention call serves the batch.
+Must not: import the reference oracle; keep per-batch state outside the cache and the ForwardContext.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer import kernels
+from deepinfer.config import ModelConfig
+from deepinfer.model.cache import LayerCache, V4Cache
+from deepinfer.model.compressor import compress_extend
+from deepinfer.model.context import ForwardContext
+
+
+def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in p.items() if k.startswith(prefix)}
+
+
+class V4Attention:
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+        self.layer, self.p, self.cfg = layer, params, cfg
+        self.ratio = cfg.compress_ratios[layer]
+        self.win, self.H, self.hd = cfg.window_size, cfg.n_heads, cfg.head_dim
+        self.eps = cfg.norm_eps
+        original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0  # window-only layers: plain RoPE
+        self.inv_freq = kernels.get("rope_inv_freq")(
+            cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
+        )
+        self.comp_p = _sub(params, "compressor.")
+        self.has_indexer = bool(self.ratio) and cfg.has_indexer(layer)
+        self.idx_p = _sub(params, "indexer.")
+        self.idx_comp_p = _sub(params, "indexer.compressor.")
+
+    # ------------------------------------------------------------------ compressed entries
+    def _compress(self, lc: LayerCache, cache: V4Cache, ctx: ForwardContext, x: torch.Tensor) -> None:
+        """Run the compressors of every sequence and write the entries its extend completes."""
+        for i, s in enumerate(ctx.seqs):
+            xs = x[ctx.rows(i)]
+            jobs = [(self.comp_p, lc.comp_state, lc.comp, False)]
+            if self.has_indexer:
+                jobs.append((self.idx_comp_p, lc.index_state, lc.index_keys, True))
+            for p, state, store, rotate in jobs:
+                first, entries = compress_extend(p, state, s.state_slot, xs, s.start_pos, self.inv_freq, self.eps,
+                                                 rotate)
+                if entries.shape[0]:
+                    rows = cache.entry_rows(s.block_table, self.ratio, first + entries.shape[0])[first:]
+                    store[rows] = entries
+
+    def _index_topk(self, q_idx: torch.Tensor, w_idx: torch.Tensor, keys: torch.Tensor,
+                    visible: torch.Tensor) -> torch.Tensor:
+        """Indexer selection for one sequence: q_idx [S, h, d], w_idx [S, h], keys [E, d], visible [S]
+        -> entry indices [S, min(topk, E)], -1 where a query sees fewer entries than that."""
+        scores = kernels.get("indexer_scores")(q_idx, w_idx, keys)  # [S, E]
+        hidden = torch.arange(keys.shape[0]).unsqueeze(0) >= visible.unsqueeze(1)
+        scores = scores.masked_fill(hidden, float("-inf"))  # invisible entries sort after every visible one
+        top = kernels.get("stable_topk")(scores, min(self.cfg.index_topk, keys.shape[0]))
+        return torch.where(top >= visible.unsqueeze(1), -1, top)
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
+        """x [T, D] (normed input of the flat batch) -> [T, D]."""
+        cfg, p, r, win = self.cfg, self.p, self.ratio, self.win
+        rms, rope = kernels.get("rms_norm"), kernels.get("rope")
+        lc = cache.layers[self.layer]
+        pos = ctx.positions
+        T = x.shape[0]
+        qr = rms(x @ p["wq_a.weight"].T, p["q_norm.weight"], self.eps)  # [T, q_lora_rank]
+        q = (qr @ p["wq_b.weight"].T).view(T, self.H, self.hd)
+        q = rope(kernels.get("head_rms_norm")(q, self.eps), pos, self.inv_freq)  # [T, H, hd]
+        kv = rope(rms(x @ p["wkv.weight"].T, p["kv_norm.weight"], self.eps), pos, self.inv_freq)  # [T, hd]
+        if r:
+            self._compress(lc, cache, ctx, x)  # entries completed by this chunk are visible to it
+        if self.has_indexer:
+            ihd, nh = cfg.index_head_dim, cfg.index_n_heads
+            q_idx = (qr @ self.idx_p["wq_b.weight"].T).view(T, nh, ihd)
+            q_idx = kernels.get("hadamard")(rope(q_idx, pos, self.inv_freq))  # [T, nh, ihd]
+            w_idx = (x @ self.idx_p["weights_proj.weight"].T) * (ihd**-0.5 * nh**-0.5)  # [T, nh]
+
+        pool, idx_rows, base = [], [], 0
+        for i, s in enumerate(ctx.seqs):
+            rows = ctx.rows(i)
+            P, S, end = s.start_pos, s.num_new, s.end_pos
+            lo = max(0, P - win + 1)  # oldest position the first query can see
+            ring_kv = lc.ring[s.window_slot, torch.arange(lo, P) % win]  # [P - lo, hd] (a copy)
+            kv_s = kv[rows]
+            keep = max(P, end - win)  # the ring keeps the last `win` positions, p at slot p % win
+            lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_s[keep - P :]
+            qpos = pos[rows]
+            wpos = qpos.unsqueeze(1) - win + 1 + torch.arange(win)  # [S, win] absolute positions
+            n_win = P - lo + S
+            parts = [torch.where(wpos >= 0, wpos - lo + base, -1)]  # pool row = position - lo
+            pool += [ring_kv, kv_s]
+            n_ent = end // r if r else 0
+            if n_ent:
+                ent_rows = cache.entry_rows(s.block_table, r, n_ent)
+                pool.append(lc.comp[ent_rows])  # [n_ent, hd]
+                visible = (qpos + 1) // r  # [S]
+                if self.has_indexer:
+                    sel = self._index_topk(q_idx[rows], w_idx[rows], lc.index_keys[ent_rows], visible)
+                else:
+                    sel = torch.arange(n_ent).expand(S, -1)
+                    sel = torch.where(sel >= visible.unsqueeze(1), -1, sel)
+                parts.append(torch.where(sel >= 0, sel + base + n_win, -1))
+            idx_rows.append(torch.cat(parts, dim=1))
+            base += n_win + n_ent
+        width = max(t.shape[1] for t in idx_rows)
+        idx = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in idx_rows])  # [T, K]
+        o = kernels.get("sparse_attn_sink")(q, torch.cat(pool), p["attn_sink"], idx, self.hd**-0.5)  # [T, H, hd]
+        o = rope(o, pos, self.inv_freq, inverse=True)  # undo the rotation carried by the values
+        G = cfg.o_groups
+        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
+        z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), wo_a)  # [T, G, o_lora_rank]
+        return z.flatten(1) @ p["wo_b.weight"].T

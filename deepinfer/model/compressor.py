@@ -1,0 +1,51 @@
+"""V4 KV compressor for extends of any length: resume the stored partial block, pool every block that
+completes, store what is left (spec §3.6).
+
+Owns: the per-extend math of one compressor (main KV: rotate=False; indexer keys: rotate=True) over one
+sequence's new tokens. Equivalent to the official prefill-then-one-token-at-a-time state machine: the
+pooled rows and their order are the same, only the split into calls differs.
+Must not: decide which entries a query may see, or write entries (the caller owns the paged cache).
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer import kernels
+from deepinfer.model.cache import CompressorState
+
+
+def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: int, x: torch.Tensor,
+                    start_pos: int, inv_freq: torch.Tensor, eps: float, rotate: bool) -> tuple[int, torch.Tensor]:
+    """x [S, D] = the sequence's new tokens at positions start_pos.. ; returns (first entry index, entries
+    [n, width]) for the n blocks completed by this extend (n may be 0) and updates the state in place."""
+    r, overlap = state.ratio, state.overlap
+    S = x.shape[0]
+    end = start_pos + S
+    positions = torch.arange(start_pos, end)
+    kv = x @ p["wkv.weight"].T  # [S, c*width]
+    score = x @ p["wgate.weight"].T + p["ape"][positions % r]
+    first_block = start_pos // r
+    n_part = start_pos - first_block * r  # rows of the current block already stored
+    off = r if overlap else 0  # overlap: the previous complete block sits in rows [0, r)
+    kv_all = torch.cat([state.kv[slot, : off + n_part], kv])  # [off + n_part + S, c*width]
+    score_all = torch.cat([state.score[slot, : off + n_part], score])
+    n = end // r - first_block  # blocks completed by this extend
+    left = kv_all.shape[0] - off - n * r  # == end % r
+    entries = kv.new_zeros(0, state.kv.shape[-1] // (2 if overlap else 1))
+    if n:
+        cw = kv_all.shape[-1]
+        kv_b = kv_all[: off + n * r].view(-1, r, cw)  # overlap: [n+1, r, 2w] (block 0 = previous block)
+        sc_b = score_all[: off + n * r].view(-1, r, cw)
+        pooled = kernels.get("compress_pool")(kv_b, sc_b, overlap)  # [n, width]
+        entries = kernels.get("rms_norm")(pooled, p["norm.weight"], eps)
+        block_pos = (first_block + torch.arange(n)) * r  # RoPE at the block's first position
+        entries = kernels.get("rope")(entries, block_pos, inv_freq)
+        if rotate:
+            entries = kernels.get("hadamard")(entries)
+        if overlap:  # the last complete block's rows feed the next entry's A-half
+            state.kv[slot, :r] = kv_all[off + (n - 1) * r : off + n * r]
+            state.score[slot, :r] = score_all[off + (n - 1) * r : off + n * r]
+    if left:
+        state.kv[slot, off : off + left] = kv_all[off + n * r :]
+        state.score[slot, off : off + left] = score_all[off + n * r :]
+    return first_block, entries

@@ -1,0 +1,105 @@
+"""Per-batch forward state: which sequences are in the flat token batch and where their caches live.
+
+Owns: `SeqContext` (one sequence: start position, number of new tokens, window-ring slot, compressor-state
+slot, block table), `ForwardContext` (the batch, derived token positions and row offsets) and the
+`forward_context(ctx)` context manager that makes it visible to the layers (a ContextVar: no module
+global set/reset pairs, safe across threads). Must not: touch cache tensors or model weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqContext:
+    """One sequence of the batch: it extends its cached state [0, start_pos) by `num_new` tokens."""
+
+    start_pos: int
+    num_new: int
+    window_slot: int
+    state_slot: int
+    block_table: tuple[int, ...] = ()  # block i holds token positions [i*block_size, (i+1)*block_size)
+
+    def __post_init__(self) -> None:
+        if self.start_pos < 0 or self.num_new <= 0:
+            raise ValueError(f"need start_pos >= 0 and num_new > 0, got {self.start_pos}, {self.num_new}")
+        object.__setattr__(self, "block_table", tuple(int(b) for b in self.block_table))
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_new
+
+    @classmethod
+    def from_slots(cls, slots, start_pos: int, num_new: int) -> "SeqContext":
+        """From a `cache.block_pool.SequenceSlots` (duck-typed: no import of the pool needed)."""
+        return cls(start_pos, num_new, slots.window_slot, slots.state_slot, tuple(slots.block_table))
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """A varlen batch: the flat token tensor holds seqs[0]'s new tokens, then seqs[1]'s, ...
+
+    all_logits=False: the model returns the logits of each sequence's LAST new token ([num_seqs, V]);
+    True: of every token ([num_tokens, V]).
+    """
+
+    seqs: tuple[SeqContext, ...]
+    all_logits: bool = False
+    cu_tokens: tuple[int, ...] = field(init=False)  # row offsets: seq i owns rows [cu[i], cu[i+1])
+    positions: torch.Tensor = field(init=False)  # [num_tokens] int64 absolute positions
+
+    def __post_init__(self) -> None:
+        seqs = tuple(self.seqs)
+        if not seqs:
+            raise ValueError("empty batch")
+        if len({s.window_slot for s in seqs}) != len(seqs) or len({s.state_slot for s in seqs}) != len(seqs):
+            raise ValueError("two sequences of one batch share a window or state slot")
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + s.num_new)
+        pos = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in seqs])
+        object.__setattr__(self, "seqs", seqs)
+        object.__setattr__(self, "cu_tokens", tuple(cu))
+        object.__setattr__(self, "positions", pos)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_tokens[-1]
+
+    def rows(self, i: int) -> slice:
+        return slice(self.cu_tokens[i], self.cu_tokens[i + 1])
+
+    def logit_rows(self) -> torch.Tensor:
+        """Rows of the flat batch whose logits are returned (row i of the result = this row)."""
+        if self.all_logits:
+            return torch.arange(self.num_tokens)
+        return torch.tensor([c - 1 for c in self.cu_tokens[1:]])
+
+    @classmethod
+    def build(cls, seqs: Sequence[SeqContext], all_logits: bool = False) -> "ForwardContext":
+        return cls(tuple(seqs), all_logits)
+
+
+_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("deepinfer_forward_ctx", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` the current batch for the duration of the block (nesting restores the outer one)."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise RuntimeError("no ForwardContext: call the model inside `with forward_context(ctx):`")
+    return ctx

@@ -1,0 +1,57 @@
+"""V4 mixture of experts of the engine: sqrt-softplus gate with a selection-only bias, or hash routing by
+token id (the first n_hash_layers), renormalised and scaled weights, clamped SwiGLU experts, one shared
+expert (spec §3.9). Exact numerics: float64 throughout.
+Must not: import the reference oracle.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer import kernels
+from deepinfer.config import ModelConfig
+
+
+class V4MoE:
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
+                 shared_clamp: bool = True) -> None:
+        if cfg.is_v41:
+            raise ValueError("V4MoE implements family v4 routing")
+        self.p, self.cfg = params, cfg
+        self.hash = cfg.is_hash_layer(layer)
+        self.topk = cfg.n_activated_experts
+        self.shared_limit = cfg.swiglu_limit if shared_clamp else 0.0  # the initial release left it unclamped
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], ids [T] -> weights [T, k], expert indices [T, k]."""
+        cfg = self.cfg
+        logits = x @ self.p["gate.weight"].T
+        if cfg.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif cfg.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if self.hash:
+            indices = self.p["gate.tid2eid"][ids].long()
+        else:  # the bias only selects; the weights come from the unbiased scores
+            indices = (scores + self.p["gate.bias"]).topk(self.topk, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if cfg.score_func != "softmax":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * cfg.route_scale, indices
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D], ids [T] -> [T, D]."""
+        swiglu = kernels.get("swiglu")
+        weights, indices = self.route(x, ids)
+        y = torch.zeros_like(x)
+        limit = self.cfg.swiglu_limit
+        for e in sorted(set(indices.flatten().tolist())):
+            rows, slot = torch.where(indices == e)
+            pe = f"experts.{e}."
+            y[rows] += swiglu(x[rows], self.p[pe + "w1.weight"], self.p[pe + "w3.weight"], self.p[pe + "w2.weight"],
+                              limit, weights[rows, slot, None])
+        s = "shared_experts."
+        y += swiglu(x, self.p[s + "w1.weight"], self.p[s + "w3.weight"], self.p[s + "w2.weight"], self.shared_limit)
+        return y
