@@ -1,6 +1,21 @@
 """DeepInfer: an inference engine for the DeepSeek-V4 family whose tokens match the official reference.
 
-The public offline API (LLM, SamplingParams) arrives with the serving engine; today the package offers
-the checkpoint format, tokenizer and chat encoding, the reference oracle and the `deepinfer` CLI.
+Offline API: `from deepinfer import LLM, SamplingParams; LLM(model=DIR).generate(prompts, SamplingParams())`.
 """
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # lazy: `import deepinfer` stays cheap for the CLI and the pure-Python parts
+    if name in ("LLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob"):
+        from deepinfer import engine
+
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from deepinfer.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams"]

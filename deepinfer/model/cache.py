@@ -78,6 +78,33 @@ class V4Cache:
         self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
         self.layers = [LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype) for i in range(cfg.n_layers)]
 
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float64) -> int:
+        """Bytes one KV block adds over all layers (compressed entries + indexer keys of its tokens)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for layer in range(cfg.n_layers):
+            r = cfg.compress_ratios[layer]
+            if r:
+                width = cfg.head_dim + (cfg.index_head_dim if cfg.has_indexer(layer) else 0)
+                total += (block_size // r) * width * size
+        return total
+
+    @staticmethod
+    def bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype = torch.float64) -> int:
+        """Fixed bytes per sequence slot: window rings and compressor partial-block states."""
+        size = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for layer in range(cfg.n_layers):
+            total += cfg.window_size * cfg.head_dim * size
+            r = cfg.compress_ratios[layer]
+            if r:
+                c = 2 if r == 4 else 1
+                total += 2 * c * r * c * cfg.head_dim * size
+                if cfg.has_indexer(layer):
+                    total += 2 * c * r * c * cfg.index_head_dim * size
+        return total
+
     def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
         """Flat rows [num_entries] of a sequence's compressed entries 0..num_entries-1 (see module doc)."""
         epb = self.block_size // ratio

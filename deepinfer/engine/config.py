@@ -1,0 +1,41 @@
+"""`EngineConfig`: everything the engine needs to know besides the checkpoint's own ModelConfig.
+
+Frozen, validated in __post_init__; derived sizes (KV blocks) are decided by the runner after its
+warm-up forward and passed to the scheduler, never guessed here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NUMERICS = ("exact", "official")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    numerics: str = "exact"  # the CPU engine computes in float64; "official" arrives with the kernels
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    block_size: int = 128  # tokens per KV block; a multiple of the largest compression ratio (128)
+    num_blocks: int | None = None  # None: sized from kv_cache_bytes after the warm-up forward
+    kv_cache_bytes: int = 1 << 30  # CPU budget for KV blocks (on CUDA: what is free after the warm-up)
+    gpu_memory_utilization: float = 0.9
+    device: str = "cpu"
+    seed: int = 0  # seeds unseeded sampling reproducibly within one engine
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"EngineConfig: {msg}")
+
+        if self.numerics not in NUMERICS:
+            bad(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size % 128:
+            bad(f"block_size {self.block_size} must be a multiple of 128 (a compressed entry may not span blocks)")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            bad(f"num_blocks must be positive, got {self.num_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

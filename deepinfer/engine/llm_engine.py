@@ -1,0 +1,183 @@
+"""`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time (synchronous).
+
+Owns: request validation (a bad request raises for that request only; nothing in flight is touched),
+per-request sampling state (params, seeded generator, detokenizer, stop checker, logprobs), the step
+loop schedule -> run -> sample -> update -> detokenize/stop, and abort. Logprobs are taken from the same
+logits rows the sampler drew from (the seed's P5 shipped 0.0 for every token).
+Must not: know tensor layouts (the runner does) or block accounting (the scheduler does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from deepinfer.config import ModelConfig
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.sampling import Sampler, SamplingParams
+from deepinfer.sampling.logprobs import prompt_logprobs
+from deepinfer.sampling.sampler import make_generator
+from deepinfer.sampling.stop import StopChecker
+from deepinfer.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from deepinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _State:
+    """What the engine keeps per request (the scheduler carries it as the request's payload)."""
+
+    params: SamplingParams
+    prompt: str | None
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_checkpoint(config.model)
+        self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
+        self.runner = ModelRunner(config, self.model_config)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.runner.num_blocks))
+        self.sampler = Sampler()
+        self._requests: dict[str, Request] = {}
+        self._seed_counter = count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Validate and queue. Raises ValueError naming what is wrong; the engine state is untouched then."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id}: params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"request {request_id}: the engine takes n=1 requests; LLM.generate fans out n>1")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        eos = self.tokenizer.eos_id
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seed_counter)
+        state = _State(params, text, make_generator(seed), self.tokenizer.detokenizer(),
+                       StopChecker.from_params(params, eos),
+                       logprobs=[] if params.logprobs is not None else None,
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        req = Request(request_id, ids, params.max_tokens, params.stop_token_set(eos), payload=state)
+        self.scheduler.add_request(req)  # raises (prompt too long, ...) before anything is recorded
+        self._requests[request_id] = req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state and free its blocks; False if unknown or already finished."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def block_pool(self):
+        return self.scheduler.block_pool
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; returns an output for every request that progressed or finished."""
+        out = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for rid in out.finished_ids:  # aborted/failed since the last step: report them once
+            if rid in self._requests:
+                touched[rid] = self._requests[rid]
+        if out.is_empty:
+            return [self._output(r) for r in touched.values()]
+        want_prompt = {sr.request_id for sr in out.scheduled if sr.request.payload.prompt_logprobs is not None}
+        try:
+            result = self.runner.execute(out, want_prompt)
+        except Exception as e:  # a failing forward fails its batch; the engine keeps serving the rest
+            for sr in out.scheduled:
+                self.scheduler.fail(sr.request_id, e)
+                touched[sr.request_id] = sr.request
+            return [self._output(r) for r in touched.values()]
+        for rid, logits in result.prompt_logits.items():
+            self._add_prompt_logprobs(self._requests[rid], logits, out)
+        rows = out.sample_rows()
+        scheduled = [sr for sr in out.scheduled if sr.request_id in rows]
+        states = [sr.request.payload for sr in scheduled]
+        sampled = self.sampler.sample(result.sample_logits, [s.params for s in states], [s.generator for s in states])
+        tokens: dict[str, list[int]] = {}
+        for sr, row in zip(scheduled, range(len(scheduled))):
+            tokens[sr.request_id] = [int(sampled.token_ids[row])]
+            self._record_logprobs(sr.request.payload, sampled, row)
+        update = self.scheduler.update(out, tokens)
+        for rid, new in update.new_token_ids.items():
+            req = self._requests[rid]
+            self._detokenize(req, new)
+            touched[rid] = req
+        for req in update.finished:
+            touched[req.request_id] = req
+        for sr in out.scheduled:
+            touched.setdefault(sr.request_id, sr.request)
+        return [self._output(r) for r in touched.values()]
+
+    # ------------------------------------------------------------------ helpers
+    def _record_logprobs(self, state: _State, sampled, row: int) -> None:
+        token, logprob, rank, top = sampled.row(row, sampled.num_top_logprobs[row])
+        state.cumulative_logprob += logprob
+        if state.logprobs is not None:
+            entry = {t: Logprob(lp, i + 1, self.tokenizer.decode([t])) for i, (t, lp) in enumerate(top)}
+            entry[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+            state.logprobs.append(entry)
+
+    def _add_prompt_logprobs(self, req: Request, logits: torch.Tensor, out) -> None:
+        """Entry p of prompt_logprobs is prompt token p's logprob (entry 0: None). A chunk recomputed after
+        a preemption covers positions already reported: those rows are skipped, never sent twice."""
+        state: _State = req.payload
+        start = next(s.start_position for s in out.scheduled if s.request_id == req.request_id)
+        if logits.shape[0] == 0:
+            return
+        lp = prompt_logprobs(logits, req.prompt_token_ids, start=start, num_top=state.params.prompt_logprobs)
+        for i in range(lp.token_ids.shape[0]):
+            if start + 1 + i < len(state.prompt_logprobs):
+                continue
+            token, logprob, rank, top = lp.row(i, state.params.prompt_logprobs)
+            entry = {t: Logprob(v, j + 1, self.tokenizer.decode([t])) for j, (t, v) in enumerate(top)}
+            entry[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+            state.prompt_logprobs.append(entry)
+
+    def _detokenize(self, req: Request, new_ids: list[int]) -> None:
+        state: _State = req.payload
+        for token in new_ids:
+            if token in req.stop_token_ids and not state.params.include_stop_str_in_output:
+                continue  # as vLLM: the stop token is in token_ids but not in the text
+            delta = state.detok.push(token)
+            state.text += delta
+            match = state.stop.check_text(state.text, len(delta))
+            if match is not None:
+                state.text = match.text
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, match.stop)
+                break
+
+    def _output(self, req: Request) -> RequestOutput:
+        state: _State = req.payload
+        finished = req.is_finished
+        completion = CompletionOutput(
+            index=state.extra.get("index", 0), text=state.text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob, logprobs=state.logprobs,
+            finish_reason=req.status.finish_reason if finished else None, stop_reason=req.stop_reason)
+        if finished:
+            self._requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, state.prompt, list(req.prompt_token_ids), [completion],
+                             prompt_logprobs=state.prompt_logprobs, finished=finished, error=req.error)
