@@ -68,6 +68,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+PARITY_CANNOT_RUN = 3  # distinct from a finding: parity commands exit 0 whenever they ran
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    from deepinfer.parity.kv import run_kv
+    from deepinfer.parity.next_token import run_next_token
+    from deepinfer.parity.weights import run_weights
+
+    model_dir = _model_dir(args.model)
+    try:
+        if args.parity_command == "weights":
+            report = run_weights(model_dir, args.filter)
+        elif args.parity_command == "kv":
+            report = run_kv(model_dir, args.layouts.split(",") if args.layouts else None)
+        else:
+            report = run_next_token(model_dir, args.ids, args.force_ids or [], args.numerics)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"deepinfer parity {args.parity_command}: could not run: {e}", file=sys.stderr)
+        return PARITY_CANNOT_RUN
+    print(report.table(limit=args.limit))
+    if args.json:
+        report.write_json(args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 family inference with parity tools")
     sub = p.add_subparsers(dest="command", required=True)
@@ -95,6 +120,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--family", default="v4", choices=("v4", "v41"))
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_make_tiny)
+
+    par = sub.add_parser("parity", help="engine vs reference: find where and why they differ")
+    psub = par.add_subparsers(dest="parity_command", required=True)
+
+    def common(sp):
+        sp.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+        sp.add_argument("--json", help="also write the results as JSON to this file")
+        sp.add_argument("--limit", type=int, default=60, help="table rows printed (all rows go to --json)")
+        sp.set_defaults(func=cmd_parity)
+
+    pw = psub.add_parser("weights", help="every quantised tensor as the engine uses it vs its official decoding")
+    pw.add_argument("--filter", help="regular expression on tensor names")
+    common(pw)
+    pk = psub.add_parser("kv", help="store->load of every KV layout, and bit-exactness against the oracle")
+    pk.add_argument("--layouts", help="comma-separated layout names (default: all)")
+    common(pk)
+    pn = psub.add_parser("next-token", help="engine vs reference next token, prefill and step-by-step decode")
+    pn.add_argument("--ids", type=_ids, required=True, help="context token ids")
+    pn.add_argument("--force-ids", type=_ids, help="ids fed one at a time after the context")
+    pn.add_argument("--numerics", choices=("exact", "official"), default="exact")
+    common(pn)
 
     i = sub.add_parser("inspect", help="config, layer schedule and tensor check of a checkpoint")
     i.add_argument("model", nargs="?")

@@ -1,0 +1,63 @@
+"""`deepinfer parity` commands: clean engine -> no defect; a planted seed bug -> the right command flags
+the right tensor / layout / position."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from deepinfer.cli import PARITY_CANNOT_RUN, main
+from deepinfer.parity.kv import run_kv
+from deepinfer.parity.next_token import run_next_token
+from deepinfer.parity.weights import run_weights
+
+
+def test_weights_clean_and_planted_p3(tiny_v4_dir, monkeypatch):
+    clean = run_weights(tiny_v4_dir, pattern=r"layers\.2\.")
+    assert clean.ok and clean.rows and max(r["rel_err"] for r in clean.rows) == 0.0
+    import deepinfer.model.params as engine_params
+
+    good = engine_params._dequant
+
+    def p3(name, w, scale, cfg):  # the seed's P3: the FP4 scale expanded along BOTH axes
+        if w.dtype == torch.int8:
+            s = torch.exp2(scale.view(torch.uint8).double() - 127)
+            s = s.repeat_interleave(32, 0).repeat_interleave(32, 1)[: w.shape[0], : w.shape[1] * 2]
+            from deepinfer import formats
+
+            return formats.fp4_codes_to_float(formats.unpack_fp4(w)).double() * s
+        return good(name, w, scale, cfg)
+
+    monkeypatch.setattr(engine_params, "_dequant", p3)
+    bad = run_weights(tiny_v4_dir, pattern=r"layers\.2\.ffn\.experts\.0\.")
+    flagged = {r["tensor"] for r in bad.rows if r["note"]}
+    assert flagged == {f"layers.2.ffn.experts.0.{w}.weight" for w in ("w1", "w2", "w3")}
+    assert all("wrong axis" in d for d in bad.defects)
+
+
+def test_kv_clean_and_planted_scale_type(tiny_v4_dir, monkeypatch):
+    assert run_kv(tiny_v4_dir).ok
+    import deepinfer.cache.layouts as layouts
+
+    def as_fp32_bytes(scales):  # the seed's SM90 failure: ue8m0 bytes read as another scale type
+        return scales.view(torch.uint8).to(torch.float32)
+
+    monkeypatch.setattr(layouts.formats, "e8m0_to_float", as_fp32_bytes)
+    bad = run_kv(tiny_v4_dir, layouts=["v4_fp8_ds_mla", "v41_latent_fp4", "seed_fp8_per128"])
+    assert [d.split(":")[0] for d in bad.defects] == ["v4_fp8_ds_mla"]  # E8M0 layouts only
+
+
+def test_next_token_clean(tiny_v4_dir):
+    report = run_next_token(tiny_v4_dir, [2056, 768, 17607, 2793], force_ids=[3139, 12108, 6692])
+    assert report.ok, report.defects
+    assert [r["mode"] for r in report.rows] == ["prefill"] + ["decode"] * 4
+    assert all(r["rel_err"] < 1e-9 for r in report.rows)
+
+
+def test_parity_cli(tiny_v4_dir, tmp_path, capsys):
+    out = tmp_path / "kv.json"
+    assert main(["parity", "kv", "--model", str(tiny_v4_dir), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["command"] == "kv" and data["verdict"] == "no defect" and len(data["rows"]) >= 7
+    assert "verdict: no defect" in capsys.readouterr().out
+    assert main(["parity", "kv", "--model", str(tiny_v4_dir), "--layouts", "nope"]) == PARITY_CANNOT_RUN
