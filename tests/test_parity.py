@@ -61,3 +61,30 @@ def test_parity_cli(tiny_v4_dir, tmp_path, capsys):
     assert data["command"] == "kv" and data["verdict"] == "no defect" and len(data["rows"]) >= 7
     assert "verdict: no defect" in capsys.readouterr().out
     assert main(["parity", "kv", "--model", str(tiny_v4_dir), "--layouts", "nope"]) == PARITY_CANNOT_RUN
+
+
+def test_drift_clean_and_planted_defect(tiny_v4_dir, monkeypatch):
+    from deepinfer.parity.drift import run_drift
+
+    ids = [2056, 768, 17607, 2793, 3139]
+    clean = run_drift(tiny_v4_dir, ids, steps=8)
+    assert clean.ok and not any(r["flip"] for r in clean.rows) and clean.meta["noise_std"] < 1e-9
+    # plant a decode-only defect: the engine's head drops one token's logit on every later step
+    from deepinfer.parity import next_token
+
+    extend = next_token.EngineSession.extend
+
+    def biased(self, new_ids):
+        logits = extend(self, new_ids).clone()
+        if self.pos > len(ids):
+            logits[logits.argmax()] -= 1e3
+        return logits
+
+    monkeypatch.setattr(next_token.EngineSession, "extend", biased)
+    bad = run_drift(tiny_v4_dir, ids, steps=8)
+    noise = bad.meta["noise_std"]
+    assert bad.defects and sum(r["flip"] for r in bad.rows) == 7
+    for r in bad.rows:  # a flip is a defect exactly where the reference was decisive beyond the noise
+        if r["flip"]:
+            assert (r["judgement"] == "defect") == (r["ref_margin"] >= 2.0 * noise)
+    assert bad.rows[0]["flip"] is False  # the prefill step was untouched
