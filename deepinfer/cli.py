@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", nargs="?")
     i.add_argument("--no-check", action="store_true")
     i.set_defaults(func=cmd_inspect)
+
+    from deepinfer.server.cli_args import add_serve_parser  # argparse only; FastAPI loads when serving
+
+    add_serve_parser(sub)
     return p
 
 
