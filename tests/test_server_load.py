@@ -53,7 +53,7 @@ def test_cli_serve_finishes_in_flight_stream_on_sigterm(tiny_v4_dir, tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "serve", "--model", str(tiny_v4_dir), "--port",
-                             str(port), "--max-model-len", "256", "--num-blocks", "8", "--served-model-name", "t"],
+                             str(port), "--max-model-len", "256", "--num-blocks", "8", "--served-model-name", "t", "--shutdown-grace", "120"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
