@@ -32,16 +32,23 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, cfg: ModelConfig) -> None:
-        if cfg.is_v41:
-            raise NotImplementedError("the engine model for family v41 is not built yet; use the oracle")
-        if config.numerics != "exact":
-            raise NotImplementedError("the engine runs exact (float64) numerics only until the kernels land")
+        if cfg.is_v41:  # family v41: its own model, cache and sizing (exact numerics only)
+            from deepinfer.model.v41 import build_for_runner
+
+            self.config, self.cfg, self.numerics, self.dtype = config, cfg, config.numerics, torch.float64
+            self.params, self.num_blocks, self.model = build_for_runner(config, cfg)
+            return
         self.config, self.cfg = config, cfg
-        self.dtype = torch.float64
-        self.params = prepare_params(load_tensors(config.model, cfg, progress=False), cfg, self.dtype)
+        self.numerics = config.numerics  # "exact" (float64) or "official" (bf16/FP8 emulation, revision current)
+        self.dtype = torch.float64 if self.numerics == "exact" else torch.float32  # logits dtype
+        self.params = prepare_params(load_tensors(config.model, cfg, progress=False), cfg, self.dtype,
+                                     numerics=self.numerics)
         self.num_blocks = config.num_blocks or self._size_kv_cache()
-        cache = V4Cache(cfg, self.num_blocks, config.block_size, config.max_num_seqs, self.dtype)
-        self.model = V4EngineModel(cfg, self.params, cache)
+        cache = self._cache(self.num_blocks, config.max_num_seqs)
+        self.model = V4EngineModel(cfg, self.params, cache, self.numerics)
+
+    def _cache(self, num_blocks: int, max_num_seqs: int) -> V4Cache:
+        return V4Cache(self.cfg, num_blocks, self.config.block_size, max_num_seqs, self.dtype, self.numerics)
 
     # ------------------------------------------------------------------ sizing
     def _size_kv_cache(self) -> int:
@@ -49,19 +56,19 @@ class ModelRunner:
         c, cfg = self.config, self.cfg
         tokens = min(c.max_num_batched_tokens, c.max_model_len)
         blocks = -(-tokens // c.block_size)
-        scratch = V4EngineModel(cfg, self.params, V4Cache(cfg, blocks, c.block_size, 1, self.dtype))
+        scratch = V4EngineModel(cfg, self.params, self._cache(blocks, 1), self.numerics)
         ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         ctx = ForwardContext((SeqContext(0, tokens, 0, 0, tuple(range(blocks))),))
         if c.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         scratch.forward(ids, ctx)
-        fixed = V4Cache.bytes_per_sequence(cfg, self.dtype) * c.max_num_seqs
+        fixed = V4Cache.bytes_per_sequence(cfg, self.dtype, self.numerics) * c.max_num_seqs
         if c.device == "cuda":
             free, total = torch.cuda.mem_get_info()
             budget = int(total * c.gpu_memory_utilization) - torch.cuda.max_memory_allocated() - fixed
         else:
             budget = c.kv_cache_bytes - fixed
-        per_block = V4Cache.bytes_per_block(cfg, c.block_size, self.dtype)
+        per_block = V4Cache.bytes_per_block(cfg, c.block_size, self.dtype, self.numerics)
         num_blocks = budget // per_block if per_block else 1
         need = -(-c.max_model_len // c.block_size)
         if num_blocks < need:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from deepinfer.kernels import torch_ops
+from deepinfer.kernels import official, torch_ops
 
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 
@@ -32,3 +32,5 @@ def ops() -> list[str]:
 
 for _name in torch_ops.__all__:
     register(_name, getattr(torch_ops, _name))
+for _name in official.__all__:  # official-numerics emulation (bf16 activations, FP8 act quant, ...)
+    register(_name, getattr(official, _name))

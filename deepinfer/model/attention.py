@@ -8,13 +8,20 @@ those (ties toward the lower entry), k = min(index_topk, visible count).
 
 Per layer and sequence the keys are gathered into one flat pool [ring rows of positions < start_pos;
 this chunk's new rows; compressed entries 0..end//r-1] and one sparse-attention call serves the batch.
+Official numerics (`official=True`): the official kernels' rounding points (kernels/official.py), KV
+values fake-quantised by the cache's packed layouts (the new rows are stored once and the DECODED values
+are what attention uses, like the oracle), and one sparse-attention call per sequence whose index rows
+follow the official kernel's order exactly (its online softmax over blocks of 64 indices makes the order
+and width visible in the last bits): window positions ascending then -1 up to min(S, window) columns for
+a prefill from 0 (window otherwise); then the compressed selection (indexer top-k in score order, or
+entries ascending) padded with -1 to min(topk, end//r) (or end//r) columns.
 Must not: import the reference oracle; keep per-batch state outside the cache and the ForwardContext.
 """
 from __future__ import annotations
 
 import torch
 
-from deepinfer import kernels
+from deepinfer import formats, kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.cache import LayerCache, V4Cache
 from deepinfer.model.compressor import compress_extend
@@ -26,8 +33,9 @@ def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
 
 
 class V4Attention:
-    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False) -> None:
         self.layer, self.p, self.cfg = layer, params, cfg
+        self.official = official
         self.ratio = cfg.compress_ratios[layer]
         self.win, self.H, self.hd = cfg.window_size, cfg.n_heads, cfg.head_dim
         self.eps = cfg.norm_eps
@@ -35,6 +43,9 @@ class V4Attention:
         self.inv_freq = kernels.get("rope_inv_freq")(
             cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
         )
+        if official:  # fp32 frequencies, rotation in complex64 (the official precompute_freqs_cis)
+            self.inv_freq = kernels.get("rope_freqs32")(
+                cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
         self.comp_p = _sub(params, "compressor.")
         self.has_indexer = bool(self.ratio) and cfg.has_indexer(layer)
         self.idx_p = _sub(params, "indexer.")
@@ -45,15 +56,15 @@ class V4Attention:
         """Run the compressors of every sequence and write the entries its extend completes."""
         for i, s in enumerate(ctx.seqs):
             xs = x[ctx.rows(i)]
-            jobs = [(self.comp_p, lc.comp_state, lc.comp, False)]
+            jobs = [(self.comp_p, lc.comp_state, lc.comp, False, "compressed")]
             if self.has_indexer:
-                jobs.append((self.idx_comp_p, lc.index_state, lc.index_keys, True))
-            for p, state, store, rotate in jobs:
+                jobs.append((self.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
+            for p, state, store, rotate, role in jobs:
                 first, entries = compress_extend(p, state, s.state_slot, xs, s.start_pos, self.inv_freq, self.eps,
-                                                 rotate)
+                                                 rotate, self.official)
                 if entries.shape[0]:
                     rows = cache.entry_rows(s.block_table, self.ratio, first + entries.shape[0])[first:]
-                    store[rows] = entries
+                    store[rows] = lc.encode(role, entries)
 
     def _index_topk(self, q_idx: torch.Tensor, w_idx: torch.Tensor, keys: torch.Tensor,
                     visible: torch.Tensor) -> torch.Tensor:
@@ -68,6 +79,8 @@ class V4Attention:
     # ------------------------------------------------------------------ forward
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
         """x [T, D] (normed input of the flat batch) -> [T, D]."""
+        if self.official:
+            return self._forward_official(x, ctx, cache)
         cfg, p, r, win = self.cfg, self.p, self.ratio, self.win
         rms, rope = kernels.get("rms_norm"), kernels.get("rope")
         lc = cache.layers[self.layer]
@@ -120,3 +133,70 @@ class V4Attention:
         wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
         z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), wo_a)  # [T, G, o_lora_rank]
         return z.flatten(1) @ p["wo_b.weight"].T
+
+    # ------------------------------------------------------------------ official numerics
+    def _forward_official(self, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
+        """x [T, D] bf16 -> [T, D] bf16 with the official kernels' rounding points."""
+        cfg, p, r, win = self.cfg, self.p, self.ratio, self.win
+        qlinear, rope = kernels.get("qlinear"), kernels.get("rope32")
+        f32, bf16 = torch.float32, torch.bfloat16
+
+        def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return kernels.get("rms_norm")(t.to(f32), w, self.eps).to(bf16)
+
+        lc = cache.layers[self.layer]
+        pos = ctx.positions
+        T = x.shape[0]
+        qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
+        q = qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd)
+        q = rope(kernels.get("head_rms_norm")(q, self.eps), pos, self.inv_freq)  # per-head norm in bf16
+        kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq)  # [T, hd]
+        kv_stored = lc.encode("window", kv)
+        kv = lc.decode("window", kv_stored)  # the fake-quantised values the oracle attends to and caches
+        if r:
+            self._compress(lc, cache, ctx, x)
+        if self.has_indexer:
+            ihd, nh = cfg.index_head_dim, cfg.index_n_heads
+            q_idx = qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd)
+            q_idx = kernels.get("hadamard32")(rope(q_idx, pos, self.inv_freq))
+            q_idx = formats.fp4_fake_quant(q_idx, 32)
+            w_idx = kernels.get("blinear")(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+
+        outs = []
+        for i, s in enumerate(ctx.seqs):
+            rows = ctx.rows(i)
+            P, S, end = s.start_pos, s.num_new, s.end_pos
+            lo = max(0, P - win + 1)
+            ring_kv = lc.decode("window", lc.ring[s.window_slot, torch.arange(lo, P) % win])  # [P - lo, hd]
+            keep = max(P, end - win)
+            lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_stored[rows][keep - P :]
+            qpos = pos[rows]
+            width = min(S, win) if P == 0 else win  # the official index width of a prefill / a decode
+            qlo = (qpos - win + 1).clamp(min=0)  # oldest visible position per query
+            wpos = qlo.unsqueeze(1) + torch.arange(width)  # ascending, then -1
+            parts = [torch.where(wpos <= qpos.unsqueeze(1), wpos - lo, -1)]
+            pool = [ring_kv, kv[rows]]
+            n_win = P - lo + S
+            n_ent = end // r if r else 0
+            if n_ent:
+                ent_rows = cache.entry_rows(s.block_table, r, n_ent)
+                pool.append(lc.decode("compressed", lc.comp[ent_rows]))
+                visible = (qpos + 1) // r
+                if self.has_indexer:
+                    keys = lc.decode("index", lc.index_keys[ent_rows])
+                    scores = kernels.get("indexer_scores_bf16")(q_idx[rows], w_idx[rows], keys)  # [S, E]
+                    hidden = torch.arange(n_ent).unsqueeze(0) >= visible.unsqueeze(1)
+                    scores = scores.masked_fill(hidden, float("-inf"))
+                    sel = kernels.get("stable_topk")(scores, min(cfg.index_topk, n_ent))
+                else:
+                    sel = torch.arange(n_ent).expand(S, -1)
+                sel = torch.where(sel >= visible.unsqueeze(1), -1, sel)
+                parts.append(torch.where(sel >= 0, sel + n_win, -1))
+            idx = torch.cat(parts, dim=1)
+            outs.append(kernels.get("sparse_attn_sink_official")(q[rows], torch.cat(pool), p["attn_sink"], idx,
+                                                                  self.hd**-0.5))
+        o = rope(torch.cat(outs), pos, self.inv_freq, inverse=True)
+        G = cfg.o_groups
+        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
+        z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(f32), wo_a).to(bf16)  # bf16 einsum
+        return qlinear(z.flatten(1), p["wo_b.weight"])

@@ -1,4 +1,10 @@
-"""Engine KV storage of V4 for exact numerics (float64), paged by the BlockPool's block tables.
+"""Engine KV storage of V4, paged by the BlockPool's block tables.
+
+Exact numerics: every cache is a float64 tensor of values. Official numerics: the ring, the compressed
+entries and the indexer keys hold the PACKED uint8 entries of `cache/layouts.py` (`layouts_for(cfg,
+revision)`: window/compressed `v4_fp8_ds_mla`, or `bf16` for the initial revision; indexer keys
+`v4_index_fp4`), and the compressor partial-block states stay fp32. `encode_*`/`decode_*` convert between
+stored form and values (identity in exact numerics), so `decode(encode(x))` is the oracle's cached value.
 
 Owns, per layer:
   ring        [max_num_seqs, window, head_dim]      the last `window` latent KV rows, position p at slot
@@ -27,7 +33,19 @@ from typing import Sequence
 
 import torch
 
+from deepinfer.cache.layouts import KVLayout, layouts_for
 from deepinfer.config import ModelConfig
+
+STATE_DTYPE_OFFICIAL = torch.float32  # the official compressor keeps its partial blocks in fp32
+
+
+def cache_layouts(cfg: ModelConfig, numerics: str, revision: str) -> dict[str, KVLayout] | None:
+    """The packed layout of each cache role in official numerics; None in exact numerics (raw values)."""
+    if numerics == "exact":
+        return None
+    if numerics != "official":
+        raise ValueError(f"unknown numerics {numerics!r}")
+    return layouts_for(cfg, revision)
 
 
 class CompressorState:
@@ -46,17 +64,33 @@ class CompressorState:
 
 class LayerCache:
     def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None) -> None:
         self.ratio = r = cfg.compress_ratios[layer]
         self.window = cfg.window_size
-        self.ring = torch.zeros(max_num_seqs, cfg.window_size, cfg.head_dim, dtype=dtype)
+        self.layouts = layouts
+
+        def store(role: str, rows: int, width: int) -> torch.Tensor:
+            if layouts is None:
+                return torch.zeros(rows, width, dtype=dtype)
+            return torch.zeros(rows, layouts[role].bytes_per_token, dtype=torch.uint8)
+
+        state_dtype = dtype if layouts is None else STATE_DTYPE_OFFICIAL
+        self.ring = store("window", max_num_seqs * cfg.window_size, cfg.head_dim).unflatten(
+            0, (max_num_seqs, cfg.window_size))
         self.comp = self.comp_state = self.index_keys = self.index_state = None
         if r:
-            self.comp = torch.zeros(num_blocks * (block_size // r), cfg.head_dim, dtype=dtype)
-            self.comp_state = CompressorState(max_num_seqs, r, cfg.head_dim, dtype)
+            self.comp = store("compressed", num_blocks * (block_size // r), cfg.head_dim)
+            self.comp_state = CompressorState(max_num_seqs, r, cfg.head_dim, state_dtype)
             if cfg.has_indexer(layer):
-                self.index_keys = torch.zeros(num_blocks * (block_size // r), cfg.index_head_dim, dtype=dtype)
-                self.index_state = CompressorState(max_num_seqs, r, cfg.index_head_dim, dtype)
+                self.index_keys = store("index", num_blocks * (block_size // r), cfg.index_head_dim)
+                self.index_state = CompressorState(max_num_seqs, r, cfg.index_head_dim, state_dtype)
+
+    # stored form <-> values (identity in exact numerics)
+    def encode(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        return x if self.layouts is None else self.layouts[role].store(x)
+
+    def decode(self, role: str, stored: torch.Tensor) -> torch.Tensor:
+        return stored if self.layouts is None else self.layouts[role].load(stored)
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         """A sequence (re)starts at position 0: nothing of a previous owner may leak into it."""
@@ -67,42 +101,58 @@ class LayerCache:
 
 
 class V4Cache:
-    """All layers' caches of one engine instance (exact numerics: float64)."""
+    """All layers' caches of one engine instance (exact numerics: float64 values; official: packed)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype = torch.float64) -> None:
+                 dtype: torch.dtype = torch.float64, numerics: str = "exact", revision: str = "current") -> None:
         ratios = [r for r in cfg.compress_ratios[: cfg.n_layers] if r]
         for r in ratios:
             if block_size % r:
                 raise ValueError(f"block_size {block_size} must be a multiple of every compression ratio ({r})")
         self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
-        self.layers = [LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype) for i in range(cfg.n_layers)]
+        self.numerics, self.revision = numerics, revision
+        self.layouts = cache_layouts(cfg, numerics, revision)
+        self.layers = [LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype, self.layouts)
+                       for i in range(cfg.n_layers)]
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float64) -> int:
-        """Bytes one KV block adds over all layers (compressed entries + indexer keys of its tokens)."""
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float64,
+                        numerics: str = "exact", revision: str = "current") -> int:
+        """Bytes one KV block adds over all layers (compressed entries + indexer keys of its tokens);
+        packed entry sizes in official numerics."""
+        layouts = cache_layouts(cfg, numerics, revision)
         size = torch.empty((), dtype=dtype).element_size()
         total = 0
         for layer in range(cfg.n_layers):
             r = cfg.compress_ratios[layer]
             if r:
-                width = cfg.head_dim + (cfg.index_head_dim if cfg.has_indexer(layer) else 0)
-                total += (block_size // r) * width * size
+                has_index = cfg.has_indexer(layer)
+                if layouts is None:
+                    width = (cfg.head_dim + (cfg.index_head_dim if has_index else 0)) * size
+                else:
+                    width = layouts["compressed"].bytes_per_token + (
+                        layouts["index"].bytes_per_token if has_index else 0)
+                total += (block_size // r) * width
         return total
 
     @staticmethod
-    def bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype = torch.float64) -> int:
-        """Fixed bytes per sequence slot: window rings and compressor partial-block states."""
+    def bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype = torch.float64, numerics: str = "exact",
+                           revision: str = "current") -> int:
+        """Fixed bytes per sequence slot: window rings (packed in official numerics) and compressor
+        partial-block states (fp32 in official numerics)."""
+        layouts = cache_layouts(cfg, numerics, revision)
         size = torch.empty((), dtype=dtype).element_size()
+        state_size = size if layouts is None else torch.empty((), dtype=STATE_DTYPE_OFFICIAL).element_size()
+        ring_row = cfg.head_dim * size if layouts is None else layouts["window"].bytes_per_token
         total = 0
         for layer in range(cfg.n_layers):
-            total += cfg.window_size * cfg.head_dim * size
+            total += cfg.window_size * ring_row
             r = cfg.compress_ratios[layer]
             if r:
                 c = 2 if r == 4 else 1
-                total += 2 * c * r * c * cfg.head_dim * size
+                total += 2 * c * r * c * cfg.head_dim * state_size
                 if cfg.has_indexer(layer):
-                    total += 2 * c * r * c * cfg.index_head_dim * size
+                    total += 2 * c * r * c * cfg.index_head_dim * state_size
         return total
 
     def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:

@@ -1,6 +1,9 @@
 """V4 mixture of experts of the engine: sqrt-softplus gate with a selection-only bias, or hash routing by
 token id (the first n_hash_layers), renormalised and scaled weights, clamped SwiGLU experts, one shared
-expert (spec §3.9). Exact numerics: float64 throughout.
+expert (spec §3.9). Exact numerics: float64 throughout. Official numerics: bf16 in/out, fp32 gate, each
+expert's GEMMs with FP8 activation quantisation (the routing weight multiplies the fp32 SwiGLU output
+before its rounding to bf16 and the down projection), expert outputs accumulated in fp32 in expert order
+(shared expert last), rounded to bf16 once.
 Must not: import the reference oracle.
 """
 from __future__ import annotations
@@ -14,18 +17,31 @@ from deepinfer.config import ModelConfig
 
 class V4MoE:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 shared_clamp: bool = True) -> None:
+                 shared_clamp: bool = True, official: bool = False) -> None:
         if cfg.is_v41:
             raise ValueError("V4MoE implements family v4 routing")
         self.p, self.cfg = params, cfg
         self.hash = cfg.is_hash_layer(layer)
         self.topk = cfg.n_activated_experts
         self.shared_limit = cfg.swiglu_limit if shared_clamp else 0.0  # the initial release left it unclamped
+        self.official = official
+
+    def _swiglu_official(self, x: torch.Tensor, pre: str, limit: float, weight: torch.Tensor | None) -> torch.Tensor:
+        qlinear = kernels.get("qlinear")
+        gate = qlinear(x, self.p[pre + "w1.weight"]).to(torch.float32)
+        up = qlinear(x, self.p[pre + "w3.weight"]).to(torch.float32)
+        if limit > 0:
+            up = up.clamp(-limit, limit)
+            gate = gate.clamp(max=limit)
+        h = F.silu(gate) * up
+        if weight is not None:
+            h = weight * h
+        return qlinear(h.to(torch.bfloat16), self.p[pre + "w2.weight"])
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], ids [T] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
-        logits = x @ self.p["gate.weight"].T
+        logits = (x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T
         if cfg.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
@@ -43,6 +59,8 @@ class V4MoE:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids [T] -> [T, D]."""
+        if self.official:
+            return self._forward_official(x, ids)
         swiglu = kernels.get("swiglu")
         weights, indices = self.route(x, ids)
         y = torch.zeros_like(x)
@@ -55,3 +73,14 @@ class V4MoE:
         s = "shared_experts."
         y += swiglu(x, self.p[s + "w1.weight"], self.p[s + "w3.weight"], self.p[s + "w2.weight"], self.shared_limit)
         return y
+
+    def _forward_official(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.route(x, ids)
+        y = torch.zeros(x.shape, dtype=torch.float32)
+        limit = self.cfg.swiglu_limit
+        for e in sorted(set(indices.flatten().tolist())):
+            rows, slot = torch.where(indices == e)
+            out = self._swiglu_official(x[rows], f"experts.{e}.", limit, weights[rows, slot, None])
+            y[rows] += out.to(torch.float32)
+        y += self._swiglu_official(x, "shared_experts.", self.shared_limit, None).to(torch.float32)
+        return y.to(torch.bfloat16)

@@ -4,8 +4,12 @@ number of new tokens at any position (prefill chunks, decode tokens, multi-token
 Owns: embedding, the blocks (manifold-constrained hyper-connections around attention and MoE), the head
 collapse, final norm and the head on the requested rows only (spec §3). Caches live in `V4Cache`; the
 batch layout in the `ForwardContext` (entered with `forward_context`).
-Numerics: exact only for now (float64 everywhere, no activation or KV quantisation); `numerics` is
-validated here so an `official` mode can be added by passing it down to the ops later.
+Numerics: `exact` (float64 everywhere, no activation or KV quantisation) or `official` (emulates the
+official kernels: bf16 activations, FP8 activation quantisation before FP8/FP4 GEMMs, fp32 norms / hc
+mixes / Sinkhorn / gate / compressor / RoPE / head, KV fake-quant through the cache's packed layouts per
+`revision`: "current" = FP8 nope channels and a clamped shared expert, "initial" = bf16 KV and an
+unclamped shared expert). Official needs params from `prepare_params(..., numerics="official")` and a
+`V4Cache(..., numerics="official", revision=...)` of the same revision.
 Must not: import the reference oracle (it is the independent implementation this one is checked against).
 """
 from __future__ import annotations
@@ -19,18 +23,22 @@ from deepinfer.model.cache import V4Cache
 from deepinfer.model.context import ForwardContext, forward_context, get_forward_context
 from deepinfer.model.moe import V4MoE
 
-SUPPORTED_NUMERICS = ("exact",)
+SUPPORTED_NUMERICS = ("exact", "official")
+REVISIONS = ("current", "initial")
 
 
 class V4Block:
-    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-        self.p, self.cfg = params, cfg
-        self.attn = V4Attention(layer, _sub(params, "attn."), cfg)
-        self.ffn = V4MoE(layer, _sub(params, "ffn."), cfg)
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
+                 shared_clamp: bool = True) -> None:
+        self.p, self.cfg, self.official = params, cfg, official
+        self.attn = V4Attention(layer, _sub(params, "attn."), cfg, official)
+        self.ffn = V4MoE(layer, _sub(params, "ffn."), cfg, shared_clamp, official)
 
     def _hc(self, x: torch.Tensor, which: str, sub, *args) -> torch.Tensor:
         """One hyper-connected sublayer: collapse the hc streams, norm, sublayer, mix back. x [T, hc, D]."""
         cfg, p = self.cfg, self.p
+        if self.official:
+            return self._hc_official(x, which, sub, *args)
         mixes = kernels.get("hc_mix")(x, p[f"hc_{which}_fn"], cfg.norm_eps)
         pre, post, comb = kernels.get("hc_split_sinkhorn")(
             mixes, p[f"hc_{which}_scale"], p[f"hc_{which}_base"], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
@@ -38,22 +46,47 @@ class V4Block:
         y = kernels.get("rms_norm")(kernels.get("hc_collapse")(x, pre), p[f"{which}_norm.weight"], cfg.norm_eps)
         return kernels.get("hc_post")(sub(y, *args), x, post, comb)
 
+    def _hc_official(self, x: torch.Tensor, which: str, sub, *args) -> torch.Tensor:
+        """x [T, hc, D] bf16: mixes, Sinkhorn, collapse, norm and the mix-back in fp32, rounded to bf16."""
+        cfg, p = self.cfg, self.p
+        xf = x.to(torch.float32)
+        mixes = kernels.get("hc_mix")(xf, p[f"hc_{which}_fn"], cfg.norm_eps)
+        pre, post, comb = kernels.get("hc_split_sinkhorn")(
+            mixes, p[f"hc_{which}_scale"], p[f"hc_{which}_base"], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        )
+        y = kernels.get("hc_collapse")(xf, pre).to(torch.bfloat16).to(torch.float32)
+        y = kernels.get("rms_norm")(y, p[f"{which}_norm.weight"], cfg.norm_eps).to(torch.bfloat16)
+        f = sub(y, *args).to(torch.float32)
+        return kernels.get("hc_post")(f, xf, post, comb).to(torch.bfloat16)
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
         x = self._hc(x, "attn", self.attn, ctx, cache)
         return self._hc(x, "ffn", self.ffn, ids)
 
 
 class V4EngineModel:
-    """V4 backbone + head over a paged `V4Cache` (exact numerics)."""
+    """V4 backbone + head over a paged `V4Cache` (exact or official numerics)."""
 
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], cache: V4Cache,
-                 numerics: str = "exact") -> None:
+                 numerics: str = "exact", revision: str | None = None) -> None:
         if cfg.is_v41:
             raise ValueError("V4EngineModel is the family v4 model; this checkpoint is v41")
         if numerics not in SUPPORTED_NUMERICS:
             raise NotImplementedError(f"numerics {numerics!r} not implemented yet (have {SUPPORTED_NUMERICS})")
-        self.cfg, self.p, self.cache, self.numerics = cfg, params, cache, numerics
-        self.layers = [V4Block(i, _sub(params, f"layers.{i}."), cfg) for i in range(cfg.n_layers)]
+        revision = cache.revision if revision is None else revision
+        if revision not in REVISIONS:
+            raise ValueError(f"revision must be one of {REVISIONS}, got {revision!r}")
+        if cache.numerics != numerics or (numerics == "official" and cache.revision != revision):
+            raise ValueError(f"cache was built for numerics {cache.numerics!r} revision {cache.revision!r}, "
+                             f"model asks for {numerics!r} {revision!r}")
+        official = numerics == "official"
+        if official and params["embed.weight"].dtype != torch.bfloat16:
+            raise ValueError("official numerics need params from prepare_params(..., numerics='official')")
+        self.cfg, self.p, self.cache, self.numerics, self.revision = cfg, params, cache, numerics, revision
+        self.official = official
+        shared_clamp = revision == "current"  # the initial release left the shared expert unclamped
+        self.layers = [V4Block(i, _sub(params, f"layers.{i}."), cfg, official, shared_clamp)
+                       for i in range(cfg.n_layers)]
 
     def _check(self, token_ids: torch.Tensor, ctx: ForwardContext) -> None:
         if token_ids.dim() != 1 or token_ids.shape[0] != ctx.num_tokens:
@@ -68,7 +101,9 @@ class V4EngineModel:
                 raise ValueError(f"block table of {len(s.block_table)} blocks does not cover position {s.end_pos - 1}")
 
     def hidden(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The final 4-stream residual [T, hc, D] of the current ForwardContext's batch."""
+        """The final 4-stream residual [T, hc, D] of the current ForwardContext's batch.
+        (Official numerics: `forward` calls this one sequence at a time, see there; called directly on a
+        batch it is correct but only chaotically close to the oracle's batch-1 bits.)"""
         ctx = get_forward_context()
         self._check(token_ids, ctx)
         for s in ctx.seqs:
@@ -82,9 +117,16 @@ class V4EngineModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Head on x [N, hc, D] rows: learned 4->1 collapse, final norm, head -> [N, vocab]."""
         cfg, p = self.cfg, self.p
+        if self.official:  # fp32 mixes and head, bf16 rounding after the collapse and the norm
+            x = x.to(torch.float32)
         mixes = kernels.get("hc_mix")(x, p["hc_head_fn"], cfg.norm_eps)
         pre = torch.sigmoid(mixes * p["hc_head_scale"] + p["hc_head_base"]) + cfg.hc_eps
-        y = kernels.get("rms_norm")(kernels.get("hc_collapse")(x, pre), p["norm.weight"], cfg.norm_eps)
+        y = kernels.get("hc_collapse")(x, pre)
+        if self.official:
+            y = y.to(torch.bfloat16).to(torch.float32)
+            y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
+            return y @ p["head.weight"].T
+        y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
         return y @ p["head.weight"].T
 
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
@@ -92,6 +134,17 @@ class V4EngineModel:
         (or [T, vocab] with ctx.all_logits). Without `ctx`, uses the one entered with `forward_context`."""
         if ctx is None:
             ctx = get_forward_context()
+        if self.official and len(ctx.seqs) > 1:
+            # Official numerics runs the sequences of a batch one at a time. CPU torch's vectorised
+            # elementwise ops (bf16 rsqrt of the q head norm, exp, silu...) and GEMMs round the last bit
+            # differently depending on a tensor's shape (measured: the head norm of the same 17 rows
+            # differs inside a 57-row batch), and quantised V4 amplifies a last-bit difference into
+            # percent-level logit differences (batched over 8 prompts: median cos 0.9995, min 0.965,
+            # 80/84 argmax agreement at margin >= 2). One sequence per call has the shapes of the oracle's
+            # batch-1 calls and reproduces them bit for bit. The caches are per sequence either way.
+            out = [self.forward(token_ids[ctx.rows(i)], ForwardContext((s,), ctx.all_logits))
+                   for i, s in enumerate(ctx.seqs)]
+            return torch.cat(out)
         with forward_context(ctx):
             x = self.hidden(token_ids)
         return self.logits(x[ctx.logit_rows()])  # only the needed rows: the head is vocab x dim

@@ -1,0 +1,120 @@
+"""Torch emulation of the official kernels' numerics (V4 `numerics="official"`), for the engine model.
+
+Owns the rounding points of the official code on flat token-major tensors: bf16 activations; FP8/FP4
+GEMMs = FP8 activation quantisation (pow2 scales per 128) of the input, fp32 accumulation, bf16 out;
+bf16-weight linears = fp32 accumulation of bf16 values, bf16 out; fp32 RoPE through complex64 tables;
+the sparse-attention kernel's online softmax over blocks of 64 indices with P rounded to bf16 before
+P.V; the indexer's bf16 score rounding points. Must not: hold state, know about caches or sequences,
+or import the reference oracle (these are written from the policy, not copied from it).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from deepinfer import formats
+
+__all__ = ["qlinear", "blinear", "rope_freqs32", "rope32", "hadamard32", "indexer_scores_bf16",
+           "sparse_attn_sink_official"]
+
+ACT_BLOCK = 128
+SPARSE_ATTN_BLOCK = 64  # indices per online-softmax step of the official kernel
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def qlinear(x: torch.Tensor, w: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """FP8/FP4-weight GEMM: act_quant(x) (FP8, pow2 scale per `block`) @ w.T in fp32 -> bf16.
+    `w` is the exact fp32 dequantised weight."""
+    return (formats.act_quant_dequant(x, block) @ w.T).to(BF16)
+
+
+def blinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16-weight linear on bf16 input: fp32 accumulation, bf16 out."""
+    return (x.to(F32) @ w.T).to(BF16)
+
+
+@lru_cache(maxsize=32)
+def rope_freqs32(rope_dim: int, original_seq_len: int, base: float, factor: float, beta_fast: int,
+                 beta_slow: int) -> torch.Tensor:
+    """Per-pair frequencies [rope_dim/2] computed in fp32 like the official precompute (YaRN, no mscale)."""
+    freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=F32) / rope_dim))
+    if original_seq_len > 0:
+        def corr_dim(rotations: float) -> float:
+            return rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr_dim(beta_fast)), 0)
+        high = min(math.ceil(corr_dim(beta_slow)), rope_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rope_dim // 2, dtype=F32) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved rotation of the last 2*len(freqs) channels, math in complex64, result in x's dtype.
+    x [T, ..., d], positions [T]."""
+    rd = freqs.shape[0] * 2
+    angles = torch.outer(positions.to(F32), freqs)
+    f = torch.polar(torch.ones_like(angles), angles)
+    if inverse:
+        f = f.conj()
+    z = torch.view_as_complex(x[..., -rd:].to(F32).unflatten(-1, (-1, 2)).contiguous())
+    shape = [z.shape[0]] + [1] * (z.dim() - 2) + [z.shape[-1]]
+    rotated = torch.view_as_real(z * f.view(shape)).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rd], rotated], dim=-1)
+
+
+@lru_cache(maxsize=4)
+def _hadamard32(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=F32)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard32(x: torch.Tensor) -> torch.Tensor:
+    """fast_hadamard_transform(x, scale=d^-0.5): fp32 inside, result in x's dtype."""
+    d = x.shape[-1]
+    return ((x.to(F32) @ _hadamard32(d)) * d**-0.5).to(x.dtype)
+
+
+def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Official indexer scores: bf16 q.k, relu, bf16 multiply by the bf16 head weights, bf16 head sum.
+    q [T, h, d] bf16, weights [T, h] bf16, keys [E, d] bf16 -> [T, E] bf16."""
+    s = torch.einsum("thd,ed->the", q.to(F32), keys.to(F32)).to(BF16)
+    s = (s.relu() * weights.unsqueeze(-1)).to(BF16)
+    return s.to(F32).sum(dim=1).to(BF16)
+
+
+def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """The official sparse attention kernel: q [T, H, d] bf16, kv [N, d] bf16, sink [H] fp32, idx [T, K]
+    (-1 = skip) -> [T, H, d] bf16. Online softmax over blocks of 64 indices in idx order (so the index
+    order and width matter for the last bits), P rounded to bf16 before P.V, sink in the denominator only.
+    """
+    T, H, d = q.shape
+    K = idx.shape[-1]
+    valid = idx >= 0
+    # computed with a leading batch dimension of 1: the shapes of the official [B, M, H, d] call
+    qb, idb = q.unsqueeze(0), idx.unsqueeze(0)
+    gathered = kv[idb.clamp(min=0).long()]  # [1, T, K, d]
+    scores = torch.einsum("bmhd,bmkd->bmhk", qb.to(F32), gathered.to(F32)) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(0).unsqueeze(2), float("-inf"))
+    run_max = torch.full((1, T, H, 1), float("-inf"), dtype=F32)
+    run_sum = torch.zeros((1, T, H, 1), dtype=F32)
+    out = torch.zeros((1, T, H, d), dtype=F32)
+    for start in range(0, K, SPARSE_ATTN_BLOCK):
+        s = scores[..., start : start + SPARSE_ATTN_BLOCK]
+        v = gathered[:, :, start : start + SPARSE_ATTN_BLOCK].to(F32)
+        new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True))
+        rescale = torch.exp(run_max - new_max)
+        p = torch.exp(s - new_max)
+        run_sum = run_sum * rescale + p.sum(-1, keepdim=True)
+        out = out * rescale + torch.einsum("bmhk,bmkd->bmhd", p.to(BF16).to(F32), v)
+        run_max = new_max
+    run_sum = run_sum + torch.exp(sink.to(F32).view(1, 1, H, 1) - run_max)
+    return (out / run_sum).to(q.dtype)[0]

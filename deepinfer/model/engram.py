@@ -1,0 +1,184 @@
+"""Engram of the V4.1 engine (spec §10.5): compressed vocabulary, n-gram hashing with per-slot history,
+table row gather and the gated residual update, over a flat varlen batch.
+
+Owns: the engine's own copy of the hashing math (primes, offsets, odd PCG64 multipliers over the
+compressed vocabulary), `EngramHistory` (the last max_ngram-1 compressed ids of every state slot, so a
+sequence's n-grams reach across calls of any length; DEAD after a reset) and `EngramLayer` (exact
+numerics: float64, no FP8 rounding of activations).
+Must not: import the reference oracle (tests check this copy against the oracle's hasher).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from deepinfer import formats
+from deepinfer.config import ModelConfig
+from deepinfer.model.context import ForwardContext
+
+DEAD = -1  # history entry that no n-gram reaches across (never written / reset)
+GATE_CLAMP = 1e-6
+_SENTINEL, _REPLACEMENT_CHAR = "\ue000", "\ufffd"
+
+
+# ------------------------------------------------------------------------------------------ vocabulary
+def _normalizer():
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+        normalizers.Strip(), normalizers.Replace(_SENTINEL, " "),
+    ])
+
+
+@lru_cache(maxsize=4)
+def _token_map_of_file(path: str) -> tuple[torch.Tensor, int]:
+    from tokenizers import Tokenizer as RustTokenizer
+
+    backend = RustTokenizer.from_file(path)
+    norm, keys = _normalizer(), {}
+    lookup = []
+    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
+        text = backend.decode([token_id], skip_special_tokens=False)
+        if _REPLACEMENT_CHAR in text:
+            key = backend.id_to_token(token_id)
+        else:
+            key = norm.normalize_str(text) or text
+        lookup.append(keys.setdefault(key, len(keys)))
+    return torch.tensor(lookup, dtype=torch.int64), len(keys)
+
+
+def compressed_token_map(tokenizer) -> tuple[torch.Tensor, int]:
+    """(token id -> compressed id [vocab] int64, compressed size) for a Tokenizer (has .path) or a path."""
+    path = tokenizer.path if hasattr(tokenizer, "path") else tokenizer
+    return _token_map_of_file(str(Path(path).resolve()))
+
+
+# ------------------------------------------------------------------------------------------ layout
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    i = 2
+    while i * i <= n:
+        if n % i == 0:
+            return False
+        i += 1
+    return True
+
+
+def primes(layer_ids: tuple[int, ...], max_ngram: int, n_heads: int, vocab_size: int) -> torch.Tensor:
+    """int64 [n layers, max_ngram-1, heads]: distinct primes, each search restarting at vocab_size-1."""
+    used: set[int] = set()
+    out = []
+    for _ in layer_ids:
+        per_n = []
+        for _ in range(max_ngram - 1):
+            cur, heads = vocab_size - 1, []
+            for _ in range(n_heads):
+                cur += 1
+                while cur in used or not _is_prime(cur):
+                    cur += 1
+                used.add(cur)
+                heads.append(cur)
+            per_n.append(heads)
+        out.append(per_n)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def multipliers(layer_ids: tuple[int, ...], max_ngram: int, compressed_size: int) -> torch.Tensor:
+    bound = max(1, (np.iinfo(np.int64).max // compressed_size) // 2)
+    rows = [torch.from_numpy(np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram,),
+                                                                           dtype=np.int64) * 2 + 1)
+            for layer in layer_ids]
+    return torch.stack(rows)
+
+
+class EngramHasher:
+    """Hash ids [T, n layers, (max_ngram-1)*heads] of a flat batch; history kept per state slot."""
+
+    def __init__(self, cfg: ModelConfig, max_num_seqs: int, token_map: torch.Tensor, compressed_size: int) -> None:
+        if compressed_size != cfg.engram_compressed_vocab_size:
+            raise ValueError(f"compressed vocabulary has {compressed_size} ids, config says "
+                             f"{cfg.engram_compressed_vocab_size}")
+        self.layer_ids = tuple(cfg.engram_layer_ids)
+        self.n = cfg.engram_max_ngram_size
+        self.token_map = token_map
+        self.pad = int(token_map[cfg.engram_pad_id])
+        self.primes = primes(self.layer_ids, self.n, cfg.engram_n_heads, cfg.engram_vocab_size)
+        flat = self.primes.flatten(1)
+        self.offsets = torch.cumsum(flat, dim=1) - flat
+        self.mult = multipliers(self.layer_ids, self.n, compressed_size)
+        self.history = torch.full((max_num_seqs, self.n - 1), DEAD, dtype=torch.int64)  # last n-1 ids
+
+    def reset(self, slot: int) -> None:
+        self.history[slot] = DEAD
+
+    def __call__(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        out = []
+        h = self.n - 1
+        for i, s in enumerate(ctx.seqs):
+            comp = self.token_map[ids[ctx.rows(i)].long()]  # [S]
+            seq = torch.cat([self.history[s.state_slot], comp])  # index k <-> position start_pos - h + k
+            pos = torch.arange(s.start_pos, s.end_pos)
+            blocked = torch.zeros(s.num_new, dtype=torch.bool)
+            tokens = []
+            for shift in range(self.n):
+                src = seq[torch.arange(s.num_new) + h - shift]
+                blocked = blocked | (pos < shift) | (src == DEAD)
+                tokens.append(torch.where(blocked, self.pad, src))
+            self.history[s.state_slot] = seq[-h:]
+            products = torch.stack(tokens, -1).unsqueeze(1) * self.mult  # [S, nL, n]
+            rolling, cols = products[..., 0], []
+            for k in range(1, self.n):
+                rolling = rolling ^ products[..., k]
+                cols.append(torch.remainder(rolling.unsqueeze(-1), self.primes[:, k - 1]))
+            out.append(torch.cat(cols, dim=-1) + self.offsets)
+        return torch.cat(out)
+
+    def layer_index(self, layer: int) -> int:
+        return self.layer_ids.index(layer)
+
+
+# ------------------------------------------------------------------------------------------ layer
+def engram_params(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int,
+                  dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> engine engram params: table + scale left as stored, wkv dequantised."""
+    p = f"layers.{layer}.engram."
+    w, scale = raw[p + "wkv.weight"], raw.get(p + "wkv.scale")
+    wkv = formats.dequant_fp8_blocks(w, scale, cfg.weight_block) if scale is not None else w.to(torch.float32)
+    return {"embed.weight": raw[p + "embed.weight"], "embed.scale": raw[p + "embed.scale"], "wkv.weight": wkv.to(dtype),
+            "wgt": raw[p + "q_weight"].to(dtype) * raw[p + "k_weight"].to(dtype)}
+
+
+class EngramLayer:
+    """x [T, hc, D] -> x + gate * value, gate per (token, stream) from the table rows the hashes name."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+        self.p, self.hc, self.dim, self.eps = params, cfg.hc_mult, cfg.dim, cfg.norm_eps
+
+    def rows(self, hashes: torch.Tensor) -> torch.Tensor:
+        table, scale = self.p["embed.weight"], self.p["embed.scale"]
+        n_rows, hd = table.shape
+        flat = hashes.reshape(-1).long()
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= n_rows):
+            raise IndexError(f"engram hash ids outside the table's {n_rows} rows")
+        w = torch.index_select(table, 0, uniq).to(torch.float64)
+        s = formats.scale_to_float(torch.index_select(scale, 0, uniq)).to(torch.float64)
+        vals = (w.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
+        return vals[inverse].reshape(*hashes.shape, hd)
+
+    def __call__(self, x: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+        emb = self.rows(hashes)  # [T, cols, hd]
+        kv = emb.flatten(-2) @ self.p["wkv.weight"].T
+        key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
+        key = key.unflatten(-1, (self.hc, self.dim))
+        rstd = torch.rsqrt(x.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (x * self.p["wgt"] * key).sum(-1) * rstd * self.dim**-0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        return x + gate.unsqueeze(-1) * value.unsqueeze(-2)

@@ -1,0 +1,167 @@
+"""The DeepSeek-V4.1-Flash engine model: a varlen batch of sequences, each extending its cached state by any
+number of new tokens at any position (prefill chunks, decode tokens, multi-token extends) in one forward.
+
+Owns: embedding, Engram before its layers (hashes from the per-slot n-gram history), the blocks with
+hyper-connections and the DEFERRED pre mix (each sublayer collapses its input with the `pre` the previous
+sublayer's mixes produced; the first uses one-hot [1, 0, ..]), the final collapse with the last block's
+`pre`, final norm and head on the requested rows only (spec §10). Caches live in `V41Cache`; the batch
+layout in the `ForwardContext`; cross-layer sharing of top-k and candidate masks in a per-forward dict.
+Numerics: exact only (float64, no quantisation). Must not: import the reference oracle.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from deepinfer import kernels
+from deepinfer.config import ModelConfig
+from deepinfer.model.context import ForwardContext, forward_context, get_forward_context
+from deepinfer.model.engram import EngramHasher, EngramLayer, compressed_token_map, engram_params
+from deepinfer.model.v41_attention import V41Attention, _sub
+from deepinfer.model.v41_cache import V41Cache
+from deepinfer.model.v41_moe import V41MoE
+
+SUPPORTED_NUMERICS = ("exact",)
+
+
+class V41Block:
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
+                 all_params: dict[str, torch.Tensor]) -> None:
+        self.p, self.cfg = _sub(params, f"layers.{layer}."), cfg
+        self.attn = V41Attention(layer, _sub(self.p, "attn."), cfg, all_params)
+        self.ffn = V41MoE(layer, _sub(self.p, "ffn."), cfg)
+
+    def _mixes(self, x: torch.Tensor, which: str):
+        cfg, p = self.cfg, self.p
+        mixes = kernels.get("hc_mix")(x, p[f"hc_{which}_fn"], cfg.norm_eps)
+        return kernels.get("hc_split_sinkhorn")(mixes, p[f"hc_{which}_scale"], p[f"hc_{which}_base"], cfg.hc_mult,
+                                                cfg.hc_sinkhorn_iters, cfg.hc_eps)
+
+    def __call__(self, x, pre_mix, ctx: ForwardContext, cache: V41Cache, shared: dict):
+        """x [T, hc, D], pre_mix [T, hc] -> (x, the pre mix for the next sublayer)."""
+        rms, collapse, post_fn, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), kernels.get("hc_post"), \
+            self.cfg.norm_eps
+        attn_pre, post, comb = self._mixes(x, "attn")
+        y = rms(collapse(x, pre_mix), self.p["attn_norm.weight"], eps)
+        x = post_fn(self.attn(y, ctx, cache, shared), x, post, comb)
+        ffn_pre, post, comb = self._mixes(x, "ffn")
+        y = rms(collapse(x, attn_pre), self.p["ffn_norm.weight"], eps)
+        x = post_fn(self.ffn(y), x, post, comb)
+        return x, ffn_pre
+
+
+class V41EngineModel:
+    """V4.1 backbone + head over a paged `V41Cache` (exact numerics).
+
+    params: `prepare_params` output (engram tensors are skipped there); `raw`: the checkpoint tensors, from
+    which the engram tables/wkv are taken (needed when cfg has engram layers); `tokenizer` (or a path to a
+    tokenizer.json): the compressed vocabulary the n-gram hashes run over.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], cache: V41Cache,
+                 raw: Mapping[str, torch.Tensor] | None = None, tokenizer=None, numerics: str = "exact") -> None:
+        if not cfg.is_v41:
+            raise ValueError("V41EngineModel is the family v41 model; this checkpoint is v4")
+        if numerics not in SUPPORTED_NUMERICS:
+            raise NotImplementedError(f"numerics {numerics!r} not implemented yet (have {SUPPORTED_NUMERICS})")
+        self.cfg, self.p, self.cache, self.numerics = cfg, params, cache, numerics
+        self.layers = [V41Block(i, params, cfg, params) for i in range(cfg.n_layers)]
+        self.engrams: dict[int, EngramLayer] = {}
+        self.hasher = None
+        if cfg.engram_layer_ids:
+            if raw is None or tokenizer is None:
+                raise ValueError("a V4.1 checkpoint with engram layers needs `raw` tensors and a `tokenizer`")
+            self.engrams = {i: EngramLayer(engram_params(raw, cfg, i), cfg) for i in cfg.engram_layer_ids}
+            token_map, size = compressed_token_map(tokenizer)
+            self.hasher = EngramHasher(cfg, cache.max_num_seqs, token_map, size)
+            cache.hasher = self.hasher
+
+    def _check(self, token_ids: torch.Tensor, ctx: ForwardContext) -> None:
+        if token_ids.dim() != 1 or token_ids.shape[0] != ctx.num_tokens:
+            raise ValueError(f"token_ids must be flat [{ctx.num_tokens}], got {tuple(token_ids.shape)}")
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.cfg.vocab_size:
+            raise ValueError("token id outside the vocabulary")
+        bs = self.cache.block_size
+        for s in ctx.seqs:
+            if not (0 <= s.window_slot < self.cache.max_num_seqs and 0 <= s.state_slot < self.cache.max_num_seqs):
+                raise ValueError(f"slot out of range in {s}")
+            if len(s.block_table) * bs < s.end_pos and any(s.end_pos // r for r in self.cfg.compress_ratios if r):
+                raise ValueError(f"block table of {len(s.block_table)} blocks does not cover position {s.end_pos - 1}")
+
+    def hidden(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final 4-stream residual [T, hc, D] and the last block's pre mix [T, hc]."""
+        ctx = get_forward_context()
+        self._check(token_ids, ctx)
+        for s in ctx.seqs:
+            if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
+                self.cache.reset(s.window_slot, s.state_slot)
+        hashes = self.hasher(token_ids, ctx) if self.hasher is not None else None
+        T, hc = token_ids.shape[0], self.cfg.hc_mult
+        x = self.p["embed.weight"][token_ids].unsqueeze(1).repeat(1, hc, 1)
+        pre_mix = torch.zeros(T, hc, dtype=x.dtype)
+        pre_mix[:, 0] = 1.0
+        shared: dict = {}
+        for i, block in enumerate(self.layers):
+            if i in self.engrams:
+                x = self.engrams[i](x, hashes[:, self.hasher.layer_index(i)])
+            x, pre_mix = block(x, pre_mix, ctx, self.cache, shared)
+        return x, pre_mix
+
+    def logits(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        y = kernels.get("rms_norm")(kernels.get("hc_collapse")(x, pre_mix), self.p["norm.weight"], self.cfg.norm_eps)
+        return y @ self.p["head.weight"].T
+
+    def forward(self, token_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """token_ids [T] flat -> logits [num_seqs, vocab] of each sequence's last new token (or [T, vocab]
+        with ctx.all_logits). Without `ctx`, uses the one entered with `forward_context`."""
+        if ctx is None:
+            ctx = get_forward_context()
+        with forward_context(ctx):
+            x, pre_mix = self.hidden(token_ids)
+        rows = ctx.logit_rows()
+        return self.logits(x[rows], pre_mix[rows])
+
+    __call__ = forward
+
+
+def build_for_runner(config, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], int, V41EngineModel]:
+    """The engine runner's V4.1 model: (params, num_blocks, model) for an `EngineConfig`-like `config`
+    (model, numerics, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, device,
+    kv_cache_bytes, gpu_memory_utilization). The KV budget is sized like the V4 runner: one worst-case
+    warm-up forward on a throwaway cache, the rest of the budget to blocks."""
+    from deepinfer.model.params import prepare_params
+    from deepinfer.tokenizer import Tokenizer
+    from deepinfer.weights import load_tensors
+
+    if config.numerics not in SUPPORTED_NUMERICS:
+        raise NotImplementedError(f"the V4.1 engine runs {SUPPORTED_NUMERICS} numerics only")
+    raw = load_tensors(config.model, cfg, progress=False)
+    params = prepare_params(raw, cfg, torch.float64)
+    tok = Tokenizer.from_checkpoint(config.model) if cfg.engram_layer_ids else None
+    c = config
+    num_blocks = c.num_blocks
+    if not num_blocks:
+        tokens = min(c.max_num_batched_tokens, c.max_model_len)
+        blocks = -(-tokens // c.block_size)
+        scratch = V41EngineModel(cfg, params, V41Cache(cfg, blocks, c.block_size, 1), raw, tok)
+        ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+        from deepinfer.model.context import SeqContext
+
+        if c.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        scratch.forward(ids, ForwardContext((SeqContext(0, tokens, 0, 0, tuple(range(blocks))),)))
+        fixed = V41Cache.bytes_per_sequence(cfg) * c.max_num_seqs
+        if c.device == "cuda":
+            _, total = torch.cuda.mem_get_info()
+            budget = int(total * c.gpu_memory_utilization) - torch.cuda.max_memory_allocated() - fixed
+        else:
+            budget = c.kv_cache_bytes - fixed
+        per_block = V41Cache.bytes_per_block(cfg, c.block_size)
+        num_blocks = budget // per_block if per_block else 1
+        need = -(-c.max_model_len // c.block_size)
+        if num_blocks < need:
+            raise ValueError(f"KV budget holds {num_blocks} blocks but one sequence of max_model_len "
+                             f"{c.max_model_len} needs {need}: raise kv_cache_bytes or lower max_model_len")
+    model = V41EngineModel(cfg, params, V41Cache(cfg, int(num_blocks), c.block_size, c.max_num_seqs), raw, tok)
+    return params, int(num_blocks), model

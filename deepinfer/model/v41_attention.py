@@ -1,0 +1,171 @@
+"""V4.1 attention of the engine over a varlen batch (spec §10.3): low-rank q without a head norm, window
+ring, the V4.1 compressor (ratio 1: per-token latent; ratio 2: gated softmax pooling of 2 tokens, no ape)
+on kv-source layers, cross-layer sharing of compressed KV (`kv_source_of`) and top-k indices
+(`index_source_of`), the indexer whose keys (wk/k_norm) belong to the kv source, the two-level candidate
+block filter, sparse attention with the sink.
+
+Visibility: a query at p sees window positions max(0, p-window+1)..p and compressed entries j < (p+1)//r;
+index sources pick top-k of those (ties toward the lower entry; after the candidate-source layer only
+inside the candidate blocks), consumers reuse the latest index source's picks for the same queries.
+Must not: import the reference oracle; per-forward sharing lives in the `shared` dict of one forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer import kernels
+from deepinfer.config import ModelConfig
+from deepinfer.model.context import ForwardContext
+from deepinfer.model.v41_cache import V41Cache, V41LayerCache
+
+
+def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in p.items() if k.startswith(prefix)}
+
+
+def compress_extend_v41(p: dict[str, torch.Tensor], lc: V41LayerCache, slot: int, x: torch.Tensor,
+                        start_pos: int, eps: float) -> tuple[int, torch.Tensor]:
+    """x [S, D] new tokens -> (first entry index, normalised latents BEFORE RoPE [n, hd]) of the groups
+    this extend completes; the partial group's rows stay in the state."""
+    r, S = lc.ratio, x.shape[0]
+    rms = kernels.get("rms_norm")
+    if r == 1:
+        return start_pos, rms(x @ p["wkv.weight"].T, p["norm.weight"], eps)
+    kv, score = x @ p["wkv.weight"].T, x @ p["wgate.weight"].T
+    first, n_part = start_pos // r, start_pos % r
+    kv_all = torch.cat([lc.state_kv[slot, :n_part], kv])
+    sc_all = torch.cat([lc.state_score[slot, :n_part], score])
+    n = (start_pos + S) // r - first
+    left = kv_all.shape[0] - n * r
+    lat = kv.new_zeros(0, kv.shape[-1])
+    if n:
+        pooled = kernels.get("compress_pool")(kv_all[: n * r].view(n, r, -1), sc_all[: n * r].view(n, r, -1), False)
+        lat = rms(pooled, p["norm.weight"], eps)
+    lc.state_kv[slot].zero_()
+    lc.state_score[slot].fill_(float("-inf"))
+    if left:
+        lc.state_kv[slot, :left] = kv_all[n * r :]
+        lc.state_score[slot, :left] = sc_all[n * r :]
+    return first, lat
+
+
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blocks: int, block: int):
+    """scores [S, E] (-inf where invisible), visible [S] -> keep mask [S, E]: each query's best `top_blocks`
+    blocks (block score = max), the block of its newest visible entry always kept, empty blocks never."""
+    width = scores.shape[-1]
+    padded = torch.nn.functional.pad(scores, (0, -width % block), value=float("-inf"))
+    bs = padded.unflatten(-1, (-1, block)).amax(dim=-1)  # [S, nb]
+    nb = bs.shape[-1]
+    newest = ((visible - 1) // block).unsqueeze(-1)
+    bs = bs.masked_fill(torch.arange(nb) == newest, float("inf"))
+    chosen = kernels.get("stable_topk")(bs, min(top_blocks, nb))
+    reachable = bs.gather(-1, chosen) > float("-inf")
+    keep = torch.zeros_like(bs, dtype=torch.bool).scatter(-1, chosen, reachable)
+    return keep.repeat_interleave(block, dim=-1)[..., :width]
+
+
+class V41Attention:
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
+                 all_params: dict[str, torch.Tensor]) -> None:
+        self.layer, self.p, self.cfg = layer, params, cfg
+        self.ratio = r = cfg.compress_ratios[layer]
+        self.win, self.H, self.hd, self.eps = cfg.window_size, cfg.n_heads, cfg.head_dim, cfg.norm_eps
+        original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0
+        self.inv_freq = kernels.get("rope_inv_freq")(
+            cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+        self.is_kv_source = bool(r) and layer in cfg.kv_source_layers
+        self.is_index_source = bool(r) and layer in cfg.index_source_layers
+        self.kv_src = cfg.kv_source_of(layer) if r else None
+        self.idx_src = cfg.index_source_of(layer) if r else None
+        if r and (self.kv_src is None or self.idx_src is None):
+            raise ValueError(f"layer {layer}: compressed layer without a kv or index source")
+        if r and (cfg.compress_ratios[self.kv_src] != r or cfg.compress_ratios[self.idx_src] != r):
+            raise NotImplementedError(f"layer {layer}: sharing across different compression ratios")
+        self.comp_p = _sub(params, "compressor.")
+        self.idx_p = _sub(params, "indexer.")
+        # the indexer keys' projection belongs to the kv source (wk/k_norm live on its indexer)
+        self.key_p = _sub(all_params, f"layers.{self.kv_src}.attn.indexer.") if r else {}
+        cand = cfg.candidate_source_layer
+        self.is_cand_source = layer == cand
+        self.uses_cand = 0 <= cand < layer
+
+    def _write_entries(self, lc: V41LayerCache, cache: V41Cache, ctx: ForwardContext, x: torch.Tensor) -> None:
+        rope, rms, r = kernels.get("rope"), kernels.get("rms_norm"), self.ratio
+        for i, s in enumerate(ctx.seqs):
+            first, lat = compress_extend_v41(self.comp_p, lc, s.state_slot, x[ctx.rows(i)], s.start_pos, self.eps)
+            n = lat.shape[0]
+            if not n:
+                continue
+            gpos = (first + torch.arange(n)) * r  # an entry stands for the first position of its group
+            keys = rms(lat @ self.key_p["wk.weight"].T, self.key_p["k_norm.weight"], self.eps)
+            rows = cache.entry_rows(s.block_table, r, first + n)[first:]
+            lc.index_keys[rows] = rope(keys, gpos, self.inv_freq)
+            lc.comp[rows] = rope(lat, gpos, self.inv_freq)
+
+    def _select(self, i: int, rows: slice, qpos: torch.Tensor, keys: torch.Tensor, q_idx, w_idx, shared) -> torch.Tensor:
+        """Index-source top-k for sequence i -> entry indices [S, k] in position order, -1 = none."""
+        n_ent = keys.shape[0]
+        visible = (qpos + 1) // self.ratio
+        scores = kernels.get("indexer_scores")(q_idx[rows], w_idx[rows], keys)
+        scores = scores.masked_fill(torch.arange(n_ent).unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
+        cand = shared.setdefault("candidates", {})
+        if self.is_cand_source:
+            cand[i] = select_candidate_blocks(scores, visible, self.cfg.candidate_topk_blocks,
+                                              self.cfg.candidate_block_size)
+        elif self.uses_cand:
+            scores = scores.masked_fill(~cand[i], float("-inf"))
+        top = kernels.get("stable_topk")(scores, min(self.cfg.index_topk, n_ent)).sort(dim=-1).values
+        return torch.where(top < visible.unsqueeze(1), top, -1)
+
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
+        """x [T, D] (normed input of the flat batch) -> [T, D]."""
+        cfg, p, r, win = self.cfg, self.p, self.ratio, self.win
+        rms, rope = kernels.get("rms_norm"), kernels.get("rope")
+        lc = cache.layers[self.layer]
+        pos, T = ctx.positions, x.shape[0]
+        qr = rms(x @ p["wq_a.weight"].T, p["q_norm.weight"], self.eps)
+        q = rope((qr @ p["wq_b.weight"].T).view(T, self.H, self.hd), pos, self.inv_freq)  # no head norm in V4.1
+        kv = rope(rms(x @ p["wkv.weight"].T, p["kv_norm.weight"], self.eps), pos, self.inv_freq)
+        if self.is_kv_source:
+            self._write_entries(lc, cache, ctx, x)
+        src = cache.layers[self.kv_src] if r else None
+        if self.is_index_source:
+            ihd, nh = cfg.index_head_dim, cfg.index_n_heads
+            q_idx = rope((qr @ self.idx_p["wq_b.weight"].T).view(T, nh, ihd), pos, self.inv_freq)
+            w_idx = (x @ self.idx_p["weights_proj.weight"].T) * (ihd**-0.5 * nh**-0.5)
+            shared[self.layer] = {}
+
+        pool, idx_rows, base = [], [], 0
+        for i, s in enumerate(ctx.seqs):
+            rows = ctx.rows(i)
+            P, S, end = s.start_pos, s.num_new, s.end_pos
+            lo = max(0, P - win + 1)
+            ring_kv = lc.ring[s.window_slot, torch.arange(lo, P) % win]
+            kv_s = kv[rows]
+            keep = max(P, end - win)
+            lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_s[keep - P :]
+            qpos = pos[rows]
+            wpos = qpos.unsqueeze(1) - win + 1 + torch.arange(win)
+            n_win = P - lo + S
+            parts = [torch.where(wpos >= 0, wpos - lo + base, -1)]
+            pool += [ring_kv, kv_s]
+            n_ent = end // r if r else 0
+            if n_ent:
+                ent_rows = cache.entry_rows(s.block_table, r, n_ent)
+                pool.append(src.comp[ent_rows])
+                if self.is_index_source:
+                    sel = self._select(i, rows, qpos, src.index_keys[ent_rows], q_idx, w_idx, shared)
+                    shared[self.layer][i] = sel
+                else:
+                    sel = shared[self.idx_src][i]
+                parts.append(torch.where(sel >= 0, sel + base + n_win, -1))
+            idx_rows.append(torch.cat(parts, dim=1))
+            base += n_win + n_ent
+        width = max(t.shape[1] for t in idx_rows)
+        idx = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in idx_rows])
+        o = kernels.get("sparse_attn_sink")(q, torch.cat(pool), p["attn_sink"], idx, self.hd**-0.5)
+        o = rope(o, pos, self.inv_freq, inverse=True)
+        G = cfg.o_groups
+        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
+        z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), wo_a)
+        return z.flatten(1) @ p["wo_b.weight"].T

@@ -1,0 +1,88 @@
+"""Engine KV storage of V4.1 for exact numerics (float64), paged by the BlockPool's block tables.
+
+Owns, per layer:
+  ring        [max_num_seqs, window, head_dim]   every layer: position p at slot p % window, row = window_slot
+  kv source layers (cfg.kv_source_layers, ratio r):
+    comp        [num_blocks * (block_size // r), head_dim]        compressed entries (RoPE applied)
+    index_keys  [num_blocks * (block_size // r), index_head_dim]  indexer keys (wk/k_norm, RoPE applied)
+    state kv / score [max_num_seqs, r, head_dim] (r > 1 only): the current partial group, position p at
+      row p % r (score -inf = empty), row = the sequence's state_slot.
+  Consumer layers own no compressed storage: they read their kv source's (cfg.kv_source_of).
+Plus the engram n-gram history per state slot (owned by `EngramHasher`, reset through this cache).
+
+Entry mapping: entry j of a ratio-r layer lives at flat row block_table[j // epb] * epb + j % epb,
+epb = block_size // r (same rule as `V4Cache.entry_rows`).
+Must not: compute model math or decide visibility.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from deepinfer.config import ModelConfig
+
+
+class V41LayerCache:
+    def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,
+                 dtype: torch.dtype) -> None:
+        self.ratio = r = cfg.compress_ratios[layer]
+        self.ring = torch.zeros(max_num_seqs, cfg.window_size, cfg.head_dim, dtype=dtype)
+        self.comp = self.index_keys = self.state_kv = self.state_score = None
+        if r and layer in cfg.kv_source_layers:
+            self.comp = torch.zeros(num_blocks * (block_size // r), cfg.head_dim, dtype=dtype)
+            self.index_keys = torch.zeros(num_blocks * (block_size // r), cfg.index_head_dim, dtype=dtype)
+            if r > 1:
+                self.state_kv = torch.zeros(max_num_seqs, r, cfg.head_dim, dtype=dtype)
+                self.state_score = torch.full((max_num_seqs, r, cfg.head_dim), float("-inf"), dtype=dtype)
+
+    def reset(self, window_slot: int, state_slot: int) -> None:
+        self.ring[window_slot].zero_()
+        if self.state_kv is not None:
+            self.state_kv[state_slot].zero_()
+            self.state_score[state_slot].fill_(float("-inf"))
+
+
+class V41Cache:
+    """All layers' caches of one V4.1 engine instance (exact numerics: float64)."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
+                 dtype: torch.dtype = torch.float64) -> None:
+        for r in cfg.compress_ratios[: cfg.n_layers]:
+            if r and block_size % r:
+                raise ValueError(f"block_size {block_size} must be a multiple of every compression ratio ({r})")
+        self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
+        self.layers = [V41LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype) for i in range(cfg.n_layers)]
+        self.hasher = None  # the model attaches its EngramHasher (history per state slot)
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float64) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum((block_size // cfg.compress_ratios[i]) * (cfg.head_dim + cfg.index_head_dim) * size
+                   for i in cfg.kv_source_layers if i < cfg.n_layers and cfg.compress_ratios[i])
+
+    @staticmethod
+    def bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype = torch.float64) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        total = cfg.n_layers * cfg.window_size * cfg.head_dim * size
+        for i in cfg.kv_source_layers:
+            r = cfg.compress_ratios[i] if i < cfg.n_layers else 0
+            if r > 1:
+                total += 2 * r * cfg.head_dim * size
+        return total + 8 * max(0, cfg.engram_max_ngram_size - 1)
+
+    def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
+        epb = self.block_size // ratio
+        j = torch.arange(num_entries)
+        need = -(-num_entries // epb)
+        if len(block_table) < need:
+            raise ValueError(
+                f"block table of {len(block_table)} blocks cannot hold {num_entries} entries of ratio {ratio}")
+        table = torch.tensor(list(block_table[:need]), dtype=torch.long)
+        return table[j // epb] * epb + j % epb
+
+    def reset(self, window_slot: int, state_slot: int) -> None:
+        for layer in self.layers:
+            layer.reset(window_slot, state_slot)
+        if self.hasher is not None:
+            self.hasher.reset(state_slot)
