@@ -74,6 +74,7 @@ PARITY_CANNOT_RUN = 3  # distinct from a finding: parity commands exit 0 wheneve
 def cmd_parity(args: argparse.Namespace) -> int:
     from deepinfer.parity.drift import run_drift
     from deepinfer.parity.kv import run_kv
+    from deepinfer.parity.layers import run_layers
     from deepinfer.parity.next_token import run_next_token
     from deepinfer.parity.weights import run_weights
 
@@ -83,6 +84,8 @@ def cmd_parity(args: argparse.Namespace) -> int:
             report = run_weights(model_dir, args.filter)
         elif args.parity_command == "kv":
             report = run_kv(model_dir, args.layouts.split(",") if args.layouts else None)
+        elif args.parity_command == "layers":
+            report = run_layers(model_dir, args.ids, args.numerics)
         elif args.parity_command == "drift":
             report = run_drift(model_dir, args.ids, args.steps, args.numerics)
         else:
@@ -144,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--force-ids", type=_ids, help="ids fed one at a time after the context")
     pn.add_argument("--numerics", choices=("exact", "official"), default="exact")
     common(pn)
+    pl = psub.add_parser("layers", help="per-sublayer residual state vs reference, against a measured floor")
+    pl.add_argument("--ids", type=_ids, required=True, help="token ids (one prefill)")
+    pl.add_argument("--numerics", choices=("exact", "official"), default="exact")
+    common(pl)
     pd = psub.add_parser("drift", help="prefill-vs-decode table: flips judged by the reference margin vs noise")
     pd.add_argument("--ids", type=_ids, required=True, help="context token ids")
     pd.add_argument("--steps", type=int, default=16)

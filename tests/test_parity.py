@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from deepinfer.cli import PARITY_CANNOT_RUN, main
@@ -88,3 +89,49 @@ def test_drift_clean_and_planted_defect(tiny_v4_dir, monkeypatch):
         if r["flip"]:
             assert (r["judgement"] == "defect") == (r["ref_margin"] >= 2.0 * noise)
     assert bad.rows[0]["flip"] is False  # the prefill step was untouched
+
+
+LAYER_IDS = [2056, 768, 17607, 2793, 3139, 12108, 6692, 7624, 768] * 3
+
+
+def _plant_p3(monkeypatch):
+    import deepinfer.model.params as engine_params
+    from deepinfer import formats
+
+    good = engine_params._dequant
+
+    def p3(name, w, scale, cfg):
+        if w.dtype == torch.int8:
+            s = torch.exp2(scale.view(torch.uint8).double() - 127)
+            s = s.repeat_interleave(32, 0).repeat_interleave(32, 1)[: w.shape[0], : w.shape[1] * 2]
+            return formats.fp4_codes_to_float(formats.unpack_fp4(w)).double() * s
+        return good(name, w, scale, cfg)
+
+    monkeypatch.setattr(engine_params, "_dequant", p3)
+
+
+def test_layers_clean_then_points_at_the_planted_layer(tiny_v4_dir, monkeypatch):
+    from deepinfer.parity.layers import run_layers
+
+    clean = run_layers(tiny_v4_dir, LAYER_IDS)
+    assert clean.ok and len(clean.rows) == 13 and all(r["x_floor"] < 10 for r in clean.rows)
+    _plant_p3(monkeypatch)  # the seed's P3 in the engine's expert decoding: the FFN of layer 0 is first
+    bad = run_layers(tiny_v4_dir, LAYER_IDS)
+    assert bad.meta["first_divergence"] == "layers.0.ffn"
+    assert not next(r for r in bad.rows if r["point"] == "layers.0.attn")["diverged"]
+
+
+def test_layers_refuses_a_sublayer_output(tiny_v4_dir, monkeypatch):
+    """The seed's first comparison used a sublayer output (cos 0.02): the tool compares full residuals only."""
+    from deepinfer.parity import layers as layers_mod
+
+    extend = layers_mod.EngineSession.extend
+
+    def sublayer_only(self, ids):
+        tap = self.runner.model.tap
+        self.runner.model.tap = lambda name, x, seq: tap(name, x[:, 0], seq)  # one stream, not the state
+        return extend(self, ids)
+
+    monkeypatch.setattr(layers_mod.EngineSession, "extend", sublayer_only)
+    with pytest.raises(ValueError, match="full residual"):
+        layers_mod.run_layers(tiny_v4_dir, LAYER_IDS[:5])

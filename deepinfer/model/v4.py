@@ -59,9 +59,15 @@ class V4Block:
         f = sub(y, *args).to(torch.float32)
         return kernels.get("hc_post")(f, xf, post, comb).to(torch.bfloat16)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext, cache: V4Cache,
+                 tap=None, name: str = "") -> torch.Tensor:
         x = self._hc(x, "attn", self.attn, ctx, cache)
-        return self._hc(x, "ffn", self.ffn, ids)
+        if tap:
+            tap(f"{name}.attn", x)
+        x = self._hc(x, "ffn", self.ffn, ids)
+        if tap:
+            tap(f"{name}.ffn", x)
+        return x
 
 
 class V4EngineModel:
@@ -87,6 +93,11 @@ class V4EngineModel:
         shared_clamp = revision == "current"  # the initial release left the shared expert unclamped
         self.layers = [V4Block(i, _sub(params, f"layers.{i}."), cfg, official, shared_clamp)
                        for i in range(cfg.n_layers)]
+        # Debug tap for the parity tools: tap(name, x, seq_index) gets the FULL 4-stream residual [S, hc, D]
+        # of one sequence of the batch after the embedding and after every sublayer (never a sublayer
+        # output alone), and the normed final hidden [S, D] ("final"). Only this model instance is tapped:
+        # the runner's KV-sizing warm-up runs on a scratch instance, so it can never reach a dump.
+        self.tap = None
 
     def _check(self, token_ids: torch.Tensor, ctx: ForwardContext) -> None:
         if token_ids.dim() != 1 or token_ids.shape[0] != ctx.num_tokens:
@@ -110,9 +121,19 @@ class V4EngineModel:
             if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
                 self.cache.reset(s.window_slot, s.state_slot)
         x = self.p["embed.weight"][token_ids].unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [T, hc, D]
-        for block in self.layers:
-            x = block(x, token_ids, ctx, self.cache)
+        tap = self._per_sequence_tap(ctx) if self.tap else None
+        if tap:
+            tap("embed", x)
+        for i, block in enumerate(self.layers):
+            x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}")
         return x
+
+    def _per_sequence_tap(self, ctx: ForwardContext):
+        """Split the flat batch so each recorded tensor holds exactly one sequence's rows."""
+        def tap(name: str, x: torch.Tensor) -> None:
+            for i in range(len(ctx.seqs)):
+                self.tap(name, x[ctx.rows(i)], i)
+        return tap
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Head on x [N, hc, D] rows: learned 4->1 collapse, final norm, head -> [N, vocab]."""
@@ -125,8 +146,8 @@ class V4EngineModel:
         if self.official:
             y = y.to(torch.bfloat16).to(torch.float32)
             y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
-            return y @ p["head.weight"].T
-        y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
+        else:
+            y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
         return y @ p["head.weight"].T
 
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
