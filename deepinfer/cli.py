@@ -89,7 +89,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
         elif args.parity_command == "drift":
             report = run_drift(model_dir, args.ids, args.steps, args.numerics)
         else:
-            report = run_next_token(model_dir, args.ids, args.force_ids or [], args.numerics)
+            report = run_next_token(model_dir, args.ids, args.force_ids or [], args.numerics, args.api_steps)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"deepinfer parity {args.parity_command}: could not run: {e}", file=sys.stderr)
         return PARITY_CANNOT_RUN
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--ids", type=_ids, required=True, help="context token ids")
     pn.add_argument("--force-ids", type=_ids, help="ids fed one at a time after the context")
     pn.add_argument("--numerics", choices=("exact", "official"), default="exact")
+    pn.add_argument("--api-steps", type=int, default=4,
+                    help="also generate this many tokens through the full engine API beside decoy requests, "
+                         "checking tokens and reported logprobs (0: off)")
     common(pn)
     pl = psub.add_parser("layers", help="per-sublayer residual state vs reference, against a measured floor")
     pl.add_argument("--ids", type=_ids, required=True, help="token ids (one prefill)")

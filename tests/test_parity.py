@@ -135,3 +135,37 @@ def test_layers_refuses_a_sublayer_output(tiny_v4_dir, monkeypatch):
     monkeypatch.setattr(layers_mod.EngineSession, "extend", sublayer_only)
     with pytest.raises(ValueError, match="full residual"):
         layers_mod.run_layers(tiny_v4_dir, LAYER_IDS[:5])
+
+
+def test_next_token_api_path_catches_p5_and_row_mapping(tiny_v4_dir, monkeypatch):
+    ids = [2056, 768, 17607, 2793, 3139]
+    clean = run_next_token(tiny_v4_dir, ids, api_steps=4)
+    assert clean.ok, clean.defects
+    assert [r["mode"] for r in clean.rows].count("api") == 4
+    # the seed's P5: logprobs never carried to the output (every value 0.0)
+    from deepinfer.sampling import sampler as sampler_mod
+
+    sample = sampler_mod.Sampler.sample
+
+    def zeroed(self, *args, **kwargs):
+        out = sample(self, *args, **kwargs)
+        return sampler_mod.SamplerOutput(out.token_ids, torch.zeros_like(out.logprobs), out.ranks, out.top_ids,
+                                         out.top_logprobs, out.num_top_logprobs)
+
+    monkeypatch.setattr(sampler_mod.Sampler, "sample", zeroed)
+    p5 = run_next_token(tiny_v4_dir, ids, api_steps=4)
+    assert p5.defects and all("logprob" in d for d in p5.defects)
+    monkeypatch.undo()
+    # the seed's P4.2: logits rows mapped to the wrong request (off by one)
+    from deepinfer.scheduler import output as output_mod
+
+    rows_of = output_mod.SchedulerOutput.sample_rows
+
+    def shifted(self):
+        rows = rows_of(self)
+        n = sum(len(r) for r in rows.values())
+        return {k: range((r.start + 1) % n, (r.start + 1) % n + len(r)) if len(r) == 1 else r for k, r in rows.items()}
+
+    monkeypatch.setattr(output_mod.SchedulerOutput, "sample_rows", shifted)
+    p42 = run_next_token(tiny_v4_dir, ids, api_steps=4)
+    assert any("wrong request" in d for d in p42.defects)

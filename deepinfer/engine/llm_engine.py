@@ -113,10 +113,13 @@ class LLMEngine:
             return [self._output(r) for r in touched.values()]
         for rid, logits in result.prompt_logits.items():
             self._add_prompt_logprobs(self._requests[rid], logits, out)
-        rows = out.sample_rows()
+        rows = out.sample_rows()  # the explicit map: row i of the logits is NOT request i (seed P4.2)
         scheduled = [sr for sr in out.scheduled if sr.request_id in rows]
         states = [sr.request.payload for sr in scheduled]
-        sampled = self.sampler.sample(result.sample_logits, [s.params for s in states], [s.generator for s in states])
+        # one sampled row per request until drafting lands: its next-token row is the last of its rows
+        picked = torch.tensor([rows[sr.request_id][-1] for sr in scheduled], dtype=torch.long)
+        sampled = self.sampler.sample(result.sample_logits[picked], [s.params for s in states],
+                                      [s.generator for s in states])
         tokens: dict[str, list[int]] = {}
         for sr, row in zip(scheduled, range(len(scheduled))):
             tokens[sr.request_id] = [int(sampled.token_ids[row])]

@@ -48,7 +48,9 @@ def _top5(logits: torch.Tensor) -> list[list]:
     return [[int(a), round(float(b), 4)] for a, b in zip(i, v)]
 
 
-def run_next_token(model_dir: str | Path, ids: list[int], force_ids: list[int] = (), numerics: str = "exact") -> Report:
+def run_next_token(model_dir: str | Path, ids: list[int], force_ids: list[int] = (), numerics: str = "exact",
+                   api_steps: int = 0) -> Report:
+    """api_steps > 0 also runs the request through the full engine API beside decoys (see api_path.py)."""
     if not ids:
         raise ValueError("--ids is empty")
     total = len(ids) + len(force_ids)
@@ -75,5 +77,12 @@ def run_next_token(model_dir: str | Path, ids: list[int], force_ids: list[int] =
             report.defects.append(f"{mode} position {pos}: rel_err {d.rel_err:.3g}, top-1 {e1} vs {r1} (exact numerics)")
         elif numerics != "exact" and flip and rm >= DECISIVE_MARGIN:
             report.defects.append(f"{mode} position {pos}: top-1 {e1} vs {r1} at reference margin {rm:.3f}")
+    if api_steps:
+        from deepinfer.parity.api_path import api_rows
+
+        rows, defects = api_rows(model_dir, list(ids), api_steps, numerics)
+        report.columns += ["reported_logprob", "ref_logprob"]
+        report.rows += rows
+        report.defects += defects
     report.verdict = "no defect" if report.ok else f"{len(report.defects)} defect(s)"
     return report
