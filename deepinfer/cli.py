@@ -96,6 +96,15 @@ def cmd_parity(args: argparse.Namespace) -> int:
     print(report.table(limit=args.limit))
     if args.json:
         report.write_json(args.json)
+    if args.plot:
+        from deepinfer.parity.plots import write_plots
+
+        try:
+            for path in write_plots(report, args.plot):
+                print(f"plot: {path}")
+        except ValueError as e:
+            print(f"deepinfer parity {args.parity_command}: could not plot: {e}", file=sys.stderr)
+            return PARITY_CANNOT_RUN
     return 0
 
 
@@ -134,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
         sp.add_argument("--json", help="also write the results as JSON to this file")
         sp.add_argument("--limit", type=int, default=60, help="table rows printed (all rows go to --json)")
+        sp.add_argument("--plot", help="also write PNG plots into this directory (needs matplotlib)")
         sp.set_defaults(func=cmd_parity)
 
     pw = psub.add_parser("weights", help="every quantised tensor as the engine uses it vs its official decoding")

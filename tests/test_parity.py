@@ -169,3 +169,13 @@ def test_next_token_api_path_catches_p5_and_row_mapping(tiny_v4_dir, monkeypatch
     monkeypatch.setattr(output_mod.SchedulerOutput, "sample_rows", shifted)
     p42 = run_next_token(tiny_v4_dir, ids, api_steps=4)
     assert any("wrong request" in d for d in p42.defects)
+
+
+def test_plots_are_written(tiny_v4_dir, tmp_path):
+    ids = "2056,768,17607,2793,3139"
+    assert main(["parity", "layers", "--ids", ids, "--model", str(tiny_v4_dir), "--plot", str(tmp_path)]) == 0
+    assert main(["parity", "drift", "--ids", ids, "--steps", "4", "--model", str(tiny_v4_dir), "--plot",
+                 str(tmp_path)]) == 0
+    for name in ("parity-layers.png", "parity-drift.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
