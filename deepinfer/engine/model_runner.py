@@ -32,10 +32,11 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, cfg: ModelConfig) -> None:
-        if cfg.is_v41:  # family v41: its own model, cache and sizing (exact numerics only)
+        if cfg.is_v41:  # family v41: its own model, cache and sizing (exact or official numerics)
             from deepinfer.model.v41 import build_for_runner
 
-            self.config, self.cfg, self.numerics, self.dtype = config, cfg, config.numerics, torch.float64
+            self.config, self.cfg, self.numerics = config, cfg, config.numerics
+            self.dtype = torch.float64 if config.numerics == "exact" else torch.float32  # logits dtype
             self.params, self.num_blocks, self.model = build_for_runner(config, cfg)
             return
         self.config, self.cfg = config, cfg

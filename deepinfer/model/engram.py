@@ -4,7 +4,9 @@ table row gather and the gated residual update, over a flat varlen batch.
 Owns: the engine's own copy of the hashing math (primes, offsets, odd PCG64 multipliers over the
 compressed vocabulary), `EngramHistory` (the last max_ngram-1 compressed ids of every state slot, so a
 sequence's n-grams reach across calls of any length; DEAD after a reset) and `EngramLayer` (exact
-numerics: float64, no FP8 rounding of activations).
+numerics: float64, no FP8 rounding of activations; official numerics: table rows dequantised in fp32 and
+rounded to bf16, wkv an FP8 linear with activation quantisation per cfg.act_block, gate in fp32, the
+updated residual rounded to bf16).
 Must not: import the reference oracle (tests check this copy against the oracle's hasher).
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from deepinfer import formats
+from deepinfer import formats, kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.context import ForwardContext
 
@@ -158,8 +160,9 @@ def engram_params(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int,
 class EngramLayer:
     """x [T, hc, D] -> x + gate * value, gate per (token, stream) from the table rows the hashes name."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], cfg: ModelConfig, official: bool = False) -> None:
         self.p, self.hc, self.dim, self.eps = params, cfg.hc_mult, cfg.dim, cfg.norm_eps
+        self.official, self.act_block = official, cfg.act_block
 
     def rows(self, hashes: torch.Tensor) -> torch.Tensor:
         table, scale = self.p["embed.weight"], self.p["embed.scale"]
@@ -168,12 +171,29 @@ class EngramLayer:
         uniq, inverse = torch.unique(flat, return_inverse=True)
         if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= n_rows):
             raise IndexError(f"engram hash ids outside the table's {n_rows} rows")
-        w = torch.index_select(table, 0, uniq).to(torch.float64)
-        s = formats.scale_to_float(torch.index_select(scale, 0, uniq)).to(torch.float64)
+        acc = torch.float32 if self.official else torch.float64
+        w = torch.index_select(table, 0, uniq).to(acc)
+        s = formats.scale_to_float(torch.index_select(scale, 0, uniq)).to(acc)
         vals = (w.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
+        if self.official:
+            vals = vals.to(torch.bfloat16)  # fp32 `fp8 * scale` rounded to bf16
         return vals[inverse].reshape(*hashes.shape, hd)
 
+    def _official(self, x: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+        f32 = torch.float32
+        emb = self.rows(hashes)  # [T, cols, hd] bf16
+        kv = kernels.get("qlinear")(emb.flatten(-2), self.p["wkv.weight"], self.act_block)  # bf16
+        key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
+        key = key.to(f32).unflatten(-1, (self.hc, self.dim))
+        h = x.to(f32)
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * self.p["wgt"] * key).sum(-1) * rstd * self.dim**-0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        return (h + gate.unsqueeze(-1) * value.to(f32).unsqueeze(-2)).to(torch.bfloat16)
+
     def __call__(self, x: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+        if self.official:
+            return self._official(x, hashes)
         emb = self.rows(hashes)  # [T, cols, hd]
         kv = emb.flatten(-2) @ self.p["wkv.weight"].T
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)

@@ -6,11 +6,19 @@ hyper-connections and the DEFERRED pre mix (each sublayer collapses its input wi
 sublayer's mixes produced; the first uses one-hot [1, 0, ..]), the final collapse with the last block's
 `pre`, final norm and head on the requested rows only (spec §10). Caches live in `V41Cache`; the batch
 layout in the `ForwardContext`; cross-layer sharing of top-k and candidate masks in a per-forward dict.
-Numerics: exact only (float64, no quantisation). Must not: import the reference oracle.
+Numerics: `exact` (float64, no quantisation) or `official` (the official V4.1 kernels' numerics: bf16
+activations, FP8 activation quantisation per cfg.act_block before FP8/FP4 GEMMs, fp32 mixes / Sinkhorn /
+collapse / norms (eps as configured) / gate / ratio-2 compressor / RoPE / head, packed FP8/FP4 caches; needs
+`prepare_params(..., numerics="official")` and `V41Cache(..., numerics="official")`). Official runs the
+sequences of a batch one per call (shapes of the oracle's batch-1 calls, hence its bits; see V4EngineModel).
+Debug tap: `tap(name, x, seq_index)` receives, per sequence of the ForwardContext, that sequence's rows of
+the FULL 4-stream residual [S, hc, D] after the embedding ("embed"), each engram update
+("layers.{i}.engram") and each sublayer's hc_post ("layers.{i}.attn", "layers.{i}.ffn"), and the normed
+final hidden [S, D] ("final"). Must not: import the reference oracle.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -22,15 +30,17 @@ from deepinfer.model.v41_attention import V41Attention, _sub
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_moe import V41MoE
 
-SUPPORTED_NUMERICS = ("exact",)
+SUPPORTED_NUMERICS = ("exact", "official")
+Tap = Callable[[str, torch.Tensor, int], None]
+F32, BF16 = torch.float32, torch.bfloat16
 
 
 class V41Block:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 all_params: dict[str, torch.Tensor]) -> None:
-        self.p, self.cfg = _sub(params, f"layers.{layer}."), cfg
-        self.attn = V41Attention(layer, _sub(self.p, "attn."), cfg, all_params)
-        self.ffn = V41MoE(layer, _sub(self.p, "ffn."), cfg)
+                 all_params: dict[str, torch.Tensor], official: bool = False) -> None:
+        self.p, self.cfg, self.official = _sub(params, f"layers.{layer}."), cfg, official
+        self.attn = V41Attention(layer, _sub(self.p, "attn."), cfg, all_params, official)
+        self.ffn = V41MoE(layer, _sub(self.p, "ffn."), cfg, official)
 
     def _mixes(self, x: torch.Tensor, which: str):
         cfg, p = self.cfg, self.p
@@ -38,21 +48,46 @@ class V41Block:
         return kernels.get("hc_split_sinkhorn")(mixes, p[f"hc_{which}_scale"], p[f"hc_{which}_base"], cfg.hc_mult,
                                                 cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
-    def __call__(self, x, pre_mix, ctx: ForwardContext, cache: V41Cache, shared: dict):
+    def __call__(self, x, pre_mix, ctx: ForwardContext, cache: V41Cache, shared: dict, tap=None, name: str = ""):
         """x [T, hc, D], pre_mix [T, hc] -> (x, the pre mix for the next sublayer)."""
+        if self.official:
+            return self._official(x, pre_mix, ctx, cache, shared, tap, name)
         rms, collapse, post_fn, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), kernels.get("hc_post"), \
             self.cfg.norm_eps
         attn_pre, post, comb = self._mixes(x, "attn")
         y = rms(collapse(x, pre_mix), self.p["attn_norm.weight"], eps)
         x = post_fn(self.attn(y, ctx, cache, shared), x, post, comb)
+        if tap:
+            tap(f"{name}.attn", x)
         ffn_pre, post, comb = self._mixes(x, "ffn")
         y = rms(collapse(x, attn_pre), self.p["ffn_norm.weight"], eps)
         x = post_fn(self.ffn(y), x, post, comb)
+        if tap:
+            tap(f"{name}.ffn", x)
+        return x, ffn_pre
+
+    def _official(self, x, pre_mix, ctx: ForwardContext, cache: V41Cache, shared: dict, tap, name: str):
+        """x [T, hc, D] bf16, pre_mix [T, hc] fp32: mixes, Sinkhorn, collapse, norm and mix-back in fp32,
+        rounded to bf16 after the collapse, the norm and the mix-back."""
+        rms, collapse, post_fn, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), kernels.get("hc_post"), \
+            self.cfg.norm_eps
+        xf = x.to(F32)
+        attn_pre, post, comb = self._mixes(xf, "attn")
+        y = rms(collapse(xf, pre_mix).to(BF16).to(F32), self.p["attn_norm.weight"], eps).to(BF16)
+        x = post_fn(self.attn(y, ctx, cache, shared).to(F32), xf, post, comb).to(BF16)
+        if tap:
+            tap(f"{name}.attn", x)
+        xf = x.to(F32)
+        ffn_pre, post, comb = self._mixes(xf, "ffn")
+        y = rms(collapse(xf, attn_pre).to(BF16).to(F32), self.p["ffn_norm.weight"], eps).to(BF16)
+        x = post_fn(self.ffn(y).to(F32), xf, post, comb).to(BF16)
+        if tap:
+            tap(f"{name}.ffn", x)
         return x, ffn_pre
 
 
 class V41EngineModel:
-    """V4.1 backbone + head over a paged `V41Cache` (exact numerics).
+    """V4.1 backbone + head over a paged `V41Cache` (exact or official numerics).
 
     params: `prepare_params` output (engram tensors are skipped there); `raw`: the checkpoint tensors, from
     which the engram tables/wkv are taken (needed when cfg has engram layers); `tokenizer` (or a path to a
@@ -65,14 +100,25 @@ class V41EngineModel:
             raise ValueError("V41EngineModel is the family v41 model; this checkpoint is v4")
         if numerics not in SUPPORTED_NUMERICS:
             raise NotImplementedError(f"numerics {numerics!r} not implemented yet (have {SUPPORTED_NUMERICS})")
-        self.cfg, self.p, self.cache, self.numerics = cfg, params, cache, numerics
-        self.layers = [V41Block(i, params, cfg, params) for i in range(cfg.n_layers)]
+        if getattr(cache, "numerics", "exact") != numerics:
+            raise ValueError(f"cache was built for numerics {cache.numerics!r}, model asks for {numerics!r}")
+        official = numerics == "official"
+        if official and params["embed.weight"].dtype != BF16:
+            raise ValueError("official numerics need params from prepare_params(..., numerics='official')")
+        self.cfg, self.p, self.cache, self.numerics, self.official = cfg, params, cache, numerics, official
+        self.layers = [V41Block(i, params, cfg, params, official) for i in range(cfg.n_layers)]
+        # Debug tap (parity tools): tap(name, x, seq_index), see the module doc. Only this instance is
+        # tapped: the runner's KV-sizing warm-up runs on a scratch instance.
+        self.tap: Tap | None = None
+        self._seq_base = 0  # index in the caller's ForwardContext of seqs[0] (official per-sequence calls)
         self.engrams: dict[int, EngramLayer] = {}
         self.hasher = None
         if cfg.engram_layer_ids:
             if raw is None or tokenizer is None:
                 raise ValueError("a V4.1 checkpoint with engram layers needs `raw` tensors and a `tokenizer`")
-            self.engrams = {i: EngramLayer(engram_params(raw, cfg, i), cfg) for i in cfg.engram_layer_ids}
+            dtype = F32 if official else torch.float64
+            self.engrams = {i: EngramLayer(engram_params(raw, cfg, i, dtype), cfg, official)
+                            for i in cfg.engram_layer_ids}
             token_map, size = compressed_token_map(tokenizer)
             self.hasher = EngramHasher(cfg, cache.max_num_seqs, token_map, size)
             cache.hasher = self.hasher
@@ -99,27 +145,66 @@ class V41EngineModel:
         hashes = self.hasher(token_ids, ctx) if self.hasher is not None else None
         T, hc = token_ids.shape[0], self.cfg.hc_mult
         x = self.p["embed.weight"][token_ids].unsqueeze(1).repeat(1, hc, 1)
-        pre_mix = torch.zeros(T, hc, dtype=x.dtype)
+        pre_mix = torch.zeros(T, hc, dtype=F32 if self.official else x.dtype)
         pre_mix[:, 0] = 1.0
+        tap = self._per_sequence_tap(ctx) if self.tap else None
+        if tap:
+            tap("embed", x)
         shared: dict = {}
         for i, block in enumerate(self.layers):
             if i in self.engrams:
                 x = self.engrams[i](x, hashes[:, self.hasher.layer_index(i)])
-            x, pre_mix = block(x, pre_mix, ctx, self.cache, shared)
+                if tap:
+                    tap(f"layers.{i}.engram", x)
+            x, pre_mix = block(x, pre_mix, ctx, self.cache, shared, tap, f"layers.{i}")
         return x, pre_mix
 
+    def _per_sequence_tap(self, ctx: ForwardContext):
+        """Split the flat batch: each call gets one sequence's rows and its index in the caller's context."""
+        def tap(name: str, x: torch.Tensor) -> None:
+            for i in range(len(ctx.seqs)):
+                self.tap(name, x[ctx.rows(i)], self._seq_base + i)
+        return tap
+
+    def final_hidden(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        """Collapse with the last block's pre mix and the final norm: [N, hc, D] -> [N, D]
+        (official: fp32 math, bf16 after the collapse and after the norm)."""
+        rms, collapse, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), self.cfg.norm_eps
+        if self.official:
+            y = collapse(x.to(F32), pre_mix).to(BF16).to(F32)
+            return rms(y, self.p["norm.weight"], eps).to(BF16)
+        return rms(collapse(x, pre_mix), self.p["norm.weight"], eps)
+
     def logits(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
-        y = kernels.get("rms_norm")(kernels.get("hc_collapse")(x, pre_mix), self.p["norm.weight"], self.cfg.norm_eps)
-        return y @ self.p["head.weight"].T
+        return self.head(self.final_hidden(x, pre_mix))
+
+    def head(self, y: torch.Tensor) -> torch.Tensor:
+        return (y.to(F32) if self.official else y) @ self.p["head.weight"].T
 
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """token_ids [T] flat -> logits [num_seqs, vocab] of each sequence's last new token (or [T, vocab]
         with ctx.all_logits). Without `ctx`, uses the one entered with `forward_context`."""
         if ctx is None:
             ctx = get_forward_context()
+        if self.official and len(ctx.seqs) > 1:
+            # One sequence per call, as V4EngineModel does: CPU torch rounds the last bit of GEMMs and
+            # vectorised elementwise ops depending on a tensor's shape, and the quantised model amplifies
+            # a last-bit difference chaotically; batch-1 shapes reproduce the oracle bit for bit.
+            out, base = [], self._seq_base
+            try:
+                for i, s in enumerate(ctx.seqs):
+                    self._seq_base = base + i
+                    out.append(self.forward(token_ids[ctx.rows(i)], ForwardContext((s,), ctx.all_logits)))
+            finally:
+                self._seq_base = base
+            return torch.cat(out)
         with forward_context(ctx):
             x, pre_mix = self.hidden(token_ids)
         rows = ctx.logit_rows()
+        if self.tap:  # "final" covers every row, like the oracle's
+            y = self.final_hidden(x, pre_mix)
+            self._per_sequence_tap(ctx)("final", y)
+            return self.head(y[rows])
         return self.logits(x[rows], pre_mix[rows])
 
     __call__ = forward
@@ -136,32 +221,36 @@ def build_for_runner(config, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor],
 
     if config.numerics not in SUPPORTED_NUMERICS:
         raise NotImplementedError(f"the V4.1 engine runs {SUPPORTED_NUMERICS} numerics only")
+    numerics = config.numerics
     raw = load_tensors(config.model, cfg, progress=False)
-    params = prepare_params(raw, cfg, torch.float64)
+    params = prepare_params(raw, cfg, torch.float64, numerics=numerics)
+    dtype = torch.float64 if numerics == "exact" else F32  # cache value dtype (official: packed + fp32 state)
     tok = Tokenizer.from_checkpoint(config.model) if cfg.engram_layer_ids else None
     c = config
     num_blocks = c.num_blocks
     if not num_blocks:
         tokens = min(c.max_num_batched_tokens, c.max_model_len)
         blocks = -(-tokens // c.block_size)
-        scratch = V41EngineModel(cfg, params, V41Cache(cfg, blocks, c.block_size, 1), raw, tok)
+        scratch = V41EngineModel(cfg, params, V41Cache(cfg, blocks, c.block_size, 1, dtype, numerics), raw, tok,
+                                 numerics)
         ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         from deepinfer.model.context import SeqContext
 
         if c.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         scratch.forward(ids, ForwardContext((SeqContext(0, tokens, 0, 0, tuple(range(blocks))),)))
-        fixed = V41Cache.bytes_per_sequence(cfg) * c.max_num_seqs
+        fixed = V41Cache.bytes_per_sequence(cfg, dtype, numerics) * c.max_num_seqs
         if c.device == "cuda":
             _, total = torch.cuda.mem_get_info()
             budget = int(total * c.gpu_memory_utilization) - torch.cuda.max_memory_allocated() - fixed
         else:
             budget = c.kv_cache_bytes - fixed
-        per_block = V41Cache.bytes_per_block(cfg, c.block_size)
+        per_block = V41Cache.bytes_per_block(cfg, c.block_size, dtype, numerics)
         num_blocks = budget // per_block if per_block else 1
         need = -(-c.max_model_len // c.block_size)
         if num_blocks < need:
             raise ValueError(f"KV budget holds {num_blocks} blocks but one sequence of max_model_len "
                              f"{c.max_model_len} needs {need}: raise kv_cache_bytes or lower max_model_len")
-    model = V41EngineModel(cfg, params, V41Cache(cfg, int(num_blocks), c.block_size, c.max_num_seqs), raw, tok)
+    model = V41EngineModel(cfg, params, V41Cache(cfg, int(num_blocks), c.block_size, c.max_num_seqs, dtype, numerics),
+                           raw, tok, numerics)
     return params, int(num_blocks), model

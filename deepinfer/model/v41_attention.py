@@ -7,13 +7,22 @@ block filter, sparse attention with the sink.
 Visibility: a query at p sees window positions max(0, p-window+1)..p and compressed entries j < (p+1)//r;
 index sources pick top-k of those (ties toward the lower entry; after the candidate-source layer only
 inside the candidate blocks), consumers reuse the latest index source's picks for the same queries.
+Official numerics (`official=True`, one sequence per call from the model): the official V4.1 kernels'
+rounding points (kernels/official.py, activation blocks of cfg.act_block): bf16 activations, FP8 act quant
+before FP8/FP4 GEMMs, bf16-weight linears for the ratio-1 compressor / indexer keys / indexer weights, fp32
+ratio-2 compressor, complex64 RoPE, no Hadamard; the window KV, latents and index keys fake-quantised by
+the cache's packed layouts (new rows stored once, the DECODED values are what attention uses); the
+indexer query FP4 per 32 and bf16 score rounding; the V4.1 sparse-attention kernel (running max from
+-1e30) with the official index order and width: a prefill from 0 lists window positions ascending then -1
+(min(S, window) columns), an extend at P > 0 lists the ring in slot order oldest first (-1 for unfilled
+slots, window columns); then the compressed top-k in position order padded to min(topk, end//r).
 Must not: import the reference oracle; per-forward sharing lives in the `shared` dict of one forward.
 """
 from __future__ import annotations
 
 import torch
 
-from deepinfer import kernels
+from deepinfer import formats, kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.v41_cache import V41Cache, V41LayerCache
@@ -23,12 +32,23 @@ def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in p.items() if k.startswith(prefix)}
 
 
+def _rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Official RMSNorm: the (bf16) input upcast, fp32 math, bf16 out."""
+    return kernels.get("rms_norm")(x.to(torch.float32), weight, eps).to(torch.bfloat16)
+
+
 def compress_extend_v41(p: dict[str, torch.Tensor], lc: V41LayerCache, slot: int, x: torch.Tensor,
-                        start_pos: int, eps: float) -> tuple[int, torch.Tensor]:
+                        start_pos: int, eps: float, official: bool = False) -> tuple[int, torch.Tensor]:
     """x [S, D] new tokens -> (first entry index, normalised latents BEFORE RoPE [n, hd]) of the groups
-    this extend completes; the partial group's rows stay in the state."""
+    this extend completes; the partial group's rows stay in the state.
+    official: ratio 1 a bf16 linear + fp32 norm -> bf16; ratio 2 fp32 projections / state / pooling, the
+    pooled latent rounded to bf16, fp32 norm -> bf16."""
     r, S = lc.ratio, x.shape[0]
-    rms = kernels.get("rms_norm")
+    rms = _rms_bf16 if official else kernels.get("rms_norm")
+    if official:
+        if r == 1:
+            return start_pos, rms(kernels.get("blinear")(x, p["wkv.weight"]), p["norm.weight"], eps)
+        x = x.to(torch.float32)
     if r == 1:
         return start_pos, rms(x @ p["wkv.weight"].T, p["norm.weight"], eps)
     kv, score = x @ p["wkv.weight"].T, x @ p["wgate.weight"].T
@@ -40,6 +60,8 @@ def compress_extend_v41(p: dict[str, torch.Tensor], lc: V41LayerCache, slot: int
     lat = kv.new_zeros(0, kv.shape[-1])
     if n:
         pooled = kernels.get("compress_pool")(kv_all[: n * r].view(n, r, -1), sc_all[: n * r].view(n, r, -1), False)
+        if official:
+            pooled = pooled.to(torch.bfloat16)
         lat = rms(pooled, p["norm.weight"], eps)
     lc.state_kv[slot].zero_()
     lc.state_score[slot].fill_(float("-inf"))
@@ -66,12 +88,13 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blo
 
 class V41Attention:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 all_params: dict[str, torch.Tensor]) -> None:
-        self.layer, self.p, self.cfg = layer, params, cfg
+                 all_params: dict[str, torch.Tensor], official: bool = False) -> None:
+        self.layer, self.p, self.cfg, self.official = layer, params, cfg, official
         self.ratio = r = cfg.compress_ratios[layer]
         self.win, self.H, self.hd, self.eps = cfg.window_size, cfg.n_heads, cfg.head_dim, cfg.norm_eps
         original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0
-        self.inv_freq = kernels.get("rope_inv_freq")(
+        freqs = "rope_freqs32" if official else "rope_inv_freq"  # official: fp32 table, complex64 rotation
+        self.inv_freq = kernels.get(freqs)(
             cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
         self.is_kv_source = bool(r) and layer in cfg.kv_source_layers
         self.is_index_source = bool(r) and layer in cfg.index_source_layers
@@ -102,11 +125,12 @@ class V41Attention:
             lc.index_keys[rows] = rope(keys, gpos, self.inv_freq)
             lc.comp[rows] = rope(lat, gpos, self.inv_freq)
 
-    def _select(self, i: int, rows: slice, qpos: torch.Tensor, keys: torch.Tensor, q_idx, w_idx, shared) -> torch.Tensor:
+    def _select(self, i: int, rows: slice, qpos: torch.Tensor, keys: torch.Tensor, q_idx, w_idx, shared,
+                scores_op: str = "indexer_scores") -> torch.Tensor:
         """Index-source top-k for sequence i -> entry indices [S, k] in position order, -1 = none."""
         n_ent = keys.shape[0]
         visible = (qpos + 1) // self.ratio
-        scores = kernels.get("indexer_scores")(q_idx[rows], w_idx[rows], keys)
+        scores = kernels.get(scores_op)(q_idx[rows], w_idx[rows], keys)
         scores = scores.masked_fill(torch.arange(n_ent).unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
         cand = shared.setdefault("candidates", {})
         if self.is_cand_source:
@@ -119,6 +143,8 @@ class V41Attention:
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
         """x [T, D] (normed input of the flat batch) -> [T, D]."""
+        if self.official:
+            return self._forward_official(x, ctx, cache, shared)
         cfg, p, r, win = self.cfg, self.p, self.ratio, self.win
         rms, rope = kernels.get("rms_norm"), kernels.get("rope")
         lc = cache.layers[self.layer]
@@ -169,3 +195,86 @@ class V41Attention:
         wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
         z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), wo_a)
         return z.flatten(1) @ p["wo_b.weight"].T
+
+    # ------------------------------------------------------------------ official numerics
+    def _write_entries_official(self, lc: V41LayerCache, cache: V41Cache, ctx: ForwardContext,
+                                x: torch.Tensor) -> None:
+        rope, eps, r = kernels.get("rope32"), self.eps, self.ratio
+        for i, s in enumerate(ctx.seqs):
+            first, lat = compress_extend_v41(self.comp_p, lc, s.state_slot, x[ctx.rows(i)], s.start_pos, eps,
+                                             official=True)
+            n = lat.shape[0]
+            if not n:
+                continue
+            gpos = (first + torch.arange(n)) * r
+            keys = _rms_bf16(kernels.get("blinear")(lat, self.key_p["wk.weight"]), self.key_p["k_norm.weight"], eps)
+            rows = cache.entry_rows(s.block_table, r, first + n)[first:]
+            lc.index_keys[rows] = lc.encode("index", rope(keys, gpos, self.inv_freq))  # FP4, E8M0 per 32
+            lc.comp[rows] = lc.encode("latent", rope(lat, gpos, self.inv_freq))  # FP4, E4M3 per 16
+
+    def _forward_official(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
+        """x [T, D] bf16 -> [T, D] bf16 with the official V4.1 kernels' rounding points."""
+        cfg, p, r, win, eps = self.cfg, self.p, self.ratio, self.win, self.eps
+        block = cfg.act_block
+        rope, blinear = kernels.get("rope32"), kernels.get("blinear")
+
+        def qlinear(t, w):
+            return kernels.get("qlinear")(t, w, block)
+
+        def rms(t, w):
+            return _rms_bf16(t, w, eps)
+
+        lc = cache.layers[self.layer]
+        pos, T = ctx.positions, x.shape[0]
+        qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
+        q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq)  # no head norm
+        kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq)
+        kv_stored = lc.encode("window", kv)  # FP8 of all channels, E8M0 per 32
+        kv = lc.decode("window", kv_stored)
+        if self.is_kv_source:
+            self._write_entries_official(lc, cache, ctx, x)
+        src = cache.layers[self.kv_src] if r else None
+        if self.is_index_source:
+            ihd, nh = cfg.index_head_dim, cfg.index_n_heads
+            q_idx = rope(qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd), pos, self.inv_freq)
+            q_idx = formats.fp4_fake_quant(q_idx, 32)  # no Hadamard in V4.1
+            w_idx = blinear(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+            shared[self.layer] = {}
+
+        outs = []
+        for i, s in enumerate(ctx.seqs):
+            rows = ctx.rows(i)
+            P, S, end = s.start_pos, s.num_new, s.end_pos
+            lo = max(0, P - win + 1)
+            ring_kv = lc.decode("window", lc.ring[s.window_slot, torch.arange(lo, P) % win])
+            keep = max(P, end - win)
+            lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_stored[rows][keep - P :]
+            qpos = pos[rows].unsqueeze(1)
+            if P == 0:  # prefill pattern: ascending from the oldest visible position, then -1
+                wpos = (qpos - win + 1).clamp(min=0) + torch.arange(min(S, win))
+                wpos = torch.where(wpos <= qpos, wpos, -1)
+            else:  # the ring in slot order, oldest first; unfilled slots -1
+                slot = (qpos % win + 1 + torch.arange(win)) % win
+                wpos = qpos - (qpos - slot) % win
+            parts = [torch.where(wpos >= 0, wpos - lo, -1)]
+            pool = [ring_kv, kv[rows]]
+            n_win = P - lo + S
+            n_ent = end // r if r else 0
+            if n_ent:
+                ent_rows = cache.entry_rows(s.block_table, r, n_ent)
+                pool.append(src.decode("latent", src.comp[ent_rows]))
+                if self.is_index_source:
+                    keys = src.decode("index", src.index_keys[ent_rows])
+                    sel = self._select(i, rows, pos[rows], keys, q_idx, w_idx, shared, "indexer_scores_bf16")
+                    shared[self.layer][i] = sel
+                else:
+                    sel = shared[self.idx_src][i]
+                parts.append(torch.where(sel >= 0, sel + n_win, -1))
+            idx = torch.cat(parts, dim=1)
+            outs.append(kernels.get("sparse_attn_sink_official_v41")(q[rows], torch.cat(pool), p["attn_sink"], idx,
+                                                                      self.hd**-0.5))
+        o = rope(torch.cat(outs), pos, self.inv_freq, inverse=True)
+        G = cfg.o_groups
+        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
+        z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(torch.float32), wo_a).to(torch.bfloat16)
+        return qlinear(z.flatten(1), p["wo_b.weight"])

@@ -1,4 +1,10 @@
-"""Engine KV storage of V4.1 for exact numerics (float64), paged by the BlockPool's block tables.
+"""Engine KV storage of V4.1, paged by the BlockPool's block tables.
+
+Exact numerics: float64 values. Official numerics (`numerics="official"`): the ring, the compressed
+latents and the index keys hold the PACKED uint8 entries of `cache/layouts.py` (`layouts_for(cfg)`:
+window `v41_window_fp8`, latent `v41_latent_fp4`, index `v41_index_fp4`), the ratio-2 partial-group
+state stays fp32; `encode`/`decode` convert between stored form and values (identity in exact numerics),
+so `decode(encode(x))` is the oracle's cached value.
 
 Owns, per layer:
   ring        [max_num_seqs, window, head_dim]   every layer: position p at slot p % window, row = window_slot
@@ -20,21 +26,49 @@ from typing import Sequence
 
 import torch
 
+from deepinfer.cache.layouts import KVLayout, layouts_for
 from deepinfer.config import ModelConfig
+
+STATE_DTYPE_OFFICIAL = torch.float32  # the official compressor keeps its partial groups in fp32
+
+
+def cache_layouts(cfg: ModelConfig, numerics: str) -> dict[str, KVLayout] | None:
+    """Packed layout per cache role (window, latent, index) in official numerics; None in exact."""
+    if numerics == "exact":
+        return None
+    if numerics != "official":
+        raise ValueError(f"unknown numerics {numerics!r}")
+    return layouts_for(cfg)
 
 
 class V41LayerCache:
     def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None) -> None:
         self.ratio = r = cfg.compress_ratios[layer]
-        self.ring = torch.zeros(max_num_seqs, cfg.window_size, cfg.head_dim, dtype=dtype)
+        self.layouts = layouts
+
+        def store(role: str, rows: int, width: int) -> torch.Tensor:
+            if layouts is None:
+                return torch.zeros(rows, width, dtype=dtype)
+            return torch.zeros(rows, layouts[role].bytes_per_token, dtype=torch.uint8)
+
+        state_dtype = dtype if layouts is None else STATE_DTYPE_OFFICIAL
+        self.ring = store("window", max_num_seqs * cfg.window_size, cfg.head_dim).unflatten(
+            0, (max_num_seqs, cfg.window_size))
         self.comp = self.index_keys = self.state_kv = self.state_score = None
         if r and layer in cfg.kv_source_layers:
-            self.comp = torch.zeros(num_blocks * (block_size // r), cfg.head_dim, dtype=dtype)
-            self.index_keys = torch.zeros(num_blocks * (block_size // r), cfg.index_head_dim, dtype=dtype)
+            self.comp = store("latent", num_blocks * (block_size // r), cfg.head_dim)
+            self.index_keys = store("index", num_blocks * (block_size // r), cfg.index_head_dim)
             if r > 1:
-                self.state_kv = torch.zeros(max_num_seqs, r, cfg.head_dim, dtype=dtype)
-                self.state_score = torch.full((max_num_seqs, r, cfg.head_dim), float("-inf"), dtype=dtype)
+                self.state_kv = torch.zeros(max_num_seqs, r, cfg.head_dim, dtype=state_dtype)
+                self.state_score = torch.full((max_num_seqs, r, cfg.head_dim), float("-inf"), dtype=state_dtype)
+
+    # stored form <-> values (identity in exact numerics); roles: window, latent, index
+    def encode(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        return x if self.layouts is None else self.layouts[role].store(x)
+
+    def decode(self, role: str, stored: torch.Tensor) -> torch.Tensor:
+        return stored if self.layouts is None else self.layouts[role].load(stored)
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         self.ring[window_slot].zero_()
@@ -44,31 +78,41 @@ class V41LayerCache:
 
 
 class V41Cache:
-    """All layers' caches of one V4.1 engine instance (exact numerics: float64)."""
+    """All layers' caches of one V4.1 engine instance (exact numerics: float64 values; official: packed)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype = torch.float64) -> None:
+                 dtype: torch.dtype = torch.float64, numerics: str = "exact") -> None:
         for r in cfg.compress_ratios[: cfg.n_layers]:
             if r and block_size % r:
                 raise ValueError(f"block_size {block_size} must be a multiple of every compression ratio ({r})")
         self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
-        self.layers = [V41LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype) for i in range(cfg.n_layers)]
+        self.numerics = numerics
+        self.layouts = cache_layouts(cfg, numerics)
+        self.layers = [V41LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype, self.layouts)
+                       for i in range(cfg.n_layers)]
         self.hasher = None  # the model attaches its EngramHasher (history per state slot)
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float64) -> int:
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float64,
+                        numerics: str = "exact") -> int:
+        layouts = cache_layouts(cfg, numerics)
         size = torch.empty((), dtype=dtype).element_size()
-        return sum((block_size // cfg.compress_ratios[i]) * (cfg.head_dim + cfg.index_head_dim) * size
+        width = (cfg.head_dim + cfg.index_head_dim) * size if layouts is None else \
+            layouts["latent"].bytes_per_token + layouts["index"].bytes_per_token
+        return sum((block_size // cfg.compress_ratios[i]) * width
                    for i in cfg.kv_source_layers if i < cfg.n_layers and cfg.compress_ratios[i])
 
     @staticmethod
-    def bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype = torch.float64) -> int:
+    def bytes_per_sequence(cfg: ModelConfig, dtype: torch.dtype = torch.float64, numerics: str = "exact") -> int:
+        layouts = cache_layouts(cfg, numerics)
         size = torch.empty((), dtype=dtype).element_size()
-        total = cfg.n_layers * cfg.window_size * cfg.head_dim * size
+        ring_row = cfg.head_dim * size if layouts is None else layouts["window"].bytes_per_token
+        state_size = size if layouts is None else torch.empty((), dtype=STATE_DTYPE_OFFICIAL).element_size()
+        total = cfg.n_layers * cfg.window_size * ring_row
         for i in cfg.kv_source_layers:
             r = cfg.compress_ratios[i] if i < cfg.n_layers else 0
             if r > 1:
-                total += 2 * r * cfg.head_dim * size
+                total += 2 * r * cfg.head_dim * state_size
         return total + 8 * max(0, cfg.engram_max_ngram_size - 1)
 
     def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """V4.1 mixture of experts of the engine (spec §10.4): sqrt-softplus (or configured) gate on logits divided
 by gate_temp, selection-only bias, weights normalised as w / (sum + 1e-20) when norm_topk_prob and top-k > 1,
 scaled by route_scale; clamped SwiGLU experts and a clamped shared expert. No hash layers.
-Exact numerics: float64 throughout. Must not: import the reference oracle.
+Exact numerics: float64 throughout. Official numerics: bf16 in/out, fp32 gate, each expert's GEMMs with
+FP8 activation quantisation per cfg.act_block (the routing weight multiplies the fp32 SwiGLU output before
+its rounding to bf16 and the down projection), outputs accumulated in fp32 in expert order (shared expert,
+clamped, last), rounded to bf16 once. Must not: import the reference oracle.
 """
 from __future__ import annotations
 
@@ -13,15 +16,15 @@ from deepinfer.config import ModelConfig
 
 
 class V41MoE:
-    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False) -> None:
         if not cfg.is_v41:
             raise ValueError("V41MoE implements family v41 routing")
-        self.p, self.cfg, self.topk = params, cfg, cfg.n_activated_experts
+        self.p, self.cfg, self.topk, self.official = params, cfg, cfg.n_activated_experts, official
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
-        logits = (x @ self.p["gate.weight"].T) / cfg.gate_temp
+        logits = ((x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T) / cfg.gate_temp
         if cfg.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
@@ -34,7 +37,31 @@ class V41MoE:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * cfg.route_scale, indices
 
+    def _swiglu_official(self, x: torch.Tensor, pre: str, weight: torch.Tensor | None) -> torch.Tensor:
+        block, limit = self.cfg.act_block, self.cfg.swiglu_limit
+        qlinear = kernels.get("qlinear")
+        gate = qlinear(x, self.p[pre + "w1.weight"], block).to(torch.float32)
+        up = qlinear(x, self.p[pre + "w3.weight"], block).to(torch.float32)
+        if limit > 0:
+            up = up.clamp(-limit, limit)
+            gate = gate.clamp(max=limit)
+        h = F.silu(gate) * up
+        if weight is not None:
+            h = weight * h
+        return qlinear(h.to(torch.bfloat16), self.p[pre + "w2.weight"], block)
+
+    def _forward_official(self, x: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.route(x)
+        y = torch.zeros(x.shape, dtype=torch.float32)
+        for e in sorted(set(indices.flatten().tolist())):
+            rows, slot = torch.where(indices == e)
+            y[rows] += self._swiglu_official(x[rows], f"experts.{e}.", weights[rows, slot, None]).to(torch.float32)
+        y += self._swiglu_official(x, "shared_experts.", None).to(torch.float32)
+        return y.to(torch.bfloat16)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.official:
+            return self._forward_official(x)
         swiglu, limit = kernels.get("swiglu"), self.cfg.swiglu_limit
         weights, indices = self.route(x)
         y = torch.zeros_like(x)
