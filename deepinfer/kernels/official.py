@@ -91,10 +91,11 @@ def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
 
 
 def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+                              scale: float, initial_max: float = float("-inf")) -> torch.Tensor:
     """The official sparse attention kernel: q [T, H, d] bf16, kv [N, d] bf16, sink [H] fp32, idx [T, K]
     (-1 = skip) -> [T, H, d] bf16. Online softmax over blocks of 64 indices in idx order (so the index
     order and width matter for the last bits), P rounded to bf16 before P.V, sink in the denominator only.
+    `initial_max`: the running max's start (-inf in V4; -1e30 in V4.1, so a row with no index gives 0).
     """
     T, H, d = q.shape
     K = idx.shape[-1]
@@ -104,7 +105,7 @@ def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Ten
     gathered = kv[idb.clamp(min=0).long()]  # [1, T, K, d]
     scores = torch.einsum("bmhd,bmkd->bmhk", qb.to(F32), gathered.to(F32)) * scale
     scores = scores.masked_fill(~valid.unsqueeze(0).unsqueeze(2), float("-inf"))
-    run_max = torch.full((1, T, H, 1), float("-inf"), dtype=F32)
+    run_max = torch.full((1, T, H, 1), initial_max, dtype=F32)
     run_sum = torch.zeros((1, T, H, 1), dtype=F32)
     out = torch.zeros((1, T, H, d), dtype=F32)
     for start in range(0, K, SPARSE_ATTN_BLOCK):
@@ -122,27 +123,5 @@ def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Ten
 
 def sparse_attn_sink_official_v41(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                                   scale: float) -> torch.Tensor:
-    """The V4.1 official sparse attention kernel: as `sparse_attn_sink_official` (same shapes, blocks of 64
-    indices in idx order, P rounded to bf16 before P.V, sink in the denominator only) except that the
-    running max starts at -1e30 instead of -inf, so a query row without any valid index gives 0."""
-    T, H, d = q.shape
-    K = idx.shape[-1]
-    valid = idx >= 0
-    qb, idb = q.unsqueeze(0), idx.unsqueeze(0)
-    gathered = kv[idb.clamp(min=0).long()]  # [1, T, K, d]
-    scores = torch.einsum("bmhd,bmkd->bmhk", qb.to(F32), gathered.to(F32)) * scale
-    scores = scores.masked_fill(~valid.unsqueeze(0).unsqueeze(2), float("-inf"))
-    run_max = torch.full((1, T, H, 1), -1e30, dtype=F32)
-    run_sum = torch.zeros((1, T, H, 1), dtype=F32)
-    out = torch.zeros((1, T, H, d), dtype=F32)
-    for start in range(0, K, SPARSE_ATTN_BLOCK):
-        s = scores[..., start : start + SPARSE_ATTN_BLOCK]
-        v = gathered[:, :, start : start + SPARSE_ATTN_BLOCK].to(F32)
-        new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True))
-        rescale = torch.exp(run_max - new_max)
-        p = torch.exp(s - new_max)
-        run_sum = run_sum * rescale + p.sum(-1, keepdim=True)
-        out = out * rescale + torch.einsum("bmhk,bmkd->bmhd", p.to(BF16).to(F32), v)
-        run_max = new_max
-    run_sum = run_sum + torch.exp(sink.to(F32).view(1, 1, H, 1) - run_max)
-    return (out / run_sum).to(q.dtype)[0]
+    """The V4.1 kernel: the same, with the running max starting at -1e30."""
+    return sparse_attn_sink_official(q, kv, sink, idx, scale, initial_max=-1e30)

@@ -48,6 +48,18 @@ def cache_layouts(cfg: ModelConfig, numerics: str, revision: str) -> dict[str, K
     return layouts_for(cfg, revision)
 
 
+def paged_entry_rows(block_table: Sequence[int], block_size: int, ratio: int, num_entries: int) -> torch.Tensor:
+    """Rows of entries 0..num_entries-1 of a ratio-r layer: a block of `block_size` tokens holds
+    block_size // r entries, entry j at block_table[j // epb] * epb + j % epb."""
+    epb = block_size // ratio
+    j = torch.arange(num_entries)
+    need = -(-num_entries // epb)
+    if len(block_table) < need:
+        raise ValueError(f"block table of {len(block_table)} blocks cannot hold {num_entries} entries of ratio {ratio}")
+    table = torch.tensor(list(block_table[:need]), dtype=torch.long)
+    return table[j // epb] * epb + j % epb
+
+
 class CompressorState:
     """(kv, score) partial-block rows of one compressor for every state slot."""
 
@@ -157,14 +169,7 @@ class V4Cache:
 
     def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
         """Flat rows [num_entries] of a sequence's compressed entries 0..num_entries-1 (see module doc)."""
-        epb = self.block_size // ratio
-        j = torch.arange(num_entries)
-        need = -(-num_entries // epb)
-        if len(block_table) < need:
-            raise ValueError(
-                f"block table of {len(block_table)} blocks cannot hold {num_entries} entries of ratio {ratio}")
-        table = torch.tensor(list(block_table[:need]), dtype=torch.long)
-        return table[j // epb] * epb + j % epb
+        return paged_entry_rows(block_table, self.block_size, ratio, num_entries)
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         for layer in self.layers:

@@ -103,3 +103,17 @@ def get_forward_context() -> ForwardContext:
     if ctx is None:
         raise RuntimeError("no ForwardContext: call the model inside `with forward_context(ctx):`")
     return ctx
+
+
+def check_batch(token_ids: torch.Tensor, ctx: ForwardContext, cfg, cache) -> None:
+    """Clear errors for a malformed batch: flat ids of the right count in the vocabulary, slots in range,
+    block tables covering every position whose compressed entries the step writes."""
+    if token_ids.dim() != 1 or token_ids.shape[0] != ctx.num_tokens:
+        raise ValueError(f"token_ids must be flat [{ctx.num_tokens}], got {tuple(token_ids.shape)}")
+    if int(token_ids.min()) < 0 or int(token_ids.max()) >= cfg.vocab_size:
+        raise ValueError("token id outside the vocabulary")
+    for s in ctx.seqs:
+        if not (0 <= s.window_slot < cache.max_num_seqs and 0 <= s.state_slot < cache.max_num_seqs):
+            raise ValueError(f"slot out of range in {s}")
+        if len(s.block_table) * cache.block_size < s.end_pos and any(s.end_pos // r for r in cfg.compress_ratios if r):
+            raise ValueError(f"block table of {len(s.block_table)} blocks does not cover position {s.end_pos - 1}")

@@ -24,7 +24,7 @@ import torch
 
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
-from deepinfer.model.context import ForwardContext, forward_context, get_forward_context
+from deepinfer.model.context import ForwardContext, check_batch, forward_context, get_forward_context
 from deepinfer.model.engram import EngramHasher, EngramLayer, compressed_token_map, engram_params
 from deepinfer.model.v41_attention import V41Attention, _sub
 from deepinfer.model.v41_cache import V41Cache
@@ -124,16 +124,7 @@ class V41EngineModel:
             cache.hasher = self.hasher
 
     def _check(self, token_ids: torch.Tensor, ctx: ForwardContext) -> None:
-        if token_ids.dim() != 1 or token_ids.shape[0] != ctx.num_tokens:
-            raise ValueError(f"token_ids must be flat [{ctx.num_tokens}], got {tuple(token_ids.shape)}")
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.cfg.vocab_size:
-            raise ValueError("token id outside the vocabulary")
-        bs = self.cache.block_size
-        for s in ctx.seqs:
-            if not (0 <= s.window_slot < self.cache.max_num_seqs and 0 <= s.state_slot < self.cache.max_num_seqs):
-                raise ValueError(f"slot out of range in {s}")
-            if len(s.block_table) * bs < s.end_pos and any(s.end_pos // r for r in self.cfg.compress_ratios if r):
-                raise ValueError(f"block table of {len(s.block_table)} blocks does not cover position {s.end_pos - 1}")
+        check_batch(token_ids, ctx, self.cfg, self.cache)
 
     def hidden(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The final 4-stream residual [T, hc, D] and the last block's pre mix [T, hc]."""

@@ -28,6 +28,7 @@ import torch
 
 from deepinfer.cache.layouts import KVLayout, layouts_for
 from deepinfer.config import ModelConfig
+from deepinfer.model.cache import paged_entry_rows
 
 STATE_DTYPE_OFFICIAL = torch.float32  # the official compressor keeps its partial groups in fp32
 
@@ -116,14 +117,7 @@ class V41Cache:
         return total + 8 * max(0, cfg.engram_max_ngram_size - 1)
 
     def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
-        epb = self.block_size // ratio
-        j = torch.arange(num_entries)
-        need = -(-num_entries // epb)
-        if len(block_table) < need:
-            raise ValueError(
-                f"block table of {len(block_table)} blocks cannot hold {num_entries} entries of ratio {ratio}")
-        table = torch.tensor(list(block_table[:need]), dtype=torch.long)
-        return table[j // epb] * epb + j % epb
+        return paged_entry_rows(block_table, self.block_size, ratio, num_entries)
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         for layer in self.layers:
