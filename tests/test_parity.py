@@ -179,3 +179,18 @@ def test_plots_are_written(tiny_v4_dir, tmp_path):
     for name in ("parity-layers.png", "parity-drift.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_next_token_catches_planted_causal_mask_off(tiny_v4_dir, monkeypatch):
+    """The seed's P1: a prefill whose queries see the chunk's later tokens: the one-shot prefill row is
+    flagged (the clean engine has no defect: test_next_token_clean)."""
+    import deepinfer.model.attention as engine_attention
+
+    def unmasked(qpos, win):  # every query sees the chunk's last `win` positions, future included
+        return (qpos.max() - win + 1 + torch.arange(win)).expand(qpos.shape[0], -1)
+
+    monkeypatch.setattr(engine_attention, "causal_window", unmasked)
+    ids = [2056, 768, 17607, 2793, 3139, 12108, 6692, 7624, 768, 11, 12, 13]
+    report = run_next_token(tiny_v4_dir, ids, force_ids=[3139, 12108], api_steps=0)
+    flagged = {d.split(" position")[0] for d in report.defects}
+    assert "prefill" in flagged

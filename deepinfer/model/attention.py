@@ -28,6 +28,12 @@ from deepinfer.model.compressor import compress_extend
 from deepinfer.model.context import ForwardContext
 
 
+def causal_window(qpos: torch.Tensor, win: int) -> torch.Tensor:
+    """[S, win] absolute positions each query may see: its causal window [p - win + 1, p] (negative: none).
+    The one place the engine's causality lives (the seed's P1 was a prefill without this mask)."""
+    return qpos.unsqueeze(1) - win + 1 + torch.arange(win)
+
+
 def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in p.items() if k.startswith(prefix)}
 
@@ -108,7 +114,7 @@ class V4Attention:
             keep = max(P, end - win)  # the ring keeps the last `win` positions, p at slot p % win
             lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_s[keep - P :]
             qpos = pos[rows]
-            wpos = qpos.unsqueeze(1) - win + 1 + torch.arange(win)  # [S, win] absolute positions
+            wpos = causal_window(qpos, win)  # [S, win] absolute positions
             n_win = P - lo + S
             parts = [torch.where(wpos >= 0, wpos - lo + base, -1)]  # pool row = position - lo
             pool += [ring_kv, kv_s]
