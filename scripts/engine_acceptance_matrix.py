@@ -7,6 +7,7 @@ CI runs a reduced matrix of the same check (tests/test_engine.py).
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -58,3 +59,4 @@ if __name__ == "__main__":
     for family in ("v4", "v41"):
         for batch, budget in CONFIGS:
             print(run(family, batch, budget), flush=True)
+            gc.collect()  # each run holds an engine (1 GiB KV budget) and ~1 GB of recorded logits
