@@ -74,21 +74,40 @@ class CompressorState:
         self.score[slot].fill_(float("-inf"))
 
 
-class LayerCache:
+class PackedStore:
+    """What every layer cache of both families shares: tensors either plain (exact numerics: compute dtype)
+    or packed bytes of a `cache/layouts.py` layout (official numerics), the per-slot window ring, and the
+    role-keyed encode/decode between values and what is stored."""
+
+    layouts: dict[str, KVLayout] | None
+
+    def _init_store(self, cfg: ModelConfig, max_num_seqs: int, dtype: torch.dtype,
+                    layouts: dict[str, KVLayout] | None) -> torch.dtype:
+        """Sets layouts and the window ring; returns the dtype of the compressor partial-block state."""
+        self.layouts, self._dtype = layouts, dtype
+        self.ring = self.store("window", max_num_seqs * cfg.window_size, cfg.head_dim).unflatten(
+            0, (max_num_seqs, cfg.window_size))
+        return dtype if layouts is None else STATE_DTYPE_OFFICIAL
+
+    def store(self, role: str, rows: int, width: int) -> torch.Tensor:
+        if self.layouts is None:
+            return torch.zeros(rows, width, dtype=self._dtype)
+        return torch.zeros(rows, self.layouts[role].bytes_per_token, dtype=torch.uint8)
+
+    def encode(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        return x if self.layouts is None else self.layouts[role].store(x)
+
+    def decode(self, role: str, stored: torch.Tensor) -> torch.Tensor:
+        return stored if self.layouts is None else self.layouts[role].load(stored)
+
+
+class LayerCache(PackedStore):
     def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,
                  dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None) -> None:
         self.ratio = r = cfg.compress_ratios[layer]
         self.window = cfg.window_size
-        self.layouts = layouts
-
-        def store(role: str, rows: int, width: int) -> torch.Tensor:
-            if layouts is None:
-                return torch.zeros(rows, width, dtype=dtype)
-            return torch.zeros(rows, layouts[role].bytes_per_token, dtype=torch.uint8)
-
-        state_dtype = dtype if layouts is None else STATE_DTYPE_OFFICIAL
-        self.ring = store("window", max_num_seqs * cfg.window_size, cfg.head_dim).unflatten(
-            0, (max_num_seqs, cfg.window_size))
+        state_dtype = self._init_store(cfg, max_num_seqs, dtype, layouts)
+        store = self.store
         self.comp = self.comp_state = self.index_keys = self.index_state = None
         if r:
             self.comp = store("compressed", num_blocks * (block_size // r), cfg.head_dim)
@@ -98,12 +117,6 @@ class LayerCache:
                 self.index_state = CompressorState(max_num_seqs, r, cfg.index_head_dim, state_dtype)
 
     # stored form <-> values (identity in exact numerics)
-    def encode(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        return x if self.layouts is None else self.layouts[role].store(x)
-
-    def decode(self, role: str, stored: torch.Tensor) -> torch.Tensor:
-        return stored if self.layouts is None else self.layouts[role].load(stored)
-
     def reset(self, window_slot: int, state_slot: int) -> None:
         """A sequence (re)starts at position 0: nothing of a previous owner may leak into it."""
         self.ring[window_slot].zero_()

@@ -28,9 +28,8 @@ import torch
 
 from deepinfer.cache.layouts import KVLayout, layouts_for
 from deepinfer.config import ModelConfig
-from deepinfer.model.cache import paged_entry_rows
+from deepinfer.model.cache import STATE_DTYPE_OFFICIAL, PackedStore, paged_entry_rows
 
-STATE_DTYPE_OFFICIAL = torch.float32  # the official compressor keeps its partial groups in fp32
 
 
 def cache_layouts(cfg: ModelConfig, numerics: str) -> dict[str, KVLayout] | None:
@@ -42,20 +41,12 @@ def cache_layouts(cfg: ModelConfig, numerics: str) -> dict[str, KVLayout] | None
     return layouts_for(cfg)
 
 
-class V41LayerCache:
+class V41LayerCache(PackedStore):
     def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,
                  dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None) -> None:
         self.ratio = r = cfg.compress_ratios[layer]
-        self.layouts = layouts
-
-        def store(role: str, rows: int, width: int) -> torch.Tensor:
-            if layouts is None:
-                return torch.zeros(rows, width, dtype=dtype)
-            return torch.zeros(rows, layouts[role].bytes_per_token, dtype=torch.uint8)
-
-        state_dtype = dtype if layouts is None else STATE_DTYPE_OFFICIAL
-        self.ring = store("window", max_num_seqs * cfg.window_size, cfg.head_dim).unflatten(
-            0, (max_num_seqs, cfg.window_size))
+        state_dtype = self._init_store(cfg, max_num_seqs, dtype, layouts)
+        store = self.store
         self.comp = self.index_keys = self.state_kv = self.state_score = None
         if r and layer in cfg.kv_source_layers:
             self.comp = store("latent", num_blocks * (block_size // r), cfg.head_dim)
@@ -65,12 +56,6 @@ class V41LayerCache:
                 self.state_score = torch.full((max_num_seqs, r, cfg.head_dim), float("-inf"), dtype=state_dtype)
 
     # stored form <-> values (identity in exact numerics); roles: window, latent, index
-    def encode(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        return x if self.layouts is None else self.layouts[role].store(x)
-
-    def decode(self, role: str, stored: torch.Tensor) -> torch.Tensor:
-        return stored if self.layouts is None else self.layouts[role].load(stored)
-
     def reset(self, window_slot: int, state_slot: int) -> None:
         self.ring[window_slot].zero_()
         if self.state_kv is not None:
