@@ -1,0 +1,39 @@
+"""Triton kernels for CUDA devices, registered into the `deepinfer.kernels` registry on demand.
+
+Owns: the list of Triton kernel modules and `register_cuda_kernels()`, which imports them and installs
+each module's `REGISTRATIONS` ({op name: callable}) with `register(name, fn, device="cuda")`.
+Must not: import triton (or any kernel module) at import time. CI machines have no triton; only a CUDA
+path calls `register_cuda_kernels()`, so importing this package is always safe.
+
+To add kernels: write a module here that exposes `REGISTRATIONS` and add its name to `KERNEL_MODULES`.
+"""
+from __future__ import annotations
+
+import importlib
+
+# one entry per engineer-owned module; each exposes REGISTRATIONS = {op_name: fn}
+KERNEL_MODULES: tuple[str, ...] = (
+    "fp8_gemm",   # fp8_linear: fused act_quant + block-scaled FP8 GEMM
+    "fp4_moe",    # fp4_moe: routing + grouped FP4 expert GEMMs
+)
+
+
+def register_cuda_kernels() -> list[str]:
+    """Import every Triton kernel module and register its ops for device "cuda" (re-registering
+    overwrites, so calling it twice is harmless).
+    Returns the op names registered. Raises ImportError (naming the module) when triton is missing."""
+    from deepinfer.kernels import register
+
+    names: list[str] = []
+    for module_name in KERNEL_MODULES:
+        try:
+            module = importlib.import_module(f"{__name__}.{module_name}")
+        except ImportError as err:
+            raise ImportError(f"Triton kernel module {module_name!r} could not be imported: {err}") from err
+        registrations = getattr(module, "REGISTRATIONS", None)
+        if not isinstance(registrations, dict):
+            raise TypeError(f"{module.__name__} must define REGISTRATIONS = {{op_name: fn}}")
+        for op_name, fn in registrations.items():
+            register(op_name, fn, device="cuda")
+            names.append(op_name)
+    return names
