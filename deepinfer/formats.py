@@ -164,7 +164,7 @@ def quant_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, to
     """
     out_dim, in_dim = weight.shape
     bo, bi = -(-out_dim // block), -(-in_dim // block)
-    padded = torch.zeros(bo * block, bi * block, dtype=torch.float32)
+    padded = torch.zeros(bo * block, bi * block, dtype=torch.float32, device=weight.device)
     padded[:out_dim, :in_dim] = weight.to(torch.float32)
     tiles = padded.view(bo, block, bi, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp(min=FP8_AMAX_FLOOR)

@@ -147,9 +147,13 @@ def _plain(name: str, spec: TensorSpec, cfg: ModelConfig, g: torch.Generator) ->
     raise ValueError(f"no initialiser for {name}")
 
 
-def make_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Every tensor of the official table for `cfg`, in its official dtype and layout."""
+def make_tensors(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the official table for `cfg`, in its official dtype and layout.
+
+    device: where the FP8/FP4 weights are drawn and quantised (benchmarks make real-dimension layers on the
+    GPU; the small tensors are drawn on the CPU and moved). "cpu" gives the embedded tiny checkpoints."""
     g = torch.Generator().manual_seed(seed)
+    gd = g if torch.device(device).type == "cpu" else torch.Generator(device=device).manual_seed(seed)
     specs = expected_tensors(cfg)
     out: dict[str, torch.Tensor] = {}
     block = cfg.weight_block
@@ -162,14 +166,14 @@ def make_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
             continue
         if spec.kind in ("fp8", "fp4"):
             in_dim = spec.shape[1] * (2 if spec.kind == "fp4" else 1)
-            w = torch.randn(spec.shape[0], in_dim, generator=g) * _std(name, spec, cfg)
+            w = torch.randn(spec.shape[0], in_dim, generator=gd, device=device) * _std(name, spec, cfg)
             q, s = formats.quant_fp4_rows(w) if spec.kind == "fp4" else formats.quant_fp8_blocks(w, block)
             out[name] = q
             out[name[: -len(".weight")] + ".scale"] = s
             continue
         t = _plain(name, spec, cfg, g)
         dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "int": torch.int64}[spec.kind]
-        out[name] = t.to(dtype).contiguous()
+        out[name] = t.to(dtype).contiguous().to(device)
     return out
 
 
