@@ -34,3 +34,9 @@ for _name in torch_ops.__all__:
     register(_name, getattr(torch_ops, _name))
 for _name in official.__all__:  # official-numerics emulation (bf16 activations, FP8 act quant, ...)
     register(_name, getattr(official, _name))
+
+# quantised-weight ops: the torch twins (the Triton versions register for "cuda" via kernels.triton)
+from deepinfer.kernels import quant_weights  # noqa: E402  (it imports `official`, loaded above)
+
+register("fp8_linear", quant_weights.fp8_linear_torch)
+register("fp4_moe", quant_weights.fp4_moe_torch)

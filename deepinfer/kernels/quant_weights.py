@@ -1,0 +1,226 @@
+"""Quantised weight containers for the GPU kernels, and their torch twins (the ops' reference math).
+
+Owns:
+* `QuantLinearWeight`: one FP8 E4M3 linear weight [N, K] with its 2-D block scales (decoded to fp32), the
+  weight block edge (128 in V4, 32 in V4.1) and the activation quantisation block used before the GEMM.
+* `FP4ExpertBank`: every routed expert of one MoE layer, stacked and still packed in FP4 E2M1 (half the bytes
+  of FP8): `w13` = gate (w1) rows then up (w3) rows, `w2` the down projection; per-32 E8M0 scales as raw
+  uint8 bytes (value 2**(byte-127); a quarter of the bytes of fp32 scales, decoded inside the kernels).
+* `fp8_linear_torch` / `fp4_moe_torch`: the torch twins of ops "fp8_linear" / "fp4_moe". They compute with
+  the exact dequantised weights, like `kernels.official.qlinear` and `model/moe.py::_forward_official`, so
+  on CPU they are bit-identical to the engine's official numerics; the Triton kernels are tested against
+  them (differences are fp32 summation order only).
+
+Must not: import triton, know tensor names beyond one layer's expert/linear suffixes, or hold per-batch state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer import formats
+from deepinfer.config import ModelConfig
+from deepinfer.kernels import official
+
+_FP4_STORAGE = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+_E8M0_STORAGE = (torch.float8_e8m0fnu, torch.uint8)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 linear weights
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class QuantLinearWeight:
+    """FP8 E4M3 weight [N, K] with fp32 block scales [ceil(N/block), ceil(K/block)] (E8M0 values decoded)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: int
+    act_block: int
+    _dequantised: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != torch.float8_e4m3fn or self.data.dim() != 2:
+            raise ValueError(f"QuantLinearWeight.data must be a 2-D float8_e4m3fn tensor, got "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+        if self.scale.dtype != torch.float32:
+            raise ValueError(f"QuantLinearWeight.scale must hold decoded fp32 scales, got {self.scale.dtype}")
+        n, k = self.data.shape
+        expected = (_ceil_div(n, self.block), _ceil_div(k, self.block))
+        if tuple(self.scale.shape) != expected:
+            raise ValueError(f"QuantLinearWeight.scale shape {tuple(self.scale.shape)} does not match weight "
+                             f"[{n}, {k}] with {self.block}x{self.block} blocks: expected {expected}")
+        if k % self.act_block:
+            raise ValueError(f"QuantLinearWeight in_features {k} is not a multiple of act_block {self.act_block}")
+        if self.scale.device != self.data.device:
+            raise ValueError(f"QuantLinearWeight data on {self.data.device} but scale on {self.scale.device}")
+
+    @classmethod
+    def from_checkpoint(cls, weight: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig) -> "QuantLinearWeight":
+        """From the stored tensors: E4M3 weight and its E8M0 (float8_e8m0fnu or uint8) block scale."""
+        if scale.dtype not in _E8M0_STORAGE:
+            raise ValueError(f"checkpoint FP8 block scales must be E8M0, got {scale.dtype}")
+        return cls(weight.contiguous(), formats.e8m0_to_float(scale).contiguous(), cfg.weight_block, cfg.act_block)
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
+    def to(self, device: torch.device | str) -> "QuantLinearWeight":
+        return QuantLinearWeight(self.data.to(device), self.scale.to(device), self.block, self.act_block)
+
+    def dequant(self) -> torch.Tensor:
+        """The exact fp32 weight (E4M3 x pow2 scale), cached: the twin's operand."""
+        if self._dequantised is None:
+            self._dequantised = formats.dequant_fp8_blocks(self.data, self.scale, self.block)
+        return self._dequantised
+
+
+def fp8_linear_torch(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """Twin of op "fp8_linear": official act_quant of x (pow2 scale per w.act_block) then the FP8 block-scaled
+    GEMM with fp32 accumulation, bf16 out. x bf16 [M, K] -> bf16 [M, N]."""
+    _check_activation("fp8_linear", x, w.in_features)
+    return official.qlinear(x, w.dequant(), w.act_block)
+
+
+def _check_activation(op: str, x: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{op}: x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"{op}: x must be bf16 (the official activations), got {x.dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# FP4 routed experts
+# ----------------------------------------------------------------------------------------------
+def _fp4_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dtype not in _FP4_STORAGE:
+        raise ValueError(f"{name}: routed expert weights must be packed FP4 (int8/uint8/float4_e2m1fn_x2), "
+                         f"got {t.dtype}")
+    return t.view(torch.uint8)
+
+
+def _e8m0_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dtype not in _E8M0_STORAGE:
+        raise ValueError(f"{name}: FP4 expert scales must be E8M0 (float8_e8m0fnu or uint8), got {t.dtype}")
+    return t.view(torch.uint8)
+
+
+@dataclass
+class FP4ExpertBank:
+    """All routed experts of one layer, packed FP4 (two E2M1 codes per byte, low nibble = even K index).
+
+    w13 uint8 [E, 2I, D/2] (rows 0..I-1 gate = w1, rows I..2I-1 up = w3), w13_scale uint8 E8M0 [E, 2I, D/32];
+    w2 uint8 [E, D, I/2], w2_scale uint8 E8M0 [E, D, I/32]. act_block: activation quantisation block
+    before each expert GEMM (128 in V4, 32 in V4.1).
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    act_block: int
+
+    def __post_init__(self) -> None:
+        for name in ("w13", "w13_scale", "w2", "w2_scale"):
+            t = getattr(self, name)
+            if t.dtype != torch.uint8 or t.dim() != 3:
+                raise ValueError(f"FP4ExpertBank.{name} must be a 3-D uint8 tensor, got {t.dtype} {tuple(t.shape)}")
+        e, two_i, half_d = self.w13.shape
+        d, inter = half_d * 2, two_i // 2
+        expected = {"w13_scale": (e, two_i, d // formats.FP4_BLOCK), "w2": (e, d, inter // 2),
+                    "w2_scale": (e, d, inter // formats.FP4_BLOCK)}
+        for name, shape in expected.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"FP4ExpertBank.{name} shape {tuple(getattr(self, name).shape)} != {shape} "
+                                 f"(from w13 {tuple(self.w13.shape)}: E={e}, I={inter}, D={d})")
+        if two_i % 2 or d % formats.FP4_BLOCK or inter % formats.FP4_BLOCK:
+            raise ValueError(f"FP4ExpertBank dims must be multiples of {formats.FP4_BLOCK}: D={d}, I={inter}")
+        if d % self.act_block or inter % self.act_block:
+            raise ValueError(f"FP4ExpertBank dims D={d}, I={inter} must be multiples of act_block {self.act_block}")
+
+    @classmethod
+    def from_checkpoint(cls, raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> "FP4ExpertBank":
+        """Stack `{prefix}experts.{e}.{w1,w3,w2}.{weight,scale}` for e < cfg.n_routed_experts.
+        `prefix` is the MoE module's name with its dot, e.g. "layers.3.ffn."."""
+        w13, w13_s, w2, w2_s = [], [], [], []
+        for e in range(cfg.n_routed_experts):
+            def get(part: str) -> torch.Tensor:
+                name = f"{prefix}experts.{e}.{part}"
+                if name not in raw:
+                    raise KeyError(f"FP4ExpertBank.from_checkpoint: missing {name!r}")
+                return raw[name]
+
+            w13.append(torch.cat([_fp4_bytes(get("w1.weight"), "w1"), _fp4_bytes(get("w3.weight"), "w3")]))
+            w13_s.append(torch.cat([_e8m0_bytes(get("w1.scale"), "w1.scale"), _e8m0_bytes(get("w3.scale"), "w3.scale")]))
+            w2.append(_fp4_bytes(get("w2.weight"), "w2"))
+            w2_s.append(_e8m0_bytes(get("w2.scale"), "w2.scale"))
+        return cls(torch.stack(w13), torch.stack(w13_s), torch.stack(w2), torch.stack(w2_s), cfg.act_block)
+
+    @property
+    def n_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.w13.shape[2] * 2
+
+    @property
+    def inter_dim(self) -> int:
+        return self.w13.shape[1] // 2
+
+    def to(self, device: torch.device | str) -> "FP4ExpertBank":
+        return FP4ExpertBank(self.w13.to(device), self.w13_scale.to(device), self.w2.to(device),
+                             self.w2_scale.to(device), self.act_block)
+
+    def dequant_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Exact fp32 (w1 [I, D], w3 [I, D], w2 [D, I]) of expert e."""
+        w13 = formats.dequant_fp4(self.w13[e], self.w13_scale[e])
+        return w13[: self.inter_dim], w13[self.inter_dim:], formats.dequant_fp4(self.w2[e], self.w2_scale[e])
+
+
+def check_routing(op: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  bank: FP4ExpertBank) -> None:
+    """Shape/dtype checks shared by the twin and the Triton op (ids are range-checked by the twin only:
+    a device-side check would force a host sync)."""
+    _check_activation(op, x, bank.dim)
+    t = x.shape[0]
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: topk_ids must be int32/int64 [{t}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_weights.dtype != torch.float32:
+        raise ValueError(f"{op}: topk_weights must be fp32 {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+
+
+def fp4_moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
+                  swiglu_limit: float) -> torch.Tensor:
+    """Twin of op "fp4_moe": the routed experts of `_forward_official`, fp32 [T, D] (the caller adds the
+    shared expert and rounds to bf16). Per expert in ascending id order: gate/up = qlinear(x) -> bf16;
+    fp32 clamp (limit > 0), silu(gate) * up * routing weight; down = qlinear(bf16(h)) -> bf16; y += down."""
+    check_routing("fp4_moe", x, topk_ids, topk_weights, bank)
+    if bool(((topk_ids < 0) | (topk_ids >= bank.n_experts)).any()):
+        raise ValueError(f"fp4_moe: topk_ids outside [0, {bank.n_experts})")
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in sorted(set(topk_ids.flatten().tolist())):
+        rows, slot = torch.where(topk_ids == e)
+        w1, w3, w2 = bank.dequant_expert(e)
+        xe = x[rows]
+        gate = official.qlinear(xe, w1, bank.act_block).to(torch.float32)
+        up = official.qlinear(xe, w3, bank.act_block).to(torch.float32)
+        if swiglu_limit > 0:
+            up = up.clamp(-swiglu_limit, swiglu_limit)
+            gate = gate.clamp(max=swiglu_limit)
+        h = topk_weights[rows, slot, None] * (F.silu(gate) * up)
+        y[rows] += official.qlinear(h.to(torch.bfloat16), w2, bank.act_block).to(torch.float32)
+    return y

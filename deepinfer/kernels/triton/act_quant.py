@@ -1,0 +1,74 @@
+"""Triton FP8 activation quantisation, bit-identical to `formats.act_quant` (the official `act_quant` with
+power-of-two ue8m0 scales): per group of `block` elements of a row, amax floored at 1e-4,
+s = 2**ceil(log2(amax * fp32(1/448))) by the exponent-bit trick, q = E4M3_rne(clamp(x / s, +-448)).
+
+Owns: the jit helpers `pow2_scale` / `quantise_groups` (also used inline by the fused FP8 GEMM) and the
+stand-alone kernel `act_quant(x, block) -> (q fp8 [M, K], s fp32 [M, K/block])` used by the MoE.
+Must not: be imported without triton (only `kernels.triton` CUDA paths import it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: the kernels then run on CPU tensors (slow; tests at tiny shapes)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def pow2_scale(amax):
+    """(s, 1/s) with s = 2**ceil(log2(amax * fp32(1/448))) for amax already floored (a normal fp32).
+    Reads the exponent of the product and adds one when any mantissa bit is set, like the kernels do;
+    1/s is built from the exponent too, so x * (1/s) equals x / s exactly."""
+    prod = amax * (1.0 / 448.0)
+    bits = prod.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (exp << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - exp) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def quantise_rows(x):
+    """x fp32 [R, C] (one quantisation group per row) -> (E4M3 [R, C], fp32 scales [R])."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    scale, inv = pow2_scale(amax)
+    q = tl.clamp(x * inv[:, None], -448.0, 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return q, scale
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, stride_sm,
+                      BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (g < n_groups)[:, None]
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    q, scale = quantise_rows(x)
+    tl.store(q_ptr + row * stride_qm + cols, q, mask=mask)
+    tl.store(s_ptr + row * stride_sm + g, scale, mask=g < n_groups)
+
+
+def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp32, CUDA) -> (q float8_e4m3fn [M, K], s fp32 [M, K/block])."""
+    if x.dim() != 2 or x.shape[1] % block:
+        raise ValueError(f"act_quant: x must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
+    x = x.contiguous()
+    m, k = x.shape
+    n_groups = k // block
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    groups = max(1, min(triton.next_power_of_2(n_groups), 4096 // block))
+    grid = (m, triton.cdiv(n_groups, groups))
+    _act_quant_kernel[grid](x, q, s, n_groups, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=block, GROUPS=groups)
+    return q, s

@@ -1,0 +1,201 @@
+"""Triton op "fp4_moe": the routed experts of one MoE layer with the weights kept packed in FP4 on the GPU.
+
+fp4_moe(x bf16 [T, D], topk_ids [T, k], topk_weights fp32 [T, k], bank: FP4ExpertBank, swiglu_limit)
+-> fp32 [T, D] = sum over each token's k experts (ascending expert id, like the official loop) of the
+official expert: gate/up = fp4_gemm(act_quant(x)) -> bf16; fp32 clamp, silu(gate) * up * routing weight
+-> bf16 -> act_quant -> w2 fp4_gemm -> bf16. Stages:
+1. routing: slots (t*k + j) sorted by expert into blocks of BM rows, each block one expert
+   (`align_by_expert`, torch on the device, no host sync);
+2. act_quant(x) once (a token's row is shared by its k experts);
+3. grouped GEMM w13 with the SwiGLU epilogue -> h bf16 [T*k, I];
+4. act_quant(h); grouped GEMM w2 -> bf16 [T*k, D];
+5. per-token fp32 sum of its k rows in ascending expert order (bit-identical to the twin's accumulation).
+FP4 -> FP8 inside the GEMM: each byte's two E2M1 codes (low nibble = even K) are turned into E4M3 bits
+(every E2M1 value is exact in E4M3), the per-32 E8M0 scale is applied to the fp32 partial sum of each
+32-wide K chunk (exact FP8 products, fp32 accumulation): the official fp4_gemm math, no per-128 requant.
+Must not: be imported without triton; know about gates, hash routing or the shared expert (the caller's).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
+from deepinfer.kernels.triton.act_quant import act_quant, interpreting
+
+FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotion of the fp32 partial sum
+
+
+# ----------------------------------------------------------------------------------------------
+# routing
+# ----------------------------------------------------------------------------------------------
+def align_by_expert(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots (t*k + j) grouped by expert into blocks of `block_m` rows (vLLM's moe_align_block_size).
+
+    Returns sorted_slots int32 [n_blocks * block_m] (padding = T*k) and block_expert int32 [n_blocks]
+    (-1 for blocks past the last expert's). n_blocks is an upper bound computed from the shapes alone,
+    so nothing waits on the device: sum_e ceil(c_e / BM) <= S // BM + min(E, S), and <= S."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n_slots = flat.numel()
+    n_blocks = max(1, min(n_slots, n_slots // block_m + min(n_experts, n_slots)))
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    expert_of_sorted = flat[order]
+    rank = torch.arange(n_slots, device=flat.device) - count_start[expert_of_sorted]
+    sorted_slots = torch.full((n_blocks * block_m,), n_slots, dtype=torch.int32, device=flat.device)
+    sorted_slots[padded_start[expert_of_sorted] + rank] = order.to(torch.int32)
+    block_start = torch.arange(n_blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_start < padded_end[-1], block_expert, -1).to(torch.int32)
+    return sorted_slots, block_expert
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _e2m1_bytes_to_e4m3(packed):
+    """uint8 [R, C] (two E2M1 codes per byte, low nibble first) -> float8e4nv [R, 2C]. E2M1 code
+    s|e1e0|m: e > 0 -> E4M3 exponent e+6, mantissa m<<2; e == 0 -> 0 or 0.5 (E4M3 0x30)."""
+    b = packed.to(tl.int32)
+    codes = tl.interleave(b & 0xF, b >> 4)
+    mag = codes & 7
+    e = mag >> 1
+    m = mag & 1
+    bits = tl.where(e > 0, ((e + 6) << 3) | (m << 2), m * 0x30) | ((codes & 8) << 4)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _e8m0_to_f32(byte):
+    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sorted_slots_ptr,
+                             block_expert_ptr, n_slots, N, limit,
+                             stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                             K: tl.constexpr, A_ROW_DIV: tl.constexpr, ACT_BLOCK: tl.constexpr, GATED: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr):
+    """One block of BM slots of one expert x BN output columns. A = fp8 activations [rows, K] with fp32
+    scales per ACT_BLOCK (row = slot // A_ROW_DIV); W = packed FP4 [E, (2 if GATED) N, K/2] with E8M0
+    [E, ..., K/32]. GATED: out[slot, n] = bf16(w_slot * silu(g) * u) with g/u from rows n and N + n;
+    else out[slot, n] = bf16(A @ W[e]^T)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    slots = tl.load(sorted_slots_ptr + pid_m * BM + tl.arange(0, BM))
+    valid = slots < n_slots
+    rows = (slots // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, FP4_BLOCK)[None, :]
+    as_ptrs = as_ptr + rows * stride_asm
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
+        + tl.arange(0, FP4_BLOCK // 2)[None, :]
+    ws_ptrs = ws_ptr + expert.to(tl.int64) * stride_wse + offs_n.to(tl.int64) * stride_wsn
+    up_w = N * stride_wn
+    up_s = N * stride_wsn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, FP4_BLOCK):
+        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+        a_scale = tl.load(as_ptrs + k0 // ACT_BLOCK, mask=valid, other=0.0)
+        b = _e2m1_bytes_to_e4m3(tl.load(w_ptrs + k0 // 2, mask=n_ok[:, None], other=0))
+        b_scale = _e8m0_to_f32(tl.load(ws_ptrs + k0 // FP4_BLOCK, mask=n_ok, other=0))
+        acc += tl.dot(a, tl.trans(b)) * (a_scale[:, None] * b_scale[None, :])
+        if GATED:
+            bu = _e2m1_bytes_to_e4m3(tl.load(w_ptrs + up_w + k0 // 2, mask=n_ok[:, None], other=0))
+            bu_scale = _e8m0_to_f32(tl.load(ws_ptrs + up_s + k0 // FP4_BLOCK, mask=n_ok, other=0))
+            acc_up += tl.dot(a, tl.trans(bu)) * (a_scale[:, None] * bu_scale[None, :])
+    if GATED:
+        gate = acc.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
+        up = acc_up.to(tl.bfloat16).to(tl.float32)
+        if limit > 0:
+            up = tl.clamp(up, -limit, limit)
+            gate = tl.minimum(gate, limit)
+        route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0)
+        result = route_w[:, None] * (gate / (1.0 + tl.exp(-gate)) * up)
+    else:
+        result = acc
+    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result.to(tl.bfloat16), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_expert_rows_kernel(y_ptr, rows_ptr, order_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr):
+    """y[t] = fp32 sum of rows[t*k + order[t, j]] for j = 0..k-1, sequentially from 0 (the twin's order)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BD + tl.arange(0, BD)
+    ok = offs < D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        slot = t * TOPK + tl.load(order_ptr + t * TOPK + j)
+        acc += tl.load(rows_ptr + slot.to(tl.int64) * D + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * D + offs, acc, mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# the op
+# ----------------------------------------------------------------------------------------------
+def _config(n_slots: int, n_experts: int) -> dict:
+    """Few tokens per expert (decode): BM=16, narrow N tiles so many programs stream weights.
+    Many (prefill): bigger tiles to reuse each weight tile over more rows."""
+    per_expert = n_slots / max(1, n_experts)
+    if per_expert <= 16:
+        return dict(BM=16, BN=64, num_warps=4, num_stages=6)
+    if per_expert <= 48:
+        return dict(BM=32, BN=64, num_warps=4, num_stages=5)
+    return dict(BM=64, BN=128, num_warps=8, num_stages=4)
+
+
+def _grouped_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, k, limit,
+                  a_row_div, act_block, gated, cfg):
+    bn = cfg["BN"] // 2 if gated else cfg["BN"]  # two accumulators when gated
+    grid = (block_expert.numel(), triton.cdiv(n, bn))
+    _fp4_grouped_gemm_kernel[grid](
+        a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, float(limit),
+        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+        K=k, A_ROW_DIV=a_row_div, ACT_BLOCK=act_block, GATED=gated, BM=cfg["BM"], BN=bn,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
+            swiglu_limit: float) -> torch.Tensor:
+    """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
+    topk_ids must lie in [0, E) (not checked on the device: that would force a host sync)."""
+    if not x.is_cuda and not interpreting():
+        return fp4_moe_torch(x, topk_ids, topk_weights, bank, swiglu_limit)
+    check_routing("fp4_moe", x, topk_ids, topk_weights, bank)
+    if bank.w13.device != x.device:
+        raise ValueError(f"fp4_moe: the expert bank is on {bank.w13.device}, x on {x.device} (FP4ExpertBank.to)")
+    t, topk = topk_ids.shape
+    d, inter, n_slots = bank.dim, bank.inter_dim, topk_ids.numel()
+    y = torch.empty((t, d), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return y
+    cfg = _config(n_slots, bank.n_experts)
+    sorted_slots, block_expert = align_by_expert(topk_ids, bank.n_experts, cfg["BM"])
+    route_w = topk_weights.contiguous().view(-1)
+    xq, xs = act_quant(x, bank.act_block)
+    h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
+    _grouped_gemm(xq, xs, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots, inter, d,
+                  swiglu_limit, topk, bank.act_block, True, cfg)
+    hq, hs = act_quant(h, bank.act_block)
+    rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
+    _grouped_gemm(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter,
+                  0.0, 1, bank.act_block, False, cfg)
+    order = torch.argsort(topk_ids, dim=1).to(torch.int32).contiguous()
+    bd = min(1024, triton.next_power_of_2(d))
+    _sum_expert_rows_kernel[(t, triton.cdiv(d, bd))](y, rows, order, d, TOPK=topk, BD=bd)
+    return y
+
+
+REGISTRATIONS = {"fp4_moe": fp4_moe}

@@ -1,0 +1,69 @@
+"""Time the Triton fp8_linear and fp4_moe ops on a CUDA device (median of triton.testing.do_bench, events).
+
+fp8_linear: N=K=4096 at M = 1, 128, 4096 for V4 (128x128 blocks) and V4.1 (32x32); cuBLAS bf16 beside it.
+fp4_moe: V4-Flash dims (D=4096, I=2048, E=256, k=6) at T = 1, 128, 8192, uniform random routing.
+Reports ms, GB/s over the bytes that must move (weights touched once + activations) and TFLOP/s.
+Usage: python scripts/bench_gemm_kernels.py   (needs CUDA and triton)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from deepinfer import formats
+from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
+from deepinfer.kernels.triton.fp4_moe import fp4_moe
+from deepinfer.kernels.triton.fp8_gemm import fp8_linear
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_fp8_linear(rows: list[str]) -> None:
+    n = k = 4096
+    for block in (128, 32):
+        wq, ws = formats.quant_fp8_blocks(torch.randn(n, k, device="cuda"), block)
+        w = QuantLinearWeight(wq, formats.e8m0_to_float(ws), block, block)
+        wb = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        for m in (1, 128, 4096):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            t = _ms(lambda: fp8_linear(x, w))
+            tb = _ms(lambda: x @ wb.T)
+            bytes_moved = n * k + m * k * 2 + m * n * 2
+            flops = 2 * m * n * k
+            rows.append(f"fp8_linear block={block:3d} M={m:5d} N=K=4096 | {t * 1e3:8.1f} us | "
+                        f"{bytes_moved / t / 1e6:7.0f} GB/s | {flops / t / 1e9:6.1f} TFLOP/s | cuBLAS bf16 {tb * 1e3:7.1f} us")
+
+
+def bench_fp4_moe(rows: list[str]) -> None:
+    e, d, i, k = 256, 4096, 2048, 6
+
+    def scales(*shape):
+        return torch.randint(119, 129, shape, dtype=torch.uint8, device="cuda")
+
+    bank = FP4ExpertBank(torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, device="cuda"), scales(e, 2 * i, d // 32),
+                         torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, device="cuda"), scales(e, d, i // 32), 128)
+    per_expert_bytes = (2 * i * d + d * i) // 2 + (2 * i * d + d * i) // 32
+    for t in (1, 128, 8192):
+        x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
+        w = torch.rand(t, k, device="cuda")
+        ms = _ms(lambda: fp4_moe(x, ids, w, bank, 10.0))
+        touched = int(torch.unique(ids).numel())
+        bytes_moved = touched * per_expert_bytes + t * d * 2 + t * d * 4
+        flops = 2 * t * k * 3 * d * i
+        rows.append(f"fp4_moe T={t:5d} (E=256 k=6 D=4096 I=2048, {touched} experts) | {ms * 1e3:8.1f} us | "
+                    f"{bytes_moved / ms / 1e6:7.0f} GB/s | {flops / ms / 1e9:6.1f} TFLOP/s")
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    rows: list[str] = []
+    bench_fp8_linear(rows)
+    bench_fp4_moe(rows)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
