@@ -79,7 +79,7 @@ def _hadamard32(n: int) -> torch.Tensor:
 def hadamard32(x: torch.Tensor) -> torch.Tensor:
     """fast_hadamard_transform(x, scale=d^-0.5): fp32 inside, result in x's dtype."""
     d = x.shape[-1]
-    return ((x.to(F32) @ _hadamard32(d)) * d**-0.5).to(x.dtype)
+    return ((x.to(F32) @ _hadamard32(d).to(x.device)) * d**-0.5).to(x.dtype)
 
 
 def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -105,9 +105,9 @@ def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Ten
     gathered = kv[idb.clamp(min=0).long()]  # [1, T, K, d]
     scores = torch.einsum("bmhd,bmkd->bmhk", qb.to(F32), gathered.to(F32)) * scale
     scores = scores.masked_fill(~valid.unsqueeze(0).unsqueeze(2), float("-inf"))
-    run_max = torch.full((1, T, H, 1), initial_max, dtype=F32)
-    run_sum = torch.zeros((1, T, H, 1), dtype=F32)
-    out = torch.zeros((1, T, H, d), dtype=F32)
+    run_max = torch.full((1, T, H, 1), initial_max, dtype=F32, device=q.device)
+    run_sum = torch.zeros((1, T, H, 1), dtype=F32, device=q.device)
+    out = torch.zeros((1, T, H, d), dtype=F32, device=q.device)
     for start in range(0, K, SPARSE_ATTN_BLOCK):
         s = scores[..., start : start + SPARSE_ATTN_BLOCK]
         v = gathered[:, :, start : start + SPARSE_ATTN_BLOCK].to(F32)

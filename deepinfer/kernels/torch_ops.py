@@ -84,7 +84,7 @@ def _hadamard_matrix(n: int) -> torch.Tensor:
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """x @ H * d^-0.5 over the last dim (the indexer's rotation; math, so exact mode keeps it)."""
     d = x.shape[-1]
-    return (x @ _hadamard_matrix(d).to(x.dtype)) * d**-0.5
+    return (x @ _hadamard_matrix(d).to(x.device, x.dtype)) * d**-0.5
 
 
 def hc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,6 +5,8 @@ entries and the indexer keys hold the PACKED uint8 entries of `cache/layouts.py`
 revision)`: window/compressed `v4_fp8_ds_mla`, or `bf16` for the initial revision; indexer keys
 `v4_index_fp4`), and the compressor partial-block states stay fp32. `encode_*`/`decode_*` convert between
 stored form and values (identity in exact numerics), so `decode(encode(x))` is the oracle's cached value.
+Fast numerics stores the official packed layouts too. Every tensor lives on the cache's `device` (the
+entry-row maps it returns too, so a CUDA forward never indexes with host tensors).
 
 Owns, per layer:
   ring        [max_num_seqs, window, head_dim]      the last `window` latent KV rows, position p at slot
@@ -43,12 +45,13 @@ def cache_layouts(cfg: ModelConfig, numerics: str, revision: str) -> dict[str, K
     """The packed layout of each cache role in official numerics; None in exact numerics (raw values)."""
     if numerics == "exact":
         return None
-    if numerics != "official":
+    if numerics not in ("official", "fast"):  # fast numerics stores the same packed entries as official
         raise ValueError(f"unknown numerics {numerics!r}")
     return layouts_for(cfg, revision)
 
 
-def paged_entry_rows(block_table: Sequence[int], block_size: int, ratio: int, num_entries: int) -> torch.Tensor:
+def paged_entry_rows(block_table: Sequence[int], block_size: int, ratio: int, num_entries: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
     """Rows of entries 0..num_entries-1 of a ratio-r layer: a block of `block_size` tokens holds
     block_size // r entries, entry j at block_table[j // epb] * epb + j % epb."""
     epb = block_size // ratio
@@ -57,17 +60,18 @@ def paged_entry_rows(block_table: Sequence[int], block_size: int, ratio: int, nu
     if len(block_table) < need:
         raise ValueError(f"block table of {len(block_table)} blocks cannot hold {num_entries} entries of ratio {ratio}")
     table = torch.tensor(list(block_table[:need]), dtype=torch.long)
-    return table[j // epb] * epb + j % epb
+    return (table[j // epb] * epb + j % epb).to(device)
 
 
 class CompressorState:
     """(kv, score) partial-block rows of one compressor for every state slot."""
 
-    def __init__(self, max_num_seqs: int, ratio: int, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, max_num_seqs: int, ratio: int, width: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         c = 2 if ratio == 4 else 1
         self.ratio, self.overlap = ratio, ratio == 4
-        self.kv = torch.zeros(max_num_seqs, c * ratio, c * width, dtype=dtype)
-        self.score = torch.full((max_num_seqs, c * ratio, c * width), float("-inf"), dtype=dtype)
+        self.kv = torch.zeros(max_num_seqs, c * ratio, c * width, dtype=dtype, device=device)
+        self.score = torch.full((max_num_seqs, c * ratio, c * width), float("-inf"), dtype=dtype, device=device)
 
     def reset(self, slot: int) -> None:
         self.kv[slot].zero_()
@@ -82,17 +86,17 @@ class PackedStore:
     layouts: dict[str, KVLayout] | None
 
     def _init_store(self, cfg: ModelConfig, max_num_seqs: int, dtype: torch.dtype,
-                    layouts: dict[str, KVLayout] | None) -> torch.dtype:
+                    layouts: dict[str, KVLayout] | None, device: torch.device | str = "cpu") -> torch.dtype:
         """Sets layouts and the window ring; returns the dtype of the compressor partial-block state."""
-        self.layouts, self._dtype = layouts, dtype
+        self.layouts, self._dtype, self.device = layouts, dtype, torch.device(device)
         self.ring = self.store("window", max_num_seqs * cfg.window_size, cfg.head_dim).unflatten(
             0, (max_num_seqs, cfg.window_size))
         return dtype if layouts is None else STATE_DTYPE_OFFICIAL
 
     def store(self, role: str, rows: int, width: int) -> torch.Tensor:
         if self.layouts is None:
-            return torch.zeros(rows, width, dtype=self._dtype)
-        return torch.zeros(rows, self.layouts[role].bytes_per_token, dtype=torch.uint8)
+            return torch.zeros(rows, width, dtype=self._dtype, device=self.device)
+        return torch.zeros(rows, self.layouts[role].bytes_per_token, dtype=torch.uint8, device=self.device)
 
     def encode(self, role: str, x: torch.Tensor) -> torch.Tensor:
         return x if self.layouts is None else self.layouts[role].store(x)
@@ -103,18 +107,19 @@ class PackedStore:
 
 class LayerCache(PackedStore):
     def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None) -> None:
+                 dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.ratio = r = cfg.compress_ratios[layer]
         self.window = cfg.window_size
-        state_dtype = self._init_store(cfg, max_num_seqs, dtype, layouts)
+        state_dtype = self._init_store(cfg, max_num_seqs, dtype, layouts, device)
         store = self.store
         self.comp = self.comp_state = self.index_keys = self.index_state = None
         if r:
             self.comp = store("compressed", num_blocks * (block_size // r), cfg.head_dim)
-            self.comp_state = CompressorState(max_num_seqs, r, cfg.head_dim, state_dtype)
+            self.comp_state = CompressorState(max_num_seqs, r, cfg.head_dim, state_dtype, device)
             if cfg.has_indexer(layer):
                 self.index_keys = store("index", num_blocks * (block_size // r), cfg.index_head_dim)
-                self.index_state = CompressorState(max_num_seqs, r, cfg.index_head_dim, state_dtype)
+                self.index_state = CompressorState(max_num_seqs, r, cfg.index_head_dim, state_dtype, device)
 
     # stored form <-> values (identity in exact numerics)
     def reset(self, window_slot: int, state_slot: int) -> None:
@@ -129,15 +134,17 @@ class V4Cache:
     """All layers' caches of one engine instance (exact numerics: float64 values; official: packed)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype = torch.float64, numerics: str = "exact", revision: str = "current") -> None:
+                 dtype: torch.dtype = torch.float64, numerics: str = "exact", revision: str = "current",
+                 device: torch.device | str = "cpu") -> None:
         ratios = [r for r in cfg.compress_ratios[: cfg.n_layers] if r]
         for r in ratios:
             if block_size % r:
                 raise ValueError(f"block_size {block_size} must be a multiple of every compression ratio ({r})")
         self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
-        self.numerics, self.revision = numerics, revision
+        self.numerics, self.revision, self.device = numerics, revision, torch.device(device)
+        self._entry_rows: dict[tuple, torch.Tensor] = {}
         self.layouts = cache_layouts(cfg, numerics, revision)
-        self.layers = [LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype, self.layouts)
+        self.layers = [LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype, self.layouts, device)
                        for i in range(cfg.n_layers)]
 
     @staticmethod
@@ -181,8 +188,19 @@ class V4Cache:
         return total
 
     def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
-        """Flat rows [num_entries] of a sequence's compressed entries 0..num_entries-1 (see module doc)."""
-        return paged_entry_rows(block_table, self.block_size, ratio, num_entries)
+        """Flat rows [num_entries] of a sequence's compressed entries 0..num_entries-1 (see module doc).
+        Memoised on the full input (so never stale): every layer of one ratio reuses one tensor, and a device
+        cache pays one host-to-device copy per (sequence, ratio) and step instead of one per layer."""
+        key = (tuple(block_table), ratio, num_entries)
+        rows = self._entry_rows.get(key)
+        if rows is None:
+            rows = self._entry_rows[key] = paged_entry_rows(block_table, self.block_size, ratio, num_entries,
+                                                            self.device)
+        return rows
+
+    def begin_step(self) -> None:
+        """A new forward: drop the previous step's memoised row maps (bounds the memo's size)."""
+        self._entry_rows.clear()
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         for layer in self.layers:

@@ -16,18 +16,22 @@ from deepinfer.model.cache import CompressorState
 
 def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: int, x: torch.Tensor,
                     start_pos: int, inv_freq: torch.Tensor, eps: float, rotate: bool,
-                    official: bool = False) -> tuple[int, torch.Tensor]:
+                    official: bool = False, kernel_device: str = "cpu") -> tuple[int, torch.Tensor]:
     """x [S, D] = the sequence's new tokens at positions start_pos.. ; returns (first entry index, entries
     [n, width]) for the n blocks completed by this extend (n may be 0) and updates the state in place.
 
     official=True (x bf16, `inv_freq` = the fp32 `rope_freqs32` table): projections, state and pooling in
     fp32, the pooled entry rounded to bf16, fp32 RMSNorm -> bf16, complex64 RoPE, fp32 Hadamard -> bf16.
     The returned entries are NOT fake-quantised: the cache's packed layout does that when they are stored.
+    kernel_device: whose registry kernels to use ("cpu": the torch twins, which run on any device).
     """
+    def k(name: str):
+        return kernels.get(name, kernel_device)
+
     r, overlap = state.ratio, state.overlap
     S = x.shape[0]
     end = start_pos + S
-    positions = torch.arange(start_pos, end)
+    positions = torch.arange(start_pos, end, device=x.device)
     if official:
         x = x.to(torch.float32)
     kv = x @ p["wkv.weight"].T  # [S, c*width]
@@ -44,14 +48,14 @@ def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: in
         cw = kv_all.shape[-1]
         kv_b = kv_all[: off + n * r].view(-1, r, cw)  # overlap: [n+1, r, 2w] (block 0 = previous block)
         sc_b = score_all[: off + n * r].view(-1, r, cw)
-        pooled = kernels.get("compress_pool")(kv_b, sc_b, overlap)  # [n, width]
-        block_pos = (first_block + torch.arange(n)) * r  # RoPE at the block's first position
+        pooled = k("compress_pool")(kv_b, sc_b, overlap)  # [n, width]
+        block_pos = (first_block + torch.arange(n, device=x.device)) * r  # RoPE at the block's first position
         if official:
             pooled = pooled.to(torch.bfloat16).to(torch.float32)
-            entries = kernels.get("rms_norm")(pooled, p["norm.weight"], eps).to(torch.bfloat16)
-            entries = kernels.get("rope32")(entries, block_pos, inv_freq)
+            entries = k("rms_norm")(pooled, p["norm.weight"], eps).to(torch.bfloat16)
+            entries = k("rope32")(entries, block_pos, inv_freq)
             if rotate:
-                entries = kernels.get("hadamard32")(entries)
+                entries = k("hadamard32")(entries)
         else:
             entries = kernels.get("rms_norm")(pooled, p["norm.weight"], eps)
             entries = kernels.get("rope")(entries, block_pos, inv_freq)

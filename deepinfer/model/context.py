@@ -8,6 +8,7 @@ global set/reset pairs, safe across threads). Must not: touch cache tensors or m
 from __future__ import annotations
 
 import contextlib
+import copy
 import contextvars
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -79,6 +80,15 @@ class ForwardContext:
         if self.all_logits:
             return torch.arange(self.num_tokens)
         return torch.tensor([c - 1 for c in self.cu_tokens[1:]])
+
+    def on(self, device: torch.device | str) -> "ForwardContext":
+        """The same batch with its per-token tensors (positions) on `device`: one host-to-device copy per
+        step instead of one per layer."""
+        if self.positions.device == torch.device(device):
+            return self
+        moved = copy.copy(self)
+        object.__setattr__(moved, "positions", self.positions.to(device))
+        return moved
 
     @classmethod
     def build(cls, seqs: Sequence[SeqContext], all_logits: bool = False) -> "ForwardContext":
