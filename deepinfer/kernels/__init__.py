@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from deepinfer.kernels import official, torch_ops
+from deepinfer.kernels import official, official_fused, torch_ops
 
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 
@@ -34,6 +34,8 @@ for _name in torch_ops.__all__:
     register(_name, getattr(torch_ops, _name))
 for _name in official.__all__:  # official-numerics emulation (bf16 activations, FP8 act quant, ...)
     register(_name, getattr(official, _name))
+for _name in official_fused.__all__:  # fused official-numerics steps (hc_pre_fused, ...): Triton twins' references
+    register(_name, getattr(official_fused, _name))
 
 # quantised-weight ops: the torch twins (the Triton versions register for "cuda" via kernels.triton)
 from deepinfer.kernels import quant_weights  # noqa: E402  (it imports `official`, loaded above)

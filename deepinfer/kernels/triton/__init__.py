@@ -15,6 +15,11 @@ import importlib
 KERNEL_MODULES: tuple[str, ...] = (
     "fp8_gemm",   # fp8_linear: fused act_quant + block-scaled FP8 GEMM
     "fp4_moe",    # fp4_moe: routing + grouped FP4 expert GEMMs
+    "sparse_attn",  # sparse_attn_sink_official(_v41): window + compressed sparse attention with the sink
+    "norm_hc",    # rms_norm, hc_pre_fused, hc_post, hc_post_fused
+    "rope",       # rope32
+    "indexer",    # indexer_scores_bf16
+    "compress_pool",  # compress_pool: the compressor's gated softmax pooling
 )
 
 

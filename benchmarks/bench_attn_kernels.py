@@ -1,0 +1,109 @@
+"""Timing of the attention-side Triton kernels on the device machine (H200), printed as one table.
+
+Owns: sparse_attn_sink at decode (T = 1, 32, 128) and prefill (T = 8192) on the real shape (H=64 heads per
+rank, d=512, K=640 = window 128 + top-512), each head-block width, against the minimum bytes it must move
+(q + every gathered kv row + out) and its MMA flops (QK and PV: 4*T*H*K*d); plus hc_pre_fused, rope32 and the
+indexer at a prefill and a decode shape. Gathered rows come from a 1M-row pool at random, and each timed call
+cycles through enough index sets to outrun the 50 MB L2, so the numbers are HBM numbers, not cache numbers.
+Must not: be imported by the package (a script: `python benchmarks/bench_attn_kernels.py`).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import triton.testing
+
+from deepinfer.kernels import official, official_fused, torch_ops
+from deepinfer.kernels.triton import indexer, norm_hc, rope, sparse_attn
+
+L2_BYTES = 50 * 2**20
+
+
+def bench(fn, rep_ms: int = 200) -> float:
+    """Median milliseconds (CUDA events) after warm-up."""
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def rows_for(label: str, ms: float, nbytes: float, flops: float) -> str:
+    return f"{label:<48} {ms * 1e3:10.1f} us {nbytes / ms / 1e6:9.0f} GB/s {flops / ms / 1e9:8.1f} TFLOP/s"
+
+
+def bench_sparse_attn(lines: list[str]) -> None:
+    H, d, K, N = 64, 512, 640, 1 << 20
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(N, d, generator=g, device="cuda").bfloat16()
+    sink = torch.randn(H, generator=g, device="cuda")
+    for T in (1, 32, 128, 8192):
+        q = torch.randn(T, H, d, generator=g, device="cuda").bfloat16()
+        per_call = T * K * d * 2 + 2 * T * H * d * 2 + T * K * 4
+        n_sets = max(2, min(64, math.ceil(4 * L2_BYTES / per_call)))
+        idx_sets = [torch.randint(0, N, (T, K), generator=g, device="cuda", dtype=torch.int32) for _ in range(n_sets)]
+        flops = 4 * T * H * K * d
+        auto = sparse_attn._block_h(T, H)
+        # (block_h, num_warps, num_stages); None = the launcher's default
+        configs = [(None, None, 2), (16 if auto == 64 else 64, None, 2)]
+        configs += [(auto, w, st) for w, st in ((4 if auto == 16 else 8, 1), (4 if auto == 16 else 8, 3),
+                                                 (8 if auto == 16 else 16, 2))]
+        for bh, w, st in configs:
+            it = itertools.cycle(idx_sets)
+            ms = bench(lambda: sparse_attn.sparse_attn_sink_triton(q, kv, sink, next(it), d**-0.5, block_h=bh,
+                                                                   num_warps=w, num_stages=st))
+            label = "default" if bh is None else f"bh={bh} warps={w} stages={st}"
+            lines.append(rows_for(f"sparse_attn T={T} K={K} {label}", ms, per_call, flops))
+        if T <= 32:  # the torch twin, for scale
+            it = itertools.cycle(idx_sets)
+            ms = bench(lambda: official.sparse_attn_sink_official(q, kv, sink, next(it), d**-0.5), rep_ms=100)
+            lines.append(rows_for(f"  torch official twin T={T}", ms, per_call, flops))
+
+
+def bench_others(lines: list[str]) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    D, hc = 4096, 4
+    for T in (1, 8192):
+        x = torch.randn(T, hc, D, generator=g, device="cuda").bfloat16()
+        fn = torch.randn(24, hc * D, generator=g, device="cuda") * 0.01
+        scale, base = torch.rand(3, device="cuda"), torch.randn(24, device="cuda")
+        nw = torch.rand(D, device="cuda")
+        args = (x, fn, scale, base, nw, hc, 20, 1e-6, 1e-6)
+        nbytes = x.numel() * 2 + fn.numel() * 4 + T * D * 2
+        lines.append(rows_for(f"hc_pre_fused T={T} D={D}", bench(lambda: norm_hc.hc_pre_fused(*args)), nbytes,
+                              2 * T * 24 * hc * D))
+        lines.append(rows_for(f"  torch twin T={T}", bench(lambda: official_fused.hc_pre_fused(*args)), nbytes,
+                              2 * T * 24 * hc * D))
+        f = torch.randn(T, D, generator=g, device="cuda").bfloat16()
+        post, comb = torch.rand(T, hc, device="cuda"), torch.rand(T, hc, hc, device="cuda")
+        nbytes = (T * D + 2 * T * hc * D) * 2
+        lines.append(rows_for(f"hc_post_fused T={T} D={D}", bench(lambda: norm_hc.hc_post_fused(f, x, post, comb)),
+                              nbytes, 0))
+    freqs = official.rope_freqs32(64, 65536, 160000.0, 16.0, 32, 1).cuda()
+    for T in (1, 8192):
+        q = torch.randn(T, 64, 512, generator=g, device="cuda").bfloat16()
+        pos = torch.arange(T, device="cuda")
+        lines.append(rows_for(f"rope32 q T={T} [64,512]", bench(lambda: rope.rope32(q, pos, freqs)), 2 * q.numel() * 2, 0))
+        lines.append(rows_for(f"  torch twin T={T}", bench(lambda: official.rope32(q, pos, freqs)), 2 * q.numel() * 2, 0))
+    for T, E in ((1, 65536), (32, 65536), (8192, 2048)):
+        q = torch.randn(T, 64, 128, generator=g, device="cuda").bfloat16()
+        w = torch.randn(T, 64, generator=g, device="cuda").bfloat16()
+        keys = torch.randn(E, 128, generator=g, device="cuda").bfloat16()
+        nbytes = q.numel() * 2 + keys.numel() * 2 + T * E * 2
+        flops = 2 * T * 64 * E * 128
+        lines.append(rows_for(f"indexer_scores T={T} E={E}", bench(lambda: indexer.indexer_scores_bf16(q, w, keys)),
+                              nbytes, flops))
+        s = indexer.indexer_scores_bf16(q, w, keys)
+        k = min(512, E)
+        lines.append(rows_for(f"  stable_topk (torch stable sort) k={k}", bench(lambda: torch_ops.stable_topk(s, k)),
+                              s.numel() * 2, 0))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    lines = [f"device: {torch.cuda.get_device_name()}"]
+    bench_sparse_attn(lines)
+    bench_others(lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

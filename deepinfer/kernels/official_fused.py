@@ -1,0 +1,36 @@
+"""Torch twins of the fused official-numerics ops that have no single torch op: registered for every device
+(the CPU fallback) and the references the Triton versions in `kernels/triton/norm_hc.py` are tested against.
+
+Owns: `hc_pre_fused` (hc mixes, Sinkhorn split, collapse, bf16 round, RMSNorm, bf16 round: exactly the
+steps `V4Block._hc_official` runs before a sublayer) and `hc_post_fused` (hc_post rounded once to bf16).
+Must not: hold state or import the model or the reference oracle; change a rounding point of the
+unfused sequence (the engine may call either and must get the same bits on CPU).
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.kernels import torch_ops
+
+__all__ = ["hc_pre_fused", "hc_post_fused"]
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                 norm_weight: torch.Tensor, hc: int, iters: int, hc_eps: float,
+                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, hc, D] bf16 residual streams -> y [T, D] bf16 (collapsed, normed sublayer input),
+    post [T, hc] fp32, comb [T, hc, hc] fp32 (Sinkhorn-normalised; hc_post contracts its first index)."""
+    if x.dim() != 3 or x.shape[1] != hc:
+        raise ValueError(f"hc_pre_fused: x must be [T, hc={hc}, D], got {tuple(x.shape)}")
+    xf = x.to(F32)
+    mixes = torch_ops.hc_mix(xf, fn, norm_eps)
+    pre, post, comb = torch_ops.hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
+    y = torch_ops.hc_collapse(xf, pre).to(BF16).to(F32)
+    return torch_ops.rms_norm(y, norm_weight, norm_eps).to(BF16), post, comb
+
+
+def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """bf16(post_k * F + sum_j comb[j, k] * R_j) with fp32 arithmetic: f [T, D], residual [T, hc, D]."""
+    return torch_ops.hc_post(f.to(F32), residual.to(F32), post, comb).to(BF16)

@@ -1,0 +1,262 @@
+"""Triton RMSNorm and the manifold-constrained hyper-connection (mHC) pieces, official numerics (fp32 math).
+
+Owns:
+* `rms_norm(x, weight, eps)`: registered under the torch op's name; fp32 math, result in the dtype torch
+  would give (`result_type(x, weight)`), so the official path's `rms_norm(t.float(), w).to(bf16)` is unchanged.
+* `hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps) -> (y, post, comb)`: everything
+  `V4Block._hc_official` does before the sublayer, in two launches (split-K partials of the mix GEMM over
+  blocks of tokens, then per token: partial sums, r-normalisation, Sinkhorn, collapse, bf16 round, RMSNorm,
+  bf16 round). Its torch twin is
+  `kernels.official_fused.hc_pre_fused`: exactly the sequence of torch ops the engine runs today.
+* `hc_post(f, residual, post, comb)`: registered under the torch op's name (fp32 result);
+  `hc_post_fused(...)` writes the bf16 residual directly (the official path rounds right after).
+float64 inputs (exact numerics on a GPU) fall back to the torch ops: these kernels compute in fp32.
+Must not: be imported off CUDA (imports triton); know about layers or caches.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels import official_fused, torch_ops
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fallback(*tensors: torch.Tensor | None) -> bool:
+    """float64 anywhere: the caller wants exact numerics, which the torch ops give."""
+    return any(t is not None and t.dtype == torch.float64 for t in tensors)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_o,
+                     HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * r
+    if HAS_WEIGHT:
+        y = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * y
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """weight * x * rsqrt(mean(x^2) + eps) over the last dim, fp32 math (weight None: parameter-free)."""
+    if _fallback(x, weight):
+        return torch_ops.rms_norm(x, weight, eps)
+    D = x.shape[-1]
+    _need(weight is None or tuple(weight.shape) == (D,), f"rms_norm: weight {tuple(weight.shape) if weight is not None else None} "
+          f"does not match the last dim {D} of x {tuple(x.shape)}")
+    out_dtype = x.dtype if weight is None else torch.result_type(x, weight)
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(D)
+        w = weight.contiguous() if weight is not None else x2  # never read without HAS_WEIGHT
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, D, float(eps), x2.stride(0), out.stride(0),
+                                         HAS_WEIGHT=weight is not None, BLOCK_D=block,
+                                         num_warps=max(1, min(16, block // 256)))
+    return out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------- hc_pre
+@triton.jit
+def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chunk,
+                           BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                           INTERPRET: tl.constexpr):
+    """Split-K partials of x[t] @ fn.T and of sum(x[t]^2) over the columns [split*k_chunk, +k_chunk) of the
+    flattened hc streams x [T, KD]: part [splits, T, n_out], ssq [splits, T]. A decode token alone still
+    spreads the 1.5 MB fn read over many programs."""
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    outs = tl.arange(0, BLOCK_O)
+    omask = outs < n_out
+    acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+    ssq = tl.zeros((BLOCK_T,), tl.float32)
+    k_lo = split * k_chunk
+    for k0 in range(k_lo, k_lo + k_chunk, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < KD
+        x = tl.load(x_ptr + toks.to(tl.int64)[:, None] * KD + ks[None, :], mask=tmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + outs[:, None] * KD + ks[None, :], mask=omask[:, None] & kmask[None, :], other=0.0)
+        ssq += tl.sum(x * x, axis=1)
+        if INTERPRET:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            # three tf32 MMAs per product (hi*hi + hi*lo + lo*hi): fp32-level accuracy at tensor-core speed
+            # (H200: post/comb within 3e-7 of the cuBLAS fp32 twin; T=8192, D=4096 in 0.53 ms where fp32 FMA
+            # dots without split-K took 2.5 ms, and T=1 in 0.12 ms instead of 0.62)
+            acc += tl.dot(x, tl.trans(w), input_precision="tf32x3")
+    base = split.to(tl.int64) * T
+    tl.store(part_ptr + (base + toks)[:, None] * n_out + outs[None, :], acc, mask=tmask[:, None] & omask[None, :])
+    tl.store(ssq_ptr + base + toks, ssq, mask=tmask)
+
+
+@triton.jit
+def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
+                                 T, D, splits, iters, hc_eps, norm_eps,
+                                 HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token: the r-normalised mixes from the split-K partials (summed in split order: deterministic),
+    Sinkhorn split, collapse of its hc streams, bf16 round, RMSNorm, bf16 round."""
+    t = tl.program_id(0).to(tl.int64)
+    n_mix = (2 + HC) * HC
+    j = tl.arange(0, HC)
+    cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
+    m_pre = tl.zeros((HC,), tl.float32)
+    m_post = tl.zeros((HC,), tl.float32)
+    m_comb = tl.zeros((HC, HC), tl.float32)
+    ssq = 0.0
+    for sp in range(0, splits):
+        row = (sp * T + t) * n_mix
+        m_pre += tl.load(part_ptr + row + j)
+        m_post += tl.load(part_ptr + row + HC + j)
+        m_comb += tl.load(part_ptr + row + cidx)
+        ssq += tl.load(ssq_ptr + sp * T + t)
+    r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(m_pre * r * s0 + tl.load(base_ptr + j)) + hc_eps
+    post = 2.0 * tl.sigmoid(m_post * r * s1 + tl.load(base_ptr + HC + j))
+    c = m_comb * r * s2 + tl.load(base_ptr + cidx)
+    c = tl.exp(c - tl.max(c, axis=1)[:, None])
+    c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)  # the first pass normalises columns only
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    tl.store(post_ptr + t * HC + j, post)
+    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
+
+    cols = tl.arange(0, BLOCK_D)
+    dmask = cols < D
+    x = tl.load(x_ptr + t * HC * D + j[:, None] * D + cols[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * x, axis=0)
+    y = y.to(tl.bfloat16).to(tl.float32)  # the collapse is rounded to bf16 before the norm
+    r = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + norm_eps)
+    y = tl.load(nw_ptr + cols, mask=dmask, other=0.0) * (y * r)
+    tl.store(y_ptr + t * D + cols, y.to(tl.bfloat16), mask=dmask)
+
+
+def _check_hc_pre(x, fn, scale, base, norm_weight, hc):
+    _need(x.dim() == 3 and x.shape[1] == hc, f"hc_pre: x must be [T, hc={hc}, D], got {tuple(x.shape)}")
+    D = x.shape[2]
+    n_mix = (2 + hc) * hc
+    _need(hc & (hc - 1) == 0, f"hc_pre: hc={hc} must be a power of two")
+    _need(tuple(fn.shape) == (n_mix, hc * D), f"hc_pre: fn must be [{n_mix}, {hc * D}], got {tuple(fn.shape)}")
+    _need(scale.numel() == 3 and base.numel() == n_mix,
+          f"hc_pre: scale must have 3 values and base {n_mix}, got {scale.numel()} and {base.numel()}")
+    _need(tuple(norm_weight.shape) == (D,), f"hc_pre: norm weight must be [{D}], got {tuple(norm_weight.shape)}")
+
+
+def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                 norm_weight: torch.Tensor, hc: int, iters: int, hc_eps: float,
+                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, hc, D] bf16 residual streams -> y [T, D] bf16 (collapsed, normed sublayer input),
+    post [T, hc] fp32, comb [T, hc, hc] fp32 (Sinkhorn-normalised; hc_post contracts its first index)."""
+    _check_hc_pre(x, fn, scale, base, norm_weight, hc)
+    if _fallback(x, fn):
+        return official_fused.hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps)
+    T, _, D = x.shape
+    n_mix = (2 + hc) * hc
+    x = x.contiguous()
+    dev = x.device
+    y = torch.empty(T, D, dtype=BF16, device=dev)
+    post = torch.empty(T, hc, dtype=F32, device=dev)
+    comb = torch.empty(T, hc, hc, dtype=F32, device=dev)
+    if T == 0:
+        return y, post, comb
+    KD, block_t, block_k = hc * D, 64 if T >= 1024 else 16, 64
+    t_blocks = triton.cdiv(T, block_t)
+    # split the 4D reduction until ~2 programs per SM (132 on the H200); at least 512 columns per split
+    splits = max(1, min(triton.cdiv(264, t_blocks), triton.cdiv(KD, 512)))
+    k_chunk = triton.cdiv(triton.cdiv(KD, splits), block_k) * block_k
+    splits = triton.cdiv(KD, k_chunk)
+    part = torch.empty(splits, T, n_mix, dtype=F32, device=dev)
+    ssq = torch.empty(splits, T, dtype=F32, device=dev)
+    _hc_mix_partial_kernel[(t_blocks, splits)](
+        x, fn.to(F32).contiguous(), part, ssq, T, KD, n_mix, k_chunk,
+        BLOCK_T=block_t, BLOCK_O=triton.next_power_of_2(n_mix), BLOCK_K=block_k, INTERPRET=_interpreting(),
+        num_warps=4)
+    block_d = triton.next_power_of_2(D)
+    _hc_sinkhorn_collapse_kernel[(T,)](
+        part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
+        y, post, comb, T, D, splits, int(iters), float(hc_eps), float(norm_eps),
+        HC=hc, BLOCK_D=block_d, num_warps=max(1, min(16, block_d * hc // 1024)))
+    return y, post, comb
+
+
+# ---------------------------------------------------------------------------------------------- hc_post
+@triton.jit
+def _hc_post_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * r[t, j] (fp32 math, stored in out's dtype)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = cols < D
+    j = tl.arange(0, HC)
+    f = tl.load(f_ptr + t * D + cols, mask=dmask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + t * HC * D + j[:, None] * D + cols[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * HC + j)
+    comb = tl.load(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :])  # [j, k]
+    mixed = tl.sum(comb[:, :, None] * r[:, None, :], axis=0)  # [k, BLOCK_D]
+    out = post[:, None] * f[None, :] + mixed
+    tl.store(out_ptr + t * HC * D + j[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=dmask[None, :])
+
+
+def _hc_post(f, residual, post, comb, out_dtype):
+    _need(residual.dim() == 3 and f.dim() == 2 and f.shape[0] == residual.shape[0] and f.shape[1] == residual.shape[2],
+          f"hc_post: want f [T, D] and residual [T, hc, D], got {tuple(f.shape)} and {tuple(residual.shape)}")
+    T, hc, D = residual.shape
+    _need(hc & (hc - 1) == 0, f"hc_post: hc={hc} must be a power of two")
+    _need(tuple(post.shape) == (T, hc) and tuple(comb.shape) == (T, hc, hc),
+          f"hc_post: want post [{T}, {hc}] and comb [{T}, {hc}, {hc}], got {tuple(post.shape)}, {tuple(comb.shape)}")
+    out = torch.empty(T, hc, D, dtype=out_dtype, device=residual.device)
+    if T:
+        block_d = min(1024, triton.next_power_of_2(D))
+        _hc_post_kernel[(T, triton.cdiv(D, block_d))](
+            f.contiguous(), residual.contiguous(), post.to(F32).contiguous(), comb.to(F32).contiguous(), out, D,
+            HC=hc, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Same contract as `torch_ops.hc_post` (result dtype = torch's promotion of the inputs)."""
+    if _fallback(f, residual, post, comb):
+        return torch_ops.hc_post(f, residual, post, comb)
+    dtype = torch.promote_types(torch.promote_types(f.dtype, residual.dtype), torch.promote_types(post.dtype, comb.dtype))
+    return _hc_post(f, residual, post, comb, dtype)
+
+
+def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """hc_post rounded once to bf16, as the official block does: f [T, D] (bf16 sublayer output, read as fp32),
+    residual [T, hc, D] bf16 -> [T, hc, D] bf16."""
+    return _hc_post(f, residual, post, comb, BF16)
+
+
+REGISTRATIONS = {
+    "rms_norm": rms_norm,
+    "hc_pre_fused": hc_pre_fused,
+    "hc_post": hc_post,
+    "hc_post_fused": hc_post_fused,
+}
