@@ -20,6 +20,7 @@ LAYERS = {
 SAME_LAYER_OK = {
     ("tokenizer", "chat_encoding"), ("chat_encoding", "tokenizer"), ("config", "config_keys"), ("cli", "ask"),
     ("tiny", "reference"),  # the tiny V4.1 table sizes follow the official engram prime draw
+    ("engine", "spec"),  # the engine drives speculative decoding; spec never imports the engine
 }
 
 

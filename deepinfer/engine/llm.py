@@ -15,13 +15,20 @@ from deepinfer.sampling import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, **engine_kwargs) -> None:
+    def __init__(self, model: str | Path | None = None, speculative: dict | None = None, **engine_kwargs) -> None:
+        """speculative: e.g. {"method": "mtp" | "dspark", "num_speculative_tokens": k} (spec/)."""
         if model is None:
             from deepinfer.tiny import default_model_dir  # the embedded default model
 
             model = default_model_dir()
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs))
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs), speculative=speculative)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks of a parallel engine (tensor/expert/data parallel); no-op in one process."""
+        shutdown = getattr(self.engine.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

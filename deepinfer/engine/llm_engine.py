@@ -15,6 +15,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.distributed_runner import is_parallel, start_parallel_runner
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sampling import Sampler, SamplingParams
@@ -22,6 +23,8 @@ from deepinfer.sampling.logprobs import prompt_logprobs
 from deepinfer.sampling.sampler import make_generator
 from deepinfer.sampling.stop import StopChecker
 from deepinfer.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from deepinfer.spec.config import SpeculativeConfig
+from deepinfer.spec.verify import verify
 from deepinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -42,15 +45,28 @@ class _State:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 speculative: SpeculativeConfig | dict | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_checkpoint(config.model)
+        spec = SpeculativeConfig.parse(speculative)  # bad settings fail before any weight is loaded
+        if spec is not None:
+            spec.check_model(self.model_config)
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
-        self.runner = ModelRunner(config, self.model_config)
+        if is_parallel(config):  # one process per rank; this one is rank 0 (engine/distributed_runner.py)
+            self.runner = start_parallel_runner(config, self.model_config)
+        else:
+            self.runner = ModelRunner(config, self.model_config)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.runner.num_blocks))
         self.sampler = Sampler()
+        self.spec = None  # speculative decoding (spec/): drafts verified in the same step's extend
+        if spec is not None:
+            from deepinfer.spec.factory import build_spec_decoder
+
+            self.spec = build_spec_decoder(spec, self.model_config, config.model, self.runner.model,
+                                           self.runner.params, self.runner.numerics, config.max_num_seqs)
         self._requests: dict[str, Request] = {}
         self._seed_counter = count()
 
@@ -90,6 +106,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     @property
+    def spec_stats(self):
+        """Draft acceptance per draft position (spec.AcceptanceStats), or None without drafting."""
+        return self.spec.stats if self.spec is not None else None
+
+    @property
     def block_pool(self):
         return self.scheduler.block_pool
 
@@ -104,31 +125,45 @@ class LLMEngine:
         if out.is_empty:
             return [self._output(r) for r in touched.values()]
         want_prompt = {sr.request_id for sr in out.scheduled if sr.request.payload.prompt_logprobs is not None}
+        snapshots = self.spec.snapshot(out) if self.spec else {}  # state to restore if a draft is rejected
+        hidden = None
         try:
-            result = self.runner.execute(out, want_prompt)
+            if self.spec is not None and self.spec.needs_hidden:
+                from deepinfer.spec.target import execute_with_hidden
+
+                sample_logits, prompt_logits, hidden = execute_with_hidden(
+                    self.runner.model, out, want_prompt, self.model_config.vocab_size, self.runner.dtype)
+            else:
+                result = self.runner.execute(out, want_prompt)
+                sample_logits, prompt_logits = result.sample_logits, result.prompt_logits
         except Exception as e:  # a failing forward fails its batch; the engine keeps serving the rest
+            if getattr(e, "fatal", False):  # ... unless a rank of the parallel group is gone
+                raise
             for sr in out.scheduled:
                 self.scheduler.fail(sr.request_id, e)
                 touched[sr.request_id] = sr.request
             return [self._output(r) for r in touched.values()]
-        for rid, logits in result.prompt_logits.items():
+        for rid, logits in prompt_logits.items():
             self._add_prompt_logprobs(self._requests[rid], logits, out)
         rows = out.sample_rows()  # the explicit map: row i of the logits is NOT request i (seed P4.2)
         scheduled = [sr for sr in out.scheduled if sr.request_id in rows]
         states = [sr.request.payload for sr in scheduled]
-        # one sampled row per request until drafting lands: its next-token row is the last of its rows
-        picked = torch.tensor([rows[sr.request_id][-1] for sr in scheduled], dtype=torch.long)
-        sampled = self.sampler.sample(result.sample_logits[picked], [s.params for s in states],
-                                      [s.generator for s in states])
-        tokens: dict[str, list[int]] = {}
-        for sr, row in zip(scheduled, range(len(scheduled))):
-            tokens[sr.request_id] = [int(sampled.token_ids[row])]
-            self._record_logprobs(sr.request.payload, sampled, row)
+        # a request's rows: one per draft, then the bonus row (spec/verify.py); no drafts: its one row
+        drafts = [list(sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens :]) for sr in scheduled]
+        verified = verify(self.sampler, [sample_logits[list(rows[sr.request_id])] for sr in scheduled], drafts,
+                          [s.params for s in states], [s.generator for s in states])
+        tokens = {sr.request_id: v.tokens for sr, v in zip(scheduled, verified)}
         update = self.scheduler.update(out, tokens)
+        by_id = dict(zip(tokens, verified))
         for rid, new in update.new_token_ids.items():
             req = self._requests[rid]
-            self._detokenize(req, new)
+            kept = self._detokenize(req, new)
+            for sampled, row in by_id[rid].sampled[:kept]:  # logprobs of the tokens that stay, from their rows
+                self._record_logprobs(req.payload, sampled, row)
             touched[rid] = req
+        if self.spec is not None:
+            released = set(out.preempted_ids) | {r for r, q in touched.items() if q.is_finished}
+            self.spec.finish_step(self.scheduler, out, by_id, snapshots, hidden, released)
         for req in update.finished:
             touched[req.request_id] = req
         for sr in out.scheduled:
@@ -160,9 +195,12 @@ class LLMEngine:
             entry[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
             state.prompt_logprobs.append(entry)
 
-    def _detokenize(self, req: Request, new_ids: list[int]) -> None:
+    def _detokenize(self, req: Request, new_ids: list[int]) -> int:
+        """Detokenize the step's new tokens; returns how many stay. A stop string found at token i ends the
+        request there: tokens after it (accepted drafts a one-token step would never have produced) are
+        dropped from the output."""
         state: _State = req.payload
-        for token in new_ids:
+        for i, token in enumerate(new_ids):
             if token in req.stop_token_ids and not state.params.include_stop_str_in_output:
                 continue  # as vLLM: the stop token is in token_ids but not in the text
             delta = state.detok.push(token)
@@ -171,7 +209,11 @@ class LLMEngine:
             if match is not None:
                 state.text = match.text
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, match.stop)
-                break
+                extra = len(new_ids) - i - 1
+                if extra:
+                    del req.output_token_ids[-extra:]
+                return i + 1
+        return len(new_ids)
 
     def _output(self, req: Request) -> RequestOutput:
         state: _State = req.payload

@@ -192,6 +192,18 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
+    def rewind(self, request_id: str, position: int) -> None:
+        """Mark positions >= `position` of a running request as not computed: its cache state was rolled
+        back to `position` (a rejected draft, spec/). They are recomputed by the next steps' catch-up;
+        its blocks stay allocated."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            raise ValueError(f"rewind: {request_id!r} is not a running request")
+        if not 0 <= position <= req.num_computed_tokens:
+            raise ValueError(f"rewind: {request_id!r} to position {position}, but it has computed "
+                             f"{req.num_computed_tokens}")
+        req.num_computed_tokens = position
+
     # ---- endings ---------------------------------------------------------------------------------------
     def finish(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
         """End a request in any state (e.g. a stop string found by the detokenizer). False when the id is
