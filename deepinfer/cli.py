@@ -72,6 +72,7 @@ PARITY_CANNOT_RUN = 3  # distinct from a finding: parity commands exit 0 wheneve
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
+    from deepinfer.parity.backends import parse_ref
     from deepinfer.parity.drift import run_drift
     from deepinfer.parity.kv import run_kv
     from deepinfer.parity.layers import run_layers
@@ -85,11 +86,12 @@ def cmd_parity(args: argparse.Namespace) -> int:
         elif args.parity_command == "kv":
             report = run_kv(model_dir, args.layouts.split(",") if args.layouts else None)
         elif args.parity_command == "layers":
-            report = run_layers(model_dir, args.ids, args.numerics)
+            report = run_layers(model_dir, args.ids, args.numerics, parse_ref(args.ref), args.dump)
         elif args.parity_command == "drift":
-            report = run_drift(model_dir, args.ids, args.steps, args.numerics)
+            report = run_drift(model_dir, args.ids, args.steps, args.numerics, parse_ref(args.ref))
         else:
-            report = run_next_token(model_dir, args.ids, args.force_ids or [], args.numerics, args.api_steps)
+            report = run_next_token(model_dir, args.ids, args.force_ids or [], args.numerics, args.api_steps,
+                                    parse_ref(args.ref))
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"deepinfer parity {args.parity_command}: could not run: {e}", file=sys.stderr)
         return PARITY_CANNOT_RUN
@@ -139,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     par = sub.add_parser("parity", help="engine vs reference: find where and why they differ")
     psub = par.add_subparsers(dest="parity_command", required=True)
 
+    def reference(sp):
+        sp.add_argument("--ref", default="oracle",
+                        help="reference: 'oracle' (default), 'official:PATH' (the official inference/ folder at "
+                             "PATH, run unmodified; needs --numerics official) or 'transformers' "
+                             "(DeepseekV4ForCausalLM; --numerics official)")
+
     def common(sp):
         sp.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
         sp.add_argument("--json", help="also write the results as JSON to this file")
@@ -156,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--ids", type=_ids, required=True, help="context token ids")
     pn.add_argument("--force-ids", type=_ids, help="ids fed one at a time after the context")
     pn.add_argument("--numerics", choices=("exact", "official"), default="exact")
+    reference(pn)
     pn.add_argument("--api-steps", type=int, default=4,
                     help="also generate this many tokens through the full engine API beside decoy requests, "
                          "checking tokens and reported logprobs (0: off)")
@@ -163,11 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl = psub.add_parser("layers", help="per-sublayer residual state vs reference, against a measured floor")
     pl.add_argument("--ids", type=_ids, required=True, help="token ids (one prefill)")
     pl.add_argument("--numerics", choices=("exact", "official"), default="exact")
+    pl.add_argument("--dump", help="also write both sides' states to DIR/rank{r}-pid{p}-layers-{side}.pt")
+    reference(pl)
     common(pl)
     pd = psub.add_parser("drift", help="prefill-vs-decode table: flips judged by the reference margin vs noise")
     pd.add_argument("--ids", type=_ids, required=True, help="context token ids")
     pd.add_argument("--steps", type=int, default=16)
     pd.add_argument("--numerics", choices=("exact", "official"), default="exact")
+    reference(pd)
     common(pd)
 
     i = sub.add_parser("inspect", help="config, layer schedule and tensor check of a checkpoint")

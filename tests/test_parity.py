@@ -194,3 +194,46 @@ def test_next_token_catches_planted_causal_mask_off(tiny_v4_dir, monkeypatch):
     report = run_next_token(tiny_v4_dir, ids, force_ids=[3139, 12108], api_steps=0)
     flagged = {d.split(" position")[0] for d in report.defects}
     assert "prefill" in flagged
+
+
+def test_layers_refuses_a_dump_from_the_warm_up_forward(tiny_v4_dir, monkeypatch):
+    """The seed's dump from the warm-up: plant a runner whose warm-up (the worst-case batch) runs through
+    the TAPPED model instance before the request; layers must refuse and say why."""
+    from deepinfer.model.context import ForwardContext, SeqContext
+    from deepinfer.parity import layers as layers_mod
+
+    extend = layers_mod.EngineSession.extend
+
+    def warm_up_on_the_tapped_model(self, ids):
+        if self.pos == 0:  # a lazy warm-up at the first step, on self.runner.model instead of a scratch copy
+            n = 2 * len(ids)
+            ctx = ForwardContext((SeqContext(0, n, 0, 0, self.table),))
+            self.runner.model.forward(torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(0)), ctx)
+        return extend(self, ids)
+
+    monkeypatch.setattr(layers_mod.EngineSession, "extend", warm_up_on_the_tapped_model)
+    with pytest.raises(ValueError, match=r"saw 2 call\(s\).*warm-up"):
+        layers_mod.run_layers(tiny_v4_dir, LAYER_IDS[:5])
+
+
+def test_the_engine_warm_up_never_reaches_the_tapped_model(tiny_v4_dir, monkeypatch):
+    """The runner sizes its KV cache with a warm-up forward: it must run on another model instance than
+    `runner.model` (the one parity taps)."""
+    from deepinfer.config import ModelConfig
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.model_runner import ModelRunner
+    from deepinfer.model import v4 as engine_v4
+
+    ran_on: list[int] = []
+    forward = engine_v4.V4EngineModel.forward
+
+    def recording(self, *args, **kwargs):
+        ran_on.append(id(self))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_v4.V4EngineModel, "forward", recording)
+    config = EngineConfig(model=str(tiny_v4_dir), numerics="exact", max_model_len=256, max_num_batched_tokens=64,
+                          num_blocks=None)  # None: sized by the warm-up forward
+    runner = ModelRunner(config, ModelConfig.from_checkpoint(tiny_v4_dir))
+    assert ran_on, "the runner sized its cache without a warm-up forward"
+    assert id(runner.model) not in ran_on

@@ -17,16 +17,17 @@ import torch
 from deepinfer.parity.compare import top1_margin
 from deepinfer.parity.next_token import EngineSession
 from deepinfer.parity.report import Report
-from deepinfer.reference import load_reference
+from deepinfer.parity.backends import RefSpec, make_reference
 
 NOISE_MULTIPLE = 2.0
 
 
-def run_drift(model_dir: str | Path, ids: list[int], steps: int = 16, numerics: str = "exact") -> Report:
+def run_drift(model_dir: str | Path, ids: list[int], steps: int = 16, numerics: str = "exact",
+              ref: RefSpec = RefSpec()) -> Report:
     if not ids or steps <= 0:
         raise ValueError("drift needs context ids and steps > 0")
     total = len(ids) + steps
-    ref = load_reference(model_dir, numerics=numerics, max_batch_size=1, max_seq_len=total + 1, progress=False)
+    spec, ref = ref, make_reference(ref, model_dir, numerics, total + 1)
     eng = EngineSession(model_dir, numerics, total + 1)
     ref_logits = [ref.forward(torch.tensor([ids]), 0)[0]]
     eng_logits = [eng.extend(list(ids))]
@@ -44,7 +45,7 @@ def run_drift(model_dir: str | Path, ids: list[int], steps: int = 16, numerics: 
     noise = statistics.pstdev(deltas) if len(deltas) > 1 else abs(deltas[0])
     report = Report("drift", ["position", "engine_top1", "ref_top1", "engine_margin", "ref_margin", "delta_margin",
                               "flip", "judgement"],
-                    meta={"model": str(model_dir), "numerics": numerics, "noise_std": noise,
+                    meta={"model": str(model_dir), "numerics": numerics, "reference": spec.label, "noise_std": noise,
                           "mean_delta": statistics.fmean(deltas), "max_abs_delta": max(abs(d) for d in deltas)})
     for row in rows:
         if row["flip"]:

@@ -16,9 +16,9 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.model.context import ForwardContext, SeqContext
+from deepinfer.parity.backends import RefSpec, make_reference
 from deepinfer.parity.compare import diff, top1_margin
 from deepinfer.parity.report import Report
-from deepinfer.reference import load_reference
 
 DECISIVE_MARGIN = 2.0
 EXACT_TOLERANCE = 1e-6
@@ -49,17 +49,19 @@ def _top5(logits: torch.Tensor) -> list[list]:
 
 
 def run_next_token(model_dir: str | Path, ids: list[int], force_ids: list[int] = (), numerics: str = "exact",
-                   api_steps: int = 0) -> Report:
-    """api_steps > 0 also runs the request through the full engine API beside decoys (see api_path.py)."""
+                   api_steps: int = 0, ref: RefSpec = RefSpec()) -> Report:
+    """api_steps > 0 also runs the request through the full engine API beside decoys (see api_path.py);
+    that path is always judged against the oracle (it needs every position's logits)."""
     if not ids:
         raise ValueError("--ids is empty")
     total = len(ids) + len(force_ids)
-    ref_full = load_reference(model_dir, numerics=numerics, max_batch_size=1, max_seq_len=total + 1, progress=False)
-    ref_step = load_reference(model_dir, numerics=numerics, max_batch_size=1, max_seq_len=total + 1, progress=False)
+    ref_full = make_reference(ref, model_dir, numerics, total + 1)
+    ref_step = make_reference(ref, model_dir, numerics, total + 1)
     eng_full, eng_step = EngineSession(model_dir, numerics, total + 1), EngineSession(model_dir, numerics, total + 1)
     report = Report("next-token", ["mode", "position", "engine_top1", "ref_top1", "engine_margin", "ref_margin",
                                    "rel_err", "flip", "engine_top5", "ref_top5"],
-                    meta={"model": str(model_dir), "numerics": numerics, "ids": list(ids), "force_ids": list(force_ids)})
+                    meta={"model": str(model_dir), "numerics": numerics, "ids": list(ids), "force_ids": list(force_ids),
+                          "reference": ref.label})
     seq = list(ids) + list(force_ids)
     pairs = [("prefill", total - 1, eng_full.extend(seq), ref_full.forward(torch.tensor([seq]), 0)[0])]
     pairs.append(("decode", len(ids) - 1, eng_step.extend(list(ids)), ref_step.forward(torch.tensor([ids]), 0)[0]))
