@@ -4,11 +4,13 @@ CPU tests (no triton): containers built from the tiny checkpoints dequantise to 
 weights; the twins equal the engine's official numerics bit for bit (`official.qlinear`, the model's
 `_forward_official` MoE); bad input raises a clear error.
 GPU tests (`-m gpu`, fresh random inputs every run): act_quant kernel bit-identical to formats.act_quant;
-fp8_linear and fp4_moe against their twins on the same device. Bounds (both sides round to bf16 the same
-fp32 math, summed in a different order, so only last-bit flips of bf16 values differ):
-* fp8_linear: rel_err <= 1e-3 (the share of elements not bit-equal and the worst difference in bf16 ulps
-  of the twin's value are printed; near-cancelling outputs make an ulp bound meaningless);
-* fp4_moe: rel_err <= 5e-3 (a flipped bf16 bit of gate/up or h can move one FP8 code of act_quant(h)).
+fp8_linear and fp4_moe against their twins on the same device. Both sides compute exact products summed in
+fp32 (in different orders) and round to bf16 at the same points, so only last-bit flips differ. Bounds,
+with the H200 measurements of 2026-11-29 (M/T = 1, 7, 128, 1000; blocks 128 and 32):
+* fp8_linear: rel_err <= 3e-4 (measured 0 at M <= 7, <= 6.0e-5 above; <= 0.01% of elements differ);
+* fp4_moe: rel_err <= 1e-3 (measured <= 1.1e-4; a flipped bf16 bit of gate/up or h can move an FP8 code
+  of act_quant(h), which is why it is above fp8_linear's).
+(An FP8-tensor-core version measured 6e-4 / 1.1e-3: Hopper's FP8 MMA accumulates with reduced precision.)
 """
 from __future__ import annotations
 
@@ -230,12 +232,9 @@ def test_triton_fp8_linear_matches_twin(block, m):
         want = fp8_linear_torch(x, w)
         assert got.dtype == BF16 and got.shape == (m, n) and bool(torch.isfinite(got).all())
         rel = _rel(got, want)
-        ulp = (want.float().abs() * 2.0**-7).clamp(min=2.0**-126)
-        worst = float(((got.float() - want.float()).abs() / ulp).max())
         differ = float((got != want).float().mean())
-        print(f"fp8_linear block={block} M={m} N={n} K={k}: rel_err={rel:.2e}, {differ:.2%} differ, "
-              f"worst {worst:.1f} ulp")
-        assert rel <= 1e-3, f"rel_err {rel:.2e} ({differ:.1%} of elements differ)"
+        print(f"fp8_linear block={block} M={m} N={n} K={k}: rel_err={rel:.2e}, {differ:.3%} of elements differ")
+        assert rel <= 3e-4, f"rel_err {rel:.2e} ({differ:.3%} of elements differ)"
 
 
 @pytest.mark.gpu
@@ -256,7 +255,7 @@ def test_triton_fp4_moe_matches_twin(act_block, t):
         assert got.dtype == torch.float32 and got.shape == (t, d) and bool(torch.isfinite(got).all())
         rel = _rel(got, want)
         print(f"fp4_moe act_block={act_block} T={t} limit={limit}: rel_err={rel:.2e}")
-        assert rel <= 5e-3
+        assert rel <= 1e-3
 
 
 @pytest.mark.gpu
@@ -272,7 +271,7 @@ def test_triton_fp4_moe_real_dims():
         weights = torch.rand(t, 6, device=dev) * 0.5
         rel = _rel(fp4_moe(x, ids, weights, bank, 10.0), fp4_moe_torch(x, ids, weights, bank, 10.0))
         print(f"fp4_moe real dims T={t}: rel_err={rel:.2e}")
-        assert rel <= 5e-3
+        assert rel <= 1e-3
 
 
 @pytest.mark.gpu
