@@ -45,6 +45,8 @@ class ServerConfig:
     max_waiting: int = 256  # requests not yet scheduled; more get 429
     max_request_bytes: int = 4 << 20  # larger bodies get 413
     shutdown_grace_s: float = 5.0  # SIGTERM: in-flight requests get this long to finish, then are aborted
+    speculative_method: str | None = None  # "mtp" | "dspark": draft and verify (spec/)
+    num_speculative_tokens: int = 1
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         return EngineConfig(model=model_dir, numerics=self.numerics, max_model_len=self.max_model_len,
@@ -59,7 +61,9 @@ def build_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:
         model_dir, default_name = str(default_model_dir()), "deepinfer-tiny-v4"
     else:
         model_dir, default_name = config.model, config.model
-    engine = engine or LLMEngine(config.engine_config(model_dir))
+    speculative = None if config.speculative_method is None else {
+        "method": config.speculative_method, "num_speculative_tokens": config.num_speculative_tokens}
+    engine = engine or LLMEngine(config.engine_config(model_dir), speculative=speculative)
     metrics = Metrics()
     async_engine = AsyncEngine(engine, metrics, config.max_waiting)
 

@@ -131,6 +131,7 @@ class AsyncEngine:
                 await asyncio.sleep(0.05)
                 continue
             self.metrics.set_gauges(waiting, running, usage)
+            self.metrics.set_spec(getattr(self.engine, "spec_stats", None))  # the step is done: no race
             for out in outputs:
                 self._dispatch(out)
             if not outputs:

@@ -18,6 +18,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     s.add_argument("--numerics", choices=("exact", "official"), default="exact")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--speculative-method", choices=("mtp", "dspark"),
+                   help="speculative decoding: draft with the checkpoint's MTP (v4) or DSpark (v41) layers")
+    s.add_argument("--num-speculative-tokens", type=int, default=1, help="drafts per step")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 429")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     s.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get on SIGTERM")
@@ -35,5 +38,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
         kv_cache_bytes=args.kv_cache_bytes, numerics=args.numerics, seed=args.seed, max_waiting=args.max_waiting,
-        max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace))
+        max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens))
     return 0

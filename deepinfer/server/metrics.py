@@ -23,11 +23,31 @@ class Metrics:
         self.requests_finished = Counter("deepinfer_requests_finished", "Engine requests finished", ["reason"],
                                          registry=r)
         self.http_errors = Counter("deepinfer_http_errors", "Requests rejected, by status", ["status"], registry=r)
+        # speculative decoding, per draft position (1 = the first draft after the last real token)
+        self.spec_drafts = Counter("deepinfer_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                   ["position"], registry=r)
+        self.spec_accepted = Counter("deepinfer_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                     ["position"], registry=r)
+        self.spec_acceptance = Gauge("deepinfer_spec_decode_acceptance_rate", "Accepted / verified drafts so far",
+                                     ["position"], registry=r)
+        self._spec_seen: tuple[list[int], list[int]] = ([], [])
 
     def set_gauges(self, waiting: int, running: int, kv_usage: float) -> None:
         self.waiting.set(waiting)
         self.running.set(running)
         self.kv_usage.set(kv_usage)
+
+    def set_spec(self, stats) -> None:
+        """Catch the counters up with the engine's cumulative `spec.AcceptanceStats` (None: no drafting)."""
+        if stats is None:
+            return
+        seen_p, seen_a = self._spec_seen
+        for j, (p, a) in enumerate(zip(stats.proposed, stats.accepted)):
+            pos = str(j + 1)
+            self.spec_drafts.labels(pos).inc(p - (seen_p[j] if j < len(seen_p) else 0))
+            self.spec_accepted.labels(pos).inc(a - (seen_a[j] if j < len(seen_a) else 0))
+            self.spec_acceptance.labels(pos).set(a / p if p else 0.0)
+        self._spec_seen = (list(stats.proposed), list(stats.accepted))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
