@@ -16,7 +16,7 @@ import torch
 import triton.testing
 
 from deepinfer.kernels import official, official_fused, torch_ops
-from deepinfer.kernels.triton import indexer, norm_hc, rope, sparse_attn
+from deepinfer.kernels.triton import compress_pool, indexer, kv_pack, norm_hc, rope, sparse_attn
 
 L2_BYTES = 50 * 2**20
 
@@ -97,12 +97,47 @@ def bench_others(lines: list[str]) -> None:
                               s.numel() * 2, 0))
 
 
+def bench_cache_side(lines: list[str]) -> None:
+    from types import SimpleNamespace
+
+    from deepinfer.cache.layouts import get_layout
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    layout = get_layout("v4_fp8_ds_mla", SimpleNamespace(head_dim=512, rope_head_dim=64, index_head_dim=128))
+    for T in (1, 8192):
+        x = torch.randn(T, 512, generator=g, device="cuda").bfloat16()
+        packed = layout.store(x)
+        nbytes = T * (1024 + layout.bytes_per_token)
+        lines.append(rows_for(f"kv_encode v4_fp8_ds_mla T={T}", bench(lambda: kv_pack.kv_encode(layout, x)), nbytes, 0))
+        lines.append(rows_for("  torch layout.store", bench(lambda: layout.store(x)), nbytes, 0))
+        lines.append(rows_for(f"kv_decode v4_fp8_ds_mla T={T}", bench(lambda: kv_pack.kv_decode(layout, packed)),
+                              nbytes, 0))
+        lines.append(rows_for("  torch layout.load", bench(lambda: layout.load(packed)), nbytes, 0))
+    for n, r, w, ov in ((2048, 4, 512, True), (64, 128, 512, False)):
+        c = 2 if ov else 1
+        kv = torch.randn(n + ov, r, c * w, generator=g, device="cuda")
+        sc = torch.randn(n + ov, r, c * w, generator=g, device="cuda")
+        nbytes = 2 * kv.numel() * 4 + n * w * 4
+        lines.append(rows_for(f"compress_pool n={n} r={r}", bench(lambda: compress_pool.compress_pool(kv, sc, ov)),
+                              nbytes, 0))
+        lines.append(rows_for("  torch twin", bench(lambda: torch_ops.compress_pool(kv, sc, ov)), nbytes, 0))
+
+
+class _PrintingList(list):
+    """Prints each row as it is measured, so a failure later in the script loses none of them."""
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
+        super().append(line)
+
+
 def main() -> None:
     torch.set_num_threads(1)
-    lines = [f"device: {torch.cuda.get_device_name()}"]
+    lines = _PrintingList()
+    lines.append(f"device: {torch.cuda.get_device_name()}")
     bench_sparse_attn(lines)
     bench_others(lines)
-    print("\n".join(lines))
+    bench_cache_side(lines)
 
 
 if __name__ == "__main__":

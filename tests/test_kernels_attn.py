@@ -31,9 +31,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------------------- GPU helpers
 def _cuda_kernels():
-    from deepinfer.kernels.triton import compress_pool, indexer, norm_hc, rope, sparse_attn
+    from deepinfer.kernels.triton import compress_pool, indexer, kv_pack, norm_hc, rope, sparse_attn
 
-    return sparse_attn, norm_hc, rope, indexer, compress_pool
+    return sparse_attn, norm_hc, rope, indexer, compress_pool, kv_pack
 
 
 def _attn_inputs(g, T, H, d, N, K, hole_frac=0.3, empty_tail=False):
@@ -183,7 +183,7 @@ def test_hc_post_matches_torch(T, D):
 @pytest.mark.parametrize("shape", [(1, 64, 512), (2000, 64, 512), (9, 4, 256), (300, 512), (5, 8, 128)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope32_matches_official(shape, inverse):
-    _, _, rope, _, _ = _cuda_kernels()
+    _, _, rope, *_ = _cuda_kernels()
     g = torch.Generator(device="cuda").manual_seed(shape[0] + inverse)
     freqs = official.rope_freqs32(64, 65536, 160000.0, 16.0, 32, 1).cuda()
     x = torch.randn(*shape, generator=g, device="cuda").bfloat16()
@@ -198,7 +198,7 @@ def test_rope32_matches_official(shape, inverse):
 @needs_cuda
 @pytest.mark.parametrize("T,h,d,E", [(1, 4, 128, 37), (16, 64, 128, 2048), (1000, 64, 128, 1000), (3, 4, 128, 300)])
 def test_indexer_scores_and_topk_match_official(T, h, d, E):
-    _, _, _, indexer, _ = _cuda_kernels()
+    _, _, _, indexer, *_ = _cuda_kernels()
     g = torch.Generator(device="cuda").manual_seed(T + E)
     q = torch.randn(T, h, d, generator=g, device="cuda").bfloat16()
     w = (torch.randn(T, h, generator=g, device="cuda") * 0.1).bfloat16()
@@ -221,7 +221,7 @@ def test_indexer_scores_and_topk_match_official(T, h, d, E):
 @pytest.mark.parametrize("n,r,width,overlap", [(1, 4, 128, True), (2048, 4, 512, True), (1, 128, 512, False),
                                                (64, 128, 512, False), (33, 4, 128, True)])
 def test_compress_pool_matches_torch(n, r, width, overlap):
-    *_, compress_pool = _cuda_kernels()
+    compress_pool = _cuda_kernels()[4]
     g = torch.Generator(device="cuda").manual_seed(n + r)
     c = 2 if overlap else 1
     nb = n + 1 if overlap else n
@@ -232,6 +232,32 @@ def test_compress_pool_matches_torch(n, r, width, overlap):
     err = rel_err(compress_pool.compress_pool(kv, score, overlap), torch_ops.compress_pool(kv, score, overlap))
     print(f"compress_pool n={n} r={r} width={width} overlap={overlap}: rel_err {err:.2e}")
     assert err <= F32_BOUND
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name,head_dim", [("v4_fp8_ds_mla", 512), ("v4_fp8_ds_mla", 256), ("v41_window_fp8", 512),
+                                           ("v4_index_fp4", 512)])
+def test_kv_pack_is_the_layout_codec_bit_for_bit(name, head_dim):
+    """kv_encode / kv_decode == KVLayout.store / .load, byte for byte and bit for bit (the cached values must
+    be the oracle's), over magnitudes from the 1e-4 amax floor to 4e3, zero rows and fp32 input."""
+    from types import SimpleNamespace
+
+    from deepinfer.cache.layouts import get_layout
+
+    kv_pack = _cuda_kernels()[5]
+    layout = get_layout(name, SimpleNamespace(head_dim=head_dim, rope_head_dim=64, index_head_dim=128))
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    mags = torch.logspace(-6, 3.6, 40, device="cuda").repeat(50).unsqueeze(1)  # 2000 rows
+    x = torch.randn(mags.shape[0], layout.dim, generator=g, device="cuda") * mags
+    x[0] = 0.0
+    for inp in (x.bfloat16(), x):
+        packed = kv_pack.kv_encode(layout, inp)
+        ref = layout.store(inp)
+        assert packed.dtype == torch.uint8 and torch.equal(packed, ref), (packed != ref).nonzero()[:5].tolist()
+        assert torch.equal(kv_pack.kv_decode(layout, ref).view(torch.int16), layout.load(ref).view(torch.int16))
+    three = x[:12].bfloat16().view(3, 4, layout.dim)  # leading dims are kept
+    assert kv_pack.kv_decode(layout, kv_pack.kv_encode(layout, three)).shape == three.shape
 
 
 @gpu

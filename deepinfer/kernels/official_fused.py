@@ -2,7 +2,8 @@
 (the CPU fallback) and the references the Triton versions in `kernels/triton/norm_hc.py` are tested against.
 
 Owns: `hc_pre_fused` (hc mixes, Sinkhorn split, collapse, bf16 round, RMSNorm, bf16 round: exactly the
-steps `V4Block._hc_official` runs before a sublayer) and `hc_post_fused` (hc_post rounded once to bf16).
+steps `V4Block._hc_official` runs before a sublayer), `hc_post_fused` (hc_post rounded once to bf16), and
+`kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace).
 Must not: hold state or import the model or the reference oracle; change a rounding point of the
 unfused sequence (the engine may call either and must get the same bits on CPU).
 """
@@ -12,7 +13,7 @@ import torch
 
 from deepinfer.kernels import torch_ops
 
-__all__ = ["hc_pre_fused", "hc_post_fused"]
+__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -34,3 +35,14 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
 def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """bf16(post_k * F + sum_j comb[j, k] * R_j) with fp32 arithmetic: f [T, D], residual [T, hc, D]."""
     return torch_ops.hc_post(f.to(F32), residual.to(F32), post, comb).to(BF16)
+
+
+def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
+    """`layout.store(x)`: values [..., dim] -> the layout's packed bytes (the layout object is passed in, so
+    kernels never import cache)."""
+    return layout.store(x)
+
+
+def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
+    """`layout.load(packed)`: packed bytes -> the bf16 values the oracle holds in its cache."""
+    return layout.load(packed)

@@ -1,0 +1,132 @@
+"""Triton codec of the FP8 KV layouts of `cache/layouts.py` (codec "fp8_e8m0": v4_fp8_ds_mla, v41_window_fp8).
+
+Owns: `kv_encode(layout, x)` and `kv_decode(layout, packed)`, meant as the CUDA twins of `KVLayout.store` /
+`.load` bit for bit. STATUS: checked bit-exact only under TRITON_INTERPRET (with round-to-nearest-even
+conversions, as the GPU does); its `-m gpu` test (tests/test_kernels_attn.py) has not passed on a GPU yet,
+so the module is NOT in kernels.triton.KERNEL_MODULES: add it there once that test passes. x rounded to bf16, per block of `layout.block` channels
+amax (floored at 1e-4) -> the official pow2 scale 2**ceil(log2(amax * fp32(1/448))) by the exponent-bit
+trick -> E4M3 RNE of clamp(x / s, +-448); the entry bytes [E4M3 values | rope tail as raw bf16 | E8M0
+scale bytes | zero pad]. Decode multiplies the E4M3 value by its scale in fp32 and rounds to bf16, as the
+oracle's fake-quant does. One program per entry, one pass each way (the torch codec makes ~15 passes).
+Other codecs (FP4, bf16, the seed's) go to the layout's torch codec.
+Must not: import `cache` (the layout object is passed in); be imported off CUDA (imports triton).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)  # jit code reads module globals only as constexpr
+FP8_AMAX_FLOOR = tl.constexpr(1e-4)
+
+
+@triton.jit
+def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT,
+                   QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
+                   ROPE: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    nb = tl.arange(0, NB_P2)
+    j = tl.arange(0, BLOCK)
+    bmask = nb < NB
+    ch = nb[:, None] * BLOCK + j[None, :]
+    m = bmask[:, None] & (j[None, :] < BLOCK)
+    x = tl.load(x_ptr + row * stride_x + ch, mask=m, other=0.0).to(tl.bfloat16).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), FP8_AMAX_FLOOR)
+    prod = amax * (1.0 / FP8_MAX)  # fp32 product with the rounded fp32 reciprocal, as the official kernel
+    bits = prod.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the pow2 ceiling
+    s = (e << 23).to(tl.float32, bitcast=True)
+    q = tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    base = row * BPT
+    tl.store(out8_ptr + base + ch, q.to(tl.uint8, bitcast=True), mask=m)
+    if ROPE > 0:  # raw bf16 tail, written through the int16 view of the same bytes (offsets are even)
+        r = tl.arange(0, ROPE_P2)
+        rm = r < ROPE
+        raw = tl.load(x_ptr + row * stride_x + QDIM + r, mask=rm, other=0.0).to(tl.bfloat16)
+        tl.store(out16_ptr + (base + QDIM) // 2 + r, raw.to(tl.int16, bitcast=True), mask=rm)
+    tl.store(out8_ptr + base + QDIM + 2 * ROPE + nb, e.to(tl.uint8), mask=bmask)
+    if PAD > 0:
+        p = tl.arange(0, 8)
+        tl.store(out8_ptr + base + QDIM + 2 * ROPE + NB + p, tl.zeros((8,), tl.uint8), mask=p < PAD)
+
+
+@triton.jit
+def _decode_kernel(in8_ptr, in16_ptr, out_ptr, BPT,
+                   QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
+                   ROPE: tl.constexpr, ROPE_P2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    nb = tl.arange(0, NB_P2)
+    j = tl.arange(0, BLOCK)
+    bmask = nb < NB
+    ch = nb[:, None] * BLOCK + j[None, :]
+    m = bmask[:, None] & (j[None, :] < BLOCK)
+    base = row * BPT
+    v = tl.load(in8_ptr + base + ch, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    b = tl.load(in8_ptr + base + QDIM + 2 * ROPE + nb, mask=bmask, other=127).to(tl.int32)
+    # E8M0 byte b = 2**(b-127): the fp32 exponent field, except b=0 (2**-127, a subnormal) and 0xFF (NaN)
+    sbits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
+    s = sbits.to(tl.float32, bitcast=True)
+    dim: tl.constexpr = QDIM + ROPE
+    tl.store(out_ptr + row * dim + ch, (v * s[:, None]).to(tl.bfloat16), mask=m)
+    if ROPE > 0:
+        r = tl.arange(0, ROPE_P2)
+        rm = r < ROPE
+        raw = tl.load(in16_ptr + (base + QDIM) // 2 + r, mask=rm, other=0).to(tl.bfloat16, bitcast=True)
+        tl.store(out_ptr + row * dim + QDIM + r, raw, mask=rm)
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """CUDA tensors, or any under TRITON_INTERPRET=1 (local checks at tiny shapes)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fp8_geometry(layout) -> dict:
+    nb = layout.n_scales
+    return dict(QDIM=layout.quant_dim, BLOCK=layout.block, NB=nb, NB_P2=triton.next_power_of_2(nb),
+                ROPE=layout.raw_dim, ROPE_P2=triton.next_power_of_2(max(1, layout.raw_dim)))
+
+
+def _supported(layout) -> bool:
+    """fp8_e8m0 with a power-of-two block and byte offsets the int16 view can address."""
+    return (layout.codec == "fp8_e8m0" and layout.block & (layout.block - 1) == 0
+            and layout.bytes_per_token % 2 == 0 and layout.quant_dim % 2 == 0)
+
+
+def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `layout.store(x)`: [..., dim] float -> uint8 [..., bytes_per_token]."""
+    if not _supported(layout) or not _on_device(x):
+        return layout.store(x)
+    if x.shape[-1] != layout.dim:
+        raise ValueError(f"{layout.name}: expected last dimension {layout.dim}, got {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, layout.dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    bpt = layout.bytes_per_token
+    out = torch.empty(x2.shape[0], bpt, dtype=torch.uint8, device=x.device)
+    if x2.shape[0]:
+        pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
+        _encode_kernel[(x2.shape[0],)](x2, out, out.view(torch.int16), x2.stride(0), bpt, PAD=pad,
+                                       num_warps=4, **_fp8_geometry(layout))
+    return out.reshape(*lead, bpt)
+
+
+def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
+    """Same contract as `layout.load(packed)`: uint8 [..., bytes_per_token] -> bf16 [..., dim]."""
+    if not _supported(layout) or not _on_device(packed):
+        return layout.load(packed)
+    bpt = layout.bytes_per_token
+    if packed.dtype != torch.uint8 or packed.shape[-1] != bpt:
+        raise ValueError(f"{layout.name}: expected uint8 [..., {bpt}], got {packed.dtype} {tuple(packed.shape)}")
+    lead = packed.shape[:-1]
+    p2 = packed.reshape(-1, bpt).contiguous()
+    out = torch.empty(p2.shape[0], layout.dim, dtype=torch.bfloat16, device=packed.device)
+    if p2.shape[0]:
+        _decode_kernel[(p2.shape[0],)](p2, p2.view(torch.int16), out, bpt, num_warps=4, **_fp8_geometry(layout))
+    return out.reshape(*lead, layout.dim)
+
+
+REGISTRATIONS = {"kv_encode": kv_encode, "kv_decode": kv_decode}
