@@ -12,12 +12,26 @@ import triton
 
 from deepinfer import formats
 from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
-from deepinfer.kernels.triton.fp4_moe import fp4_moe
+from deepinfer.kernels.triton.fp4_moe import align_by_expert, fp4_moe
 from deepinfer.kernels.triton.fp8_gemm import fp8_linear
 
 
 def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _graph_ms(fn) -> float:
+    """Median time of replaying `fn` captured in a CUDA graph (no Python launch overhead); nan if capture fails."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return _ms(graph.replay)
+    except RuntimeError as err:
+        print(f"graph capture failed: {err}")
+        return float("nan")
 
 
 def bench_fp8_linear(rows: list[str]) -> None:
@@ -29,11 +43,12 @@ def bench_fp8_linear(rows: list[str]) -> None:
         for m in (1, 128, 4096):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             t = _ms(lambda: fp8_linear(x, w))
+            tg = _graph_ms(lambda: fp8_linear(x, w))
             tb = _ms(lambda: x @ wb.T)
             bytes_moved = n * k + m * k * 2 + m * n * 2
             flops = 2 * m * n * k
             rows.append(f"fp8_linear block={block:3d} M={m:5d} N=K=4096 | {t * 1e3:8.1f} us | "
-                        f"{bytes_moved / t / 1e6:7.0f} GB/s | {flops / t / 1e9:6.1f} TFLOP/s | cuBLAS bf16 {tb * 1e3:7.1f} us")
+                        f"{bytes_moved / t / 1e6:7.0f} GB/s | {flops / t / 1e9:6.1f} TFLOP/s | graph {tg * 1e3:6.1f} us | cuBLAS bf16 {tb * 1e3:7.1f} us")
 
 
 def bench_fp4_moe(rows: list[str]) -> None:
@@ -50,11 +65,14 @@ def bench_fp4_moe(rows: list[str]) -> None:
         ids = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
         w = torch.rand(t, k, device="cuda")
         ms = _ms(lambda: fp4_moe(x, ids, w, bank, 10.0))
+        route_ms = _ms(lambda: align_by_expert(ids, e, 16 if t < 64 else 128))
+        graph_ms = _graph_ms(lambda: fp4_moe(x, ids, w, bank, 10.0))
         touched = int(torch.unique(ids).numel())
         bytes_moved = touched * per_expert_bytes + t * d * 2 + t * d * 4
         flops = 2 * t * k * 3 * d * i
         rows.append(f"fp4_moe T={t:5d} (E=256 k=6 D=4096 I=2048, {touched} experts) | {ms * 1e3:8.1f} us | "
-                    f"{bytes_moved / ms / 1e6:7.0f} GB/s | {flops / ms / 1e9:6.1f} TFLOP/s")
+                    f"{bytes_moved / ms / 1e6:7.0f} GB/s | {flops / ms / 1e9:6.1f} TFLOP/s | "
+                    f"CUDA graph {graph_ms * 1e3:8.1f} us | routing alone {route_ms * 1e3:6.1f} us")
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 power-of-two ue8m0 scales): per group of `block` elements of a row, amax floored at 1e-4,
 s = 2**ceil(log2(amax * fp32(1/448))) by the exponent-bit trick, q = E4M3_rne(clamp(x / s, +-448)).
 
-Owns: the jit helpers `pow2_scale` / `quantise_groups` (also used inline by the fused FP8 GEMM) and the
-stand-alone kernel `act_quant(x, block) -> (q fp8 [M, K], s fp32 [M, K/block])` used by the MoE.
+Owns: the jit helpers `pow2_scale` / `quantise_rows` (also used inline by the fused FP8 GEMM) and the
+stand-alone kernel: `act_quant(x, block) -> (q fp8 [M, K], s fp32 [M, K/block])` (the MoE) and
+`act_quant_dequant_bf16(x, block)` -> q * s exactly in bf16 (the large-M FP8 linear).
 Must not: be imported without triton (only `kernels.triton` CUDA paths import it).
 """
 from __future__ import annotations
@@ -46,29 +47,43 @@ def quantise_rows(x):
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, stride_sm,
-                      BLOCK: tl.constexpr, GROUPS: tl.constexpr):
-    row = tl.program_id(0)
+                      BLOCK: tl.constexpr, GROUPS: tl.constexpr, DEQUANT: tl.constexpr):
+    """DEQUANT: write q * s as bf16 (exact: E4M3 x pow2) to q_ptr and no scales; else q (E4M3) and s."""
+    row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (g < n_groups)[:, None]
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     q, scale = quantise_rows(x)
-    tl.store(q_ptr + row * stride_qm + cols, q, mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, scale, mask=g < n_groups)
+    if DEQUANT:
+        tl.store(q_ptr + row * stride_qm + cols, (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(q_ptr + row * stride_qm + cols, q, mask=mask)
+        tl.store(s_ptr + row * stride_sm + g, scale, mask=g < n_groups)
 
 
-def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (bf16/fp32, CUDA) -> (q float8_e4m3fn [M, K], s fp32 [M, K/block])."""
+def _launch(x: torch.Tensor, block: int, dequant: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.shape[1] % block:
         raise ValueError(f"act_quant: x must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
     x = x.contiguous()
     m, k = x.shape
     n_groups = k // block
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
+    q = torch.empty((m, k), dtype=torch.bfloat16 if dequant else torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, 0 if dequant else n_groups), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
     groups = max(1, min(triton.next_power_of_2(n_groups), 4096 // block))
     grid = (m, triton.cdiv(n_groups, groups))
-    _act_quant_kernel[grid](x, q, s, n_groups, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=block, GROUPS=groups)
+    _act_quant_kernel[grid](x, q, s, n_groups, k, x.stride(0), q.stride(0), max(1, s.stride(0)), BLOCK=block,
+                            GROUPS=groups, DEQUANT=dequant)
     return q, s
+
+
+def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp32, CUDA) -> (q float8_e4m3fn [M, K], s fp32 [M, K/block])."""
+    return _launch(x, block, dequant=False)
+
+
+def act_quant_dequant_bf16(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [M, K] -> bf16 [M, K] holding q * s exactly (what an FP8 GEMM multiplies; formats.act_quant_dequant)."""
+    return _launch(x, block, dequant=True)[0]

@@ -2,8 +2,10 @@
 §10.6). x bf16 [M, K], w `QuantLinearWeight` (E4M3 [N, K], fp32 block scales, block 128 in V4 / 32 in V4.1)
 -> bf16 [M, N].
 
-Each program quantises its [BM, 128] activation tile to E4M3 per `act_block` group with the group's pow2
-scale (bit-identical to formats.act_quant) and multiplies the weight tile by its block scales. Both
+The activation is quantised to E4M3 per `act_block` group with the group's pow2 scale (bit-identical to
+formats.act_quant): inside the GEMM for M <= 64 (decode: one launch), by one act_quant pass writing the exact
+q * s in bf16 for larger M (else every N tile's program would redo it). Each weight tile is multiplied by
+its block scales in registers. Both
 operands then enter the tensor cores as their exact values in bf16 (E4M3 x pow2 fits bf16), so every
 product is exact and is accumulated in fp32: the official fp8_gemm's math (sum over K blocks of
 scale_a x scale_b x exact FP8 dot) up to fp32 summation order, which is the only difference from the torch
@@ -18,14 +20,16 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch, _check_activation
-from deepinfer.kernels.triton.act_quant import interpreting, quantise_rows
+from deepinfer.kernels.triton.act_quant import act_quant_dequant_bf16, interpreting, quantise_rows
 
 
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
                        stride_xm, stride_wn, stride_wsn, stride_om, K: tl.constexpr,
-                       WBLOCK: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr,
+                       WBLOCK: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, A_DEQUANT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """A_DEQUANT: x already holds act_quant's exact q * s in bf16 (large M: quantised once, not per N tile);
+    else x is the raw bf16 activation, quantised here per CHUNK (small M: one launch, fused)."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
@@ -47,9 +51,12 @@ def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, KB):
         # activation: E4M3 with one pow2 scale per CHUNK of a row, then its exact value q * s in bf16
-        a = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        a_q, a_scale = quantise_rows(tl.reshape(a, (BM * (KB // CHUNK), CHUNK)))
-        a_val = tl.reshape(a_q.to(tl.float32) * a_scale[:, None], (BM, KB)).to(tl.bfloat16)
+        if A_DEQUANT:
+            a_val = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        else:
+            a = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0).to(tl.float32)
+            a_q, a_scale = quantise_rows(tl.reshape(a, (BM * (KB // CHUNK), CHUNK)))
+            a_val = tl.reshape(a_q.to(tl.float32) * a_scale[:, None], (BM, KB)).to(tl.bfloat16)
         # weight: E4M3 x its pow2 block scale, exact in bf16 (E4M3 has 3 mantissa bits)
         b = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0).to(tl.float32)
         b_scale = tl.load(ws_ptrs + k0 // WBLOCK, mask=n_ok[None, :], other=0.0)  # [KB/WBLOCK, BN]
@@ -87,9 +94,13 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
         return out
     kb = 128 if k % 128 == 0 and 128 % w.block == 0 else w.block  # K per loop step: whole scale blocks
     cfg = _config(m, kb)
+    a_dequant = m > 64  # quantise once (exact bf16 q * s) rather than in each of the N/BN tiles' programs
+    if a_dequant:
+        x = act_quant_dequant_bf16(x, w.act_block)
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
     _fp8_linear_kernel[grid](x, w.data, w.scale, out, m, n, x.stride(0), w.data.stride(0), w.scale.stride(0),
-                             out.stride(0), K=k, WBLOCK=w.block, CHUNK=w.act_block, KB=kb, **cfg)
+                             out.stride(0), K=k, WBLOCK=w.block, CHUNK=w.act_block, KB=kb,
+                             A_DEQUANT=a_dequant, **cfg)
     return out
 
 
