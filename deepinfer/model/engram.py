@@ -160,23 +160,42 @@ def engram_params(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int,
 class EngramLayer:
     """x [T, hc, D] -> x + gate * value, gate per (token, stream) from the table rows the hashes name."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], cfg: ModelConfig, official: bool = False) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
+                 comm=None, layer: int | None = None) -> None:
+        """comm (with `layer`): the table holds this tp rank's rows only (`ParallelConfig.engram_rows`);
+        foreign rows read as zero and the tp group sums the looked-up rows (spec §10.5)."""
         self.p, self.hc, self.dim, self.eps = params, cfg.hc_mult, cfg.dim, cfg.norm_eps
         self.official, self.act_block = official, cfg.act_block
+        self.comm = comm
+        n = params["embed.weight"].shape[0]
+        self.row_start, self.total_rows = 0, n
+        if comm is not None:
+            self.total_rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]
+            self.row_start, end = comm.parallel.engram_rows(self.total_rows)
+            if end - self.row_start != n:
+                raise ValueError(f"engram layer {layer}: table holds {n} rows, this rank owns "
+                                 f"[{self.row_start}, {end}) of {self.total_rows}")
 
     def rows(self, hashes: torch.Tensor) -> torch.Tensor:
         table, scale = self.p["embed.weight"], self.p["embed.scale"]
         n_rows, hd = table.shape
         flat = hashes.reshape(-1).long()
         uniq, inverse = torch.unique(flat, return_inverse=True)
-        if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= n_rows):
-            raise IndexError(f"engram hash ids outside the table's {n_rows} rows")
+        if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.total_rows):
+            raise IndexError(f"engram hash ids outside the table's {self.total_rows} rows")
+        foreign = None
+        if self.comm is not None:  # rows of other ranks: read row 0, zeroed below, summed in by their owner
+            uniq = uniq - self.row_start
+            foreign = (uniq < 0) | (uniq >= n_rows)
+            uniq = uniq.masked_fill(foreign, 0)
         acc = torch.float32 if self.official else torch.float64
         w = torch.index_select(table, 0, uniq).to(acc)
         s = formats.scale_to_float(torch.index_select(scale, 0, uniq)).to(acc)
         vals = (w.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
         if self.official:
             vals = vals.to(torch.bfloat16)  # fp32 `fp8 * scale` rounded to bf16
+        if foreign is not None:
+            vals = self.comm.engram_sum(vals.masked_fill(foreign.unsqueeze(-1), 0))
         return vals[inverse].reshape(*hashes.shape, hd)
 
     def _official(self, x: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:

@@ -37,10 +37,10 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 class V41Block:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 all_params: dict[str, torch.Tensor], official: bool = False) -> None:
+                 all_params: dict[str, torch.Tensor], official: bool = False, comm=None) -> None:
         self.p, self.cfg, self.official = _sub(params, f"layers.{layer}."), cfg, official
-        self.attn = V41Attention(layer, _sub(self.p, "attn."), cfg, all_params, official)
-        self.ffn = V41MoE(layer, _sub(self.p, "ffn."), cfg, official)
+        self.attn = V41Attention(layer, _sub(self.p, "attn."), cfg, all_params, official, comm)
+        self.ffn = V41MoE(layer, _sub(self.p, "ffn."), cfg, official, comm)
 
     def _mixes(self, x: torch.Tensor, which: str):
         cfg, p = self.cfg, self.p
@@ -95,7 +95,8 @@ class V41EngineModel:
     """
 
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], cache: V41Cache,
-                 raw: Mapping[str, torch.Tensor] | None = None, tokenizer=None, numerics: str = "exact") -> None:
+                 raw: Mapping[str, torch.Tensor] | None = None, tokenizer=None, numerics: str = "exact",
+                 comm=None) -> None:
         if not cfg.is_v41:
             raise ValueError("V41EngineModel is the family v41 model; this checkpoint is v4")
         if numerics not in SUPPORTED_NUMERICS:
@@ -106,7 +107,8 @@ class V41EngineModel:
         if official and params["embed.weight"].dtype != BF16:
             raise ValueError("official numerics need params from prepare_params(..., numerics='official')")
         self.cfg, self.p, self.cache, self.numerics, self.official = cfg, params, cache, numerics, official
-        self.layers = [V41Block(i, params, cfg, params, official) for i in range(cfg.n_layers)]
+        self.comm = comm  # a deepinfer.distributed.Communicator when params/raw are one rank's slices
+        self.layers = [V41Block(i, params, cfg, params, official, comm) for i in range(cfg.n_layers)]
         # Debug tap (parity tools): tap(name, x, seq_index), see the module doc. Only this instance is
         # tapped: the runner's KV-sizing warm-up runs on a scratch instance.
         self.tap: Tap | None = None
@@ -117,7 +119,7 @@ class V41EngineModel:
             if raw is None or tokenizer is None:
                 raise ValueError("a V4.1 checkpoint with engram layers needs `raw` tensors and a `tokenizer`")
             dtype = F32 if official else torch.float64
-            self.engrams = {i: EngramLayer(engram_params(raw, cfg, i, dtype), cfg, official)
+            self.engrams = {i: EngramLayer(engram_params(raw, cfg, i, dtype), cfg, official, comm, i)
                             for i in cfg.engram_layer_ids}
             token_map, size = compressed_token_map(tokenizer)
             self.hasher = EngramHasher(cfg, cache.max_num_seqs, token_map, size)
@@ -135,7 +137,9 @@ class V41EngineModel:
                 self.cache.reset(s.window_slot, s.state_slot)
         hashes = self.hasher(token_ids, ctx) if self.hasher is not None else None
         T, hc = token_ids.shape[0], self.cfg.hc_mult
-        x = self.p["embed.weight"][token_ids].unsqueeze(1).repeat(1, hc, 1)
+        table = self.p["embed.weight"]
+        x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
+        x = x.unsqueeze(1).repeat(1, hc, 1)
         pre_mix = torch.zeros(T, hc, dtype=F32 if self.official else x.dtype)
         pre_mix[:, 0] = 1.0
         tap = self._per_sequence_tap(ctx) if self.tap else None
@@ -170,7 +174,14 @@ class V41EngineModel:
         return self.head(self.final_hidden(x, pre_mix))
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
-        return (y.to(F32) if self.official else y) @ self.p["head.weight"].T
+        logits = (y.to(F32) if self.official else y) @ self.p["head.weight"].T
+        return logits if self.comm is None else self.comm.gather_vocab(logits)  # vocab-parallel head
+
+    def idle_moe(self) -> None:
+        """A data-parallel rank with no sequence this step still joins every layer's MoE token exchange."""
+        x = torch.zeros(0, self.cfg.dim, dtype=self.p["embed.weight"].dtype)
+        for block in self.layers:
+            block.ffn(x)
 
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """token_ids [T] flat -> logits [num_seqs, vocab] of each sequence's last new token (or [T, vocab]
@@ -201,7 +212,7 @@ class V41EngineModel:
     __call__ = forward
 
 
-def build_for_runner(config, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], int, V41EngineModel]:
+def build_for_runner(config, cfg: ModelConfig, comm=None) -> tuple[dict[str, torch.Tensor], int, V41EngineModel]:
     """The engine runner's V4.1 model: (params, num_blocks, model) for an `EngineConfig`-like `config`
     (model, numerics, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, device,
     kv_cache_bytes, gpu_memory_utilization). The KV budget is sized like the V4 runner: one worst-case
@@ -214,6 +225,10 @@ def build_for_runner(config, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor],
         raise NotImplementedError(f"the V4.1 engine runs {SUPPORTED_NUMERICS} numerics only")
     numerics = config.numerics
     raw = load_tensors(config.model, cfg, progress=False)
+    if comm is not None:  # this rank's slices (tensor/expert parallel), before anything is dequantised
+        from deepinfer.distributed import shard_checkpoint
+
+        raw = shard_checkpoint(raw, cfg, comm.parallel)
     params = prepare_params(raw, cfg, torch.float64, numerics=numerics)
     dtype = torch.float64 if numerics == "exact" else F32  # cache value dtype (official: packed + fp32 state)
     tok = Tokenizer.from_checkpoint(config.model) if cfg.engram_layer_ids else None
@@ -223,7 +238,7 @@ def build_for_runner(config, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor],
         tokens = min(c.max_num_batched_tokens, c.max_model_len)
         blocks = -(-tokens // c.block_size)
         scratch = V41EngineModel(cfg, params, V41Cache(cfg, blocks, c.block_size, 1, dtype, numerics), raw, tok,
-                                 numerics)
+                                 numerics, comm)
         ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         from deepinfer.model.context import SeqContext
 
@@ -238,10 +253,12 @@ def build_for_runner(config, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor],
             budget = c.kv_cache_bytes - fixed
         per_block = V41Cache.bytes_per_block(cfg, c.block_size, dtype, numerics)
         num_blocks = budget // per_block if per_block else 1
+        if comm is not None:  # every rank must hold the blocks the one scheduler hands out
+            num_blocks = comm.min_over_world(int(num_blocks))
         need = -(-c.max_model_len // c.block_size)
         if num_blocks < need:
             raise ValueError(f"KV budget holds {num_blocks} blocks but one sequence of max_model_len "
                              f"{c.max_model_len} needs {need}: raise kv_cache_bytes or lower max_model_len")
     model = V41EngineModel(cfg, params, V41Cache(cfg, int(num_blocks), c.block_size, c.max_num_seqs, dtype, numerics),
-                           raw, tok, numerics)
+                           raw, tok, numerics, comm)
     return params, int(num_blocks), model

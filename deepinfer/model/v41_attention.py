@@ -88,10 +88,14 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blo
 
 class V41Attention:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 all_params: dict[str, torch.Tensor], official: bool = False) -> None:
+                 all_params: dict[str, torch.Tensor], official: bool = False, comm=None) -> None:
         self.layer, self.p, self.cfg, self.official = layer, params, cfg, official
+        self.comm = comm  # deepinfer.distributed.Communicator, or None in one process
         self.ratio = r = cfg.compress_ratios[layer]
-        self.win, self.H, self.hd, self.eps = cfg.window_size, cfg.n_heads, cfg.head_dim, cfg.norm_eps
+        self.win, self.hd, self.eps = cfg.window_size, cfg.head_dim, cfg.norm_eps
+        # this rank's heads and output groups, read off the (tensor-parallel sliced) weights
+        self.H = params["wq_b.weight"].shape[0] // cfg.head_dim
+        self.G = params["wo_a.weight"].shape[0] // cfg.o_lora_rank
         original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0
         freqs = "rope_freqs32" if official else "rope_inv_freq"  # official: fp32 table, complex64 rotation
         self.inv_freq = kernels.get(freqs)(
@@ -191,10 +195,11 @@ class V41Attention:
         idx = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in idx_rows])
         o = kernels.get("sparse_attn_sink")(q, torch.cat(pool), p["attn_sink"], idx, self.hd**-0.5)
         o = rope(o, pos, self.inv_freq, inverse=True)
-        G = cfg.o_groups
+        G = self.G
         wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
         z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), wo_a)
-        return z.flatten(1) @ p["wo_b.weight"].T
+        out = z.flatten(1) @ p["wo_b.weight"].T
+        return out if self.comm is None else self.comm.attn_out(out)  # row-parallel wo_b: sum the partials
 
     # ------------------------------------------------------------------ official numerics
     def _write_entries_official(self, lc: V41LayerCache, cache: V41Cache, ctx: ForwardContext,
@@ -274,7 +279,8 @@ class V41Attention:
             outs.append(kernels.get("sparse_attn_sink_official_v41")(q[rows], torch.cat(pool), p["attn_sink"], idx,
                                                                       self.hd**-0.5))
         o = rope(torch.cat(outs), pos, self.inv_freq, inverse=True)
-        G = cfg.o_groups
+        G = self.G
         wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
         z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(torch.float32), wo_a).to(torch.bfloat16)
-        return qlinear(z.flatten(1), p["wo_b.weight"])
+        out = qlinear(z.flatten(1), p["wo_b.weight"])
+        return out if self.comm is None else self.comm.attn_out(out)

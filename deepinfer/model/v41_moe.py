@@ -16,10 +16,16 @@ from deepinfer.config import ModelConfig
 
 
 class V41MoE:
-    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False) -> None:
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
+                 comm=None) -> None:
         if not cfg.is_v41:
             raise ValueError("V41MoE implements family v41 routing")
         self.p, self.cfg, self.topk, self.official = params, cfg, cfg.n_activated_experts, official
+        self.comm = comm  # expert parallel: params hold only this rank's routed experts
+
+    def _local_experts(self, indices: torch.Tensor) -> list[int]:
+        """The routed experts this batch uses that live on this rank (all of them in one process)."""
+        return [e for e in sorted(set(indices.flatten().tolist())) if f"experts.{e}.w1.weight" in self.p]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> weights [T, k], expert indices [T, k]."""
@@ -51,11 +57,14 @@ class V41MoE:
         return qlinear(h.to(torch.bfloat16), self.p[pre + "w2.weight"], block)
 
     def _forward_official(self, x: torch.Tensor) -> torch.Tensor:
-        weights, indices = self.route(x)
-        y = torch.zeros(x.shape, dtype=torch.float32)
-        for e in sorted(set(indices.flatten().tolist())):
+        xr = x if self.comm is None else self.comm.moe_dispatch(x, None)[0]
+        weights, indices = self.route(xr)
+        y = torch.zeros(xr.shape, dtype=torch.float32, device=x.device)
+        for e in self._local_experts(indices):
             rows, slot = torch.where(indices == e)
-            y[rows] += self._swiglu_official(x[rows], f"experts.{e}.", weights[rows, slot, None]).to(torch.float32)
+            y[rows] += self._swiglu_official(xr[rows], f"experts.{e}.", weights[rows, slot, None]).to(torch.float32)
+        if self.comm is not None:
+            y = self.comm.moe_combine(y)  # fp32, as the official all-reduce
         y += self._swiglu_official(x, "shared_experts.", None).to(torch.float32)
         return y.to(torch.bfloat16)
 
@@ -63,12 +72,15 @@ class V41MoE:
         if self.official:
             return self._forward_official(x)
         swiglu, limit = kernels.get("swiglu"), self.cfg.swiglu_limit
-        weights, indices = self.route(x)
-        y = torch.zeros_like(x)
-        for e in sorted(set(indices.flatten().tolist())):
+        xr = x if self.comm is None else self.comm.moe_dispatch(x, None)[0]  # EP over dp: every group's tokens
+        weights, indices = self.route(xr)
+        y = torch.zeros_like(xr)
+        for e in self._local_experts(indices):
             rows, slot = torch.where(indices == e)
             pe = f"experts.{e}."
-            y[rows] += swiglu(x[rows], self.p[pe + "w1.weight"], self.p[pe + "w3.weight"], self.p[pe + "w2.weight"],
+            y[rows] += swiglu(xr[rows], self.p[pe + "w1.weight"], self.p[pe + "w3.weight"], self.p[pe + "w2.weight"],
                               limit, weights[rows, slot, None])
+        if self.comm is not None:
+            y = self.comm.moe_combine(y)  # sum over the expert shards, this rank's rows
         s = "shared_experts."
         return y + swiglu(x, self.p[s + "w1.weight"], self.p[s + "w3.weight"], self.p[s + "w2.weight"], limit)

@@ -47,11 +47,17 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0  # SIGTERM: in-flight requests get this long to finish, then are aborted
     speculative_method: str | None = None  # "mtp" | "dspark": draft and verify (spec/)
     num_speculative_tokens: int = 1
+    tensor_parallel_size: int = 1  # parallel ranks: engine/distributed_runner.py
+    expert_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         return EngineConfig(model=model_dir, numerics=self.numerics, max_model_len=self.max_model_len,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            num_blocks=self.num_blocks, kv_cache_bytes=self.kv_cache_bytes, seed=self.seed)
+                            num_blocks=self.num_blocks, kv_cache_bytes=self.kv_cache_bytes, seed=self.seed,
+                            tensor_parallel_size=self.tensor_parallel_size,
+                            expert_parallel_size=self.expert_parallel_size,
+                            data_parallel_size=self.data_parallel_size)
 
 
 def build_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:
