@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from deepinfer.config import ModelConfig
 from deepinfer.parity.dump import rank_and_world
 from deepinfer.parity.official_kernel_shim import KERNEL_NAMES, hadamard_module, kernel_module
 
@@ -99,11 +100,14 @@ def load_official_module(folder: str | Path) -> tuple[types.ModuleType, types.Mo
     if missing:
         raise OfficialLoadError(f"{folder / 'kernel.py'}: does not define {missing}")
     _counter += 1
-    with _official_modules(kernel):
-        try:
+    sys.path.insert(0, str(folder))  # generate.py runs from the folder: sibling imports must resolve
+    try:
+        with _official_modules(kernel):
             model = _load_source(f"deepinfer_official_model_{_counter}", folder / "model.py")
-        except ImportError as e:
-            raise OfficialLoadError(f"{folder / 'model.py'}: import failed: {e}") from None
+    except ImportError as e:
+        raise OfficialLoadError(f"{folder / 'model.py'}: import failed: {e}") from None
+    finally:
+        sys.path.remove(str(folder))
     missing = [n for n in MODEL_NAMES if not hasattr(model, n)]
     if missing:
         raise OfficialLoadError(f"{folder / 'model.py'}: does not define {missing}")
@@ -159,6 +163,9 @@ class OfficialReference:
     def __init__(self, folder: str | Path, model_dir: str | Path, max_batch_size: int = 1,
                  max_seq_len: int = 4096) -> None:
         folder, model_dir = Path(folder), Path(model_dir)
+        if ModelConfig.from_checkpoint(model_dir).is_v41:
+            raise OfficialLoadError("--ref official: only the V4 family's inference/ code is supported (V4.1's "
+                                    "Transformer takes a tokenizer and its engram; not wired up yet)")
         self.module, self.kernel = load_official_module(folder)
         self.kernel_source = "shim" if getattr(self.kernel, "DEEPINFER_SHIM", False) else str(folder / "kernel.py")
         config_path = find_config(model_dir, folder)

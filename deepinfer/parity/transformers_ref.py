@@ -1,8 +1,8 @@
 """Reference backend `--ref transformers`: transformers' `DeepseekV4ForCausalLM` (transformers >= 5.17,
 `models/deepseek_v4`) on the same HF checkpoint directory, loaded by transformers itself (its own key
-mapping; the FP8/FP4 weights are dequantised to bf16 on load where no GPU is present, which needs
-`accelerate`). Its numerics are its own: bf16 weights and activations, no activation quantisation on
-CPU (on a GPU, its FP8 kernels).
+mapping; the FP8/FP4 weights dequantised to bf16 on load on every device, `FineGrainedFP8Config(dequantize=
+True)`, which needs `accelerate`; its GPU FP8 path would fetch kernels from the hub). Its numerics are its
+own: bf16 weights and activations, no activation quantisation.
 
 Residual taps, at the same points as the oracle: the embedding output (expanded to hc streams), the
 input of each decoder layer's `ffn_hc` (the residual after attention) and each decoder layer's output
@@ -45,8 +45,11 @@ class TransformersReference:
             raise ValueError("--ref transformers: transformers has no DeepSeek-V4.1 model (DeepseekV4 only)")
         cls = _import_model_class()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            self.model = cls.from_pretrained(str(model_dir), dtype=torch.bfloat16, device_map=str(self.device))
+        from transformers import FineGrainedFP8Config
+
+        try:  # dequantised on every device: one numerics, and no FP8 kernels fetched from the hub on a GPU
+            self.model = cls.from_pretrained(str(model_dir), dtype=torch.bfloat16, device_map=str(self.device),
+                                             quantization_config=FineGrainedFP8Config(dequantize=True))
         except ImportError as e:  # e.g. the FP8 quantizer's "requires accelerate"
             raise ValueError(f"--ref transformers could not load {model_dir}: {e}") from None
         self.model.eval()
@@ -90,7 +93,10 @@ class TransformersReference:
         if start_pos + ids.shape[1] > self.max_seq_len:
             raise ValueError(f"transformers reference: {start_pos + ids.shape[1]} tokens > max_seq_len "
                              f"{self.max_seq_len}")
-        with torch.no_grad():
-            out = self.model(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True)
+        except ImportError as e:  # a kernel transformers wanted at run time
+            raise ValueError(f"--ref transformers: the forward needs a missing package: {e}") from None
         self.cache, self.seen = out.past_key_values, start_pos + ids.shape[1]
         return out.logits[:, -1].float().cpu()
