@@ -35,6 +35,10 @@ class SpeculativeConfig:
         if self.method == "dspark" and not cfg.dspark_block_size:
             raise ValueError("speculative method 'dspark': the checkpoint has no DSpark stages "
                              "(dspark_block_size = 0); family v4 checkpoints draft with 'mtp'")
+        if self.method == "dspark" and self.num_speculative_tokens > cfg.dspark_block_size:
+            raise ValueError(f"speculative method 'dspark' proposes at most dspark_block_size = "
+                             f"{cfg.dspark_block_size} tokens per step, num_speculative_tokens = "
+                             f"{self.num_speculative_tokens} asked")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | Mapping[str, Any] | None") -> "SpeculativeConfig | None":

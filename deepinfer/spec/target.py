@@ -1,6 +1,10 @@
-"""The target forward of one step that ALSO keeps each sequence's final hidden rows, for drafters that
-condition on them (MTP). The logits rows are the ones `ModelRunner.execute` returns, in the same order
-(`SchedulerOutput.sample_rows()`), and the head runs on those rows only (it is vocab x dim).
+"""The target forward of one step that ALSO keeps, per position, the hidden rows a drafter conditions on:
+family v4 (MTP): the final 4-stream residual [n, hc, D]; family v41 (DSpark): `main_hidden` [n, k*D], the
+mean over the streams of the INPUT of each dspark target layer (official `Transformer.forward`). The logits
+rows are the ones `ModelRunner.execute` returns, in the same order (`SchedulerOutput.sample_rows()`), and
+the head runs on those rows only (it is vocab x dim).
+V4.1: the block loop of `V41EngineModel.hidden` is followed step for step with the target-layer inputs
+captured (the model has no hook for them); the greedy-identity tests compare it with the runner's forward.
 
 Must not: sample or touch scheduler state; differ from the runner's row mapping (tests compare both).
 """
@@ -12,7 +16,29 @@ from deepinfer.model.context import ForwardContext, SeqContext, forward_context
 from deepinfer.scheduler.output import SchedulerOutput
 
 
-def _hidden(model, ids: torch.Tensor, seqs: list[SeqContext]) -> torch.Tensor:
+def _v41_hidden(model, ids: torch.Tensor, ctx: ForwardContext):
+    """V41EngineModel.hidden with the dspark target layers' inputs kept: (x, pre_mix, main_hidden)."""
+    cfg = model.cfg
+    model._check(ids, ctx)
+    for s in ctx.seqs:
+        if s.start_pos == 0:
+            model.cache.reset(s.window_slot, s.state_slot)
+    hashes = model.hasher(ids, ctx) if model.hasher is not None else None
+    x = model.p["embed.weight"][ids].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+    pre_mix = torch.zeros(ids.shape[0], cfg.hc_mult, dtype=torch.float32 if model.official else x.dtype)
+    pre_mix[:, 0] = 1.0
+    shared: dict = {}
+    targets = []
+    for i, block in enumerate(model.layers):
+        if i in model.engrams:
+            x = model.engrams[i](x, hashes[:, model.hasher.layer_index(i)])
+        if i in cfg.dspark_target_layer_ids:
+            targets.append(x.mean(dim=1))
+        x, pre_mix = block(x, pre_mix, ctx, model.cache, shared)
+    return x, pre_mix, torch.cat(targets, dim=-1)
+
+
+def _hidden(model, ids: torch.Tensor, seqs: list[SeqContext]):
     """Final 4-stream residual [T, hc, D] of the batch (official numerics: one sequence per call, as the
     model's own forward does, so the bits match the non-drafting run)."""
     if getattr(model, "official", False) and not getattr(model, "fast", False) and len(seqs) > 1:
@@ -20,16 +46,20 @@ def _hidden(model, ids: torch.Tensor, seqs: list[SeqContext]) -> torch.Tensor:
         for s in seqs:
             parts.append(_hidden(model, ids[at : at + s.num_new], [s]))
             at += s.num_new
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(t) for t in zip(*parts))
         return torch.cat(parts)
     ctx = ForwardContext(tuple(seqs))
     with forward_context(ctx):
+        if getattr(model.cfg, "is_v41", False):
+            return _v41_hidden(model, ids, ctx)
         return model.hidden(ids)
 
 
 def execute_with_hidden(model, out: SchedulerOutput, want_prompt_logits: set[str], vocab: int,
                         dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """-> (sample logits [rows, V] in sample_rows() order, prompt logits per asked request id,
-    hidden rows [num_new, hc, D] per request id). Family v4 models (`hidden` returns one tensor)."""
+    drafter hidden rows per request id: v4 [num_new, hc, D], v41 main_hidden [num_new, k*D])."""
     seqs, ids, spans = [], [], []
     at = 0
     for sr in out.scheduled:
@@ -37,9 +67,13 @@ def execute_with_hidden(model, out: SchedulerOutput, want_prompt_logits: set[str
         ids.extend(sr.token_ids)
         spans.append((at, at + sr.num_new_tokens))
         at += sr.num_new_tokens
-    x = _hidden(model, torch.tensor(ids, dtype=torch.long), seqs)
-    if isinstance(x, tuple):
-        raise NotImplementedError("execute_with_hidden serves family v4 models (a single final residual)")
+    out_h = _hidden(model, torch.tensor(ids, dtype=torch.long), seqs)
+    if isinstance(out_h, tuple):  # v41: logits need the last block's pre mix; drafters get main_hidden
+        x, pre_mix, drafter_rows = out_h
+        head = lambda rows: model.logits(x[rows], pre_mix[rows])  # noqa: E731
+    else:
+        x = drafter_rows = out_h
+        head = lambda rows: model.logits(x[rows])  # noqa: E731
     sample_idx, prompt_idx = [], {}
     for sr, (a, b) in zip(out.scheduled, spans):
         if sr.num_sampled_rows:
@@ -49,8 +83,8 @@ def execute_with_hidden(model, out: SchedulerOutput, want_prompt_logits: set[str
             prompt_idx[sr.request_id] = range(a, a + n_prompt)
     wanted = sorted(set(sample_idx).union(*prompt_idx.values()))
     where = {row: i for i, row in enumerate(wanted)}
-    logits = model.logits(x[torch.tensor(wanted, dtype=torch.long)]) if wanted else torch.empty(0, vocab, dtype=dtype)
+    logits = head(torch.tensor(wanted, dtype=torch.long)) if wanted else torch.empty(0, vocab, dtype=dtype)
     sample = logits[[where[r] for r in sample_idx]] if sample_idx else torch.empty(0, vocab, dtype=logits.dtype)
     prompt = {rid: logits[[where[r] for r in rows]] if len(rows) else logits[:0] for rid, rows in prompt_idx.items()}
-    hidden = {sr.request_id: x[a:b] for sr, (a, b) in zip(out.scheduled, spans)}
+    hidden = {sr.request_id: drafter_rows[a:b] for sr, (a, b) in zip(out.scheduled, spans)}
     return sample, prompt, hidden
