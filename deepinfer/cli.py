@@ -91,7 +91,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
             report = run_drift(model_dir, args.ids, args.steps, args.numerics, parse_ref(args.ref))
         else:
             report = run_next_token(model_dir, args.ids, args.force_ids or [], args.numerics, args.api_steps,
-                                    parse_ref(args.ref))
+                                    parse_ref(args.ref), args.api_speculative)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"deepinfer parity {args.parity_command}: could not run: {e}", file=sys.stderr)
         return PARITY_CANNOT_RUN
@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--api-steps", type=int, default=4,
                     help="also generate this many tokens through the full engine API beside decoy requests, "
                          "checking tokens and reported logprobs (0: off)")
+    pn.add_argument("--api-speculative", type=int, default=0, metavar="K",
+                    help="run that API path with K MTP draft tokens per step (the row map under drafting)")
     common(pn)
     pl = psub.add_parser("layers", help="per-sublayer residual state vs reference, against a measured floor")
     pl.add_argument("--ids", type=_ids, required=True, help="token ids (one prefill)")

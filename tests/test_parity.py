@@ -237,3 +237,24 @@ def test_the_engine_warm_up_never_reaches_the_tapped_model(tiny_v4_dir, monkeypa
     runner = ModelRunner(config, ModelConfig.from_checkpoint(tiny_v4_dir))
     assert ran_on, "the runner sized its cache without a warm-up forward"
     assert id(runner.model) not in ran_on
+
+
+def test_next_token_api_path_catches_a_row_map_off_by_one_under_drafting(tiny_v4_dir, monkeypatch):
+    """P4.2 under drafting: with 2 MTP drafts per step a request samples 3 rows per step; read every
+    sampled row one further (wrapping) and the API path must flag the tokens."""
+    ids = [2056, 768, 17607, 2793, 3139]
+    clean = run_next_token(tiny_v4_dir, ids, api_steps=5, api_speculative=2)
+    assert clean.ok, clean.defects
+    assert [r["mode"] for r in clean.rows].count("api+draft") == 5
+    from deepinfer.scheduler import output as output_mod
+
+    rows_of = output_mod.SchedulerOutput.sample_rows
+
+    def shifted(self):
+        rows = rows_of(self)
+        total = sum(len(r) for r in rows.values())
+        return {k: [(i + 1) % total for i in r] for k, r in rows.items()}
+
+    monkeypatch.setattr(output_mod.SchedulerOutput, "sample_rows", shifted)
+    bad = run_next_token(tiny_v4_dir, ids, api_steps=5, api_speculative=2)
+    assert any("wrong request" in d for d in bad.defects), bad.defects

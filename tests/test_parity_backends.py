@@ -129,3 +129,17 @@ def test_dump_files_are_named_by_rank_and_pid(tmp_path, monkeypatch):
     assert torch.equal(torch.load(path)["embed"], torch.arange(4.0))
     with pytest.raises(ValueError, match="dump name part"):
         dump_path(tmp_path, "../x", "engine")
+
+
+def test_dump_rank_comes_from_torch_distributed_first(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from deepinfer.parity.dump import dump_path
+
+    monkeypatch.setenv("RANK", "7")  # stale env: an initialised group's rank wins
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert dump_path(tmp_path, "layers", "engine").name.startswith("rank0-")
+    finally:
+        dist.destroy_process_group()
+    assert dump_path(tmp_path, "layers", "engine").name.startswith("rank7-")

@@ -4,6 +4,9 @@ row is NOT row 0 and partial prefills sample no row), and at every generated ste
 returned must be the reference's argmax on the same prefix and the logprob it reported must be the
 reference's log_softmax at that token. This catches what a model-level comparison cannot: logits rows
 mapped to the wrong request (the seed's P4.2), and logprobs that never reach the output (P5: all 0.0).
+With `speculative=k` the engine drafts k tokens per step with the checkpoint's MTP layer and verifies
+them in the same extend, so a request samples k+1 rows per step (the row map under drafting); greedy
+verification is lossless, so the same per-token judgement applies.
 """
 from __future__ import annotations
 
@@ -19,9 +22,12 @@ from deepinfer.sampling import SamplingParams
 LOGPROB_TOLERANCE = {"exact": 1e-6, "official": 1e-2}
 
 
-def api_rows(model_dir: str | Path, ids: list[int], steps: int, numerics: str) -> tuple[list[dict], list[str]]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), numerics=numerics, max_model_len=max(512, len(ids) + steps + 1),
-                                    max_num_seqs=4, max_num_batched_tokens=64, num_blocks=16))
+def api_rows(model_dir: str | Path, ids: list[int], steps: int, numerics: str,
+             speculative: int = 0) -> tuple[list[dict], list[str]]:
+    draft = {"method": "mtp", "num_speculative_tokens": speculative} if speculative else None
+    config = EngineConfig(model=str(model_dir), numerics=numerics, max_model_len=max(512, len(ids) + steps + 1),
+                          max_num_seqs=4, max_num_batched_tokens=64, num_blocks=16)
+    engine = LLMEngine(config, speculative=draft)
     greedy = SamplingParams(temperature=0, max_tokens=steps, logprobs=1, ignore_eos=True)
     decoys = [[7] * 90, [11, 12, 13], [5] * 40]  # a long prefill in chunks, a short one, a middling one
     engine.add_request("decoy-0", decoys[0], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
@@ -47,8 +53,8 @@ def api_rows(model_dir: str | Path, ids: list[int], steps: int, numerics: str) -
         reported = comp.logprobs[i][tok].logprob if comp.logprobs else None
         expected = float(logprobs[i, tok])
         bad_lp = reported is None or abs(reported - expected) > LOGPROB_TOLERANCE[numerics]
-        rows.append({"mode": "api", "position": len(ids) - 1 + i, "engine_top1": tok, "ref_top1": want,
-                     "reported_logprob": reported, "ref_logprob": expected, "flip": tok != want})
+        rows.append({"mode": "api+draft" if speculative else "api", "position": len(ids) - 1 + i,
+                     "engine_top1": tok, "ref_top1": want, "reported_logprob": reported, "ref_logprob": expected, "flip": tok != want})
         if tok != want:
             defects.append(f"api step {i}: the API returned token {tok}, the reference's argmax is {want} "
                            "(a logits row mapped to the wrong request?)")

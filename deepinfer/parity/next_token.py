@@ -49,9 +49,10 @@ def _top5(logits: torch.Tensor) -> list[list]:
 
 
 def run_next_token(model_dir: str | Path, ids: list[int], force_ids: list[int] = (), numerics: str = "exact",
-                   api_steps: int = 0, ref: RefSpec = RefSpec()) -> Report:
+                   api_steps: int = 0, ref: RefSpec = RefSpec(), api_speculative: int = 0) -> Report:
     """api_steps > 0 also runs the request through the full engine API beside decoys (see api_path.py);
-    that path is always judged against the oracle (it needs every position's logits)."""
+    that path is always judged against the oracle (it needs every position's logits). api_speculative=k
+    runs that path with k MTP drafts per step (the row map under drafting)."""
     if not ids:
         raise ValueError("--ids is empty")
     total = len(ids) + len(force_ids)
@@ -82,7 +83,7 @@ def run_next_token(model_dir: str | Path, ids: list[int], force_ids: list[int] =
     if api_steps:
         from deepinfer.parity.api_path import api_rows
 
-        rows, defects = api_rows(model_dir, list(ids), api_steps, numerics)
+        rows, defects = api_rows(model_dir, list(ids), api_steps, numerics, api_speculative)
         report.columns += ["reported_logprob", "ref_logprob"]
         report.rows += rows
         report.defects += defects
