@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NUMERICS = ("exact", "official")
+NUMERICS = ("exact", "official", "fast")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    numerics: str = "exact"  # the CPU engine computes in float64; "official" arrives with the kernels
+    # "exact" float64; "official" bit-identical to the oracle (one sequence per call); "fast" the official
+    # rounding points batched with quantised weights (family v4; the CUDA path)
+    numerics: str = "exact"
     max_model_len: int = 2048
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -21,7 +23,7 @@ class EngineConfig:
     num_blocks: int | None = None  # None: sized from kv_cache_bytes after the warm-up forward
     kv_cache_bytes: int = 1 << 30  # CPU budget for KV blocks (on CUDA: what is free after the warm-up)
     gpu_memory_utilization: float = 0.9
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu" or "cuda" / "cuda:N": params, caches and per-step metadata live there
     seed: int = 0  # seeds unseeded sampling reproducibly within one engine
 
     def __post_init__(self) -> None:
@@ -37,5 +39,7 @@ class EngineConfig:
             bad(f"block_size {self.block_size} must be a multiple of 128 (a compressed entry may not span blocks)")
         if self.num_blocks is not None and self.num_blocks <= 0:
             bad(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            bad(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

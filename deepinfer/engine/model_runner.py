@@ -7,9 +7,13 @@ seed's P4.2). Must not: sample, or touch scheduler state.
 
 The warm-up runs on a throwaway cache with synthetic tokens: nothing of it reaches a request's state,
 outputs or any debug tap (the seed's dummy-profile pitfall).
+Devices: with `device="cuda"` the params, caches and per-step metadata live on the GPU (the model moves
+the step's token ids and positions once); the logits come back to the host for sampling. A CUDA engine
+registers the Triton kernels once at start (the torch twins run where triton is missing).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +22,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.model.cache import V4Cache
 from deepinfer.model.context import ForwardContext, SeqContext
-from deepinfer.model.params import prepare_params
+from deepinfer.model.factory import v4_cache, v4_params, value_dtype
 from deepinfer.model.v4 import V4EngineModel
 from deepinfer.scheduler.output import SchedulerOutput
 from deepinfer.weights import load_tensors
@@ -32,6 +36,9 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, cfg: ModelConfig) -> None:
+        self.device = engine_device(config.device)
+        if cfg.is_v41 and self.device.type != "cpu":
+            raise NotImplementedError(f"the V4.1 engine runs on the CPU only (device {config.device!r} asked)")
         if cfg.is_v41:  # family v41: its own model, cache and sizing (exact or official numerics)
             from deepinfer.model.v41 import build_for_runner
 
@@ -40,16 +47,19 @@ class ModelRunner:
             self.params, self.num_blocks, self.model = build_for_runner(config, cfg)
             return
         self.config, self.cfg = config, cfg
-        self.numerics = config.numerics  # "exact" (float64) or "official" (bf16/FP8 emulation, revision current)
-        self.dtype = torch.float64 if self.numerics == "exact" else torch.float32  # logits dtype
-        self.params = prepare_params(load_tensors(config.model, cfg, progress=False), cfg, self.dtype,
-                                     numerics=self.numerics)
+        # "exact" (float64), "official" (bf16/FP8 emulation, revision current) or "fast" (official rounding
+        # points batched, quantised weights)
+        self.numerics = config.numerics
+        self.dtype = value_dtype(self.numerics)  # logits dtype
+        if self.device.type == "cuda":
+            start_cuda_kernels()
+        self.params = v4_params(load_tensors(config.model, cfg, progress=False), cfg, self.numerics, self.device)
         self.num_blocks = config.num_blocks or self._size_kv_cache()
         cache = self._cache(self.num_blocks, config.max_num_seqs)
         self.model = V4EngineModel(cfg, self.params, cache, self.numerics)
 
     def _cache(self, num_blocks: int, max_num_seqs: int) -> V4Cache:
-        return V4Cache(self.cfg, num_blocks, self.config.block_size, max_num_seqs, self.dtype, self.numerics)
+        return v4_cache(self.cfg, self.numerics, num_blocks, self.config.block_size, max_num_seqs, self.device)
 
     # ------------------------------------------------------------------ sizing
     def _size_kv_cache(self) -> int:
@@ -60,18 +70,21 @@ class ModelRunner:
         scratch = V4EngineModel(cfg, self.params, self._cache(blocks, 1), self.numerics)
         ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         ctx = ForwardContext((SeqContext(0, tokens, 0, 0, tuple(range(blocks))),))
-        if c.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         scratch.forward(ids, ctx)
         fixed = V4Cache.bytes_per_sequence(cfg, self.dtype, self.numerics) * c.max_num_seqs
-        if c.device == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            budget = int(total * c.gpu_memory_utilization) - torch.cuda.max_memory_allocated() - fixed
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * c.gpu_memory_utilization) - torch.cuda.max_memory_allocated(self.device) - fixed
         else:
             budget = c.kv_cache_bytes - fixed
         per_block = V4Cache.bytes_per_block(cfg, c.block_size, self.dtype, self.numerics)
         num_blocks = budget // per_block if per_block else 1
         need = -(-c.max_model_len // c.block_size)
+        # no more blocks than every sequence slot at max_model_len can use (a GPU's free memory would
+        # otherwise give millions of blocks to the host-side block pool)
+        num_blocks = min(num_blocks, need * c.max_num_seqs)
         if num_blocks < need:
             raise ValueError(f"KV budget holds {num_blocks} blocks but one sequence of max_model_len "
                              f"{c.max_model_len} needs {need}: raise kv_cache_bytes or lower max_model_len")
@@ -86,7 +99,7 @@ class ModelRunner:
         needs_rows = any(sr.num_sampled_rows > 1 for sr in out.scheduled)
         all_rows = needs_rows or any(sr.request_id in want_prompt_logits for sr in out.scheduled)
         ctx = ForwardContext(tuple(seqs), all_logits=all_rows)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), ctx)
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), ctx).to("cpu")  # sampling is on the host
         sample, prompt = [], {}
         for i, sr in enumerate(out.scheduled):
             rows = logits[ctx.rows(i)] if all_rows else logits[i : i + 1]  # [n_i, V] or [1, V]
@@ -99,3 +112,25 @@ class ModelRunner:
         vocab = self.cfg.vocab_size
         sample_logits = torch.cat(sample) if sample else torch.empty(0, vocab, dtype=self.dtype)
         return RunnerOutput(sample_logits, prompt)
+
+
+def engine_device(device: str) -> torch.device:
+    """The engine's torch device; "cuda" means the current CUDA device, with its index (params, caches and
+    the model compare devices)."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"EngineConfig(device={device!r}) but torch sees no CUDA device")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def start_cuda_kernels() -> None:
+    """Register the Triton kernels for cuda (once per process is enough; re-registering is harmless)."""
+    try:
+        from deepinfer.kernels.triton import register_cuda_kernels
+
+        register_cuda_kernels()
+    except ImportError as err:  # no triton, or a kernel module not there: the torch twins run
+        warnings.warn(f"Triton kernels not registered ({err}); the CUDA engine runs the torch twins", stacklevel=2)

@@ -15,6 +15,9 @@ follow the official kernel's order exactly (its online softmax over blocks of 64
 and width visible in the last bits): window positions ascending then -1 up to min(S, window) columns for
 a prefill from 0 (window otherwise); then the compressed selection (indexer top-k in score order, or
 entries ascending) padded with -1 to min(topk, end//r) (or end//r) columns.
+Fast numerics (`fast=True`): the official rounding points with FP8 weights kept quantised
+(`fp8_linear`), the registry's kernels for the tensors' device, and one sparse-attention call for the
+batch (each sequence's index rows offset into one flat pool, padded with -1): same math, other last bits.
 Must not: import the reference oracle; keep per-batch state outside the cache and the ForwardContext.
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ from deepinfer.model.context import ForwardContext
 def causal_window(qpos: torch.Tensor, win: int) -> torch.Tensor:
     """[S, win] absolute positions each query may see: its causal window [p - win + 1, p] (negative: none).
     The one place the engine's causality lives (the seed's P1 was a prefill without this mask)."""
-    return qpos.unsqueeze(1) - win + 1 + torch.arange(win)
+    return qpos.unsqueeze(1) - win + 1 + torch.arange(win, device=qpos.device)
 
 
 def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -39,19 +42,26 @@ def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
 
 
 class V4Attention:
-    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False) -> None:
+    def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
+                 fast: bool = False) -> None:
         self.layer, self.p, self.cfg = layer, params, cfg
-        self.official = official
+        self.official = official or fast  # fast numerics keeps the official rounding points
+        self.fast = fast
+        self.device = params["attn_sink"].device
+        # Only fast numerics asks the registry for device kernels (Triton on cuda); exact and official keep
+        # the torch twins, which run on any device and stay bit-identical to their CPU runs.
+        self.kdev = self.device.type if fast else "cpu"
         self.ratio = cfg.compress_ratios[layer]
         self.win, self.H, self.hd = cfg.window_size, cfg.n_heads, cfg.head_dim
         self.eps = cfg.norm_eps
         original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0  # window-only layers: plain RoPE
         self.inv_freq = kernels.get("rope_inv_freq")(
             cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
-        )
-        if official:  # fp32 frequencies, rotation in complex64 (the official precompute_freqs_cis)
+        ).to(self.device)
+        if self.official:  # fp32 frequencies, rotation in complex64 (the official precompute_freqs_cis)
             self.inv_freq = kernels.get("rope_freqs32")(
-                cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+                cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
+            ).to(self.device)
         self.comp_p = _sub(params, "compressor.")
         self.has_indexer = bool(self.ratio) and cfg.has_indexer(layer)
         self.idx_p = _sub(params, "indexer.")
@@ -67,7 +77,7 @@ class V4Attention:
                 jobs.append((self.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
             for p, state, store, rotate, role in jobs:
                 first, entries = compress_extend(p, state, s.state_slot, xs, s.start_pos, self.inv_freq, self.eps,
-                                                 rotate, self.official)
+                                                 rotate, self.official, self.kdev)
                 if entries.shape[0]:
                     rows = cache.entry_rows(s.block_table, self.ratio, first + entries.shape[0])[first:]
                     store[rows] = lc.encode(role, entries)
@@ -77,7 +87,7 @@ class V4Attention:
         """Indexer selection for one sequence: q_idx [S, h, d], w_idx [S, h], keys [E, d], visible [S]
         -> entry indices [S, min(topk, E)], -1 where a query sees fewer entries than that."""
         scores = kernels.get("indexer_scores")(q_idx, w_idx, keys)  # [S, E]
-        hidden = torch.arange(keys.shape[0]).unsqueeze(0) >= visible.unsqueeze(1)
+        hidden = torch.arange(keys.shape[0], device=keys.device).unsqueeze(0) >= visible.unsqueeze(1)
         scores = scores.masked_fill(hidden, float("-inf"))  # invisible entries sort after every visible one
         top = kernels.get("stable_topk")(scores, min(self.cfg.index_topk, keys.shape[0]))
         return torch.where(top >= visible.unsqueeze(1), -1, top)
@@ -92,6 +102,7 @@ class V4Attention:
         lc = cache.layers[self.layer]
         pos = ctx.positions
         T = x.shape[0]
+        dev = x.device
         qr = rms(x @ p["wq_a.weight"].T, p["q_norm.weight"], self.eps)  # [T, q_lora_rank]
         q = (qr @ p["wq_b.weight"].T).view(T, self.H, self.hd)
         q = rope(kernels.get("head_rms_norm")(q, self.eps), pos, self.inv_freq)  # [T, H, hd]
@@ -109,10 +120,10 @@ class V4Attention:
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)  # oldest position the first query can see
-            ring_kv = lc.ring[s.window_slot, torch.arange(lo, P) % win]  # [P - lo, hd] (a copy)
+            ring_kv = lc.ring[s.window_slot, torch.arange(lo, P, device=dev) % win]  # [P - lo, hd] (a copy)
             kv_s = kv[rows]
             keep = max(P, end - win)  # the ring keeps the last `win` positions, p at slot p % win
-            lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_s[keep - P :]
+            lc.ring[s.window_slot, torch.arange(keep, end, device=dev) % win] = kv_s[keep - P :]
             qpos = pos[rows]
             wpos = causal_window(qpos, win)  # [S, win] absolute positions
             n_win = P - lo + S
@@ -126,7 +137,7 @@ class V4Attention:
                 if self.has_indexer:
                     sel = self._index_topk(q_idx[rows], w_idx[rows], lc.index_keys[ent_rows], visible)
                 else:
-                    sel = torch.arange(n_ent).expand(S, -1)
+                    sel = torch.arange(n_ent, device=dev).expand(S, -1)
                     sel = torch.where(sel >= visible.unsqueeze(1), -1, sel)
                 parts.append(torch.where(sel >= 0, sel + base + n_win, -1))
             idx_rows.append(torch.cat(parts, dim=1))
@@ -140,22 +151,30 @@ class V4Attention:
         z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), wo_a)  # [T, G, o_lora_rank]
         return z.flatten(1) @ p["wo_b.weight"].T
 
-    # ------------------------------------------------------------------ official numerics
+    # ------------------------------------------------------------------ official / fast numerics
     def _forward_official(self, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
-        """x [T, D] bf16 -> [T, D] bf16 with the official kernels' rounding points."""
+        """x [T, D] bf16 -> [T, D] bf16 with the official kernels' rounding points.
+        Official: FP8 weights as exact fp32 values (`qlinear`), one sparse-attention call per sequence.
+        Fast: FP8 weights as `QuantLinearWeight` (`fp8_linear`), the kernels of the tensors' device, and
+        ONE sparse-attention call for the whole batch over a flat pool of every sequence's keys."""
         cfg, p, r, win = self.cfg, self.p, self.ratio, self.win
-        qlinear, rope = kernels.get("qlinear"), kernels.get("rope32")
+
+        def k(name: str):
+            return kernels.get(name, self.kdev)
+
+        qlinear, rope = k("fp8_linear" if self.fast else "qlinear"), k("rope32")
         f32, bf16 = torch.float32, torch.bfloat16
 
         def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return kernels.get("rms_norm")(t.to(f32), w, self.eps).to(bf16)
+            return k("rms_norm")(t.to(f32), w, self.eps).to(bf16)
 
         lc = cache.layers[self.layer]
         pos = ctx.positions
         T = x.shape[0]
+        dev = x.device
         qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
         q = qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd)
-        q = rope(kernels.get("head_rms_norm")(q, self.eps), pos, self.inv_freq)  # per-head norm in bf16
+        q = rope(k("head_rms_norm")(q, self.eps), pos, self.inv_freq)  # per-head norm in bf16
         kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq)  # [T, hd]
         kv_stored = lc.encode("window", kv)
         kv = lc.decode("window", kv_stored)  # the fake-quantised values the oracle attends to and caches
@@ -164,22 +183,22 @@ class V4Attention:
         if self.has_indexer:
             ihd, nh = cfg.index_head_dim, cfg.index_n_heads
             q_idx = qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd)
-            q_idx = kernels.get("hadamard32")(rope(q_idx, pos, self.inv_freq))
+            q_idx = k("hadamard32")(rope(q_idx, pos, self.inv_freq))
             q_idx = formats.fp4_fake_quant(q_idx, 32)
-            w_idx = kernels.get("blinear")(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+            w_idx = k("blinear")(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
 
-        outs = []
+        outs, pools, idxs, base = [], [], [], 0
         for i, s in enumerate(ctx.seqs):
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)
-            ring_kv = lc.decode("window", lc.ring[s.window_slot, torch.arange(lo, P) % win])  # [P - lo, hd]
+            ring_kv = lc.decode("window", lc.ring[s.window_slot, torch.arange(lo, P, device=dev) % win])
             keep = max(P, end - win)
-            lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_stored[rows][keep - P :]
+            lc.ring[s.window_slot, torch.arange(keep, end, device=dev) % win] = kv_stored[rows][keep - P :]
             qpos = pos[rows]
             width = min(S, win) if P == 0 else win  # the official index width of a prefill / a decode
             qlo = (qpos - win + 1).clamp(min=0)  # oldest visible position per query
-            wpos = qlo.unsqueeze(1) + torch.arange(width)  # ascending, then -1
+            wpos = qlo.unsqueeze(1) + torch.arange(width, device=dev)  # ascending, then -1
             parts = [torch.where(wpos <= qpos.unsqueeze(1), wpos - lo, -1)]
             pool = [ring_kv, kv[rows]]
             n_win = P - lo + S
@@ -190,19 +209,30 @@ class V4Attention:
                 visible = (qpos + 1) // r
                 if self.has_indexer:
                     keys = lc.decode("index", lc.index_keys[ent_rows])
-                    scores = kernels.get("indexer_scores_bf16")(q_idx[rows], w_idx[rows], keys)  # [S, E]
-                    hidden = torch.arange(n_ent).unsqueeze(0) >= visible.unsqueeze(1)
+                    scores = k("indexer_scores_bf16")(q_idx[rows], w_idx[rows], keys)  # [S, E]
+                    hidden = torch.arange(n_ent, device=dev).unsqueeze(0) >= visible.unsqueeze(1)
                     scores = scores.masked_fill(hidden, float("-inf"))
-                    sel = kernels.get("stable_topk")(scores, min(cfg.index_topk, n_ent))
+                    sel = k("stable_topk")(scores, min(cfg.index_topk, n_ent))
                 else:
-                    sel = torch.arange(n_ent).expand(S, -1)
+                    sel = torch.arange(n_ent, device=dev).expand(S, -1)
                 sel = torch.where(sel >= visible.unsqueeze(1), -1, sel)
                 parts.append(torch.where(sel >= 0, sel + n_win, -1))
             idx = torch.cat(parts, dim=1)
-            outs.append(kernels.get("sparse_attn_sink_official")(q[rows], torch.cat(pool), p["attn_sink"], idx,
-                                                                  self.hd**-0.5))
-        o = rope(torch.cat(outs), pos, self.inv_freq, inverse=True)
+            if self.fast:  # pool rows of this sequence start at `base` in the batch's flat pool
+                pools += pool
+                idxs.append(torch.where(idx >= 0, idx + base, -1))
+                base += n_win + n_ent
+            else:
+                outs.append(k("sparse_attn_sink_official")(q[rows], torch.cat(pool), p["attn_sink"], idx,
+                                                           self.hd**-0.5))
+        if self.fast:
+            width = max(t.shape[1] for t in idxs)
+            idx = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in idxs])
+            o = k("sparse_attn_sink_official")(q, torch.cat(pools), p["attn_sink"], idx, self.hd**-0.5)
+        else:
+            o = torch.cat(outs)
+        o = rope(o, pos, self.inv_freq, inverse=True)
         G = cfg.o_groups
-        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-        z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(f32), wo_a).to(bf16)  # bf16 einsum
+        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # fast: held in bf16, same values as official's fp32
+        z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(f32), wo_a.to(f32)).to(bf16)  # bf16 einsum
         return qlinear(z.flatten(1), p["wo_b.weight"])

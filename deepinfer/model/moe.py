@@ -3,7 +3,10 @@ token id (the first n_hash_layers), renormalised and scaled weights, clamped Swi
 expert (spec §3.9). Exact numerics: float64 throughout. Official numerics: bf16 in/out, fp32 gate, each
 expert's GEMMs with FP8 activation quantisation (the routing weight multiplies the fp32 SwiGLU output
 before its rounding to bf16 and the down projection), expert outputs accumulated in fp32 in expert order
-(shared expert last), rounded to bf16 once.
+(shared expert last), rounded to bf16 once. Fast numerics: the same rounding points with the routed
+experts kept FP4 in one `FP4ExpertBank` (params key "experts") run by the `fp4_moe` op in one call (no
+per-expert loop, no host sync on the routing), the shared expert's FP8 weights kept quantised
+(`fp8_linear`).
 Must not: import the reference oracle.
 """
 from __future__ import annotations
@@ -17,17 +20,20 @@ from deepinfer.config import ModelConfig
 
 class V4MoE:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 shared_clamp: bool = True, official: bool = False) -> None:
+                 shared_clamp: bool = True, official: bool = False, fast: bool = False) -> None:
         if cfg.is_v41:
             raise ValueError("V4MoE implements family v4 routing")
         self.p, self.cfg = params, cfg
         self.hash = cfg.is_hash_layer(layer)
         self.topk = cfg.n_activated_experts
         self.shared_limit = cfg.swiglu_limit if shared_clamp else 0.0  # the initial release left it unclamped
-        self.official = official
+        self.official = official or fast  # fast numerics keeps the official rounding points
+        self.fast = fast
+        device = params["gate.weight"].device
+        self.kdev = device.type if fast else "cpu"  # exact/official: the torch twins (any device)
 
     def _swiglu_official(self, x: torch.Tensor, pre: str, limit: float, weight: torch.Tensor | None) -> torch.Tensor:
-        qlinear = kernels.get("qlinear")
+        qlinear = kernels.get("fp8_linear", self.kdev) if self.fast else kernels.get("qlinear")
         gate = qlinear(x, self.p[pre + "w1.weight"]).to(torch.float32)
         up = qlinear(x, self.p[pre + "w3.weight"]).to(torch.float32)
         if limit > 0:
@@ -59,6 +65,8 @@ class V4MoE:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids [T] -> [T, D]."""
+        if self.fast:
+            return self._forward_fast(x, ids)
         if self.official:
             return self._forward_official(x, ids)
         swiglu = kernels.get("swiglu")
@@ -76,11 +84,20 @@ class V4MoE:
 
     def _forward_official(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights, indices = self.route(x, ids)
-        y = torch.zeros(x.shape, dtype=torch.float32)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         limit = self.cfg.swiglu_limit
         for e in sorted(set(indices.flatten().tolist())):
             rows, slot = torch.where(indices == e)
             out = self._swiglu_official(x[rows], f"experts.{e}.", limit, weights[rows, slot, None])
             y[rows] += out.to(torch.float32)
         y += self._swiglu_official(x, "shared_experts.", self.shared_limit, None).to(torch.float32)
+        return y.to(torch.bfloat16)
+
+    def _forward_fast(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts),
+        the shared expert added in fp32, rounded to bf16 once."""
+        weights, indices = self.route(x, ids)
+        y = kernels.get("fp4_moe", self.kdev)(x, indices, weights.to(torch.float32), self.p["experts"],
+                                              self.cfg.swiglu_limit)
+        y = y + self._swiglu_official(x, "shared_experts.", self.shared_limit, None).to(torch.float32)
         return y.to(torch.bfloat16)

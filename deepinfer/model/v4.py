@@ -10,6 +10,10 @@ mixes / Sinkhorn / gate / compressor / RoPE / head, KV fake-quant through the ca
 `revision`: "current" = FP8 nope channels and a clamped shared expert, "initial" = bf16 KV and an
 unclamped shared expert). Official needs params from `prepare_params(..., numerics="official")` and a
 `V4Cache(..., numerics="official", revision=...)` of the same revision.
+`fast`: the official rounding points BATCHED (no one-sequence-per-call), FP8 weights and FP4 experts kept
+quantised (`params_fast.prepare_params_fast`), every op from the registry for the params' device (Triton on
+cuda once registered). Any numerics runs on the device its params and cache live on: token ids and
+positions move there once per forward; the logits stay there (the runner brings them back).
 Must not: import the reference oracle (it is the independent implementation this one is checked against).
 """
 from __future__ import annotations
@@ -23,20 +27,23 @@ from deepinfer.model.cache import V4Cache
 from deepinfer.model.context import ForwardContext, check_batch, forward_context, get_forward_context
 from deepinfer.model.moe import V4MoE
 
-SUPPORTED_NUMERICS = ("exact", "official")
+SUPPORTED_NUMERICS = ("exact", "official", "fast")
 REVISIONS = ("current", "initial")
 
 
 class V4Block:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
-                 shared_clamp: bool = True) -> None:
-        self.p, self.cfg, self.official = params, cfg, official
-        self.attn = V4Attention(layer, _sub(params, "attn."), cfg, official)
-        self.ffn = V4MoE(layer, _sub(params, "ffn."), cfg, shared_clamp, official)
+                 shared_clamp: bool = True, fast: bool = False) -> None:
+        self.p, self.cfg, self.official, self.fast = params, cfg, official or fast, fast
+        self.kdev = params["attn_norm.weight"].device.type if fast else "cpu"  # whose kernels (see V4Attention)
+        self.attn = V4Attention(layer, _sub(params, "attn."), cfg, official, fast)
+        self.ffn = V4MoE(layer, _sub(params, "ffn."), cfg, shared_clamp, official, fast)
 
     def _hc(self, x: torch.Tensor, which: str, sub, *args) -> torch.Tensor:
         """One hyper-connected sublayer: collapse the hc streams, norm, sublayer, mix back. x [T, hc, D]."""
         cfg, p = self.cfg, self.p
+        if self.fast and "hc_pre_fused" in kernels.ops():
+            return self._hc_fused(x, which, sub, *args)
         if self.official:
             return self._hc_official(x, which, sub, *args)
         mixes = kernels.get("hc_mix")(x, p[f"hc_{which}_fn"], cfg.norm_eps)
@@ -49,15 +56,28 @@ class V4Block:
     def _hc_official(self, x: torch.Tensor, which: str, sub, *args) -> torch.Tensor:
         """x [T, hc, D] bf16: mixes, Sinkhorn, collapse, norm and the mix-back in fp32, rounded to bf16."""
         cfg, p = self.cfg, self.p
+
+        def k(name: str):
+            return kernels.get(name, self.kdev)
+
         xf = x.to(torch.float32)
-        mixes = kernels.get("hc_mix")(xf, p[f"hc_{which}_fn"], cfg.norm_eps)
-        pre, post, comb = kernels.get("hc_split_sinkhorn")(
+        mixes = k("hc_mix")(xf, p[f"hc_{which}_fn"], cfg.norm_eps)
+        pre, post, comb = k("hc_split_sinkhorn")(
             mixes, p[f"hc_{which}_scale"], p[f"hc_{which}_base"], cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
         )
-        y = kernels.get("hc_collapse")(xf, pre).to(torch.bfloat16).to(torch.float32)
-        y = kernels.get("rms_norm")(y, p[f"{which}_norm.weight"], cfg.norm_eps).to(torch.bfloat16)
+        y = k("hc_collapse")(xf, pre).to(torch.bfloat16).to(torch.float32)
+        y = k("rms_norm")(y, p[f"{which}_norm.weight"], cfg.norm_eps).to(torch.bfloat16)
         f = sub(y, *args).to(torch.float32)
-        return kernels.get("hc_post")(f, xf, post, comb).to(torch.bfloat16)
+        return k("hc_post")(f, xf, post, comb).to(torch.bfloat16)
+
+    def _hc_fused(self, x: torch.Tensor, which: str, sub, *args) -> torch.Tensor:
+        """`_hc_official` as two fused ops (fast numerics on a device: one kernel each side of the sublayer);
+        their torch twins run exactly `_hc_official`'s rounding points."""
+        cfg, p = self.cfg, self.p
+        y, post, comb = kernels.get("hc_pre_fused", self.kdev)(
+            x, p[f"hc_{which}_fn"], p[f"hc_{which}_scale"], p[f"hc_{which}_base"], p[f"{which}_norm.weight"],
+            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        return kernels.get("hc_post_fused", self.kdev)(sub(y, *args), x, post, comb)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext, cache: V4Cache,
                  tap=None, name: str = "") -> torch.Tensor:
@@ -82,16 +102,22 @@ class V4EngineModel:
         revision = cache.revision if revision is None else revision
         if revision not in REVISIONS:
             raise ValueError(f"revision must be one of {REVISIONS}, got {revision!r}")
-        if cache.numerics != numerics or (numerics == "official" and cache.revision != revision):
+        if cache.numerics != numerics or (numerics != "exact" and cache.revision != revision):
             raise ValueError(f"cache was built for numerics {cache.numerics!r} revision {cache.revision!r}, "
                              f"model asks for {numerics!r} {revision!r}")
-        official = numerics == "official"
+        official, fast = numerics == "official", numerics == "fast"
         if official and params["embed.weight"].dtype != torch.bfloat16:
             raise ValueError("official numerics need params from prepare_params(..., numerics='official')")
+        if fast and "layers.0.ffn.experts" not in params:
+            raise ValueError("fast numerics need params from params_fast.prepare_params_fast (quantised weights)")
+        self.device = params["embed.weight"].device
+        if cache.layers and cache.layers[0].ring.device != self.device:
+            raise ValueError(f"cache is on {cache.layers[0].ring.device}, params on {self.device}")
         self.cfg, self.p, self.cache, self.numerics, self.revision = cfg, params, cache, numerics, revision
-        self.official = official
+        self.official, self.fast = official or fast, fast  # `official`: the official rounding points
+        self.kdev = self.device.type if fast else "cpu"
         shared_clamp = revision == "current"  # the initial release left the shared expert unclamped
-        self.layers = [V4Block(i, _sub(params, f"layers.{i}."), cfg, official, shared_clamp)
+        self.layers = [V4Block(i, _sub(params, f"layers.{i}."), cfg, official, shared_clamp, fast)
                        for i in range(cfg.n_layers)]
         # Debug tap for the parity tools: tap(name, x, seq_index) gets the FULL 4-stream residual [S, hc, D]
         # of one sequence of the batch after the embedding and after every sublayer (never a sublayer
@@ -107,7 +133,9 @@ class V4EngineModel:
         (Official numerics: `forward` calls this one sequence at a time, see there; called directly on a
         batch it is correct but only chaotically close to the oracle's batch-1 bits.)"""
         ctx = get_forward_context()
-        self._check(token_ids, ctx)
+        self._check(token_ids, ctx)  # on the ids as given (the runner passes host ids: no device sync)
+        token_ids, ctx = token_ids.to(self.device), ctx.on(self.device)
+        self.cache.begin_step()
         for s in ctx.seqs:
             if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
                 self.cache.reset(s.window_slot, s.state_slot)
@@ -129,14 +157,18 @@ class V4EngineModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Head on x [N, hc, D] rows: learned 4->1 collapse, final norm, head -> [N, vocab]."""
         cfg, p = self.cfg, self.p
+
+        def k(name: str):
+            return kernels.get(name, self.kdev)
+
         if self.official:  # fp32 mixes and head, bf16 rounding after the collapse and the norm
             x = x.to(torch.float32)
-        mixes = kernels.get("hc_mix")(x, p["hc_head_fn"], cfg.norm_eps)
+        mixes = k("hc_mix")(x, p["hc_head_fn"], cfg.norm_eps)
         pre = torch.sigmoid(mixes * p["hc_head_scale"] + p["hc_head_base"]) + cfg.hc_eps
-        y = kernels.get("hc_collapse")(x, pre)
+        y = k("hc_collapse")(x, pre)
         if self.official:
             y = y.to(torch.bfloat16).to(torch.float32)
-            y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
+            y = k("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
         else:
             y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
         return y @ p["head.weight"].T
@@ -146,7 +178,7 @@ class V4EngineModel:
         (or [T, vocab] with ctx.all_logits). Without `ctx`, uses the one entered with `forward_context`."""
         if ctx is None:
             ctx = get_forward_context()
-        if self.official and len(ctx.seqs) > 1:
+        if self.official and not self.fast and len(ctx.seqs) > 1:
             # Official numerics runs the sequences of a batch one at a time. CPU torch's vectorised
             # elementwise ops (bf16 rsqrt of the q head norm, exp, silu...) and GEMMs round the last bit
             # differently depending on a tensor's shape (measured: the head norm of the same 17 rows
@@ -159,6 +191,6 @@ class V4EngineModel:
             return torch.cat(out)
         with forward_context(ctx):
             x = self.hidden(token_ids)
-        return self.logits(x[ctx.logit_rows()])  # only the needed rows: the head is vocab x dim
+        return self.logits(x[ctx.logit_rows().to(self.device)])  # only the needed rows: the head is vocab x dim
 
     __call__ = forward

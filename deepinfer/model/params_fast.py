@@ -1,0 +1,94 @@
+"""Parameters of the V4 engine in fast numerics: the checkpoint's quantised weights kept quantised, on a device.
+
+Owns: turning checkpoint tensors (`weights.load_tensors`, or any in-memory dict of checkpoint-format
+tensors, e.g. `tiny.make_tensors`) into what the fast path computes with:
+* every FP8 linear (attention wq_a/wq_b/wkv/wo_b, indexer wq_b, shared experts) -> `QuantLinearWeight`
+  (E4M3 data + fp32 block scales: the checkpoint's bytes, never a dequantised copy);
+* the routed experts of each MoE layer -> one `FP4ExpertBank` under `layers.{i}.ffn.experts` (packed FP4 +
+  E8M0 bytes, stacked);
+* `attn.wo_a` -> its bf16 value (the official convert.py dequantises it to bf16; the grouped output einsum
+  upcasts it to fp32 per call);
+* small tensors as the official numerics hold them: embedding bf16, every other float tensor fp32 (norms,
+  hc, gate, sinks, compressors, indexer weights_proj, head), `tid2eid` int64.
+Memory is about the checkpoint's own size (plus the fp32 head and small tensors).
+Must not: import the reference oracle, or dequantise an FP8/FP4 weight other than `wo_a`.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from deepinfer import formats
+from deepinfer.config import ModelConfig
+from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
+
+ParamValue = torch.Tensor | QuantLinearWeight | FP4ExpertBank
+
+
+def _expert_prefix(name: str) -> str | None:
+    """'layers.3.ffn.experts.17.w1.weight' -> 'layers.3.ffn.' (routed experts only, not shared_experts)."""
+    head, sep, _ = name.partition(".ffn.experts.")
+    return head + ".ffn." if sep else None
+
+
+def prepare_params_fast(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, device: torch.device | str = "cpu",
+                        skip_mtp: bool = True) -> dict[str, ParamValue]:
+    """name -> tensor or quantised container on `device` (see the module doc). skip_mtp: the backbone does
+    not need the MTP block."""
+    if cfg.is_v41:
+        raise NotImplementedError("fast numerics is implemented for family v4 only (this checkpoint is v41)")
+    device = torch.device(device)
+    dequantised = getattr(raw, "dequantised", set())
+    out: dict[str, ParamValue] = {}
+    for name, t in raw.items():
+        if name.endswith(".scale") or (skip_mtp and name.startswith("mtp.")) or ".engram." in name:
+            continue
+        prefix = _expert_prefix(name)
+        if prefix is not None:
+            if prefix + "experts" not in out:
+                out[prefix + "experts"] = _expert_bank(raw, prefix, cfg, device)
+            continue
+        if name.endswith("tid2eid"):
+            out[name] = t.to(device, torch.int64)
+            continue
+        scale = raw.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+        if scale is None or name in dequantised:
+            wanted = torch.bfloat16 if name in ("embed.weight",) or name.endswith("attn.wo_a.weight") else torch.float32
+            out[name] = t.to(device, wanted)
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{name}: fast numerics expects an FP8 E4M3 weight with a block scale, got {t.dtype}")
+        w, s = t.to(device), scale.to(device)
+        if name.endswith("attn.wo_a.weight"):  # exact: E4M3 x pow2 fits bf16 (the official conversion)
+            out[name] = formats.dequant_fp8_blocks(w, s, cfg.weight_block).to(torch.bfloat16)
+        else:
+            out[name] = QuantLinearWeight.from_checkpoint(w, s, cfg)
+    return out
+
+
+def _expert_bank(raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig, device: torch.device) -> FP4ExpertBank:
+    w1 = raw.get(f"{prefix}experts.0.w1.weight")
+    if w1 is None or w1.dtype == torch.float8_e4m3fn or f"{prefix}experts.0.w1.scale" not in raw:
+        got = None if w1 is None else w1.dtype
+        raise ValueError(f"{prefix}experts: fast numerics keeps routed experts as packed FP4 with E8M0 scales "
+                         f"(an FP4ExpertBank); this checkpoint holds {got} experts")
+    layer = {k: v for k, v in raw.items() if k.startswith(prefix + "experts.")}
+    if all(v.device == device for v in layer.values()):
+        return FP4ExpertBank.from_checkpoint(layer, prefix, cfg)
+    # Stack one layer at a time on the host, then move: the device only ever holds the packed bank.
+    return FP4ExpertBank.from_checkpoint(layer, prefix, cfg).to(device)
+
+
+def param_bytes(params: Mapping[str, ParamValue]) -> int:
+    """Bytes the parameters occupy (containers counted by their stored tensors): the memory check."""
+    total = 0
+    for v in params.values():
+        if isinstance(v, QuantLinearWeight):
+            tensors = (v.data, v.scale)
+        elif isinstance(v, FP4ExpertBank):
+            tensors = (v.w13, v.w13_scale, v.w2, v.w2_scale)
+        else:
+            tensors = (v,)
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
