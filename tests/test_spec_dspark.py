@@ -124,14 +124,37 @@ def test_engine_main_hidden_equals_oracle(tiny_v41_dir, oracle41_factory):
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
 
 
+KW = dict(max_model_len=256, max_num_batched_tokens=128, kv_cache_bytes=1 << 27)
+
+
+@pytest.fixture(scope="module")
+def baseline41(tiny_v41_dir):
+    prompts = make_prompts(LENGTHS)
+    return prompts, LLM(tiny_v41_dir, max_num_seqs=8, **KW).generate(prompts, GREEDY)
+
+
 @pytest.mark.parametrize("batch", [1, 8])
-def test_dspark_greedy_identity(tiny_v41_dir, batch):
-    prompts = make_prompts(LENGTHS if batch == 8 else LENGTHS[::4])
-    kw = dict(max_model_len=256, max_num_seqs=batch, max_num_batched_tokens=128, kv_cache_bytes=1 << 27)
-    base = LLM(tiny_v41_dir, **kw).generate(prompts, GREEDY)
-    llm = LLM(tiny_v41_dir, speculative={"method": "dspark", "num_speculative_tokens": 4}, **kw)
+def test_dspark_greedy_identity(tiny_v41_dir, baseline41, batch):
+    prompts, base = baseline41
+    if batch == 1:
+        prompts, base = prompts[::4], base[::4]
+    llm = LLM(tiny_v41_dir, max_num_seqs=batch, speculative={"method": "dspark", "num_speculative_tokens": 4}, **KW)
     assert_same(base, llm.generate(prompts, GREEDY))
     assert llm.engine.spec_stats.num_steps > 0
+
+
+def test_v41_forced_drafts_every_rollback_length(tiny_v41_dir, baseline41):
+    """Forced drafts right for 0..k tokens: V4.1's window ring, ratio-2 partial group and engram history
+    are rolled back on every rejection length (the prompts cross ratio-2 groups and the window)."""
+    from spec_proposers import ForcedProposer
+
+    prompts, base = baseline41
+    cont = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, base)}
+    llm = LLM(tiny_v41_dir, max_num_seqs=8, speculative={
+        "method": "custom", "proposer": ForcedProposer(cont, "mixed"), "num_speculative_tokens": 3}, **KW)
+    assert_same(base, llm.generate(prompts, GREEDY))
+    rates = llm.engine.spec_stats.rates()
+    assert 0 < rates[-1] < rates[0] < 1
 
 
 def test_dspark_config_errors(tiny_v4_dir, tiny_v41_dir):

@@ -125,3 +125,39 @@ def test_bad_speculative_config(tiny_v4_dir, tiny_v41_dir):
         LLM(tiny_v4_dir, speculative={"method": "mtp", "k": 2})
     with pytest.raises(ValueError, match="family v4"):
         LLM(tiny_v41_dir, speculative={"method": "mtp"})
+
+
+def test_stop_string_inside_accepted_drafts(tiny_v4_dir, baseline):
+    """A stop string matched at an accepted draft ends the output there: the tokens verified after it are
+    dropped, so text, ids and logprobs equal the non-drafting run's."""
+    prompts, base = baseline
+    prompts = prompts[:6]
+    stops = [b.outputs[0].text[len(b.outputs[0].text) // 2 :][:2] for b in base[:6]]
+    stops = [s for s in stops if s.strip()] or ["a"]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=1, stop=stops)
+    _, plain = generate(tiny_v4_dir, prompts, params)
+    _, drafted = generate(tiny_v4_dir, prompts, params, speculative=forced(baseline, "oracle"))
+    assert any(o.outputs[0].finish_reason == "stop" for o in plain)
+    assert_same(plain, drafted)
+    for a, b in zip(plain, drafted):
+        assert (a.outputs[0].text, a.outputs[0].finish_reason) == (b.outputs[0].text, b.outputs[0].finish_reason)
+        assert len(b.outputs[0].logprobs) == len(b.outputs[0].token_ids)
+
+
+def test_preemption_under_drafting(tiny_v4_dir, baseline):
+    """Too few KV blocks for 8 sequences: requests are preempted and recomputed while drafting."""
+    prompts, base = baseline
+    llm = LLM(tiny_v4_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, num_blocks=5,
+              speculative=forced(baseline, "mixed"))
+    preempted = []
+    schedule = llm.engine.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        preempted.extend(out.preempted_ids)
+        return out
+
+    llm.engine.scheduler.schedule = counting
+    outs = llm.generate(prompts, GREEDY)
+    assert preempted, "the test needs preemptions to happen"
+    assert_same(base, outs)
