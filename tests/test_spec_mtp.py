@@ -62,3 +62,19 @@ def test_mtp_drafter_feeds_hidden_t_and_token_t_plus_1(tiny_v4_dir, oracle_facto
     hidden = oracle.hidden(seq[:, :-1], 0)
     ref = oracle.mtp_forward(hidden, seq[:, 1:], 0)  # last position: hidden_{P-1} with the sampled token
     assert draft == [int(ref[0].argmax())]
+
+
+def test_mtp_official_numerics_bit_identical_to_oracle(tiny_v4_dir, oracle_factory):
+    """Official numerics (bf16 activations, FP8 act-quant GEMMs): one extend over the prompt gives the
+    oracle's MTP logits bit for bit."""
+    cfg = ModelConfig.from_checkpoint(tiny_v4_dir)
+    raw = load_tensors(tiny_v4_dir, cfg, progress=False)
+    target = prepare_params(raw, cfg, torch.float32, numerics="official")
+    mtp = V4MTP(cfg, prepare_mtp_params(raw, cfg, torch.float32, "official"), target,
+                MTPCache(cfg, cfg.mtp_layer_ids[0], 2, torch.float32, "official"), "official")
+    oracle = oracle_factory("official", max_batch=1, max_seq_len=128)
+    ids = torch.randint(0, cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(4))
+    hidden = oracle.hidden(ids, 0)
+    ref = oracle.mtp_forward(hidden[:, :-1], ids[:, 1:], 0, all_logits=True)[0]
+    _, got = mtp.forward(hidden[0, :-1], ids[0, 1:], ForwardContext((SeqContext(0, 20, 1, 1),), all_logits=True))
+    assert torch.equal(got, ref)
