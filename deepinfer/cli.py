@@ -95,6 +95,10 @@ def cmd_parity(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"deepinfer parity {args.parity_command}: could not run: {e}", file=sys.stderr)
         return PARITY_CANNOT_RUN
+    from deepinfer.parity.dump import rank_and_world
+
+    if rank_and_world()[0] != 0:  # under torchrun every rank ran the same comparison: rank 0 reports it
+        return 0
     print(report.table(limit=args.limit))
     if args.json:
         report.write_json(args.json)
