@@ -38,25 +38,25 @@ def align_by_expert(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
 
     Returns sorted_slots int32 [n_blocks * block_m] (padding = T*k) and block_expert int32 [n_blocks]
     (-1 for blocks past the last expert's). n_blocks is an upper bound computed from the shapes alone,
-    so nothing waits on the device: sum_e ceil(c_e / BM) <= S // BM + min(E, S), and <= S."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    so nothing waits on the device (no bincount, no .item(): CUDA-graph capturable):
+    sum_e ceil(c_e / BM) <= S // BM + min(E, S), and <= S. Few torch ops on purpose: at decode each one's
+    host launch cost is most of this function's time."""
+    flat = topk_ids.reshape(-1)
     n_slots = flat.numel()
     n_blocks = max(1, min(n_slots, n_slots // block_m + min(n_experts, n_slots)))
-    order = torch.argsort(flat, stable=True)
-    # scatter_add, not bincount: bincount reads the max id back to the host (a sync, and no CUDA graphs)
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    count_start = torch.cumsum(counts, 0) - counts
-    expert_of_sorted = flat[order]
-    rank = torch.arange(n_slots, device=flat.device) - count_start[expert_of_sorted]
+    sorted_expert, order = torch.sort(flat, stable=True)
+    # count_start[e] = first sorted position of expert e; count_start[E] = S
+    count_start = torch.searchsorted(sorted_expert, torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype))
+    padded = (count_start[1:] - count_start[:-1] + (block_m - 1)).div_(block_m, rounding_mode="floor").mul_(block_m)
+    padded_end = padded.cumsum(0)
+    # slot at sorted position i of expert e goes to padded_start[e] + (i - count_start[e])
+    shift = padded_end - padded - count_start[:-1]
+    dest = shift[sorted_expert] + torch.arange(n_slots, device=flat.device)
     sorted_slots = torch.full((n_blocks * block_m,), n_slots, dtype=torch.int32, device=flat.device)
-    sorted_slots[padded_start[expert_of_sorted] + rank] = order.to(torch.int32)
-    block_start = torch.arange(n_blocks, device=flat.device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_start < padded_end[-1], block_expert, -1).to(torch.int32)
-    return sorted_slots, block_expert
+    sorted_slots[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, n_blocks * block_m, block_m, device=flat.device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)  # E past the last expert's blocks
+    return sorted_slots, block_expert.masked_fill_(block_expert >= n_experts, -1).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------
