@@ -15,6 +15,9 @@ from deepinfer.spec.proposer import Proposer
 
 def build_spec_decoder(spec: SpeculativeConfig, cfg: ModelConfig, checkpoint: str, target_model,
                        target_params: dict[str, torch.Tensor], numerics: str, max_num_seqs: int) -> SpecDecoder:
+    if spec.method != "custom" and target_params["embed.weight"].device.type != "cpu":
+        raise NotImplementedError(f"the {spec.method} drafter runs on CPU engines only (its weights and caches "
+                                  f"are host tensors); the target is on {target_params['embed.weight'].device}")
     if spec.method == "custom":
         if not isinstance(spec.proposer, Proposer):
             raise ValueError(f"speculative proposer must be a spec.proposer.Proposer, got {type(spec.proposer).__name__}")

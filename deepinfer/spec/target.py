@@ -84,6 +84,7 @@ def execute_with_hidden(model, out: SchedulerOutput, want_prompt_logits: set[str
     wanted = sorted(set(sample_idx).union(*prompt_idx.values()))
     where = {row: i for i, row in enumerate(wanted)}
     logits = head(torch.tensor(wanted, dtype=torch.long)) if wanted else torch.empty(0, vocab, dtype=dtype)
+    logits = logits.cpu()  # sampling runs on the host, with the requests' CPU generators (as the runner's)
     sample = logits[[where[r] for r in sample_idx]] if sample_idx else torch.empty(0, vocab, dtype=logits.dtype)
     prompt = {rid: logits[[where[r] for r in rows]] if len(rows) else logits[:0] for rid, rows in prompt_idx.items()}
     hidden = {sr.request_id: drafter_rows[a:b] for sr, (a, b) in zip(out.scheduled, spans)}
