@@ -212,7 +212,8 @@ class V41EngineModel:
     __call__ = forward
 
 
-def build_for_runner(config, cfg: ModelConfig, comm=None) -> tuple[dict[str, torch.Tensor], int, V41EngineModel]:
+def build_for_runner(config, cfg: ModelConfig, comm=None, load=None) -> tuple[dict[str, torch.Tensor], int,
+                                                                            V41EngineModel]:
     """The engine runner's V4.1 model: (params, num_blocks, model) for an `EngineConfig`-like `config`
     (model, numerics, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, device,
     kv_cache_bytes, gpu_memory_utilization). The KV budget is sized like the V4 runner: one worst-case
@@ -224,11 +225,14 @@ def build_for_runner(config, cfg: ModelConfig, comm=None) -> tuple[dict[str, tor
     if config.numerics not in SUPPORTED_NUMERICS:
         raise NotImplementedError(f"the V4.1 engine runs {SUPPORTED_NUMERICS} numerics only")
     numerics = config.numerics
-    raw = load_tensors(config.model, cfg, progress=False)
-    if comm is not None:  # this rank's slices (tensor/expert parallel), before anything is dequantised
-        from deepinfer.distributed import shard_checkpoint
+    if load is not None:  # e.g. one rank's slices, read a layer at a time (engine/distributed_load.py)
+        raw = load(config.model, cfg)
+    else:
+        raw = load_tensors(config.model, cfg, progress=False)
+        if comm is not None:  # this rank's slices (tensor/expert parallel), before anything is dequantised
+            from deepinfer.distributed import shard_checkpoint
 
-        raw = shard_checkpoint(raw, cfg, comm.parallel)
+            raw = shard_checkpoint(raw, cfg, comm.parallel)
     params = prepare_params(raw, cfg, torch.float64, numerics=numerics)
     dtype = torch.float64 if numerics == "exact" else F32  # cache value dtype (official: packed + fp32 state)
     tok = Tokenizer.from_checkpoint(config.model) if cfg.engram_layer_ids else None
