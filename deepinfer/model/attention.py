@@ -70,14 +70,19 @@ class V4Attention:
     # ------------------------------------------------------------------ compressed entries
     def _compress(self, lc: LayerCache, cache: V4Cache, ctx: ForwardContext, x: torch.Tensor) -> None:
         """Run the compressors of every sequence and write the entries its extend completes."""
+        jobs = [(self.comp_p, lc.comp_state, lc.comp, False, "compressed")]
+        if self.has_indexer:
+            jobs.append((self.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
+        batched = {}
+        if self.fast:  # one projection GEMM per compressor for the whole batch (official: per sequence)
+            xf = x.to(torch.float32)
+            batched = {role: (xf @ p["wkv.weight"].T, xf @ p["wgate.weight"].T) for p, _, _, _, role in jobs}
         for i, s in enumerate(ctx.seqs):
             xs = x[ctx.rows(i)]
-            jobs = [(self.comp_p, lc.comp_state, lc.comp, False, "compressed")]
-            if self.has_indexer:
-                jobs.append((self.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
             for p, state, store, rotate, role in jobs:
+                proj = tuple(t[ctx.rows(i)] for t in batched[role]) if batched else None
                 first, entries = compress_extend(p, state, s.state_slot, xs, s.start_pos, self.inv_freq, self.eps,
-                                                 rotate, self.official, self.kdev)
+                                                 rotate, self.official, self.kdev, proj)
                 if entries.shape[0]:
                     rows = cache.entry_rows(s.block_table, self.ratio, first + entries.shape[0])[first:]
                     store[rows] = lc.encode(role, entries)

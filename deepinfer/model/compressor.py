@@ -16,7 +16,8 @@ from deepinfer.model.cache import CompressorState
 
 def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: int, x: torch.Tensor,
                     start_pos: int, inv_freq: torch.Tensor, eps: float, rotate: bool,
-                    official: bool = False, kernel_device: str = "cpu") -> tuple[int, torch.Tensor]:
+                    official: bool = False, kernel_device: str = "cpu",
+                    projected: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, torch.Tensor]:
     """x [S, D] = the sequence's new tokens at positions start_pos.. ; returns (first entry index, entries
     [n, width]) for the n blocks completed by this extend (n may be 0) and updates the state in place.
 
@@ -24,6 +25,8 @@ def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: in
     fp32, the pooled entry rounded to bf16, fp32 RMSNorm -> bf16, complex64 RoPE, fp32 Hadamard -> bf16.
     The returned entries are NOT fake-quantised: the cache's packed layout does that when they are stored.
     kernel_device: whose registry kernels to use ("cpu": the torch twins, which run on any device).
+    projected: (x @ wkv.T, x @ wgate.T) of these rows when the caller projected the whole batch at once
+    (fast numerics: one GEMM per compressor and layer instead of one per sequence).
     """
     def k(name: str):
         return kernels.get(name, kernel_device)
@@ -34,8 +37,8 @@ def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: in
     positions = torch.arange(start_pos, end, device=x.device)
     if official:
         x = x.to(torch.float32)
-    kv = x @ p["wkv.weight"].T  # [S, c*width]
-    score = x @ p["wgate.weight"].T + p["ape"][positions % r]
+    kv, gate = projected if projected is not None else (x @ p["wkv.weight"].T, x @ p["wgate.weight"].T)  # [S, c*width]
+    score = gate + p["ape"][positions % r]
     first_block = start_pos // r
     n_part = start_pos - first_block * r  # rows of the current block already stored
     off = r if overlap else 0  # overlap: the previous complete block sits in rows [0, r)
