@@ -25,6 +25,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     device: str = "cpu"  # "cpu" or "cuda" / "cuda:N": params, caches and per-step metadata live there
     seed: int = 0  # seeds unseeded sampling reproducibly within one engine
+    # parallelism (deepinfer/distributed, engine/distributed_*.py): one process per rank, world = tp * dp;
+    # experts split in expert_parallel_size shards (1, tp or tp*dp)
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0  # a collective waiting longer than this fails the group
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -41,5 +47,12 @@ class EngineConfig:
             bad(f"num_blocks must be positive, got {self.num_blocks}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             bad(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                bad(f"{name} must be >= 1, got {getattr(self, name)}")
+        world = self.tensor_parallel_size * self.data_parallel_size
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size, world):
+            bad(f"expert_parallel_size must be 1, tensor_parallel_size or tensor*data parallel size ({world}), "
+                f"got {self.expert_parallel_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -20,6 +20,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.distributed_load import load_rank_tensors
 from deepinfer.model.cache import V4Cache
 from deepinfer.model.context import ForwardContext, SeqContext
 from deepinfer.model.factory import v4_cache, v4_params, value_dtype
@@ -35,7 +36,10 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, cfg: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, cfg: ModelConfig, comm=None) -> None:
+        """comm: a `deepinfer.distributed.Communicator` on a rank of a parallel group (the model then gets
+        this rank's slices of the checkpoint); None in one process."""
+        self.comm = comm
         self.device = engine_device(config.device)
         if cfg.is_v41 and self.device.type != "cpu":
             raise NotImplementedError(f"the V4.1 engine runs on the CPU only (device {config.device!r} asked)")
@@ -44,7 +48,8 @@ class ModelRunner:
 
             self.config, self.cfg, self.numerics = config, cfg, config.numerics
             self.dtype = torch.float64 if config.numerics == "exact" else torch.float32  # logits dtype
-            self.params, self.num_blocks, self.model = build_for_runner(config, cfg)
+            load = None if comm is None else (lambda d, c: load_rank_tensors(d, c, comm.parallel))
+            self.params, self.num_blocks, self.model = build_for_runner(config, cfg, comm, load)
             return
         self.config, self.cfg = config, cfg
         # "exact" (float64), "official" (bf16/FP8 emulation, revision current) or "fast" (official rounding
@@ -53,10 +58,14 @@ class ModelRunner:
         self.dtype = value_dtype(self.numerics)  # logits dtype
         if self.device.type == "cuda":
             start_cuda_kernels()
-        self.params = v4_params(load_tensors(config.model, cfg, progress=False), cfg, self.numerics, self.device)
+        if comm is None:
+            raw = load_tensors(config.model, cfg, progress=False)
+        else:  # this rank's slices (tensor/expert parallel), read a layer at a time
+            raw = load_rank_tensors(config.model, cfg, comm.parallel)
+        self.params = v4_params(raw, cfg, self.numerics, self.device)
         self.num_blocks = config.num_blocks or self._size_kv_cache()
         cache = self._cache(self.num_blocks, config.max_num_seqs)
-        self.model = V4EngineModel(cfg, self.params, cache, self.numerics)
+        self.model = V4EngineModel(cfg, self.params, cache, self.numerics, comm=comm)
 
     def _cache(self, num_blocks: int, max_num_seqs: int) -> V4Cache:
         return v4_cache(self.cfg, self.numerics, num_blocks, self.config.block_size, max_num_seqs, self.device)
@@ -67,7 +76,7 @@ class ModelRunner:
         c, cfg = self.config, self.cfg
         tokens = min(c.max_num_batched_tokens, c.max_model_len)
         blocks = -(-tokens // c.block_size)
-        scratch = V4EngineModel(cfg, self.params, self._cache(blocks, 1), self.numerics)
+        scratch = V4EngineModel(cfg, self.params, self._cache(blocks, 1), self.numerics, comm=self.comm)
         ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         ctx = ForwardContext((SeqContext(0, tokens, 0, 0, tuple(range(blocks))),))
         if self.device.type == "cuda":
@@ -81,6 +90,8 @@ class ModelRunner:
             budget = c.kv_cache_bytes - fixed
         per_block = V4Cache.bytes_per_block(cfg, c.block_size, self.dtype, self.numerics)
         num_blocks = budget // per_block if per_block else 1
+        if self.comm is not None:  # every rank must hold the blocks the one scheduler hands out
+            num_blocks = self.comm.min_over_world(int(num_blocks))
         need = -(-c.max_model_len // c.block_size)
         # no more blocks than every sequence slot at max_model_len can use (a GPU's free memory would
         # otherwise give millions of blocks to the host-side block pool)
@@ -99,7 +110,7 @@ class ModelRunner:
         needs_rows = any(sr.num_sampled_rows > 1 for sr in out.scheduled)
         all_rows = needs_rows or any(sr.request_id in want_prompt_logits for sr in out.scheduled)
         ctx = ForwardContext(tuple(seqs), all_logits=all_rows)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), ctx).to("cpu")  # sampling is on the host
+        logits = self.forward_batch(torch.tensor(ids, dtype=torch.long), ctx)
         sample, prompt = [], {}
         for i, sr in enumerate(out.scheduled):
             rows = logits[ctx.rows(i)] if all_rows else logits[i : i + 1]  # [n_i, V] or [1, V]
@@ -112,6 +123,10 @@ class ModelRunner:
         vocab = self.cfg.vocab_size
         sample_logits = torch.cat(sample) if sample else torch.empty(0, vocab, dtype=self.dtype)
         return RunnerOutput(sample_logits, prompt)
+
+    def forward_batch(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The step's logits rows on the host (sampling is there). The parallel runner overrides this."""
+        return self.model.forward(ids, ctx).to("cpu")
 
 
 def engine_device(device: str) -> torch.device:

@@ -43,8 +43,9 @@ def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
 
 class V4Attention:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
-                 fast: bool = False) -> None:
+                 fast: bool = False, comm=None) -> None:
         self.layer, self.p, self.cfg = layer, params, cfg
+        self.comm = comm  # deepinfer.distributed.Communicator, or None in one process
         self.official = official or fast  # fast numerics keeps the official rounding points
         self.fast = fast
         self.device = params["attn_sink"].device
@@ -52,7 +53,12 @@ class V4Attention:
         # the torch twins, which run on any device and stay bit-identical to their CPU runs.
         self.kdev = self.device.type if fast else "cpu"
         self.ratio = cfg.compress_ratios[layer]
-        self.win, self.H, self.hd = cfg.window_size, cfg.n_heads, cfg.head_dim
+        self.win, self.hd = cfg.window_size, cfg.head_dim
+        # this rank's heads and output groups, read off the (tensor-parallel sliced) weights
+        wq_b = params["wq_b.weight"]  # a tensor, or a QuantLinearWeight in fast numerics
+        self.H = getattr(wq_b, "out_features", None) or wq_b.shape[0]
+        self.H //= cfg.head_dim
+        self.G = params["wo_a.weight"].shape[0] // cfg.o_lora_rank
         self.eps = cfg.norm_eps
         original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0  # window-only layers: plain RoPE
         self.inv_freq = kernels.get("rope_inv_freq")(
@@ -151,10 +157,11 @@ class V4Attention:
         idx = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in idx_rows])  # [T, K]
         o = kernels.get("sparse_attn_sink")(q, torch.cat(pool), p["attn_sink"], idx, self.hd**-0.5)  # [T, H, hd]
         o = rope(o, pos, self.inv_freq, inverse=True)  # undo the rotation carried by the values
-        G = cfg.o_groups
+        G = self.G
         wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
         z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), wo_a)  # [T, G, o_lora_rank]
-        return z.flatten(1) @ p["wo_b.weight"].T
+        out = z.flatten(1) @ p["wo_b.weight"].T
+        return out if self.comm is None else self.comm.attn_out(out)  # row-parallel wo_b: sum the partials
 
     # ------------------------------------------------------------------ official / fast numerics
     def _forward_official(self, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
@@ -237,7 +244,8 @@ class V4Attention:
         else:
             o = torch.cat(outs)
         o = rope(o, pos, self.inv_freq, inverse=True)
-        G = cfg.o_groups
+        G = self.G
         wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # fast: held in bf16, same values as official's fp32
         z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(f32), wo_a.to(f32)).to(bf16)  # bf16 einsum
-        return qlinear(z.flatten(1), p["wo_b.weight"])
+        out = qlinear(z.flatten(1), p["wo_b.weight"])
+        return out if self.comm is None else self.comm.attn_out(out)

@@ -20,7 +20,7 @@ from deepinfer.config import ModelConfig
 
 class V4MoE:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 shared_clamp: bool = True, official: bool = False, fast: bool = False) -> None:
+                 shared_clamp: bool = True, official: bool = False, fast: bool = False, comm=None) -> None:
         if cfg.is_v41:
             raise ValueError("V4MoE implements family v4 routing")
         self.p, self.cfg = params, cfg
@@ -31,6 +31,11 @@ class V4MoE:
         self.fast = fast
         device = params["gate.weight"].device
         self.kdev = device.type if fast else "cpu"  # exact/official: the torch twins (any device)
+        self.comm = comm  # expert parallel: params hold only this rank's routed experts
+
+    def _local_experts(self, indices: torch.Tensor) -> list[int]:
+        """The routed experts this batch uses that live on this rank (all of them in one process)."""
+        return [e for e in sorted(set(indices.flatten().tolist())) if f"experts.{e}.w1.weight" in self.p]
 
     def _swiglu_official(self, x: torch.Tensor, pre: str, limit: float, weight: torch.Tensor | None) -> torch.Tensor:
         qlinear = kernels.get("fp8_linear", self.kdev) if self.fast else kernels.get("qlinear")
@@ -70,26 +75,32 @@ class V4MoE:
         if self.official:
             return self._forward_official(x, ids)
         swiglu = kernels.get("swiglu")
-        weights, indices = self.route(x, ids)
-        y = torch.zeros_like(x)
+        xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
+        weights, indices = self.route(xr, idr)
+        y = torch.zeros_like(xr)
         limit = self.cfg.swiglu_limit
-        for e in sorted(set(indices.flatten().tolist())):
+        for e in self._local_experts(indices):
             rows, slot = torch.where(indices == e)
             pe = f"experts.{e}."
-            y[rows] += swiglu(x[rows], self.p[pe + "w1.weight"], self.p[pe + "w3.weight"], self.p[pe + "w2.weight"],
+            y[rows] += swiglu(xr[rows], self.p[pe + "w1.weight"], self.p[pe + "w3.weight"], self.p[pe + "w2.weight"],
                               limit, weights[rows, slot, None])
+        if self.comm is not None:
+            y = self.comm.moe_combine(y)  # sum over the expert shards, this rank's rows
         s = "shared_experts."
         y += swiglu(x, self.p[s + "w1.weight"], self.p[s + "w3.weight"], self.p[s + "w2.weight"], self.shared_limit)
         return y
 
     def _forward_official(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        weights, indices = self.route(x, ids)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)
+        weights, indices = self.route(xr, idr)
+        y = torch.zeros(xr.shape, dtype=torch.float32, device=x.device)
         limit = self.cfg.swiglu_limit
-        for e in sorted(set(indices.flatten().tolist())):
+        for e in self._local_experts(indices):
             rows, slot = torch.where(indices == e)
-            out = self._swiglu_official(x[rows], f"experts.{e}.", limit, weights[rows, slot, None])
+            out = self._swiglu_official(xr[rows], f"experts.{e}.", limit, weights[rows, slot, None])
             y[rows] += out.to(torch.float32)
+        if self.comm is not None:
+            y = self.comm.moe_combine(y)  # fp32, as the official all-reduce
         y += self._swiglu_official(x, "shared_experts.", self.shared_limit, None).to(torch.float32)
         return y.to(torch.bfloat16)
 

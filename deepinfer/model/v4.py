@@ -33,11 +33,11 @@ REVISIONS = ("current", "initial")
 
 class V4Block:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
-                 shared_clamp: bool = True, fast: bool = False) -> None:
+                 shared_clamp: bool = True, fast: bool = False, comm=None) -> None:
         self.p, self.cfg, self.official, self.fast = params, cfg, official or fast, fast
         self.kdev = params["attn_norm.weight"].device.type if fast else "cpu"  # whose kernels (see V4Attention)
-        self.attn = V4Attention(layer, _sub(params, "attn."), cfg, official, fast)
-        self.ffn = V4MoE(layer, _sub(params, "ffn."), cfg, shared_clamp, official, fast)
+        self.attn = V4Attention(layer, _sub(params, "attn."), cfg, official, fast, comm)
+        self.ffn = V4MoE(layer, _sub(params, "ffn."), cfg, shared_clamp, official, fast, comm)
 
     def _hc(self, x: torch.Tensor, which: str, sub, *args) -> torch.Tensor:
         """One hyper-connected sublayer: collapse the hc streams, norm, sublayer, mix back. x [T, hc, D]."""
@@ -94,7 +94,8 @@ class V4EngineModel:
     """V4 backbone + head over a paged `V4Cache` (exact or official numerics)."""
 
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], cache: V4Cache,
-                 numerics: str = "exact", revision: str | None = None) -> None:
+                 numerics: str = "exact", revision: str | None = None, comm=None) -> None:
+        """comm: a `deepinfer.distributed.Communicator` when params are one rank's slices (None: one process)."""
         if cfg.is_v41:
             raise ValueError("V4EngineModel is the family v4 model; this checkpoint is v41")
         if numerics not in SUPPORTED_NUMERICS:
@@ -117,7 +118,8 @@ class V4EngineModel:
         self.official, self.fast = official or fast, fast  # `official`: the official rounding points
         self.kdev = self.device.type if fast else "cpu"
         shared_clamp = revision == "current"  # the initial release left the shared expert unclamped
-        self.layers = [V4Block(i, _sub(params, f"layers.{i}."), cfg, official, shared_clamp, fast)
+        self.comm = comm
+        self.layers = [V4Block(i, _sub(params, f"layers.{i}."), cfg, official, shared_clamp, fast, comm)
                        for i in range(cfg.n_layers)]
         # Debug tap for the parity tools: tap(name, x, seq_index) gets the FULL 4-stream residual [S, hc, D]
         # of one sequence of the batch after the embedding and after every sublayer (never a sublayer
@@ -139,7 +141,9 @@ class V4EngineModel:
         for s in ctx.seqs:
             if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
                 self.cache.reset(s.window_slot, s.state_slot)
-        x = self.p["embed.weight"][token_ids].unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [T, hc, D]
+        table = self.p["embed.weight"]
+        x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
+        x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [T, hc, D]
         tap = self._per_sequence_tap(ctx) if self.tap else None
         if tap:
             tap("embed", x)
@@ -171,7 +175,16 @@ class V4EngineModel:
             y = k("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
         else:
             y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
-        return y @ p["head.weight"].T
+        logits = y @ p["head.weight"].T
+        return logits if self.comm is None else self.comm.gather_vocab(logits)  # vocab-parallel head
+
+    def idle_moe(self) -> None:
+        """A data-parallel rank with no sequence this step still joins every layer's MoE token exchange."""
+        dtype = self.p["embed.weight"].dtype
+        x = torch.zeros(0, self.cfg.dim, dtype=dtype, device=self.device)
+        ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        for block in self.layers:
+            block.ffn(x, ids)
 
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """token_ids [T] flat -> logits [num_seqs, vocab] of each sequence's last new token
