@@ -1,0 +1,91 @@
+"""The engine's fast path on a real-dimension V4-Flash slice (random weights in the official on-disk format,
+made on the GPU): decode steps at several batch sizes and one-sequence prefills, timed with CUDA events.
+
+Decode: `batch` sequences whose `context`-token prompts were prefilled first, then one-token steps that really
+advance every sequence (positions move, rings and compressor states update). Prefill: one fresh sequence of
+`tokens` tokens. Each measurement is reported for the whole forward (blocks + head) and for the blocks alone
+(`V4EngineModel.hidden`), the latter divided by the number of layers = time per layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.model.context import ForwardContext, SeqContext, forward_context
+from deepinfer.model.factory import build_v4_model
+from timing import cuda_time_ms
+
+BLOCK = 128
+
+
+class SliceRunner:
+    def __init__(self, cfg, raw, max_batch: int, max_tokens: int) -> None:
+        self.cfg = cfg
+        self.blocks_per_seq = -(-max_tokens // BLOCK)
+        self.model = build_v4_model(cfg, raw, "fast", "cuda", num_blocks=max_batch * self.blocks_per_seq,
+                                    block_size=BLOCK, max_num_seqs=max_batch)
+        self.g = torch.Generator(device="cuda").manual_seed(0)
+
+    def _table(self, i: int) -> tuple[int, ...]:
+        return tuple(range(i * self.blocks_per_seq, (i + 1) * self.blocks_per_seq))
+
+    def _ids(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.cfg.vocab_size, (n,), device="cuda", generator=self.g)
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[int], tokens: int, group: int = 8) -> None:
+        for start in range(0, len(seqs), group):
+            part = seqs[start : start + group]
+            ctx = ForwardContext(tuple(SeqContext(0, tokens, i, i, self._table(i)) for i in part))
+            self.model.forward(self._ids(tokens * len(part)), ctx)
+
+    @torch.no_grad()
+    def decode_ms(self, batch: int, context: int, reps: int = 10, blocks_only: bool = False) -> float:
+        """Median ms of one decode step of `batch` sequences at ~`context` cached tokens."""
+        self.prefill(list(range(batch)), context)
+        pos = [context]
+
+        def step():
+            ctx = ForwardContext(tuple(SeqContext(pos[0], 1, i, i, self._table(i)) for i in range(batch)))
+            ids = self._ids(batch)
+            if blocks_only:
+                with forward_context(ctx):
+                    self.model.hidden(ids)
+            else:
+                self.model.forward(ids, ctx)
+            pos[0] += 1
+
+        return cuda_time_ms(step, reps=reps, warmup=3)
+
+    @torch.no_grad()
+    def prefill_ms(self, tokens: int, reps: int = 3, blocks_only: bool = False) -> float:
+        ctx = ForwardContext((SeqContext(0, tokens, 0, 0, self._table(0)),))
+        ids = self._ids(tokens)
+
+        def run():
+            if blocks_only:
+                with forward_context(ctx):
+                    self.model.hidden(ids)
+            else:
+                self.model.forward(ids, ctx)
+
+        return cuda_time_ms(run, reps=reps, warmup=1)
+
+    @torch.no_grad()
+    def kernel_breakdown(self, batch: int, context_pos: int, top: int = 12) -> list[tuple[str, int, float]]:
+        """(kernel name, launches, total us) of one decode step's blocks, largest first (torch.profiler)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        ctx = ForwardContext(tuple(SeqContext(context_pos, 1, i, i, self._table(i)) for i in range(batch)))
+        ids = self._ids(batch)
+        with forward_context(ctx):
+            self.model.hidden(ids)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                self.model.hidden(ids)
+                torch.cuda.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t > 0:
+                rows.append((ev.key[:70], ev.count, t))
+        return sorted(rows, key=lambda r: -r[2])[:top]
