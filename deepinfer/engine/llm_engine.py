@@ -52,6 +52,9 @@ class LLMEngine:
         spec = SpeculativeConfig.parse(speculative)  # bad settings fail before any weight is loaded
         if spec is not None:
             spec.check_model(self.model_config)
+            if is_parallel(config):
+                raise NotImplementedError("speculative decoding runs in one process; it is not wired into the "
+                                          "tensor/expert/data parallel runner")
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(config.model)
         if is_parallel(config):  # one process per rank; this one is rank 0 (engine/distributed_runner.py)
             self.runner = start_parallel_runner(config, self.model_config)
