@@ -95,6 +95,41 @@ def test_official_converted_shards(single, tiny_v4_dir, tmp_path):
             assert float((got - ref).norm() / ref.norm()) <= REL
 
 
+_TORCHRUN_SCRIPT = '''
+import json, os, sys, torch
+from deepinfer import LLM, SamplingParams
+torch.set_num_threads(1)
+prompts, engine, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+llm = LLM(sys.argv[4], **engine, data_parallel_size=2, expert_parallel_size=2)  # ranks > 0 never return
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+json.dump([o.outputs[0].token_ids for o in outs], open(out, "w"))
+llm.shutdown()
+'''
+
+
+def test_torchrun_launch(single, tiny_v4_dir, tmp_path):
+    """The multi-node launch path on one host: torchrun sets RANK/WORLD_SIZE, every process builds the LLM,
+    rank 0 gets the results, the other rank serves until it stops."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script, out = tmp_path / "run.py", tmp_path / "tokens.json"
+    script.write_text(_TORCHRUN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+           str(script), json.dumps(_prompts()), json.dumps(ENGINE), str(out), str(tiny_v4_dir)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text()) == single("v4")[0]
+
+
 def test_failing_rank_stops_the_group(tiny_v4_dir, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "1:2")  # rank 1 raises at its third step
     llm = LLM(tiny_v4_dir, **ENGINE, tensor_parallel_size=2)

@@ -41,6 +41,9 @@ class Communicator:
             if t == pc.tp_rank:
                 self.dp_group = g
         self.ep_group = self.tp_group if pc.ep == pc.tp else dist.group.WORLD
+        # where the bookkeeping tensors of a collective live: nccl only moves CUDA tensors
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._dp_counts: list[int] | None = None
 
     # ------------------------------------------------------------------ helpers
@@ -55,7 +58,7 @@ class Communicator:
         return y
 
     def min_over_world(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t)
 
@@ -89,7 +92,7 @@ class Communicator:
         """The tokens the local experts must see: this dp group's own (x, ids), or every dp group's."""
         if not self.parallel.moe_gathers_dp:
             return x, ids
-        counts = torch.zeros(self.parallel.dp, dtype=torch.int64)
+        counts = torch.zeros(self.parallel.dp, dtype=torch.int64, device=self.device)
         counts[self.parallel.dp_rank] = x.shape[0]
         dist.all_reduce(counts, group=self.dp_group)
         self._dp_counts = counts.tolist()
