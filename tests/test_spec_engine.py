@@ -161,3 +161,17 @@ def test_preemption_under_drafting(tiny_v4_dir, baseline):
     outs = llm.generate(prompts, GREEDY)
     assert preempted, "the test needs preemptions to happen"
     assert_same(base, outs)
+
+
+def test_prompt_logprobs_with_mtp(tiny_v4_dir, baseline):
+    """The drafter's target step (spec/target.py) returns the same prompt logprob rows as the runner."""
+    prompts = baseline[0][:3]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    _, plain = generate(tiny_v4_dir, prompts, params)
+    _, drafted = generate(tiny_v4_dir, prompts, params, speculative={"method": "mtp", "num_speculative_tokens": 2})
+    assert_same(plain, drafted)
+    for a, b in zip(plain, drafted):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for u, v in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert u.keys() == v.keys()
+            assert all(abs(u[t].logprob - v[t].logprob) <= 1e-9 for t in u)
