@@ -134,7 +134,7 @@ def test_fast_params_keep_the_checkpoint_quantised(tiny_v4_raw):
         scale = raw.get(name[: -len(".weight")] + ".scale")
         if ".ffn.experts." in name:
             expected += size + scale.numel() * scale.element_size()
-        elif name.endswith("attn.wo_a.weight"):
+        elif name.endswith("attn.wo_a.weight") or name == "head.weight":  # bf16 values, no fp32 copy
             assert fast[name].dtype == torch.bfloat16 and torch.equal(fast[name].float(), official[name])
             expected += 2 * t.numel()
         elif scale is not None:

@@ -42,3 +42,11 @@ from deepinfer.kernels import quant_weights  # noqa: E402  (it imports `official
 
 register("fp8_linear", quant_weights.fp8_linear_torch)
 register("fp4_moe", quant_weights.fp4_moe_torch)
+
+# bf16-weight GEMMs of fast numerics: torch twins everywhere, cuBLAS on bf16 operands for cuda (no upcasts)
+from deepinfer.kernels import bf16_gemm  # noqa: E402
+
+register("grouped_proj_bf16", bf16_gemm.grouped_proj_bf16_torch)
+register("head_logits_bf16", bf16_gemm.head_logits_bf16_torch)
+register("grouped_proj_bf16", bf16_gemm.grouped_proj_bf16_cublas, device="cuda")
+register("head_logits_bf16", bf16_gemm.head_logits_bf16_cublas, device="cuda")

@@ -246,6 +246,9 @@ class V4Attention:
         o = rope(o, pos, self.inv_freq, inverse=True)
         G = self.G
         wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # fast: held in bf16, same values as official's fp32
-        z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(f32), wo_a.to(f32)).to(bf16)  # bf16 einsum
+        if self.fast:  # the official bf16 einsum (fp32 accumulation, bf16 out), no per-call fp32 copy of wo_a
+            z = k("grouped_proj_bf16")(o.reshape(T, G, -1), wo_a)  # o is bf16, as official
+        else:
+            z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(f32), wo_a.to(f32)).to(bf16)  # bf16 einsum
         out = qlinear(z.flatten(1), p["wo_b.weight"])
         return out if self.comm is None else self.comm.attn_out(out)

@@ -6,11 +6,13 @@ tensors, e.g. `tiny.make_tensors`) into what the fast path computes with:
   (E4M3 data + fp32 block scales: the checkpoint's bytes, never a dequantised copy);
 * the routed experts of each MoE layer -> one `FP4ExpertBank` under `layers.{i}.ffn.experts` (packed FP4 +
   E8M0 bytes, stacked);
-* `attn.wo_a` -> its bf16 value (the official convert.py dequantises it to bf16; the grouped output einsum
-  upcasts it to fp32 per call);
+* `attn.wo_a` -> its bf16 value (the official convert.py dequantises it to bf16; the official grouped output
+  einsum runs on bf16 operands, so does ours: op "grouped_proj_bf16");
+* `head.weight` -> the checkpoint's bf16 (official holds it as fp32 of the same values; op "head_logits_bf16"
+  multiplies bf16 operands with fp32 accumulation and output: the same math, half the bytes per step);
 * small tensors as the official numerics hold them: embedding bf16, every other float tensor fp32 (norms,
-  hc, gate, sinks, compressors, indexer weights_proj, head), `tid2eid` int64.
-Memory is about the checkpoint's own size (plus the fp32 head and small tensors).
+  hc, gate, sinks, compressors, indexer weights_proj), `tid2eid` int64.
+Memory is about the checkpoint's own size (plus small fp32 tensors).
 Must not: import the reference oracle, or dequantise an FP8/FP4 weight other than `wo_a`.
 """
 from __future__ import annotations
@@ -54,7 +56,10 @@ def prepare_params_fast(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, devic
             continue
         scale = raw.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
         if scale is None or name in dequantised:
-            wanted = torch.bfloat16 if name in ("embed.weight",) or name.endswith("attn.wo_a.weight") else torch.float32
+            bf16_kept = name in ("embed.weight", "head.weight") or name.endswith("attn.wo_a.weight")
+            if name == "head.weight" and t.dtype != torch.bfloat16:  # keeping it bf16 must not round it
+                raise ValueError(f"head.weight: fast numerics keeps the checkpoint's bf16 head, got {t.dtype}")
+            wanted = torch.bfloat16 if bf16_kept else torch.float32
             out[name] = t.to(device, wanted)
             continue
         if t.dtype != torch.float8_e4m3fn:

@@ -170,12 +170,17 @@ class V4EngineModel:
         mixes = k("hc_mix")(x, p["hc_head_fn"], cfg.norm_eps)
         pre = torch.sigmoid(mixes * p["hc_head_scale"] + p["hc_head_base"]) + cfg.hc_eps
         y = k("hc_collapse")(x, pre)
-        if self.official:
+        if self.fast:  # bf16-rounded normed rows times the checkpoint's bf16 head, fp32 sums and logits
             y = y.to(torch.bfloat16).to(torch.float32)
-            y = k("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
+            y = k("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16)
+            logits = k("head_logits_bf16")(y, p["head.weight"])
         else:
-            y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
-        logits = y @ p["head.weight"].T
+            if self.official:
+                y = y.to(torch.bfloat16).to(torch.float32)
+                y = k("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
+            else:
+                y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
+            logits = y @ p["head.weight"].T
         return logits if self.comm is None else self.comm.gather_vocab(logits)  # vocab-parallel head
 
     def idle_moe(self) -> None:

@@ -1,0 +1,80 @@
+"""bf16-weight GEMMs of fast numerics (`kernels/bf16_gemm.py`): the grouped output LoRA and the LM head.
+
+CPU: the twins are the official math (exact bf16 products, fp32 sums; one bf16 rounding for the grouped
+projection, fp32 logits for the head) checked against float64; bad input raises a clear error.
+GPU (`-m gpu`, fresh random inputs): the cuBLAS versions against the twins. Only the fp32 summation order
+differs, so the head agrees to fp32 rounding (rel_err <= 1e-5; TF32 would show ~1e-3) and the grouped
+projection to last-bit bf16 flips (rel_err <= 1e-3, a bf16 ulp is 2**-8 relative).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import kernels
+from deepinfer.kernels.bf16_gemm import grouped_proj_bf16_torch, head_logits_bf16_torch
+
+BF16 = torch.bfloat16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def test_twins_are_the_official_math():
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(5, 4, 96, generator=g).to(BF16)
+    w = torch.randn(4, 32, 96, generator=g).to(BF16)
+    z = grouped_proj_bf16_torch(o, w)
+    exact = torch.einsum("tgd,grd->tgr", o.double(), w.double())
+    assert z.dtype == BF16 and z.shape == (5, 4, 32)
+    assert torch.equal(z, exact.to(BF16)) or _rel(z, exact) < 2 ** -8  # fp32 sums, then one rounding
+    y = torch.randn(3, 96, generator=g).to(BF16)
+    head = torch.randn(50, 96, generator=g).to(BF16)
+    logits = head_logits_bf16_torch(y, head)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 50)
+    assert _rel(logits, y.double() @ head.double().T) < 1e-6
+
+
+def test_registered_for_cpu_and_cuda():
+    assert kernels.get("grouped_proj_bf16") is grouped_proj_bf16_torch
+    assert kernels.get("head_logits_bf16") is head_logits_bf16_torch
+    assert kernels.get("head_logits_bf16", "cuda") is not head_logits_bf16_torch
+
+
+def test_bad_inputs_raise_clear_errors():
+    o = torch.zeros(2, 4, 8, dtype=BF16)
+    with pytest.raises(ValueError, match="bf16"):
+        grouped_proj_bf16_torch(o.float(), torch.zeros(4, 3, 8, dtype=BF16))
+    with pytest.raises(ValueError, match="groups"):
+        grouped_proj_bf16_torch(o, torch.zeros(2, 3, 8, dtype=BF16))
+    with pytest.raises(ValueError, match="do not fit"):
+        head_logits_bf16_torch(torch.zeros(2, 8, dtype=BF16), torch.zeros(5, 7, dtype=BF16))
+    with pytest.raises(ValueError, match="bf16"):
+        head_logits_bf16_torch(torch.zeros(2, 8), torch.zeros(5, 8, dtype=BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 128])
+def test_cublas_versions_match_the_twins(t):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    from deepinfer.kernels.bf16_gemm import grouped_proj_bf16_cublas, head_logits_bf16_cublas
+
+    o = torch.randn(t, 8, 4096, device=dev).to(BF16)  # V4-Flash: 8 groups of 8 heads x 512, rank 1024
+    w = (torch.randn(8, 1024, 4096, device=dev) * 0.02).to(BF16)
+    got, want = grouped_proj_bf16_cublas(o, w), grouped_proj_bf16_torch(o, w)
+    assert got.dtype == BF16 and got.shape == (t, 8, 1024)
+    rel = _rel(got, want)
+    print(f"grouped_proj T={t}: rel_err={rel:.2e}, {float((got != want).float().mean()):.3%} differ")
+    assert rel <= 1e-3
+    y = torch.randn(t, 4096, device=dev).to(BF16)
+    head = (torch.randn(32768, 4096, device=dev) * 0.02).to(BF16)
+    got, want = head_logits_bf16_cublas(y, head), head_logits_bf16_torch(y, head)
+    exact = y.double() @ head.double().T
+    assert got.dtype == torch.float32 and got.shape == (t, 32768)
+    rel, rel_exact = _rel(got, want), _rel(got, exact)
+    print(f"head T={t}: rel_err vs twin {rel:.2e}, vs float64 {rel_exact:.2e}")
+    assert rel <= 1e-5 and rel_exact <= 1e-5
