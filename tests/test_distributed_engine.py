@@ -95,6 +95,25 @@ def test_official_converted_shards(single, tiny_v4_dir, tmp_path):
             assert float((got - ref).norm() / ref.norm()) <= REL
 
 
+def test_prompt_logprobs_under_data_parallel(tiny_v4_dir):
+    """All-rows steps (prompt logprobs) through the dp split: each group's rows come back in batch order."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+
+    def prompt_lps(**parallel):
+        llm = LLM(tiny_v4_dir, **ENGINE, **parallel)
+        try:
+            return [o.prompt_logprobs for o in llm.generate(_prompts(), params)]
+        finally:
+            llm.shutdown()
+
+    want, got = prompt_lps(), prompt_lps(data_parallel_size=2, expert_parallel_size=2)
+    assert [len(p) for p in got] == [len(p) for p in want] == [len(p) for p in _prompts()]
+    for g, w in zip(got, want):
+        for eg, ew in zip(g[1:], w[1:]):
+            assert eg.keys() == ew.keys()
+            assert all(abs(eg[t].logprob - ew[t].logprob) < 1e-9 for t in ew)
+
+
 _TORCHRUN_SCRIPT = '''
 import json, os, sys, torch
 from deepinfer import LLM, SamplingParams
