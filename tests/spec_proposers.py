@@ -11,7 +11,8 @@ VOCAB = 129280
 
 class ForcedProposer(Proposer):
     """Proposes from `continuations[tuple(prompt)]` (the non-drafting run's output tokens): the first
-    `right(k)` (mixed: cycling 1, 2, .., k, 0 over calls) drafts are the true next tokens, the rest are deliberately wrong."""
+    `right(k)` (mixed: cycling 1, 2, .., k, 0 over calls) drafts are the true next tokens, the rest are
+    deliberately wrong."""
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], mode: str) -> None:
         if mode not in ("oracle", "wrong", "mixed"):

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from deepinfer.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from deepinfer.scheduler import RequestStatus, Scheduler, SchedulerOutput
 from deepinfer.spec.metrics import AcceptanceStats
 from deepinfer.spec.proposer import Computed, Proposer, TargetStep
 from deepinfer.spec.rollback import SequenceSnapshot

@@ -20,7 +20,8 @@ def build_spec_decoder(spec: SpeculativeConfig, cfg: ModelConfig, checkpoint: st
                                   f"are host tensors); the target is on {target_params['embed.weight'].device}")
     if spec.method == "custom":
         if not isinstance(spec.proposer, Proposer):
-            raise ValueError(f"speculative proposer must be a spec.proposer.Proposer, got {type(spec.proposer).__name__}")
+            raise ValueError(f"speculative proposer must be a spec.proposer.Proposer, "
+                             f"got {type(spec.proposer).__name__}")
         proposer = spec.proposer
     elif spec.method == "mtp":
         proposer = _mtp(cfg, checkpoint, target_model, target_params, numerics, max_num_seqs)
