@@ -32,6 +32,15 @@ FP4_BLOCK = 32  # K elements per E8M0 scale of a packed FP4 weight row
 # E2M1 code -> value; bit 3 is the sign (code 8 is -0, decoded as 0).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _FP4_TABLE = torch.tensor(list(FP4_VALUES) + [-v for v in FP4_VALUES], dtype=torch.float32)
+_FP4_TABLE_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp4_table_on(device: torch.device) -> torch.Tensor:
+    """The E2M1 table kept on each device: no host-to-device copy per call (it would break CUDA graph capture)."""
+    table = _FP4_TABLE_ON.get(device)
+    if table is None:
+        table = _FP4_TABLE_ON[device] = _FP4_TABLE.to(device)
+    return table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,7 +100,7 @@ def fp4_round_codes(x: torch.Tensor) -> torch.Tensor:
     """
     x = x.to(torch.float32)
     mag = x.abs().clamp(max=FP4_MAX)
-    grid = _FP4_TABLE[:8].to(x.device)
+    grid = _fp4_table_on(x.device)[:8]
     dist = (mag.unsqueeze(-1) - grid).abs()  # [..., 8]
     nearest = dist.min(dim=-1, keepdim=True).values
     is_min = dist == nearest
@@ -105,7 +114,7 @@ def fp4_round_codes(x: torch.Tensor) -> torch.Tensor:
 
 def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8 0..15) -> fp32 values."""
-    return _FP4_TABLE.to(codes.device)[codes.to(torch.int64)]
+    return _fp4_table_on(codes.device)[codes.to(torch.int64)]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

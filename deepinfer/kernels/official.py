@@ -17,6 +17,7 @@ import torch
 from deepinfer import formats
 
 __all__ = ["qlinear", "blinear", "rope_freqs32", "rope32", "hadamard32", "indexer_scores_bf16",
+           "indexer_scores_batched_bf16",
            "sparse_attn_sink_official", "sparse_attn_sink_official_v41"]
 
 ACT_BLOCK = 128
@@ -76,16 +77,31 @@ def _hadamard32(n: int) -> torch.Tensor:
     return h
 
 
+@lru_cache(maxsize=16)
+def _hadamard32_on(n: int, device: torch.device) -> torch.Tensor:
+    """The matrix kept on each device: no host-to-device copy per call (one would break CUDA graph capture)."""
+    return _hadamard32(n).to(device)
+
+
 def hadamard32(x: torch.Tensor) -> torch.Tensor:
     """fast_hadamard_transform(x, scale=d^-0.5): fp32 inside, result in x's dtype."""
     d = x.shape[-1]
-    return ((x.to(F32) @ _hadamard32(d).to(x.device)) * d**-0.5).to(x.dtype)
+    return ((x.to(F32) @ _hadamard32_on(d, x.device)) * d**-0.5).to(x.dtype)
 
 
 def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Official indexer scores: bf16 q.k, relu, bf16 multiply by the bf16 head weights, bf16 head sum.
     q [T, h, d] bf16, weights [T, h] bf16, keys [E, d] bf16 -> [T, E] bf16."""
     s = torch.einsum("thd,ed->the", q.to(F32), keys.to(F32)).to(BF16)
+    s = (s.relu() * weights.unsqueeze(-1)).to(BF16)
+    return s.to(F32).sum(dim=1).to(BF16)
+
+
+def indexer_scores_batched_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`indexer_scores_bf16` with per-sequence keys (the batched decode step: each query has its own
+    entries): q [B, h, d] bf16, weights [B, h] bf16, keys [B, E, d] bf16 -> [B, E] bf16. The same rounding
+    points; the fp32 dot products may sum in another order than the unbatched op."""
+    s = torch.einsum("bhd,bed->bhe", q.to(F32), keys.to(F32)).to(BF16)
     s = (s.relu() * weights.unsqueeze(-1)).to(BF16)
     return s.to(F32).sum(dim=1).to(BF16)
 

@@ -1,0 +1,124 @@
+"""V4 attention and KV compressors for a pure-decode batch in fast numerics: every sequence adds one token,
+the whole batch in fixed-shape tensor ops (no per-sequence Python loop, no shape that depends on positions),
+so a step can be captured in a CUDA graph per batch bucket.
+
+Owns: `decode_attention(attn, x, rows, cache)` (one layer) and `compress_decode` (its compressors).
+Same math and official rounding points as `V4Attention._forward_official` with fast=True; the differences
+are in layout only:
+* the new token's KV is written into the window ring FIRST, then each sequence's whole ring row is gathered
+  (in stored form) and decoded: the window keys are read straight from the ring by slot;
+* compressed entries are gathered for every sequence at once over `max_context // r` padded columns; ratio-4
+  layers with an indexer score them per sequence (`indexer_scores_batched_bf16`), hide invisible columns
+  with -inf and take the stable top-k (ties to the lower entry), then only the selected entries are decoded;
+* compressor state is updated by a per-slot scatter; every row pools its state, and the entry is stored only
+  where the completion mask says this token completed it (elsewhere the row's old bytes are written back).
+The sparse-attention index rows have the per-sequence path's order (window ascending, then the selection)
+with more -1 padding, so only summation order differs (GEMM shapes, batched dot products).
+Must not: import the oracle; allocate per-sequence state; read anything that lives on the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer import formats, kernels
+from deepinfer.model.attention import V4Attention
+from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
+from deepinfer.model.decode_metadata import DecodeRows, RatioRows
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: DecodeRows) -> None:
+    """Advance both compressors of a ratio layer by one token per row and store the entries completed."""
+    rr = rows.ratios[attn.ratio]
+    jobs = [(attn.comp_p, lc.comp_state, lc.comp, False, "compressed")]
+    if attn.has_indexer:
+        jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
+    xf = x.to(F32)
+    for p, state, store, rotate, role in jobs:
+        entries = _compress_step(attn, p, state, xf, rows, rr, rotate)
+        old = store[rr.new_row]
+        store[rr.new_row] = torch.where(rr.complete.unsqueeze(1), lc.encode(role, entries), old)
+
+
+def _compress_step(attn: V4Attention, p: dict, state: CompressorState, xf: torch.Tensor, rows: DecodeRows,
+                   rr: RatioRows, rotate: bool) -> torch.Tensor:
+    """Scatter the token's projections into its state slot, pool every row's current block -> entries [B, w]
+    (meaningful where the block is complete); shift the overlap state of completed rows."""
+    def k(name: str):
+        return kernels.get(name, attn.kdev)
+
+    r, slots, pos = state.ratio, rows.state_slots, rows.positions
+    off = r if state.overlap else 0  # overlap: rows [0, r) hold the previous complete block
+    kv = xf @ p["wkv.weight"].T  # [B, c*w]
+    score = xf @ p["wgate.weight"].T + p["ape"][pos % r]
+    state.kv[slots, off + pos % r] = kv
+    state.score[slots, off + pos % r] = score
+    kv_s, sc_s = state.kv[slots], state.score[slots]  # [B, c*r, c*w] (copies)
+    if state.overlap:  # previous block's A-half and the current block's B-half: one softmax over 2r rows
+        w = kv_s.shape[-1] // 2
+        kv_p = torch.cat([kv_s[:, :r, :w], kv_s[:, r:, w:]], dim=1)
+        sc_p = torch.cat([sc_s[:, :r, :w], sc_s[:, r:, w:]], dim=1)
+        done = rr.complete.view(-1, 1, 1)
+        state.kv[slots, :r] = torch.where(done, kv_s[:, r:], kv_s[:, :r])
+        state.score[slots, :r] = torch.where(done, sc_s[:, r:], sc_s[:, :r])
+    else:
+        kv_p, sc_p = kv_s, sc_s
+    pooled = k("compress_pool")(kv_p, sc_p, False).to(BF16).to(F32)  # [B, w]
+    entries = k("rms_norm")(pooled, p["norm.weight"], attn.eps).to(BF16)
+    entries = k("rope32")(entries, rr.block_pos, attn.inv_freq)
+    return k("hadamard32")(entries) if rotate else entries
+
+
+def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache) -> torch.Tensor:
+    """x [B, D] bf16 (one token per row) -> [B, D] bf16."""
+    if not attn.fast:
+        raise ValueError("the batched decode path runs fast numerics only")
+    cfg, p, r, win = attn.cfg, attn.p, attn.ratio, attn.win
+
+    def k(name: str):
+        return kernels.get(name, attn.kdev)
+
+    qlinear, rope = k("fp8_linear"), k("rope32")
+
+    def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return k("rms_norm")(t.to(F32), w, attn.eps).to(BF16)
+
+    lc = cache.layers[attn.layer]
+    pos = rows.positions
+    B = x.shape[0]
+    qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
+    q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
+    q = rope(k("head_rms_norm")(q, attn.eps), pos, attn.inv_freq)
+    kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, attn.inv_freq)  # [B, hd]
+    lc.ring[rows.window_slots, rows.ring_cols] = lc.encode("window", kv)  # write first, read by slot
+    pools = [lc.decode("window", lc.ring[rows.window_slots]).flatten(0, 1)]  # [B * win, hd]
+    idx = [rows.window_idx]
+    if r:
+        compress_decode(attn, lc, x, rows)  # entries this token completes are visible to it
+        rr = rows.ratios[r]
+        E = rr.entry_rows.shape[1]
+        if E:
+            if attn.has_indexer:
+                ihd, nh = cfg.index_head_dim, cfg.index_n_heads
+                q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
+                q_idx = formats.fp4_fake_quant(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
+                w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+                keys = lc.decode("index", lc.index_keys[rr.entry_rows])  # [B, E, ihd]
+                scores = k("indexer_scores_batched_bf16")(q_idx, w_idx, keys).masked_fill(rr.hidden, float("-inf"))
+                sel = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K]
+            else:
+                sel = torch.arange(E, device=x.device).expand(B, -1)
+            sel = torch.where(sel >= rr.visible.unsqueeze(1), -1, sel)
+            K = sel.shape[1]
+            chosen = rr.entry_rows.gather(1, sel.clamp(min=0))  # [B, K] cache rows of the selection
+            pools.append(lc.decode("compressed", lc.comp[chosen]).flatten(0, 1))  # [B * K, hd]
+            cols = B * win + torch.arange(B * K, device=x.device).view(B, K)
+            idx.append(torch.where(sel >= 0, cols, -1))
+    o = k("sparse_attn_sink_official")(q, torch.cat(pools), p["attn_sink"], torch.cat(idx, dim=1), attn.hd**-0.5)
+    o = rope(o, pos, attn.inv_freq, inverse=True)
+    G = attn.G
+    wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
+    z = torch.einsum("tgd,grd->tgr", o.reshape(B, G, -1).to(F32), wo_a.to(F32)).to(BF16)
+    out = qlinear(z.flatten(1), p["wo_b.weight"])
+    return out if attn.comm is None else attn.comm.attn_out(out)

@@ -1,0 +1,123 @@
+"""Per-step metadata of a pure-decode batch (every sequence adds exactly one token), in fixed-shape device
+tensors, so a decode step has no per-sequence Python loop inside a layer and can be captured in a CUDA graph.
+
+Owns: `DecodeMetadata` (static buffers for a batch bucket of `batch` rows and a maximum context: positions,
+window-ring slots, compressor-state slots, block tables), `fill` (the ONE host-side build per step: one
+pinned host tensor, one host-to-device copy; rows past the real sequences are padding that writes only to a
+scratch slot and a scratch block no request owns) and `derive` (the rows every layer reads, computed once per
+step on the device from those buffers: window index rows, entry rows per compression ratio, visible counts,
+completion masks and the row each completed entry is written to).
+Must not: run model math or touch cache tensors (the decode attention does).
+
+Why the derived rows are computed on the device and not on the host: entry rows are [batch, max_context / r]
+per ratio (131K rows at batch 128 and 4K context for ratio 4); building them on the host each step would cost
+more than the step. They are pure functions of the filled buffers, so a graph replays them too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from deepinfer.model.context import SeqContext
+
+_POS, _WIN, _STATE, _TABLE = 0, 1, 2, 3  # columns of the packed buffer; block table from column 3 on
+
+
+@dataclass
+class RatioRows:
+    """The rows one compression ratio's layers read and write in a decode step (B = the bucket size)."""
+
+    entry_rows: torch.Tensor  # [B, E] flat cache rows of entries 0..E-1 (E = max_context // r); padding: a real row
+    visible: torch.Tensor  # [B] entries the query may see: (p + 1) // r
+    hidden: torch.Tensor  # [B, E] bool: entry column >= visible
+    complete: torch.Tensor  # [B] bool: this token completes entry p // r
+    new_row: torch.Tensor  # [B] flat row of entry p // r (written only where complete)
+    block_pos: torch.Tensor  # [B] first position of entry p // r (its RoPE position)
+
+
+@dataclass
+class DecodeRows:
+    """Everything a decode layer reads, derived once per step (see `DecodeMetadata.derive`)."""
+
+    positions: torch.Tensor  # [B] int64
+    window_slots: torch.Tensor  # [B] ring rows
+    state_slots: torch.Tensor  # [B] compressor-state rows
+    ring_cols: torch.Tensor  # [B] p % window: where the new token's KV goes in the ring
+    window_idx: torch.Tensor  # [B, window] rows of the batch's gathered window pool [B * window], -1 = none
+    ratios: dict[int, RatioRows]
+
+
+class DecodeMetadata:
+    """Static buffers of one decode bucket: `batch` rows, contexts below `max_context` tokens."""
+
+    def __init__(self, batch: int, max_context: int, block_size: int, window: int, ratios: Sequence[int],
+                 device: torch.device | str) -> None:
+        if batch <= 0 or max_context <= 0:
+            raise ValueError(f"DecodeMetadata needs batch > 0 and max_context > 0, got {batch}, {max_context}")
+        self.batch, self.max_context, self.block_size, self.window = batch, max_context, block_size, window
+        self.ratios = tuple(sorted({int(r) for r in ratios if r}))
+        self.max_blocks = -(-max_context // block_size)
+        self.device = torch.device(device)
+        cols = _TABLE + self.max_blocks
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(batch, cols, dtype=torch.long, pin_memory=pin)
+        self.buf = torch.zeros(batch, cols, dtype=torch.long, device=self.device)  # the static device copy
+        self.num_real = 0
+        # the previous step's host-to-device copy: the host buffer is rewritten only once it has been read
+        self._copied = torch.cuda.Event() if pin else None
+
+    def fill(self, seqs: Sequence[SeqContext], scratch_slot: int, scratch_block: int) -> None:
+        """Write one step's batch into the buffers. Padding rows (past len(seqs)) decode position 0 in the
+        scratch slot over the scratch block: their writes reach only state no request owns."""
+        n = len(seqs)
+        if not 0 <= n <= self.batch:  # 0: all padding (the graph capture's warm-up)
+            raise ValueError(f"decode batch of {n} sequences does not fit bucket {self.batch}")
+        h = self.host
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows = []
+        for s in seqs:
+            if s.num_new != 1:
+                raise ValueError(f"the decode path takes one new token per sequence, got {s}")
+            if s.start_pos >= self.max_context:
+                raise ValueError(f"position {s.start_pos} is past the decode path's max_context {self.max_context}")
+            if len(s.block_table) <= s.start_pos // self.block_size:
+                raise ValueError(f"block table of {len(s.block_table)} blocks does not cover position {s.start_pos}")
+            table = list(s.block_table[: self.max_blocks])
+            table += [table[0]] * (self.max_blocks - len(table))  # past the table: a row of its own (masked)
+            rows.append([s.start_pos, s.window_slot, s.state_slot] + table)
+        if rows:
+            h[:n] = torch.tensor(rows, dtype=torch.long)  # one host tensor build per step
+        h[n:, _POS] = 0
+        h[n:, _WIN] = scratch_slot
+        h[n:, _STATE] = scratch_slot
+        h[n:, _TABLE:] = scratch_block
+        self.buf.copy_(h, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.num_real = n
+
+    def derive(self) -> DecodeRows:
+        """The per-layer rows from the device buffers (device ops only: graph-capturable)."""
+        b = self.buf
+        pos, win = b[:, _POS], self.window
+        tables = b[:, _TABLE:]
+        dev = b.device
+        qlo = (pos - win + 1).clamp(min=0)
+        wpos = qlo.unsqueeze(1) + torch.arange(win, device=dev)  # ascending from the oldest visible position
+        base = torch.arange(self.batch, device=dev).unsqueeze(1) * win
+        window_idx = torch.where(wpos <= pos.unsqueeze(1), base + wpos % win, -1)
+        ratios = {}
+        for r in self.ratios:
+            epb = self.block_size // r
+            E = self.max_context // r
+            j = torch.arange(E, device=dev)
+            entry_rows = tables[:, j // epb] * epb + j % epb  # [B, E]
+            visible = (pos + 1) // r
+            cur = pos // r
+            new_row = tables.gather(1, (cur // epb).unsqueeze(1)).squeeze(1) * epb + cur % epb
+            ratios[r] = RatioRows(entry_rows, visible, j.unsqueeze(0) >= visible.unsqueeze(1),
+                                  (pos + 1) % r == 0, new_row, cur * r)
+        return DecodeRows(pos, b[:, _WIN], b[:, _STATE], pos % win, window_idx, ratios)

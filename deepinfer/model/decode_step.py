@@ -1,0 +1,124 @@
+"""Pure-decode steps of a fast-numerics `V4EngineModel`: eager, or replayed from CUDA graphs captured per
+batch-size bucket.
+
+Owns: `decode_logits(model, ids, meta)` (the whole batched decode forward: embedding, every block with
+`decode_attention`, the head) and `DecodeRunner` (one `DecodeMetadata` + token-id buffer per bucket, the
+padding rows' scratch slot and block, graph capture at start and replay per step).
+A batch of n sequences runs in the smallest bucket >= n; rows n.. are padding that decode position 0 in
+`scratch_slot` over `scratch_block`, which the caller must keep away from every request (the engine's cache
+has one slot and one block more than its scheduler hands out). Graph replay computes exactly the eager
+kernels on the same buffers, so its logits are bit-identical to the eager path's on the same inputs.
+Must not: decide whether a step is a decode (the runner does), sample, or import the oracle.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from deepinfer.model.context import SeqContext
+from deepinfer.model.decode_attention import decode_attention
+from deepinfer.model.decode_metadata import DecodeMetadata
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def decode_hidden(model, ids: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+    """ids [B] on the model's device, meta filled -> final 4-stream residual [B, hc, D]."""
+    rows = meta.derive()  # once per step, shared by every layer
+    table = model.p["embed.weight"]
+    x = table[ids] if model.comm is None else model.comm.embed(table, ids)
+    x = x.unsqueeze(1).repeat(1, model.cfg.hc_mult, 1)
+    for block in model.layers:
+        x = block._hc(x, "attn", lambda y, b=block: decode_attention(b.attn, y, rows, model.cache))
+        x = block._hc(x, "ffn", block.ffn, ids)
+    return x
+
+
+def decode_logits(model, ids: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+    return model.logits(decode_hidden(model, ids, meta))  # [B, vocab] on the device
+
+
+class DecodeRunner:
+    """Decode steps of `model` for up to `max_batch` sequences below `max_context` tokens."""
+
+    def __init__(self, model, max_batch: int, max_context: int, scratch_slot: int, scratch_block: int,
+                 cuda_graphs: bool = True, buckets: Sequence[int] = BUCKETS) -> None:
+        if not model.fast:
+            raise ValueError("the batched decode path runs fast numerics only")
+        cache = model.cache
+        if not 0 <= scratch_slot < cache.max_num_seqs or not 0 <= scratch_block < cache.num_blocks:
+            raise ValueError(f"scratch slot {scratch_slot} / block {scratch_block} outside the cache "
+                             f"({cache.max_num_seqs} slots, {cache.num_blocks} blocks)")
+        self.model, self.max_batch, self.max_context = model, max_batch, max_context
+        self.scratch = (scratch_slot, scratch_block)
+        self.graphs_on = cuda_graphs and model.device.type == "cuda" and model.comm is None
+        bs = sorted({b for b in buckets if b < max_batch} | {max_batch})
+        self.buckets = tuple(bs)
+        ratios = [r for r in model.cfg.compress_ratios[: model.cfg.n_layers] if r]
+        self._meta = {b: DecodeMetadata(b, max_context, cache.block_size, model.cfg.window_size, ratios,
+                                        model.device) for b in self.buckets}
+        self._ids = {b: torch.zeros(b, dtype=torch.long, device=model.device) for b in self.buckets}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.graphs_on:
+            self.capture()
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"decode batch of {n} sequences exceeds max_batch {self.max_batch}")
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """One graph per bucket, largest first, sharing one memory pool. The warm-up runs (which compile the
+        Triton kernels) and the capture see only padding rows: they write only the scratch slot and block."""
+        pool = None
+        for b in sorted(self.buckets, reverse=True):
+            meta, ids = self._meta[b], self._ids[b]
+            meta.fill([], *self.scratch)
+            ids.zero_()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    decode_logits(self.model, ids, meta)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = decode_logits(self.model, ids, meta)
+            pool = graph.pool()
+            self._graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+
+    def prepare(self, ids: torch.Tensor, seqs: Sequence[SeqContext]) -> int:
+        """Fill the bucket's buffers for this step (and reset fresh sequences' slots); returns the bucket."""
+        n = len(seqs)
+        if ids.dim() != 1 or ids.shape[0] != n:
+            raise ValueError(f"decode ids must be flat [{n}], got {tuple(ids.shape)}")
+        cache = self.model.cache
+        for s in seqs:
+            if not (0 <= s.window_slot < cache.max_num_seqs and 0 <= s.state_slot < cache.max_num_seqs):
+                raise ValueError(f"slot out of range in {s}")
+            if self.scratch[0] in (s.window_slot, s.state_slot) or self.scratch[1] in s.block_table:
+                raise ValueError(f"{s} uses the decode path's scratch slot/block {self.scratch}")
+            if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
+                cache.reset(s.window_slot, s.state_slot)
+        b = self.bucket(n)
+        self._meta[b].fill(seqs, *self.scratch)
+        buf = self._ids[b]
+        buf[:n].copy_(ids, non_blocking=True)
+        buf[n:].zero_()
+        return b
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, seqs: Sequence[SeqContext], graphs: bool | None = None) -> torch.Tensor:
+        """ids [n] (host or device), one SeqContext per id with num_new == 1 -> logits [n, vocab] on the device.
+        graphs=False forces the eager path (same buffers, same kernels)."""
+        b = self.prepare(ids, seqs)
+        if (self.graphs_on if graphs is None else graphs) and b in self._graphs:
+            graph, out = self._graphs[b]
+            graph.replay()
+        else:
+            out = decode_logits(self.model, self._ids[b], self._meta[b])
+        return out[: len(seqs)]

@@ -1,0 +1,242 @@
+"""The batched decode path of fast numerics (`model/decode_*.py`) on the tiny V4 checkpoint.
+
+CPU: against the existing per-sequence fast path (`V4EngineModel.forward`) on the same params and inputs,
+teacher-forced, over steps that cross window, ratio-4 and ratio-128 block boundaries: logits within a tight
+bound (only summation order may differ; measured: bit-identical on the CPU twins) and every cache tensor
+of the real sequences equal at the end (rings, compressed entries, indexer keys, compressor states).
+Padding rows of a bucket leave the real sequences' logits and every cache row they do not own unchanged
+(they write only the scratch slot and block).
+GPU (-m gpu): graph replay vs the eager decode path on the same inputs, bit-identical; the decode path on
+cuda (Triton kernels) vs the oracle within its noise floor (the `test_engine_fast` judge).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.model import ForwardContext, SeqContext, V4EngineModel
+from deepinfer.model.decode_step import DecodeRunner
+from deepinfer.model.factory import build_v4_model, v4_cache, v4_params
+
+import test_engine_fast as tef
+from test_engine_fast import oracle_run  # noqa: F401  (the module-scoped fixture, used by the GPU test)
+
+LENS = (120, 40, 7, 126)  # rows 0 and 3 cross a ratio-128 boundary during the decode steps
+STEPS = 12
+BPS = 2  # blocks per sequence: 256 positions
+SLOTS = len(LENS) + 1  # the last slot (and block) is the decode path's scratch
+
+
+def table(i: int) -> tuple[int, ...]:
+    return tuple(range(BPS * i, BPS * (i + 1)))
+
+
+@pytest.fixture(scope="module")
+def fast_params(tiny_v4_raw):
+    cfg, raw = tiny_v4_raw
+    return cfg, v4_params(raw, cfg, "fast", "cpu")
+
+
+def fresh_model(cfg, params, device="cpu") -> V4EngineModel:
+    return V4EngineModel(cfg, params, v4_cache(cfg, "fast", BPS * SLOTS, 128, SLOTS, device), "fast")
+
+
+def prefilled_pair(cfg, params, lens, device="cpu"):
+    """Two models over the same params, both with `lens` prompts prefilled by the existing path."""
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in lens]
+    ctx = ForwardContext(tuple(SeqContext(0, len(p), i, i, table(i)) for i, p in enumerate(ps)))
+    models = [fresh_model(cfg, params, device) for _ in range(2)]
+    logits = [m(torch.cat(ps).to(device), ctx) for m in models]
+    assert torch.equal(logits[0], logits[1])
+    return models, logits[0].argmax(-1), lens
+
+
+def cache_tensors(model: V4EngineModel) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, lc in enumerate(model.cache.layers):
+        out[f"{i}.ring"] = lc.ring
+        for name in ("comp", "index_keys"):
+            if getattr(lc, name) is not None:
+                out[f"{i}.{name}"] = getattr(lc, name)
+        for name in ("comp_state", "index_state"):
+            st = getattr(lc, name)
+            if st is not None:
+                out[f"{i}.{name}.kv"], out[f"{i}.{name}.score"] = st.kv, st.score
+    return out
+
+
+def owned(name: str, model: V4EngineModel, seqs: range) -> tuple[torch.Tensor, ...]:
+    """Index of the rows of cache tensor `name` that the sequences `seqs` own (slots or their blocks)."""
+    if name.endswith(("ring", ".kv", ".score")):
+        return (torch.tensor(list(seqs), dtype=torch.long),)
+    layer = int(name.split(".")[0])
+    epb = model.cache.block_size // model.cfg.compress_ratios[layer]
+    blocks = torch.tensor([b for i in seqs for b in table(i)])
+    return ((blocks.unsqueeze(1) * epb + torch.arange(epb)).flatten(),)
+
+
+def assert_caches_equal(got_model, ref_model, ends: dict[int, int]) -> None:
+    """Every cache row sequence i (ending at position ends[i]) will read again is equal: ring, entries and
+    indexer keys of its slot and blocks; of the compressor states the rows holding data (the previous
+    complete block for ratio 4, the current partial block's first end % r rows); rows past those are stale
+    by design (either path may leave anything there)."""
+    ref, got = cache_tensors(ref_model), cache_tensors(got_model)
+    for name in ref:
+        if name.endswith((".kv", ".score")):
+            r = ref_model.cfg.compress_ratios[int(name.split(".")[0])]
+            off = r if r == 4 else 0
+            for i, end in ends.items():
+                rows = slice(0, off + end % r)
+                assert torch.equal(got[name][i, rows], ref[name][i, rows]), (name, i)
+        else:
+            idx = owned(name, ref_model, list(ends))
+            assert torch.equal(got[name][idx], ref[name][idx]), name
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def run_both(models, tok, lens, runner, steps=STEPS, **kw):
+    """Teacher-forced decode steps: models[0] by the existing path, models[1] by `runner` -> worst rel_err."""
+    worst = 0.0
+    for k in range(steps):
+        seqs = [SeqContext(n + k, 1, i, i, table(i)) for i, n in enumerate(lens)]
+        ref = models[0](tok, ForwardContext(tuple(seqs)))
+        got = runner(tok, seqs, **kw).clone()
+        worst = max(worst, rel_err(got, ref))
+        tok = ref.argmax(-1)
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+def test_batched_decode_equals_the_per_sequence_fast_path(fast_params):
+    cfg, params = fast_params
+    models, tok, lens = prefilled_pair(cfg, params, LENS)
+    runner = DecodeRunner(models[1], max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1,
+                          scratch_block=BPS * (SLOTS - 1))
+    worst = run_both(models, tok, lens, runner)
+    print(f"\nbatched decode vs per-sequence fast path: worst logits rel_err {worst:.3g}")
+    assert worst <= 1e-6
+    # compressor states across block boundaries, entries, keys, rings of the real sequences
+    assert_caches_equal(models[1], models[0], {i: n + STEPS for i, n in enumerate(LENS)})
+
+
+def test_padding_rows_touch_only_the_scratch(fast_params):
+    """3 sequences padded to a bucket of 4 vs the same 3 with a real 4th sequence in the 4th row (same
+    shapes: CPU GEMMs round per row count, so an unpadded batch of 3 is another draw): the real rows'
+    logits and caches are bit-identical, and nothing of the unused slot 3 and its blocks changed."""
+    cfg, params = fast_params
+    models, tok, lens = prefilled_pair(cfg, params, LENS)
+    runners = [DecodeRunner(m, max_batch=4, max_context=BPS * 128, scratch_slot=SLOTS - 1,
+                            scratch_block=BPS * (SLOTS - 1)) for m in models]
+    assert runners[1].bucket(3) == 4
+    before = {k: v.clone() for k, v in cache_tensors(models[1]).items()}
+    steps = 6
+    for k in range(steps):
+        seqs = [SeqContext(n + k, 1, i, i, table(i)) for i, n in enumerate(lens)]
+        full = runners[0](tok, seqs).clone()
+        padded = runners[1](tok[:3], seqs[:3])
+        assert torch.equal(padded, full[:3]), f"step {k}"
+        tok = full.argmax(-1)
+    assert_caches_equal(models[1], models[0], {i: n + steps for i, n in enumerate(lens[:3])})
+    got = cache_tensors(models[1])
+    for name, t in got.items():
+        idx = owned(name, models[1], [3])
+        assert torch.equal(t[idx], before[name][idx]), name
+    # the padding row did run: it wrote the scratch slot's ring
+    assert not torch.equal(got["0.ring"][SLOTS - 1], before["0.ring"][SLOTS - 1])
+
+
+def test_batched_indexer_scores_equal_the_per_sequence_op():
+    """indexer_scores_batched_bf16 (per-sequence keys) vs indexer_scores_bf16 run one sequence at a time."""
+    from deepinfer import kernels
+
+    g = torch.Generator().manual_seed(3)
+    B, h, d, E = 5, 4, 64, 33
+    q = torch.randn(B, h, d, generator=g).bfloat16()
+    w = torch.randn(B, h, generator=g).bfloat16()
+    keys = torch.randn(B, E, d, generator=g).bfloat16()
+    got = kernels.get("indexer_scores_batched_bf16")(q, w, keys)
+    want = torch.cat([kernels.get("indexer_scores_bf16")(q[b : b + 1], w[b : b + 1], keys[b]) for b in range(B)])
+    assert got.dtype == torch.bfloat16 and got.shape == (B, E)
+    assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+    assert (got == want).float().mean() > 0.9  # only fp32 summation order may differ
+
+
+def test_decode_runner_errors(fast_params):
+    cfg, params = fast_params
+    model = fresh_model(cfg, params)
+    runner = DecodeRunner(model, max_batch=2, max_context=BPS * 128, scratch_slot=SLOTS - 1,
+                          scratch_block=BPS * (SLOTS - 1))
+    ids = torch.tensor([5, 6])
+    with pytest.raises(ValueError, match="one new token"):
+        runner(ids[:1], [SeqContext(3, 2, 0, 0, table(0))])
+    with pytest.raises(ValueError, match="exceeds max_batch"):
+        runner(torch.tensor([1, 2, 3]), [SeqContext(3, 1, i, i, table(i)) for i in range(3)])
+    with pytest.raises(ValueError, match="scratch"):
+        runner(ids[:1], [SeqContext(3, 1, SLOTS - 1, 0, table(0))])
+    with pytest.raises(ValueError, match="max_context"):
+        runner(ids[:1], [SeqContext(BPS * 128, 1, 0, 0, table(0))])
+    with pytest.raises(ValueError, match="does not cover"):
+        runner(ids[:1], [SeqContext(200, 1, 0, 0, table(0)[:1])])
+    with pytest.raises(ValueError, match="outside the cache"):
+        DecodeRunner(model, 2, 256, scratch_slot=SLOTS, scratch_block=0)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.fixture(scope="module")
+def cuda_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from deepinfer.engine.model_runner import start_cuda_kernels
+
+    start_cuda_kernels()
+
+
+@pytest.mark.gpu
+def test_graph_replay_is_bit_identical_to_eager(tiny_v4_raw, cuda_kernels):
+    """Two models in the same state; one replays the captured graphs, the other runs the same decode path
+    eagerly: logits and every cache tensor bit-identical after each step (bucket 4 full, and 3 sequences
+    padded to it)."""
+    cfg, raw = tiny_v4_raw
+    params = v4_params(raw, cfg, "fast", "cuda")
+    models, tok, lens = prefilled_pair(cfg, params, LENS, "cuda")
+    runners = [DecodeRunner(m, max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1,
+                            scratch_block=BPS * (SLOTS - 1), cuda_graphs=True) for m in models]
+    assert set(runners[1]._graphs) == set(runners[1].buckets) == {1, 2, 4}
+    pos, tok = list(lens), tok.clone()
+    for k in range(STEPS):
+        active = list(range(len(LENS) if k % 2 == 0 else 3))  # odd steps: sequence 3 waits
+        seqs = [SeqContext(pos[i], 1, i, i, table(i)) for i in active]
+        eager = runners[0](tok[active], seqs, graphs=False).clone()
+        replay = runners[1](tok[active], seqs).clone()
+        assert torch.equal(replay, eager), f"step {k}"
+        tok[active] = eager.argmax(-1)
+        for i in active:
+            pos[i] += 1
+    for name, ref in cache_tensors(models[0]).items():  # same path both sides: every row, stale ones too
+        assert torch.equal(cache_tensors(models[1])[name], ref), name
+
+
+@pytest.mark.gpu
+def test_fast_decode_cuda_matches_the_oracle_within_its_noise(tiny_v4_raw, oracle_run, cuda_kernels):
+    """Prefill by the existing path, then the oracle's greedy tokens decoded by the graphed decode path,
+    judged like test_engine_fast (the oracle's own prefill-vs-decode noise floor)."""
+    cfg, raw = tiny_v4_raw
+    n = len(tef.LENS)
+    model = build_v4_model(cfg, raw, "fast", "cuda", num_blocks=tef.BLOCKS_PER_SEQ * (n + 1), max_num_seqs=n + 1)
+    runner = DecodeRunner(model, max_batch=n, max_context=tef.BLOCKS_PER_SEQ * 128, scratch_slot=n,
+                          scratch_block=tef.BLOCKS_PER_SEQ * n)
+
+    def tab(i):
+        return tuple(range(tef.BLOCKS_PER_SEQ * i, tef.BLOCKS_PER_SEQ * (i + 1)))
+
+    ps, tokens = tef.prompts(cfg), oracle_run[1]
+    out = [model(torch.cat(ps), ForwardContext(tuple(SeqContext(0, len(p), i, i, tab(i)) for i, p in enumerate(ps))))]
+    for k in range(tef.STEPS):
+        seqs = [SeqContext(len(p) + k, 1, i, i, tab(i)) for i, p in enumerate(ps)]
+        out.append(runner(tokens[k], seqs).clone())
+    tef.judge("fast decode path (cuda graphs) vs oracle official", torch.stack(out).to("cpu", torch.float64),
+              oracle_run)
