@@ -25,6 +25,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     device: str = "cpu"  # "cpu" or "cuda" / "cuda:N": params, caches and per-step metadata live there
     seed: int = 0  # seeds unseeded sampling reproducibly within one engine
+    # fast numerics on cuda: replay pure-decode steps from CUDA graphs captured per batch bucket at start
+    # (model/decode_step.py); False, or DEEPINFER_CUDA_GRAPHS=0, runs the same decode path eagerly
+    cuda_graphs: bool = True
     # parallelism (deepinfer/distributed, engine/distributed_*.py): one process per rank, world = tp * dp;
     # experts split in expert_parallel_size shards (1, tp or tp*dp)
     tensor_parallel_size: int = 1

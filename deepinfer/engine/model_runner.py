@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer import env
 from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.distributed_load import load_rank_tensors
 from deepinfer.model.cache import V4Cache
 from deepinfer.model.context import ForwardContext, SeqContext
+from deepinfer.model.decode_step import DecodeRunner
 from deepinfer.model.factory import v4_cache, v4_params, value_dtype
 from deepinfer.model.v4 import V4EngineModel
 from deepinfer.scheduler.output import SchedulerOutput
@@ -64,8 +66,17 @@ class ModelRunner:
             raw = load_rank_tensors(config.model, cfg, comm.parallel)
         self.params = v4_params(raw, cfg, self.numerics, self.device)
         self.num_blocks = config.num_blocks or self._size_kv_cache()
-        cache = self._cache(self.num_blocks, config.max_num_seqs)
+        # fast numerics in one process: pure-decode steps take the batched decode path, whose padding rows
+        # need a window/state slot and a block the scheduler never hands out (the cache's last ones)
+        batched_decode = self.numerics == "fast" and comm is None
+        extra = 1 if batched_decode else 0
+        cache = self._cache(self.num_blocks + extra, config.max_num_seqs + extra)
         self.model = V4EngineModel(cfg, self.params, cache, self.numerics, comm=comm)
+        self.decoder = None
+        if batched_decode:
+            self.decoder = DecodeRunner(self.model, config.max_num_seqs, config.max_model_len,
+                                        scratch_slot=config.max_num_seqs, scratch_block=self.num_blocks,
+                                        cuda_graphs=config.cuda_graphs and env.cuda_graphs_enabled())
 
     def _cache(self, num_blocks: int, max_num_seqs: int) -> V4Cache:
         return v4_cache(self.cfg, self.numerics, num_blocks, self.config.block_size, max_num_seqs, self.device)
@@ -125,7 +136,11 @@ class ModelRunner:
         return RunnerOutput(sample_logits, prompt)
 
     def forward_batch(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The step's logits rows on the host (sampling is there). The parallel runner overrides this."""
+        """The step's logits rows on the host (sampling is there). The parallel runner overrides this.
+        A pure-decode step (one new token per sequence) takes the batched decode path when there is one."""
+        decoder = getattr(self, "decoder", None)  # V4.1 runners have none
+        if decoder is not None and self.model.tap is None and all(s.num_new == 1 for s in ctx.seqs):
+            return decoder(ids, ctx.seqs).to("cpu")  # one logits row per sequence (== its last token's)
         return self.model.forward(ids, ctx).to("cpu")
 
 
