@@ -275,6 +275,41 @@ def test_triton_fp4_moe_real_dims():
 
 
 @pytest.mark.gpu
+def test_small_routing_kernel_equals_align_by_expert():
+    """The one-launch decode routing gives align_by_expert's outputs exactly, on fresh random routings."""
+    dev = _cuda()
+    from deepinfer.kernels.triton.fp4_moe import SMALL_ROUTING_SLOTS, align_by_expert, align_by_expert_small
+
+    for _ in range(20):
+        e = int(torch.randint(2, 300, ()))
+        k = int(torch.randint(1, min(e, 8) + 1, ()))
+        t = int(torch.randint(1, SMALL_ROUTING_SLOTS // k + 1, ()))
+        bm = (16, 32)[int(torch.randint(0, 2, ()))]
+        ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+        want, got = align_by_expert(ids, e, bm), align_by_expert_small(ids, e, bm)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, e, bm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expand", [0, 1, 2])
+def test_triton_fp4_expansions_match_twin(expand):
+    """Every FP4 -> bf16 expansion of fp4_moe (`EXPANSIONS`), default or not, at a decode and a prefill
+    shape: the benchmark compares them, so each must compute the twin's function."""
+    dev = _cuda()
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+
+    for rows in (3, 200):
+        bank = _random_bank(32, 512, 256, 128, dev)
+        x = torch.randn(rows, 512, device=dev).to(BF16)
+        ids = torch.stack([torch.randperm(32, device=dev)[:6] for _ in range(rows)])
+        weights = torch.rand(rows, 6, device=dev) * 0.5
+        got = fp4_moe(x, ids, weights, bank, 10.0, expand=expand)
+        rel = _rel(got, fp4_moe_torch(x, ids, weights, bank, 10.0))
+        print(f"fp4_moe expand={expand} T={rows}: rel_err={rel:.2e}")
+        assert bool(torch.isfinite(got).all()) and rel <= 1e-3
+
+
+@pytest.mark.gpu
 def test_register_cuda_kernels_installs_the_ops():
     _cuda()
     from deepinfer import kernels

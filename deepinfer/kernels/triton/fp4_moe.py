@@ -5,7 +5,8 @@ fp4_moe(x bf16 [T, D], topk_ids [T, k], topk_weights fp32 [T, k], bank: FP4Exper
 official expert: gate/up = fp4_gemm(act_quant(x)) -> bf16; fp32 clamp, silu(gate) * up * routing weight
 -> bf16 -> act_quant -> w2 fp4_gemm -> bf16. Stages:
 1. routing: slots (t*k + j) sorted by expert into blocks of BM rows, each block one expert
-   (`align_by_expert`, torch on the device, no host sync);
+   (`align_by_expert`, torch on the device, no host sync; up to SMALL_ROUTING_SLOTS slots one Triton
+   program, `align_by_expert_small`, same outputs: 19 us eager on the H200 against 220-400 us of launches);
 2. act_quant(x) once (a token's row is shared by its k experts);
 3. grouped GEMM w13 with the SwiGLU epilogue -> h bf16 [T*k, I];
 4. act_quant(h); grouped GEMM w2 -> bf16 [T*k, D];
@@ -13,7 +14,13 @@ official expert: gate/up = fp4_gemm(act_quant(x)) -> bf16; fp32 clamp, silu(gate
 FP4 expansion inside the GEMM: each byte's two E2M1 codes (low nibble = even K) become their values times
 the per-32 E8M0 scale, exact in bf16 (like the activation's E4M3 x pow2 scale), so the tensor cores form
 exact products and accumulate them in fp32: the official fp4_gemm math (per-32 scaled FP8 partial sums)
-up to fp32 summation order, with the expert weights exact (no per-128 requantisation). Not FP8 tensor-core
+up to fp32 summation order, with the expert weights exact (no per-128 requantisation). The expansion is
+the GEMMs' main cost (integer ops per weight element), so it has variants (`EXPANSIONS`, all tested against
+the twin); H200 2026-11-29, one run, V4-Flash dims, decode T=1 as CUDA-graph replay of the whole op:
+  0 fp32 bit assembly per code 168 us; 1 fp16 bit trick 114 us (T=128 3.0 ms, T=8192 16.2 ms = 153
+  TFLOP/s; variant 0 measured 5.2 / 20.1 ms in the run of 190d767); 2 tl.dot_scaled 143 us (T=128 4.1 ms,
+  T=8192 19.2 ms).
+  Default: 1. Narrower decode tiles (BN=32) were slower (227-239 us). Not FP8 tensor-core
 dots: Hopper's FP8 MMA accumulates with reduced precision (measured 1.1e-3 rel_err vs the twin at T=1000,
 against 2e-5 or less for exact-accumulating paths).
 Must not: be imported without triton; know about gates, hash routing or the shared expert (the caller's).
@@ -28,6 +35,10 @@ from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_mo
 from deepinfer.kernels.triton.act_quant import act_quant, interpreting
 
 FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotion of the fp32 partial sum
+# FP4 -> bf16 expansion inside the GEMM (the same exact operand values; only the instruction count differs)
+EXPANSIONS = {0: "fp32 bit assembly per code", 1: "fp16 bit trick (4 int ops per byte)",
+              2: "tl.dot_scaled (Triton's microscaling dot, upcast to bf16 on Hopper)"}
+DEFAULT_EXPAND = 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,6 +70,49 @@ def align_by_expert(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     return sorted_slots, block_expert.masked_fill_(block_expert >= n_experts, -1).to(torch.int32)
 
 
+SMALL_ROUTING_SLOTS = 64  # up to this many slots (T * k) one Triton program does the routing
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
+                        BM: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr):
+    """`align_by_expert` in one program (decode: its ~19 torch launches cost more host time than the GEMMs).
+    Slot i goes to padded_start[e_i] + (number of earlier slots of expert e_i): the stable sort's order."""
+    i = tl.arange(0, SP)
+    ok = i < n_slots
+    ids = tl.load(ids_ptr + i, mask=ok, other=EP).to(tl.int32)  # EP: matches no expert
+    e = tl.arange(0, EP)
+    onehot = ids[:, None] == e[None, :]  # [SP, EP]
+    padded = (tl.sum(onehot.to(tl.int32), axis=0) + (BM - 1)) // BM * BM
+    padded_end = tl.cumsum(padded, axis=0)
+    start = tl.sum(tl.where(onehot, (padded_end - padded)[None, :], 0), axis=1)  # [SP] its expert's start
+    earlier = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+    dest = start + tl.sum(earlier.to(tl.int32), axis=1)
+    p = tl.arange(0, TP)
+    tl.store(sorted_ptr + p, tl.full((TP,), 0, tl.int32) + n_slots, mask=p < n_blocks * BM)  # padding
+    tl.debug_barrier()  # the padding lands before the slots overwrite their places
+    tl.store(sorted_ptr + dest, i, mask=ok)
+    b = tl.arange(0, NBP)
+    owner = tl.sum((padded_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)  # searchsorted, right
+    tl.store(block_expert_ptr + b, tl.where(owner >= E, -1, owner), mask=b < n_blocks)
+
+
+def align_by_expert_small(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s exact outputs in one launch, for at most SMALL_ROUTING_SLOTS slots on CUDA."""
+    flat = topk_ids.reshape(-1).contiguous()
+    n_slots = flat.numel()
+    if n_slots > SMALL_ROUTING_SLOTS or n_slots == 0:
+        raise ValueError(f"align_by_expert_small: 1..{SMALL_ROUTING_SLOTS} slots, got {n_slots}")
+    n_blocks = max(1, min(n_slots, n_slots // block_m + min(n_experts, n_slots)))
+    sorted_slots = torch.empty(n_blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
+    _align_small_kernel[(1,)](flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m,
+                              SP=max(16, triton.next_power_of_2(n_slots)), EP=triton.next_power_of_2(n_experts),
+                              NBP=max(16, triton.next_power_of_2(n_blocks)),
+                              TP=triton.next_power_of_2(n_blocks * block_m), num_warps=8)
+    return sorted_slots, block_expert
+
+
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
@@ -81,13 +135,44 @@ def _e8m0_to_f32(byte):
 
 
 @triton.jit
-def _fp4_tile(w_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr):
+def _e2m1_bytes_to_f32_fp16_trick(packed):
+    """Same values as `_e2m1_bytes_to_f32` TIMES 2**-14, in 4 integer ops per byte instead of ~9 per code:
+    the 3 magnitude bits e1 e0 m go to fp16 bits 11..9 (exponent field e, top mantissa bit m) and the sign
+    to bit 15, so the fp16 is 2**(e-15) * (1 + m/2) for e > 0 and m * 2**-15 for e == 0 (the subnormal
+    0.5 * 2**-14): exactly the E2M1 value times 2**-14. The caller folds 2**14 into the block scale."""
+    b = packed.to(tl.uint16)
+    lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    return tl.interleave(lo, hi).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp4_tile(w_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr, EXPAND: tl.constexpr):
     """[BN, KB/2] packed bytes and [BN, KB/32] E8M0 scales -> the exact weights, bf16 [KB, BN] (E2M1 x pow2
-    has at most 2 significant bits: exact in bf16)."""
-    vals = _e2m1_bytes_to_f32(tl.load(w_ptrs, mask=n_ok[:, None], other=0))
-    scale = _e8m0_to_f32(tl.load(ws_ptrs, mask=n_ok[:, None], other=0))
+    has at most 2 significant bits: exact in bf16). EXPAND 0: fp32 bit assembly per code; 1: the fp16 trick
+    with 2**14 folded into the scale (exact for E8M0 exponents below 241, i.e. scales below 2**114)."""
+    packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+    byte = tl.load(ws_ptrs, mask=n_ok[:, None], other=0)
+    if EXPAND == 1:
+        vals = _e2m1_bytes_to_f32_fp16_trick(packed)
+        scale = ((byte.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    else:
+        vals = _e2m1_bytes_to_f32(packed)
+        scale = _e8m0_to_f32(byte)
     vals = tl.reshape(tl.reshape(vals, (BN, KB // FP4_BLOCK, FP4_BLOCK)) * scale[:, :, None], (BN, KB))
     return tl.trans(vals.to(tl.bfloat16))
+
+
+@triton.jit
+def _fp4_dot(a, acc, w_ptrs, wt_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr, EXPAND: tl.constexpr):
+    """acc + a [BM, KB] bf16 @ the exact weights of the tile [KB, BN]. EXPAND 2: Triton's microscaling dot
+    (packed E2M1 [KB/2, BN] + E8M0 [BN, KB/32]; on Hopper it upcasts to bf16 with the scale applied, the
+    same exact operands, and uses the bf16 tensor cores); 0/1: `_fp4_tile` then a bf16 dot."""
+    if EXPAND == 2:
+        packed = tl.load(wt_ptrs, mask=n_ok[None, :], other=0)
+        byte = tl.load(ws_ptrs, mask=n_ok[:, None], other=0)
+        return tl.dot_scaled(a, None, "bf16", packed, byte, "e2m1", acc)
+    return tl.dot(a, _fp4_tile(w_ptrs, ws_ptrs, n_ok, BN, KB, EXPAND), acc)
 
 
 @triton.jit
@@ -95,7 +180,7 @@ def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
                              block_expert_ptr, n_slots, N, limit,
                              stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                              K: tl.constexpr, A_ROW_DIV: tl.constexpr, ACT_BLOCK: tl.constexpr, GATED: tl.constexpr,
-                             KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                             KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EXPAND: tl.constexpr):
     """One block of BM slots of one expert x BN output columns. A = fp8 activations [rows, K] with fp32
     scales per ACT_BLOCK (row = slot // A_ROW_DIV); W = packed FP4 [E, (2 if GATED) N, K/2] with E8M0
     [E, ..., K/32]. GATED: out[slot, n] = bf16(w_slot * silu(g) * u) with g/u from rows n and N + n;
@@ -114,6 +199,8 @@ def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
     as_ptrs = as_ptr + rows[:, None] * stride_asm + tl.arange(0, KB // ACT_BLOCK)[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
         + tl.arange(0, KB // 2)[None, :]
+    wt_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn \
+        + tl.arange(0, KB // 2)[:, None]  # the same bytes as [KB/2, BN] (EXPAND 2)
     ws_ptrs = ws_ptr + expert.to(tl.int64) * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn \
         + tl.arange(0, KB // FP4_BLOCK)[None, :]
     up_w = N * stride_wn
@@ -127,10 +214,10 @@ def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
         a = tl.reshape(tl.reshape(a, (BM, KB // ACT_BLOCK, ACT_BLOCK)) * a_scale[:, :, None], (BM, KB))
         a = a.to(tl.bfloat16)
         # exact products, fp32 accumulation: official fp4_gemm up to fp32 summation order
-        acc = tl.dot(a, _fp4_tile(w_ptrs + k0 // 2, ws_ptrs + k0 // FP4_BLOCK, n_ok, BN, KB), acc)
+        acc = _fp4_dot(a, acc, w_ptrs + k0 // 2, wt_ptrs + k0 // 2, ws_ptrs + k0 // FP4_BLOCK, n_ok, BN, KB, EXPAND)
         if GATED:
-            acc_up = tl.dot(a, _fp4_tile(w_ptrs + up_w + k0 // 2, ws_ptrs + up_s + k0 // FP4_BLOCK, n_ok, BN, KB),
-                            acc_up)
+            acc_up = _fp4_dot(a, acc_up, w_ptrs + up_w + k0 // 2, wt_ptrs + up_w + k0 // 2,
+                              ws_ptrs + up_s + k0 // FP4_BLOCK, n_ok, BN, KB, EXPAND)
     if GATED:
         gate = acc.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
         up = acc_up.to(tl.bfloat16).to(tl.float32)
@@ -174,20 +261,23 @@ def _config(n_slots: int, n_experts: int) -> dict:
 
 
 def _grouped_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, k, limit,
-                  a_row_div, act_block, gated, cfg):
+                  a_row_div, act_block, gated, cfg, expand):
     bn = cfg["BN"] // 2 if gated else cfg["BN"]  # two accumulators when gated
     grid = (block_expert.numel(), triton.cdiv(n, bn))
     _fp4_grouped_gemm_kernel[grid](
         a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, float(limit),
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
-        K=k, A_ROW_DIV=a_row_div, ACT_BLOCK=act_block, GATED=gated, KB=128, BM=cfg["BM"], BN=bn,
+        K=k, A_ROW_DIV=a_row_div, ACT_BLOCK=act_block, GATED=gated, KB=128, BM=cfg["BM"], BN=bn, EXPAND=expand,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
-            swiglu_limit: float) -> torch.Tensor:
+            swiglu_limit: float, expand: int = DEFAULT_EXPAND, config: dict | None = None) -> torch.Tensor:
     """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
-    topk_ids must lie in [0, E) (not checked on the device: that would force a host sync)."""
+    topk_ids must lie in [0, E) (not checked on the device: that would force a host sync).
+    expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`); config: tile override (benchmarks)."""
+    if expand not in EXPANSIONS:
+        raise ValueError(f"fp4_moe: expand must be one of {sorted(EXPANSIONS)}, got {expand!r}")
     if not x.is_cuda and not interpreting():
         return fp4_moe_torch(x, topk_ids, topk_weights, bank, swiglu_limit)
     check_routing("fp4_moe", x, topk_ids, topk_weights, bank)
@@ -201,17 +291,19 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     y = torch.empty((t, d), dtype=torch.float32, device=x.device)
     if t == 0:
         return y
-    cfg = _config(n_slots, bank.n_experts)
-    sorted_slots, block_expert = align_by_expert(topk_ids, bank.n_experts, cfg["BM"])
+    cfg = config or _config(n_slots, bank.n_experts)
+    small = n_slots <= SMALL_ROUTING_SLOTS and x.is_cuda  # one launch instead of ~19 (host-bound decode)
+    sorted_slots, block_expert = (align_by_expert_small if small else align_by_expert)(topk_ids, bank.n_experts,
+                                                                                        cfg["BM"])
     route_w = topk_weights.contiguous().view(-1)
     xq, xs = act_quant(x, bank.act_block)
     h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
     _grouped_gemm(xq, xs, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots, inter, d,
-                  swiglu_limit, topk, bank.act_block, True, cfg)
+                  swiglu_limit, topk, bank.act_block, True, cfg, expand)
     hq, hs = act_quant(h, bank.act_block)
     rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
     _grouped_gemm(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter,
-                  0.0, 1, bank.act_block, False, cfg)
+                  0.0, 1, bank.act_block, False, cfg, expand)
     order = torch.argsort(topk_ids, dim=1).to(torch.int32).contiguous()
     bd = min(1024, triton.next_power_of_2(d))
     _sum_expert_rows_kernel[(t, triton.cdiv(d, bd))](y, rows, order, d, TOPK=topk, BD=bd)
