@@ -119,6 +119,6 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     o = rope(o, pos, attn.inv_freq, inverse=True)
     G = attn.G
     wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-    z = torch.einsum("tgd,grd->tgr", o.reshape(B, G, -1).to(F32), wo_a.to(F32)).to(BF16)
+    z = k("grouped_proj_bf16")(o.reshape(B, G, -1), wo_a)  # the official bf16 einsum: no fp32 copy of wo_a
     out = qlinear(z.flatten(1), p["wo_b.weight"])
     return out if attn.comm is None else attn.comm.attn_out(out)
