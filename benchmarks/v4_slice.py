@@ -21,8 +21,10 @@ class SliceRunner:
     def __init__(self, cfg, raw, max_batch: int, max_tokens: int) -> None:
         self.cfg = cfg
         self.blocks_per_seq = -(-max_tokens // BLOCK)
-        self.model = build_v4_model(cfg, raw, "fast", "cuda", num_blocks=max_batch * self.blocks_per_seq,
-                                    block_size=BLOCK, max_num_seqs=max_batch)
+        # one slot and one block more than the sequences use: the batched decode path's padding scratch
+        self.scratch = (max_batch, max_batch * self.blocks_per_seq)
+        self.model = build_v4_model(cfg, raw, "fast", "cuda", num_blocks=max_batch * self.blocks_per_seq + 1,
+                                    block_size=BLOCK, max_num_seqs=max_batch + 1)
         self.g = torch.Generator(device="cuda").manual_seed(0)
 
     def _table(self, i: int) -> tuple[int, ...]:
@@ -52,6 +54,22 @@ class SliceRunner:
                     self.model.hidden(ids)
             else:
                 self.model.forward(ids, ctx)
+            pos[0] += 1
+
+        return cuda_time_ms(step, reps=reps, warmup=3)
+
+    @torch.no_grad()
+    def decode_batched_ms(self, batch: int, context: int, reps: int = 10, graphs: bool = True) -> float:
+        """Median ms of one decode step through the batched decode path (model/decode_step.py): replayed
+        from the CUDA graph of bucket `batch` (captured here, not timed), or eager with graphs=False."""
+        from deepinfer.model.decode_step import DecodeRunner
+
+        self.prefill(list(range(batch)), context)
+        runner = DecodeRunner(self.model, batch, context + 64, *self.scratch, cuda_graphs=graphs, buckets=(batch,))
+        pos = [context]
+
+        def step():
+            runner(self._ids(batch), [SeqContext(pos[0], 1, i, i, self._table(i)) for i in range(batch)])
             pos[0] += 1
 
         return cuda_time_ms(step, reps=reps, warmup=3)
