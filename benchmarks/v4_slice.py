@@ -65,7 +65,8 @@ class SliceRunner:
         from deepinfer.model.decode_step import DecodeRunner
 
         self.prefill(list(range(batch)), context)
-        runner = DecodeRunner(self.model, batch, context + 64, *self.scratch, cuda_graphs=graphs, buckets=(batch,))
+        runner = DecodeRunner(self.model, batch, context + 64, *self.scratch, cuda_graphs=graphs, buckets=(batch,),
+                              contexts=(context + 64,))
         pos = [context]
 
         def step():

@@ -118,7 +118,17 @@ def test_batched_decode_equals_the_per_sequence_fast_path(fast_params):
     models, tok, lens = prefilled_pair(cfg, params, LENS)
     runner = DecodeRunner(models[1], max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1,
                           scratch_block=BPS * (SLOTS - 1))
-    worst = run_both(models, tok, lens, runner)
+    assert runner.contexts == (128, 256)
+    used = []
+    run = runner.__call__
+
+    def tracked(ids, seqs):
+        out = run(ids, seqs)
+        used.append(runner.last_bucket)
+        return out
+
+    worst = run_both(models, tok, lens, tracked)
+    assert set(used) == {(4, 128), (4, 256)}  # positions 126.. start in the 128 bucket, then cross it
     print(f"\nbatched decode vs per-sequence fast path: worst logits rel_err {worst:.3g}")
     assert worst <= 1e-6
     # compressor states across block boundaries, entries, keys, rings of the real sequences
@@ -234,7 +244,7 @@ def test_graph_replay_is_bit_identical_to_eager(tiny_v4_raw, cuda_kernels):
     models, tok, lens = prefilled_pair(cfg, params, LENS, "cuda")
     runners = [DecodeRunner(m, max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1,
                             scratch_block=BPS * (SLOTS - 1), cuda_graphs=True) for m in models]
-    assert set(runners[1]._graphs) == set(runners[1].buckets) == {1, 2, 4}
+    assert set(runners[1]._graphs) == {(b, c) for b in (1, 2, 4) for c in (128, 256)}
     pos, tok = list(lens), tok.clone()
     for k in range(STEPS):
         active = list(range(len(LENS) if k % 2 == 0 else 3))  # odd steps: sequence 3 waits
