@@ -220,6 +220,8 @@ def test_decode_runner_errors(fast_params):
         runner(ids[:1], [SeqContext(BPS * 128, 1, 0, 0, table(0))])
     with pytest.raises(ValueError, match="does not cover"):
         runner(ids[:1], [SeqContext(200, 1, 0, 0, table(0)[:1])])
+    with pytest.raises(ValueError, match="vocabulary"):
+        runner(torch.tensor([cfg.vocab_size]), [SeqContext(3, 1, 0, 0, table(0))])
     with pytest.raises(ValueError, match="outside the cache"):
         DecodeRunner(model, 2, 256, scratch_slot=SLOTS, scratch_block=0)
 

@@ -131,6 +131,8 @@ class DecodeRunner:
         n = len(seqs)
         if n == 0 or ids.dim() != 1 or ids.shape[0] != n:
             raise ValueError(f"decode ids must be flat [{n}] for {n} > 0 sequences, got {tuple(ids.shape)}")
+        if ids.device.type == "cpu" and (int(ids.min()) < 0 or int(ids.max()) >= self.model.cfg.vocab_size):
+            raise ValueError("token id outside the vocabulary")  # (device ids: no host sync to check them)
         cache = self.model.cache
         for s in seqs:
             if not (0 <= s.window_slot < cache.max_num_seqs and 0 <= s.state_slot < cache.max_num_seqs):
