@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny", help="write a synthetic checkpoint in the official on-disk format")
     t.add_argument("dir")
-    t.add_argument("--family", default="v4", choices=("v4", "v41"))
+    t.add_argument("--family", default="v4", choices=("v4", "v41", "v4-0731"))  # tiny.TINY_FAMILIES
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_make_tiny)
 

@@ -18,6 +18,7 @@ Sinkhorn matrix so the four streams stay distinct.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.config_keys import HF_TO_ARGS
 from deepinfer.weights.schema import TensorSpec, expected_tensors
 
+TINY_FAMILIES = ("v4", "v41", "v4-0731")  # make-tiny variants; v4-0731 is config family "v4"
 TINY_VERSION = 1  # bump when the generator changes: the embedded default is regenerated
 SUBLAYER_GAIN = 0.15  # MoE output RMS relative to the unit-scale residual
 ATTN_GAIN = 0.4  # attention output gain: its values are averages (smaller than unit RMS), so it needs more
@@ -41,11 +43,13 @@ HEAD_GAIN = 1.25  # head weight std; logits std ~ HEAD_GAIN * sqrt(dim) = 20 for
 def tiny_config(family: str = "v4") -> ModelConfig:
     """Tiny V4: window-only layers 0-1, ratio-4 (indexer) layers 2 and 4, ratio-128 layers 3 and 5,
     hash routing on layers 0-2, one shared expert, an MTP layer; real vocabulary; window 16.
-    Tiny V4.1: see `tiny_config_v41`."""
+    Tiny V4.1: see `tiny_config_v41`; tiny V4-Flash-0731: see `tiny_config_v4_0731`."""
     if family == "v41":
         return tiny_config_v41()
+    if family == "v4-0731":
+        return tiny_config_v4_0731()
     if family != "v4":
-        raise ValueError(f"unknown family {family!r}; make-tiny knows v4 and v41")
+        raise ValueError(f"unknown family {family!r}; make-tiny knows {', '.join(TINY_FAMILIES)}")
     return ModelConfig(
         family="v4", vocab_size=129280, dim=256, moe_inter_dim=128, n_layers=6, n_hash_layers=3, n_mtp_layers=1,
         n_heads=4, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
@@ -55,6 +59,17 @@ def tiny_config(family: str = "v4") -> ModelConfig:
         beta_fast=32, beta_slow=1, index_n_heads=4, index_head_dim=128, index_topk=8, hc_mult=4,
         hc_sinkhorn_iters=20, hc_eps=1e-6, dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4",
     )
+
+
+def tiny_config_v4_0731() -> ModelConfig:
+    """Tiny V4-Flash-0731 (config family "v4"): the tiny V4 backbone (same layer schedule) whose `mtp.0..2`
+    are three DSpark stages (window-only, ratio 0) reading the inputs of its last three layers 3-5, as the
+    real one reads 40-42 of 43; block 5, noise token 128799 as released; Markov rank 32. Like the real
+    config it sets no dspark expert counts: the stages use the backbone's (8 experts, top-2)."""
+    base = tiny_config("v4")
+    return dataclasses.replace(
+        base, n_mtp_layers=3, compress_ratios=base.compress_ratios[: base.n_layers] + (0, 0, 0),
+        dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=(3, 4, 5), dspark_markov_rank=32)
 
 
 def tiny_config_v41() -> ModelConfig:
