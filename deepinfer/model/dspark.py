@@ -14,6 +14,26 @@ DSparkConfidenceHead, Transformer.forward_spec).
   head: collapse with the last stage's pre mix, stage norm, the target's head; block row i is biased by the
       Markov head of token i (head_m @ embed_m[token_i]) and sampled in order (greedy here), so row i
       proposes token P+2+i; confidence = proj([collapsed x_i, embed_m[token_i]]) per row.
+
+V4-Flash-0731 (config family "v4" with dspark keys; its inference code was never published) runs the same
+algorithm over V4 blocks. What is read and what is inferred:
+  read (its tensor inventory, spec §11): stages are V4 blocks (wq_a/q_norm/wq_b, wkv/kv_norm, wo_a/wo_b,
+      attn_sink, ratio 0), MoE with the backbone's expert count, stage 0 `main_proj` [D, 3D] + `main_norm`,
+      the last stage `norm`, `hc_head_*`, `markov_head.markov_w1/markov_w2` [V, rank] and the confidence head;
+      target layers [40, 41, 42], block 5, noise 128799, rank 256 (its config).
+  inferred, from V4.1's algorithm and V4's blocks: main_hidden = the mean over the 4 streams of each
+      target layer's input (as V4.1); the window ring is seeded exactly as V4.1 (kv_norm(wkv(main_x)),
+      RoPE at the target position); attention is V4's: q gets the per-head parameter-free RMS norm after
+      wq_b (V4.1 dropped it; every V4 attention has it); each sublayer's hyper-connection pre mix comes from
+      its own input (V4's Block, no deferred pre mix), so the head collapse is V4's learned one with the
+      last stage's `hc_head_*` (the reason those tensors exist, as in V4's MTP block) instead of V4.1's
+      deferred pre mix; the MoE is V4's (score-routed: stage ids >= n_hash_layers) with top-k
+      dspark_n_activated_experts or, as 0731's config sets none, n_activated_experts; markov_w1 is the
+      token embedding (V4.1 `embed`) and markov_w2 the rank -> vocab head (V4.1 `head`), the order of a
+      low-rank W1 W2 factorisation, and the confidence input is [collapsed x_i, markov_w1[token_i]].
+  A third-party port of "the official DSpark inference code" onto V4 blocks (MindStudio's deepseek_v4
+  DSparkBlock/DSparkAttention/DSparkMarkovHead) has exactly this structure: V4 Block with per-head q
+  norm, hc_head collapse, markov_w1 embedding then markov_w2 head, confidence on the hc_head output.
 Exact numerics (float64). Official numerics are not implemented for the drafter (a clear error says so).
 Must not: import the reference oracle; decide which positions to seed or what to propose (spec/ does).
 """
@@ -26,6 +46,7 @@ import torch
 
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
+from deepinfer.model.moe import V4MoE
 from deepinfer.model.mtp import _RawSubset
 from deepinfer.model.params import prepare_params
 from deepinfer.model.v41_attention import _sub
@@ -70,7 +91,9 @@ class _Stage:
         self.inv_freq = kernels.get("rope_inv_freq")(
             cfg.rope_head_dim, cfg.original_seq_len if cfg.uses_yarn(self.layer) else 0, cfg.rope_base(self.layer),
             cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
-        self.ffn = V41MoE(self.layer, _sub(self.p, "ffn."), cfg)
+        self.v4 = not cfg.is_v41  # V4-Flash-0731: V4 blocks (see the module docstring)
+        moe = V4MoE if self.v4 else V41MoE
+        self.ffn = moe(self.layer, _sub(self.p, "ffn."), cfg)
         self.ffn.topk = cfg.dspark_n_activated_experts or cfg.n_activated_experts  # DSpark's own top-k
 
     def window_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -90,8 +113,10 @@ class _Stage:
         rms, rope = kernels.get("rms_norm"), kernels.get("rope")
         T = x.shape[0]
         pos = torch.cat([torch.arange(P + 1, P + 1 + bs) for P in last])
-        q = rope((rms(x @ a["wq_a.weight"].T, a["q_norm.weight"], cfg.norm_eps) @ a["wq_b.weight"].T)
-                 .view(T, self.H, cfg.head_dim), pos, self.inv_freq)
+        q = (rms(x @ a["wq_a.weight"].T, a["q_norm.weight"], cfg.norm_eps) @ a["wq_b.weight"].T).view(T, self.H, -1)
+        if self.v4:  # V4 attention normalises every query head (parameter-free); V4.1 dropped it
+            q = kernels.get("head_rms_norm")(q, cfg.norm_eps)
+        q = rope(q, pos, self.inv_freq)
         kv = rope(rms(x @ a["wkv.weight"].T, a["kv_norm.weight"], cfg.norm_eps), pos, self.inv_freq)
         pool, idx, base = [], [], 0
         for b, (slot, P) in enumerate(zip(slots, last)):
@@ -109,7 +134,10 @@ class _Stage:
         z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1), a["wo_a.weight"].view(G, cfg.o_lora_rank, -1))
         return z.flatten(1) @ a["wo_b.weight"].T
 
-    def __call__(self, x, pre_mix, ring, slots, last):
+    def __call__(self, x, pre_mix, ring, slots, last, ids):
+        """x [B*bs, hc, D] -> (x, the pre mix for the next collapse: V4.1 deferred; None on V4)."""
+        if self.v4:
+            return self._v4_block(x, ring, slots, last, ids), None
         rms, collapse, post_fn, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), kernels.get("hc_post"), \
             self.cfg.norm_eps
         attn_pre, post, comb = self._mixes(x, "attn")
@@ -120,6 +148,17 @@ class _Stage:
         x = post_fn(self.ffn(y), x, post, comb)
         return x, ffn_pre
 
+    def _v4_block(self, x, ring, slots, last, ids):
+        """V4's Block: each sublayer collapses its own input with the pre mix computed from it."""
+        rms, collapse, post_fn, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), kernels.get("hc_post"), \
+            self.cfg.norm_eps
+        pre, post, comb = self._mixes(x, "attn")
+        y = rms(collapse(x, pre), self.p["attn_norm.weight"], eps)
+        x = post_fn(self.attention(y, ring, slots, last), x, post, comb)
+        pre, post, comb = self._mixes(x, "ffn")
+        y = rms(collapse(x, pre), self.p["ffn_norm.weight"], eps)
+        return post_fn(self.ffn(y, ids), x, post, comb)
+
 
 class DSpark:
     """All DSpark stages over `DSparkCache`; `target_params` supplies the shared embed and head."""
@@ -128,18 +167,25 @@ class DSpark:
                  cache: DSparkCache, numerics: str = "exact") -> None:
         if not cfg.dspark_block_size:
             raise ValueError("the checkpoint has no DSpark stages (dspark_block_size = 0)")
-        if not cfg.is_v41:
-            raise NotImplementedError("DSpark on the V4 architecture (V4-Flash-0731) is not implemented; "
-                                      "family v41 only")
         if numerics != "exact":
             raise NotImplementedError(f"the DSpark drafter runs exact numerics only, not {numerics!r}")
+        targets = cfg.dspark_target_layer_ids
+        if not targets or any(not 0 <= t < cfg.n_layers for t in targets) or list(targets) != sorted(set(targets)):
+            raise ValueError(f"dspark_target_layer_ids {list(targets)} must be ascending distinct backbone layers "
+                             f"0..{cfg.n_layers - 1}")
+        if not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
+            raise ValueError(f"dspark_noise_token_id {cfg.dspark_noise_token_id} is outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
         self.cfg, self.p, self.cache = cfg, params, cache
         self.stages = [_Stage(i, params, cfg) for i in range(cfg.n_mtp_layers)]
         first, last = f"mtp.0.", f"mtp.{cfg.n_mtp_layers - 1}."
         self.main_proj, self.main_norm = params[first + "main_proj.weight"], params[first + "main_norm.weight"]
         self.norm = params[last + "norm.weight"]
-        self.markov_embed = params[last + "markov_head.embed.weight"]  # [V, rank]
-        self.markov_head = params[last + "markov_head.head.weight"]  # [V, rank]
+        # the Markov head's two [V, rank] tables: V4.1 names them embed/head, V4-Flash-0731 markov_w1/markov_w2
+        w_in, w_out = ("embed", "head") if cfg.is_v41 else ("markov_w1", "markov_w2")
+        self.markov_embed = params[f"{last}markov_head.{w_in}.weight"]  # token -> rank
+        self.markov_head = params[f"{last}markov_head.{w_out}.weight"]  # rank -> vocab
+        self.hc_head = None if cfg.is_v41 else [params[f"{last}hc_head_{n}"] for n in ("fn", "scale", "base")]
         self.confidence = params[last + "confidence_head.proj.weight"]  # [1, D + rank]
         self.embed, self.head = target_params["embed.weight"], target_params["head.weight"]
 
@@ -165,7 +211,10 @@ class DSpark:
         pre_mix = torch.zeros(B * bs, cfg.hc_mult, dtype=x.dtype)
         pre_mix[:, 0] = 1.0
         for st in self.stages:
-            x, pre_mix = st(x, pre_mix, self.cache.layers[st.layer].ring, slots, last)
+            x, pre_mix = st(x, pre_mix, self.cache.layers[st.layer].ring, slots, last, ids.flatten())
+        if self.hc_head is not None:  # V4: the learned collapse of the last stage (V4's head collapse)
+            fn, scale, base = self.hc_head
+            pre_mix = torch.sigmoid(kernels.get("hc_mix")(x, fn, cfg.norm_eps) * scale + base) + cfg.hc_eps
         y = kernels.get("hc_collapse")(x, pre_mix)  # [B*bs, D]
         logits = (kernels.get("rms_norm")(y, self.norm, cfg.norm_eps) @ self.head.T).view(B, bs, -1)
         out = ids[:, :1].clone()

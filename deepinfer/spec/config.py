@@ -30,6 +30,9 @@ class SpeculativeConfig:
         """Clear errors for a drafter the checkpoint cannot run (cfg: config.ModelConfig)."""
         if self.method == "mtp" and cfg.is_v41:
             raise ValueError("speculative method 'mtp' is for family v4; V4.1 checkpoints draft with 'dspark'")
+        if self.method == "mtp" and cfg.dspark_block_size:
+            raise ValueError("speculative method 'mtp': this checkpoint's mtp.* stages are DSpark stages "
+                             "(V4-Flash-0731); draft with 'dspark'")
         if self.method == "mtp" and cfg.n_mtp_layers < 1:
             raise ValueError("speculative method 'mtp': the checkpoint has no MTP layer (n_mtp_layers = 0)")
         if self.method == "dspark" and not cfg.dspark_block_size:

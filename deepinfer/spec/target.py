@@ -1,10 +1,12 @@
 """The target forward of one step that ALSO keeps, per position, the hidden rows a drafter conditions on:
-family v4 (MTP): the final 4-stream residual [n, hc, D]; family v41 (DSpark): `main_hidden` [n, k*D], the
-mean over the streams of the INPUT of each dspark target layer (official `Transformer.forward`). The logits
+family v4 (MTP): the final 4-stream residual [n, hc, D]; family v41 and V4-Flash-0731 (v4 with DSpark stages):
+`main_hidden` [n, k*D], the mean over the streams of the INPUT of each dspark target layer (official V4.1
+`Transformer.forward`; inferred the same for 0731, model/dspark.py says why). The logits
 rows are the ones `ModelRunner.execute` returns, in the same order (`SchedulerOutput.sample_rows()`), and
 the head runs on those rows only (it is vocab x dim).
-V4.1: the block loop of `V41EngineModel.hidden` is followed step for step with the target-layer inputs
-captured (the model has no hook for them); the greedy-identity tests compare it with the runner's forward.
+V4.1 and 0731: the block loop of `V41EngineModel.hidden` / `V4EngineModel.hidden` is followed step for step
+with the target-layer inputs captured (the models have no hook for them); the greedy-identity tests compare
+it with the runner's forward.
 
 Must not: sample or touch scheduler state; differ from the runner's row mapping (tests compare both).
 """
@@ -38,6 +40,26 @@ def _v41_hidden(model, ids: torch.Tensor, ctx: ForwardContext):
     return x, pre_mix, torch.cat(targets, dim=-1)
 
 
+def _v4_dspark_hidden(model, ids: torch.Tensor, ctx: ForwardContext):
+    """V4EngineModel.hidden (one process, exact/official on the host) with the dspark target layers' inputs
+    kept: (x, None, main_hidden); None: V4's head needs no pre mix."""
+    cfg = model.cfg
+    model._check(ids, ctx)
+    if model.comm is not None or model.device.type != "cpu":
+        raise NotImplementedError("DSpark drafting on V4 runs on a one-process CPU target")
+    model.cache.begin_step()
+    for s in ctx.seqs:
+        if s.start_pos == 0:
+            model.cache.reset(s.window_slot, s.state_slot)
+    x = model.p["embed.weight"][ids].unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+    targets = []
+    for i, block in enumerate(model.layers):
+        if i in cfg.dspark_target_layer_ids:
+            targets.append(x.mean(dim=1))
+        x = block(x, ids, ctx, model.cache)
+    return x, None, torch.cat(targets, dim=-1)
+
+
 def _hidden(model, ids: torch.Tensor, seqs: list[SeqContext]):
     """Final 4-stream residual [T, hc, D] of the batch (official numerics: one sequence per call, as the
     model's own forward does, so the bits match the non-drafting run)."""
@@ -47,19 +69,21 @@ def _hidden(model, ids: torch.Tensor, seqs: list[SeqContext]):
             parts.append(_hidden(model, ids[at : at + s.num_new], [s]))
             at += s.num_new
         if isinstance(parts[0], tuple):
-            return tuple(torch.cat(t) for t in zip(*parts))
+            return tuple(None if t[0] is None else torch.cat(t) for t in zip(*parts))
         return torch.cat(parts)
     ctx = ForwardContext(tuple(seqs))
     with forward_context(ctx):
         if getattr(model.cfg, "is_v41", False):
             return _v41_hidden(model, ids, ctx)
+        if getattr(model.cfg, "dspark_block_size", 0):
+            return _v4_dspark_hidden(model, ids, ctx)
         return model.hidden(ids)
 
 
 def execute_with_hidden(model, out: SchedulerOutput, want_prompt_logits: set[str], vocab: int,
                         dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """-> (sample logits [rows, V] in sample_rows() order, prompt logits per asked request id,
-    drafter hidden rows per request id: v4 [num_new, hc, D], v41 main_hidden [num_new, k*D])."""
+    drafter hidden rows per request id: v4 MTP [num_new, hc, D], DSpark main_hidden [num_new, k*D])."""
     seqs, ids, spans = [], [], []
     at = 0
     for sr in out.scheduled:
@@ -68,9 +92,12 @@ def execute_with_hidden(model, out: SchedulerOutput, want_prompt_logits: set[str
         spans.append((at, at + sr.num_new_tokens))
         at += sr.num_new_tokens
     out_h = _hidden(model, torch.tensor(ids, dtype=torch.long), seqs)
-    if isinstance(out_h, tuple):  # v41: logits need the last block's pre mix; drafters get main_hidden
+    if isinstance(out_h, tuple):  # DSpark: drafters get main_hidden; v41 logits need the last block's pre mix
         x, pre_mix, drafter_rows = out_h
-        head = lambda rows: model.logits(x[rows], pre_mix[rows])  # noqa: E731
+        if pre_mix is None:
+            head = lambda rows: model.logits(x[rows])  # noqa: E731
+        else:
+            head = lambda rows: model.logits(x[rows], pre_mix[rows])  # noqa: E731
     else:
         x = drafter_rows = out_h
         head = lambda rows: model.logits(x[rows])  # noqa: E731
