@@ -196,7 +196,10 @@ def test_dspark_0731_greedy_identity(tiny_0731_dir, baseline0731, batch):
     llm = LLM(tiny_0731_dir, max_num_seqs=batch, speculative={"method": "dspark", "num_speculative_tokens": 4},
               **KW)
     assert_same(base, llm.generate(prompts, GREEDY))
-    assert llm.engine.spec_stats.num_steps > 0
+    stats = llm.engine.spec_stats
+    # some first drafts are right even with random weights (deterministic: 2 of 30 at batch 1, 7 of 73 at 8),
+    # so partial acceptance and the rewind after it run through the DSpark drafter's bookkeeping too
+    assert stats.num_steps > 0 and stats.accepted[0] > 0
 
 
 def test_dspark_0731_config_errors(tiny_0731_dir):
