@@ -37,7 +37,7 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'mtp': the checkpoint has no MTP layer (n_mtp_layers = 0)")
         if self.method == "dspark" and not cfg.dspark_block_size:
             raise ValueError("speculative method 'dspark': the checkpoint has no DSpark stages "
-                             "(dspark_block_size = 0); family v4 checkpoints draft with 'mtp'")
+                             "(dspark_block_size = 0); V4 checkpoints without them draft with 'mtp'")
         if self.method == "dspark" and self.num_speculative_tokens > cfg.dspark_block_size:
             raise ValueError(f"speculative method 'dspark' proposes at most dspark_block_size = "
                              f"{cfg.dspark_block_size} tokens per step, num_speculative_tokens = "
