@@ -40,15 +40,18 @@ def engine_part(cfg, args, res: dict) -> None:
     res["engine_build_s"] = time.time() - t0
     res["engine_mem_gb"] = torch.cuda.memory_allocated() / 1e9
     for b in DECODE_BATCHES:
-        full = runner.decode_ms(b, args.context)
-        blocks = runner.decode_ms(b, args.context, blocks_only=True)
-        per_layer = blocks / n
-        res[f"decode_b{b}"] = {"step_ms": full, "blocks_ms": blocks, "per_layer_us": per_layer * 1e3,
+        # the engine's decode path: batched decode step replayed from its CUDA graph (model/decode_step.py)
+        full = runner.decode_batched_ms(b, args.context, graphs=True)
+        head = runner.head_ms(b)
+        per_layer = (full - head) / n
+        res[f"decode_b{b}"] = {"step_ms": full, "head_ms": head, "per_layer_us": per_layer * 1e3,
                                "tok_s": b / full * 1e3, "layer_bytes_mb": bytes_b[b] / 1e6,
                                "hbm_gbs": bytes_b[b] / (per_layer * 1e-3) / 1e9}
+        if b <= args.eager_max_batch:  # the mixed-batch (per-sequence) path, for comparison
+            res[f"decode_b{b}"]["per_sequence_path_ms"] = runner.decode_ms(b, args.context, reps=5)
         print("decode", b, res[f"decode_b{b}"], flush=True)
-    res["decode_b1_kernels"] = runner.kernel_breakdown(1, args.context + 100)
-    res["decode_b128_kernels"] = runner.kernel_breakdown(128, args.context + 100)
+    res["decode_b1_kernels"] = runner.decode_kernel_breakdown(1, args.context)
+    res["decode_b128_kernels"] = runner.decode_kernel_breakdown(128, args.context)
     for s in PREFILLS:
         full = runner.prefill_ms(s)
         blocks = runner.prefill_ms(s, blocks_only=True)
@@ -95,6 +98,10 @@ def table(res: dict) -> str:
             ratio = f", x{p['tok_s'] / h['tok_s']:.1f} transformers" if h else ""
             lines.append(f"prefill {s:<5} {p['ms']:8.1f} ms  {p['per_layer_ms']:7.2f} ms/layer  {p['tflops']:6.0f} TFLOP/s"
                          f" = {100 * p['tflops'] / c['fp8_tflops']:5.1f}% FP8 peak  {p['tok_s']:8.0f} tok/s{ratio}")
+    for key in ("decode_b1_kernels", "decode_b128_kernels"):
+        if key in res:
+            lines.append(f"{key} (one eager batched step, all layers + head; us total, launches):")
+            lines += [f"  {t:9.0f} us {c:5d}x  {name}" for name, c, t in res[key]]
     return "\n".join(lines)
 
 
@@ -104,6 +111,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--eager-max-batch", type=int, default=1, help="also time the per-sequence path up to this batch")
     args = ap.parse_args()
     from deepinfer.kernels.triton import register_cuda_kernels
 

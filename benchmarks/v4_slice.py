@@ -76,6 +76,38 @@ class SliceRunner:
         return cuda_time_ms(step, reps=reps, warmup=3)
 
     @torch.no_grad()
+    def head_ms(self, batch: int, reps: int = 20) -> float:
+        """Median ms of the head alone (collapse, norm, vocab GEMM) on `batch` rows: subtracted from a decode
+        step to get the blocks' time."""
+        x = torch.randn(batch, self.cfg.hc_mult, self.cfg.dim, device="cuda", generator=self.g).to(torch.bfloat16)
+        return cuda_time_ms(lambda: self.model.logits(x), reps=reps, warmup=3)
+
+    @torch.no_grad()
+    def decode_kernel_breakdown(self, batch: int, context: int, top: int = 14) -> list[tuple[str, int, float]]:
+        """(kernel name, launches, total us) of one batched decode step run eagerly (the kernels a graph
+        replays; the profiler does not see inside a graph), largest first."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from deepinfer.model.decode_step import DecodeRunner
+
+        self.prefill(list(range(batch)), context)
+        runner = DecodeRunner(self.model, batch, context + 64, *self.scratch, cuda_graphs=False, buckets=(batch,),
+                              contexts=(context + 64,))
+        seqs = [SeqContext(context, 1, i, i, self._table(i)) for i in range(batch)]
+        ids = self._ids(batch)
+        runner(ids, seqs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner(ids, seqs)
+            torch.cuda.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t > 0:
+                rows.append((ev.key[:70], ev.count, t))
+        return sorted(rows, key=lambda r: -r[2])[:top]
+
+    @torch.no_grad()
     def prefill_ms(self, tokens: int, reps: int = 3, blocks_only: bool = False) -> float:
         ctx = ForwardContext((SeqContext(0, tokens, 0, 0, self._table(0)),))
         ids = self._ids(tokens)
