@@ -162,6 +162,19 @@ def test_failing_rank_stops_the_group(tiny_v4_dir, monkeypatch):
     assert all(not p.is_alive() for p in llm.engine.runner.workers)
 
 
+@pytest.mark.parametrize("fault,rank", [("1:load", 1), ("0:1", 0)])  # a worker while loading; rank 0 itself
+def test_failure_at_load_or_on_rank0_names_the_rank(tiny_v4_dir, monkeypatch, fault, rank):
+    monkeypatch.setenv(FAULT_ENV, fault)
+    start = time.monotonic()
+    with pytest.raises(GroupFailure, match=rf"rank {rank} of the parallel group failed(.|\n)*injected fault"):
+        llm = LLM(tiny_v4_dir, **ENGINE, tensor_parallel_size=2)
+        try:
+            llm.generate(_prompts(), GREEDY)
+        finally:
+            llm.shutdown()
+    assert time.monotonic() - start < 60
+
+
 def test_bad_split_is_refused_before_any_process_starts(tiny_v4_dir):
     with pytest.raises(ValueError, match="not divisible by tp 3"):
         LLM(tiny_v4_dir, **ENGINE, tensor_parallel_size=3)

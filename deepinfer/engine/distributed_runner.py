@@ -19,7 +19,8 @@ Failures: a worker that raises reports (rank, traceback) on a queue and exits ha
 collective fails at once (gloo: connection closed; nccl/hung peers: `distributed_timeout_s`); rank 0
 then stops every worker, tears the group down and raises `GroupFailure` naming the failing rank. Every
 later step raises the same error: a group that lost a rank cannot resume.
-Fault injection (tests): env `DEEPINFER_FAULT_INJECT="RANK:STEP"` makes that rank raise at that step.
+Fault injection (tests): env `DEEPINFER_FAULT_INJECT="RANK:STEP"` makes that rank raise at that step
+(STEP "load": a spawned rank, right after joining the group).
 
 Multi-node: launch every rank with torchrun (it sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT), e.g. on each of 2 nodes with 8 GPUs:
@@ -232,9 +233,13 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors) -> None:
         config = _rank_config(config, rank)
         store = _store(config, port, master=False)
         store.set(f"ready{rank}", "1")
-        _init_group(config, rank, store=store)  # first: a later failure then breaks rank 0's collectives
+        # the group and all its subgroups first: gloo connects every pair at creation, so a failure while
+        # loading closes live connections and rank 0's next collective fails at once (not at the timeout)
+        _init_group(config, rank, store=store)
+        comm = Communicator(parallel_config(config, rank))
+        _maybe_inject_fault(rank, "load")
         cfg = ModelConfig.from_checkpoint(config.model)
-        runner = ParallelRunner(config, cfg, Communicator(parallel_config(config, rank)))
+        runner = ParallelRunner(config, cfg, comm)
         runner.serve_forever()
         dist.destroy_process_group()
     except BaseException:
