@@ -15,8 +15,7 @@ from deepinfer.weights import load_tensors
 @pytest.fixture(scope="module")
 def v4(tiny_v4_dir):
     cfg = ModelConfig.from_checkpoint(tiny_v4_dir)
-    names = None
-    raw = load_tensors(tiny_v4_dir, cfg, names=names, progress=False)
+    raw = load_tensors(tiny_v4_dir, cfg, progress=False)
     return cfg, raw
 
 

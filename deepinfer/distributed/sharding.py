@@ -56,8 +56,7 @@ def _even(name: str, t: torch.Tensor, dim: int, parts: int, index: int, full: in
     return _span(name, t, dim, index * step, (index + 1) * step, full)
 
 
-def _attention(name: str, kind: str, t: torch.Tensor, raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
-               pc: ParallelConfig) -> torch.Tensor:
+def _attention(name: str, kind: str, t: torch.Tensor, cfg: ModelConfig, pc: ParallelConfig) -> torch.Tensor:
     tp, tr = pc.tp, pc.tp_rank
     H, hd, G, R = cfg.n_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
     if kind in ("wq_b", "attn_sink"):
@@ -75,8 +74,7 @@ def _attention(name: str, kind: str, t: torch.Tensor, raw: Mapping[str, torch.Te
     return _span(name, t, 1, g * R, (g + 1) * R, G * R)
 
 
-def shard_tensor(name: str, t: torch.Tensor, raw: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                 pc: ParallelConfig) -> torch.Tensor | None:
+def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, pc: ParallelConfig) -> torch.Tensor | None:
     """This rank's part of checkpoint tensor `name` (None: the rank holds none of it)."""
     if name in ("embed.weight", "head.weight"):
         return _even(name, t, 0, pc.tp, pc.tp_rank, cfg.vocab_size)
@@ -86,7 +84,7 @@ def shard_tensor(name: str, t: torch.Tensor, raw: Mapping[str, torch.Tensor], cf
     m = _ATTN.match(name)
     if m and pc.tp > 1:
         kind = m.group(1) or "attn_sink"
-        return _attention(name, kind, t, raw, cfg, pc)
+        return _attention(name, kind, t, cfg, pc)
     m = _ENGRAM.match(name)
     if m and pc.tp > 1:
         total = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(int(m.group(1)))]
@@ -103,7 +101,7 @@ def shard_checkpoint(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, pc: Para
     out = copy.copy(raw)
     out.clear()
     for name, t in raw.items():
-        part = shard_tensor(name, t, raw, cfg, pc)
+        part = shard_tensor(name, t, cfg, pc)
         if part is not None:
             out[name] = part
     return out

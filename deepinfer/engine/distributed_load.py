@@ -56,7 +56,7 @@ def load_rank_tensors(model_dir: str | Path, cfg: ModelConfig, pc: ParallelConfi
         out.expert_dtype = out.expert_dtype or full.expert_dtype
         for n in names:
             t = full.pop(n)
-            part = shard_tensor(n, t, full, cfg, pc)
+            part = shard_tensor(n, t, cfg, pc)
             if part is None:
                 continue
             if part is not t and part.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() \
