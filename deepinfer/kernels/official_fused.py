@@ -3,7 +3,9 @@
 
 Owns: `hc_pre_fused` (hc mixes, Sinkhorn split, collapse, bf16 round, RMSNorm, bf16 round: exactly the
 steps `V4Block._hc_official` runs before a sublayer), `hc_post_fused` (hc_post rounded once to bf16), and
-`kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace).
+`kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace),
+`moe_gate_sqrtsoftplus` (the V4 gate after its logits GEMM: sqrt-softplus, bias-only selection, top-k,
+renormalise, scale: exactly `V4MoE.route`'s ops).
 Must not: hold state or import the model or the reference oracle; change a rounding point of the
 unfused sequence (the engine may call either and must get the same bits on CPU).
 """
@@ -13,7 +15,7 @@ import torch
 
 from deepinfer.kernels import torch_ops
 
-__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode"]
+__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode", "moe_gate_sqrtsoftplus"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -46,3 +48,18 @@ def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
 def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     """`layout.load(packed)`: packed bytes -> the bf16 values the oracle holds in its cache."""
     return layout.load(packed)
+
+
+def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
+                          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, topk] fp32, indices [T, topk] int64): scores sqrt(softplus(logits)),
+    the experts of the top-k biased scores (descending), their UNbiased scores renormalised to sum 1, times
+    route_scale (spec §3.9; the bias only selects)."""
+    if logits.dim() != 2 or bias.shape != logits.shape[-1:] or not 0 < topk <= logits.shape[-1]:
+        raise ValueError(f"moe_gate: logits [T, E], bias [E], 0 < topk <= E; got {tuple(logits.shape)}, "
+                         f"{tuple(bias.shape)}, topk {topk}")
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    indices = (scores + bias).topk(topk, dim=-1).indices
+    weights = scores.gather(1, indices)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * route_scale, indices

@@ -28,6 +28,17 @@ from deepinfer.model.decode_metadata import DecodeRows, RatioRows
 F32, BF16 = torch.float32, torch.bfloat16
 
 
+def _encode(attn: V4Attention, lc: LayerCache, role: str, x: torch.Tensor) -> torch.Tensor:
+    """`lc.encode` through the registry's `kv_encode`: one Triton kernel on cuda for the FP8 layouts (the
+    torch codec is ~25 kernels), the layout's own codec elsewhere: the same bytes either way."""
+    return x if lc.layouts is None else kernels.get("kv_encode", attn.kdev)(lc.layouts[role], x)
+
+
+def _decode(attn: V4Attention, lc: LayerCache, role: str, stored: torch.Tensor) -> torch.Tensor:
+    """`lc.decode` through the registry's `kv_decode` (see `_encode`)."""
+    return stored if lc.layouts is None else kernels.get("kv_decode", attn.kdev)(lc.layouts[role], stored)
+
+
 def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: DecodeRows) -> None:
     """Advance both compressors of a ratio layer by one token per row and store the entries completed."""
     rr = rows.ratios[attn.ratio]
@@ -38,7 +49,7 @@ def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: De
     for p, state, store, rotate, role in jobs:
         entries = _compress_step(attn, p, state, xf, rows, rr, rotate)
         old = store[rr.new_row]
-        store[rr.new_row] = torch.where(rr.complete.unsqueeze(1), lc.encode(role, entries), old)
+        store[rr.new_row] = torch.where(rr.complete.unsqueeze(1), _encode(attn, lc, role, entries), old)
 
 
 def _compress_step(attn: V4Attention, p: dict, state: CompressorState, xf: torch.Tensor, rows: DecodeRows,
@@ -91,8 +102,8 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
     q = rope(k("head_rms_norm")(q, attn.eps), pos, attn.inv_freq)
     kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, attn.inv_freq)  # [B, hd]
-    lc.ring[rows.window_slots, rows.ring_cols] = lc.encode("window", kv)  # write first, read by slot
-    pools = [lc.decode("window", lc.ring[rows.window_slots]).flatten(0, 1)]  # [B * win, hd]
+    lc.ring[rows.window_slots, rows.ring_cols] = _encode(attn, lc, "window", kv)  # write first, read by slot
+    pools = [_decode(attn, lc, "window", lc.ring[rows.window_slots]).flatten(0, 1)]  # [B * win, hd]
     idx = [rows.window_idx]
     if r:
         compress_decode(attn, lc, x, rows)  # entries this token completes are visible to it
@@ -104,7 +115,7 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
                 q_idx = formats.fp4_fake_quant(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
-                keys = lc.decode("index", lc.index_keys[rr.entry_rows])  # [B, E, ihd]
+                keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])  # [B, E, ihd]
                 scores = k("indexer_scores_batched_bf16")(q_idx, w_idx, keys).masked_fill(rr.hidden, float("-inf"))
                 sel = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K]
             else:
@@ -112,7 +123,7 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
             sel = torch.where(sel >= rr.visible.unsqueeze(1), -1, sel)
             K = sel.shape[1]
             chosen = rr.entry_rows.gather(1, sel.clamp(min=0))  # [B, K] cache rows of the selection
-            pools.append(lc.decode("compressed", lc.comp[chosen]).flatten(0, 1))  # [B * K, hd]
+            pools.append(_decode(attn, lc, "compressed", lc.comp[chosen]).flatten(0, 1))  # [B * K, hd]
             cols = B * win + torch.arange(B * K, device=x.device).view(B, K)
             idx.append(torch.where(sel >= 0, cols, -1))
     o = k("sparse_attn_sink_official")(q, torch.cat(pools), p["attn_sink"], torch.cat(idx, dim=1), attn.hd**-0.5)

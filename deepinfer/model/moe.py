@@ -53,6 +53,10 @@ class V4MoE:
         """x [T, D], ids [T] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
         logits = (x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T
+        if self.fast and not self.hash and cfg.score_func == "sqrtsoftplus":
+            # one op for the rest (one Triton kernel on cuda); its cpu twin is exactly the lines below
+            return kernels.get("moe_gate_sqrtsoftplus", self.kdev)(logits, self.p["gate.bias"], self.topk,
+                                                                   cfg.route_scale)
         if cfg.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":

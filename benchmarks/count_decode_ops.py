@@ -1,0 +1,167 @@
+"""Count the torch ops (= kernel launches on cuda) of one batched decode step of the fast engine, grouped by
+the decode-path code they come from. Runs the tiny V4 checkpoint's DecodeRunner eager path on the CPU
+(torch twins); ops that are one Triton kernel on cuda (`fp8_linear`, `fp4_moe`, `hc_pre_fused`, ...) are
+counted as ONE launch each, so the totals approximate the cuda step's kernel count.
+
+    PYTHONPATH=$PWD python benchmarks/count_decode_ops.py [--batch 4] [--pos 130]
+
+Must not: change the model; it only observes one step with torch.profiler (with_stack).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ops that launch no kernel on cuda (views and allocations)
+NO_KERNEL = {"empty", "empty_strided", "detach", "lift_fresh", "_local_scalar_dense", "alias", "_to_copy_noop",
+             "set_", "resolve_conj", "resolve_neg", "is_nonzero", "item", "sym_size", "sym_stride", "dim"}
+
+
+def cuda_kernel_ops() -> set[str]:
+    """Op names registered for cuda by kernels.triton (plus the cuBLAS bf16 GEMMs): each is one (or a few)
+    kernels on cuda, so one call counts as one launch and its torch twin's inner ops are skipped. Needs
+    triton importable (it is on the dev machines; the kernels are not run)."""
+    import importlib
+
+    from deepinfer.kernels.triton import KERNEL_MODULES
+
+    names = {"grouped_proj_bf16", "head_logits_bf16"}
+    for m in KERNEL_MODULES:
+        names |= set(importlib.import_module(f"deepinfer.kernels.triton.{m}").REGISTRATIONS)
+    return names
+
+
+GROUPS = [  # (group, regex on the innermost model frame "file:function"); first match wins
+    ("metadata (derive)", r"decode_metadata\.py:derive"),
+    ("KV codec (cache encode/decode)", r"(decode_attention|cache)\.py:(_encode|_decode|encode|decode):"),
+    ("attention q/kv norms", r"decode_attention\.py:rms:"),
+    ("compressor", r"decode_attention\.py:(_compress_step|compress_decode)"),
+    ("head", r"v4\.py:logits"),
+    ("MoE gate", r"moe\.py:route"),
+    ("shared expert", r"moe\.py:_swiglu_official"),
+    ("MoE routed + sum", r"moe\.py:_forward_fast"),
+    ("hc pre/post", r"v4\.py:_hc"),
+    ("embedding", r"decode_step\.py:decode_hidden"),
+]
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every dispatched aten op that launches a kernel, attributed to its decode-path source line."""
+
+    def __init__(self, line_of: dict[int, str]) -> None:
+        super().__init__()
+        self.line_of = line_of
+        self.fused_ops = cuda_kernel_ops()
+        self.groups: collections.Counter = collections.Counter()
+        self.lines: collections.Counter = collections.Counter()
+        self._last_fused = None  # the frame object of the fused-op call already counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in NO_KERNEL:
+            return out
+        model_frame, fused = None, None
+        f = sys._getframe(1)
+        while f is not None and model_frame is None:
+            path = f.f_code.co_filename
+            if "deepinfer/kernels/" in path and f.f_code.co_name.removesuffix("_torch") in self.fused_ops:
+                layout = f.f_locals.get("layout")  # kv_pack: only the fp8_e8m0 codec is a Triton kernel
+                if layout is None or getattr(layout, "codec", None) == "fp8_e8m0":
+                    fused = f  # keep the outermost fused call
+            elif "deepinfer/model/" in path:
+                model_frame = f"{os.path.basename(path)}:{f.f_code.co_name}:{f.f_lineno}"
+            f = f.f_back
+        model_frame = model_frame or "?"
+        if fused is not None:
+            if fused is self._last_fused:
+                return out
+            self._last_fused = fused
+            name = fused.f_code.co_name
+        g = next((gname for gname, rx in GROUPS if re.search(rx, model_frame)), None)
+        if g is None:
+            if "decode_attention.py:decode_attention" in model_frame:
+                g = self.line_of.get(int(model_frame.rsplit(":", 1)[1]), "attention (other)")
+            else:
+                g = model_frame
+        self.groups[g] += 1
+        self.lines[(model_frame, name)] += 1
+        return out
+
+
+def attention_lines() -> dict[int, str]:
+    """decode_attention.py line -> sub-group, by the source text of that line."""
+    import inspect
+
+    from deepinfer.model import decode_attention as da
+
+    src, start = inspect.getsourcelines(da)
+    out = {}
+    for i, text in enumerate(src, start=start):
+        if "idx" in text or "index" in text or "stable_topk" in text or "sel" in text:
+            g = "indexer + selection"
+        elif "q_norm" in text or "wq_b" in text or "head_rms_norm" in text or "def rms" in text or "return k(\"rms" in text:
+            g = "attention q path"
+        elif "ring" in text or "pools" in text or "comp[chosen]" in text:
+            g = "window/entry gathers"
+        elif "wkv" in text:
+            g = "attention kv path"
+        elif "sparse_attn" in text or "inverse=True" in text or "wo_a" in text or "wo_b" in text:
+            g = "attention out (sparse attn, wo)"
+        else:
+            g = "attention (other)"
+        out[i] = g
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--pos", type=int, default=130, help="prompt length before the profiled step")
+    ap.add_argument("--top", type=int, default=0, help="also print the N most frequent source lines")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from deepinfer.config import ModelConfig
+    from deepinfer.model import ForwardContext, SeqContext, V4EngineModel
+    from deepinfer.model.decode_step import DecodeRunner
+    from deepinfer.model.factory import v4_cache, v4_params
+    from deepinfer.tiny import default_model_dir
+    from deepinfer.weights import load_tensors
+
+    d = default_model_dir("v4", seed=0)
+    cfg = ModelConfig.from_checkpoint(d)
+    params = v4_params(load_tensors(d, cfg, progress=False), cfg, "fast", "cpu")
+    B, bps = args.batch, 4
+    slots = B + 1
+    model = V4EngineModel(cfg, params, v4_cache(cfg, "fast", bps * slots, 128, slots, "cpu"), "fast")
+    tab = [tuple(range(bps * i, bps * (i + 1))) for i in range(B)]
+    prompt = torch.randint(2, cfg.vocab_size, (B * args.pos,), generator=torch.Generator().manual_seed(0))
+    model(prompt, ForwardContext(tuple(SeqContext(0, args.pos, i, i, tab[i]) for i in range(B))))
+    runner = DecodeRunner(model, B, bps * 128, B, bps * B, cuda_graphs=False)
+    seqs = [SeqContext(args.pos, 1, i, i, tab[i]) for i in range(B)]
+    ids = torch.ones(B, dtype=torch.long)
+    runner(ids, seqs)  # warm
+    counter = _OpCounter(attention_lines())
+    with counter:
+        runner(ids, seqs)
+    groups, lines = counter.groups, counter.lines
+    n_layers = cfg.n_layers
+    total = sum(groups.values())
+    print(f"tiny V4 ({n_layers} layers, ratios {cfg.compress_ratios[:n_layers]}), batch {B}, position {args.pos}")
+    print(f"{'group':36s} {'launches/step':>14s}")
+    for g, n in groups.most_common():
+        print(f"{g:36s} {n:14d}")
+    print(f"{'TOTAL':36s} {total:14d}   ({total / n_layers:.0f} per layer incl. head)")
+    if args.top:
+        for (frame, name), n in lines.most_common(args.top):
+            print(f"{n:5d}  {frame:45s} {name}")
+
+
+if __name__ == "__main__":
+    main()

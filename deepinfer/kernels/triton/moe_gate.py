@@ -1,0 +1,69 @@
+"""Triton V4 MoE gate after its logits GEMM: the CUDA twin of `official_fused.moe_gate_sqrtsoftplus`.
+
+Owns: `moe_gate_sqrtsoftplus(logits, bias, topk, route_scale)`. One program per token row: sqrt(softplus)
+scores (torch's softplus: x above 20 passes through, else log1p(exp(x)) by Kahan's
+correction; IEEE sqrt), the top-k of the biased
+scores by k rounds of max + lowest index of the max (descending, as torch.topk returns them), the unbiased
+scores of those experts renormalised and scaled. On torch this is ~9 kernels (softplus, sqrt, add, topk,
+gather, sum, div, mul + the index cast); here one.
+Numerics: the renormalising sum of the k weights is a tree sum (tl.sum), torch's is sequential: the weights
+may differ in the last bit; the indices are the same unless two biased scores tie exactly.
+Must not: run the logits GEMM (cuBLAS does it better at every T), handle hash routing (its indices come
+from a table) or be imported off CUDA (imports triton).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
+                 K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    emask = e < E
+    x = tl.load(logits_ptr + t * stride_t + e, mask=emask, other=0.0).to(tl.float32)
+    u = tl.exp(x)
+    v = 1.0 + u  # log1p(u) by Kahan's correction (libdevice's log1p has no TRITON_INTERPRET twin)
+    lp = tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
+    sp = tl.where(x > 20.0, x, lp)  # torch softplus, beta 1, threshold 20
+    scores = tl.sqrt_rn(sp)
+    biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32), float("-inf"))
+    kk = tl.arange(0, K_P2)
+    sel_idx = tl.zeros([K_P2], dtype=tl.int32)
+    sel_w = tl.zeros([K_P2], dtype=tl.float32)
+    for i in tl.static_range(K):
+        m = tl.max(biased, axis=0)
+        j = tl.min(tl.where(biased == m, e, E_P2), axis=0)  # ties: the lower expert
+        wj = tl.sum(tl.where(e == j, scores, 0.0), axis=0)
+        sel_idx = tl.where(kk == i, j, sel_idx)
+        sel_w = tl.where(kk == i, wj, sel_w)
+        biased = tl.where(e == j, float("-inf"), biased)
+    total = tl.sum(sel_w, axis=0)
+    kmask = kk < K
+    tl.store(w_ptr + t * K + kk, sel_w / total * route_scale, mask=kmask)
+    tl.store(idx_ptr + t * K + kk, sel_idx.to(tl.int64), mask=kmask)
+
+
+def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
+                          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, topk] fp32, indices [T, topk] int64); see the torch twin."""
+    if logits.dim() != 2 or bias.shape != logits.shape[-1:] or not 0 < topk <= logits.shape[-1]:
+        raise ValueError(f"moe_gate: logits [T, E], bias [E], 0 < topk <= E; got {tuple(logits.shape)}, "
+                         f"{tuple(bias.shape)}, topk {topk}")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"moe_gate: fp32 logits expected, got {logits.dtype}")
+    T, E = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    w = torch.empty(T, topk, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(T, topk, dtype=torch.int64, device=logits.device)
+    if T:
+        e_p2 = triton.next_power_of_2(E)
+        _gate_kernel[(T,)](logits, bias.contiguous(), w, idx, E, logits.stride(0), float(route_scale), K=topk,
+                           E_P2=e_p2, K_P2=triton.next_power_of_2(topk), num_warps=4 if e_p2 <= 1024 else 8)
+    return w, idx
+
+
+REGISTRATIONS = {"moe_gate_sqrtsoftplus": moe_gate_sqrtsoftplus}
