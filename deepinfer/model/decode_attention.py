@@ -61,10 +61,12 @@ def _compress_step(attn: V4Attention, p: dict, state: CompressorState, xf: torch
 
     r, slots, pos = state.ratio, rows.state_slots, rows.positions
     off = r if state.overlap else 0  # overlap: rows [0, r) hold the previous complete block
+    phase = pos % r  # the token's row in its block (computed once: each tensor op is a kernel on cuda)
+    row = phase + off
     kv = xf @ p["wkv.weight"].T  # [B, c*w]
-    score = xf @ p["wgate.weight"].T + p["ape"][pos % r]
-    state.kv[slots, off + pos % r] = kv
-    state.score[slots, off + pos % r] = score
+    score = xf @ p["wgate.weight"].T + p["ape"][phase]
+    state.kv[slots, row] = kv
+    state.score[slots, row] = score
     kv_s, sc_s = state.kv[slots], state.score[slots]  # [B, c*r, c*w] (copies)
     if state.overlap:  # previous block's A-half and the current block's B-half: one softmax over 2r rows
         w = kv_s.shape[-1] // 2
