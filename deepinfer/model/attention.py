@@ -104,8 +104,16 @@ class V4Attention:
         return torch.where(top >= visible.unsqueeze(1), -1, top)
 
     # ------------------------------------------------------------------ forward
+    # fast numerics: the batched extend path (model/extend_attention.py); False runs the per-sequence
+    # `_forward_official` loop instead (the reference the batched path is tested bit-identical against)
+    batched_extend = True
+
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
         """x [T, D] (normed input of the flat batch) -> [T, D]."""
+        if self.fast and self.batched_extend:
+            from deepinfer.model.extend_attention import extend_attention  # imports this module
+
+            return extend_attention(self, x, ctx, cache)
         if self.official:
             return self._forward_official(x, ctx, cache)
         cfg, p, r, win = self.cfg, self.p, self.ratio, self.win

@@ -87,12 +87,24 @@ class ForwardContext:
         if self.positions.device == torch.device(device):
             return self
         moved = copy.copy(self)
-        object.__setattr__(moved, "positions", self.positions.to(device))
+        object.__setattr__(moved, "positions", host_to_device(self.positions, device))
         return moved
 
     @classmethod
     def build(cls, seqs: Sequence[SeqContext], all_logits: bool = False) -> "ForwardContext":
         return cls(tuple(seqs), all_logits)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without a stream sync on cuda: pinned, then a non-blocking copy (torch's
+    caching host allocator keeps the pinned block until the copy has run). A plain `.to("cuda")` of pageable
+    memory waits for the stream, i.e. for every kernel queued before it."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("deepinfer_forward_ctx", default=None)
@@ -120,8 +132,12 @@ def check_batch(token_ids: torch.Tensor, ctx: ForwardContext, cfg, cache) -> Non
     block tables covering every position whose compressed entries the step writes."""
     if token_ids.dim() != 1 or token_ids.shape[0] != ctx.num_tokens:
         raise ValueError(f"token_ids must be flat [{ctx.num_tokens}], got {tuple(token_ids.shape)}")
-    if int(token_ids.min()) < 0 or int(token_ids.max()) >= cfg.vocab_size:
-        raise ValueError("token id outside the vocabulary")
+    if token_ids.device.type == "cpu":
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= cfg.vocab_size:
+            raise ValueError("token id outside the vocabulary")
+    elif token_ids.numel():  # device ids (benchmarks, drafters): checked on the device, no host sync
+        ok = ((token_ids >= 0) & (token_ids < cfg.vocab_size)).all()
+        torch._assert_async(ok, "token id outside the vocabulary")
     for s in ctx.seqs:
         if not (0 <= s.window_slot < cache.max_num_seqs and 0 <= s.state_slot < cache.max_num_seqs):
             raise ValueError(f"slot out of range in {s}")

@@ -18,13 +18,17 @@ Must not: import the reference oracle (it is the independent implementation this
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.attention import V4Attention, _sub
 from deepinfer.model.cache import V4Cache
-from deepinfer.model.context import ForwardContext, check_batch, forward_context, get_forward_context
+from deepinfer.model.context import (ForwardContext, check_batch, forward_context, get_forward_context,
+                                     host_to_device)
+from deepinfer.model.extend_metadata import build_extend_rows, extend_step
 from deepinfer.model.moe import V4MoE
 
 SUPPORTED_NUMERICS = ("exact", "official", "fast")
@@ -136,7 +140,7 @@ class V4EngineModel:
         batch it is correct but only chaotically close to the oracle's batch-1 bits.)"""
         ctx = get_forward_context()
         self._check(token_ids, ctx)  # on the ids as given (the runner passes host ids: no device sync)
-        token_ids, ctx = token_ids.to(self.device), ctx.on(self.device)
+        token_ids, ctx = host_to_device(token_ids, self.device), ctx.on(self.device)
         self.cache.begin_step()
         for s in ctx.seqs:
             if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
@@ -147,9 +151,18 @@ class V4EngineModel:
         tap = self._per_sequence_tap(ctx) if self.tap else None
         if tap:
             tap("embed", x)
-        for i, block in enumerate(self.layers):
-            x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}")
+        with self._extend_rows(ctx):  # fast numerics: the rows every layer reads, built once per step
+            for i, block in enumerate(self.layers):
+                x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}")
         return x
+
+    def _extend_rows(self, ctx: ForwardContext):
+        if not self.fast or not V4Attention.batched_extend:
+            return contextlib.nullcontext()
+        cfg = self.cfg
+        ratios = tuple(sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r}))
+        rows = build_extend_rows(ctx, cfg.window_size, self.cache.block_size, ratios, self.device)
+        return extend_step(ctx, rows)
 
     def _per_sequence_tap(self, ctx: ForwardContext):
         """Split the flat batch so each recorded tensor holds exactly one sequence's rows."""
@@ -209,6 +222,6 @@ class V4EngineModel:
             return torch.cat(out)
         with forward_context(ctx):
             x = self.hidden(token_ids)
-        return self.logits(x[ctx.logit_rows().to(self.device)])  # only the needed rows: the head is vocab x dim
+        return self.logits(x[host_to_device(ctx.logit_rows(), self.device)])  # only the needed rows: the head is vocab x dim
 
     __call__ = forward

@@ -1,9 +1,8 @@
 """Triton codec of the FP8 KV layouts of `cache/layouts.py` (codec "fp8_e8m0": v4_fp8_ds_mla, v41_window_fp8).
 
 Owns: `kv_encode(layout, x)` and `kv_decode(layout, packed)`, meant as the CUDA twins of `KVLayout.store` /
-`.load` bit for bit. STATUS: checked bit-exact only under TRITON_INTERPRET (with round-to-nearest-even
-conversions, as the GPU does); its `-m gpu` test (tests/test_kernels_attn.py) has not passed on a GPU yet,
-so the module is NOT in kernels.triton.KERNEL_MODULES: add it there once that test passes. x rounded to bf16, per block of `layout.block` channels
+`.load` bit for bit (tests/test_kernels_attn.py `-m gpu`, and under TRITON_INTERPRET); registered in
+kernels.triton.KERNEL_MODULES, so fast numerics' cache encode/decode on cuda goes through it. x rounded to bf16, per block of `layout.block` channels
 amax (floored at 1e-4) -> the official pow2 scale 2**ceil(log2(amax * fp32(1/448))) by the exponent-bit
 trick -> E4M3 RNE of clamp(x / s, +-448); the entry bytes [E4M3 values | rope tail as raw bf16 | E8M0
 scale bytes | zero pad]. Decode multiplies the E4M3 value by its scale in fp32 and rounds to bf16, as the

@@ -1,0 +1,154 @@
+"""Count the torch function calls and host syncs of fast-numerics prefill/extend steps on the tiny V4
+checkpoint (CPU torch twins), grouped by the engine code they come from, and time the steps.
+
+    PYTHONPATH=$PWD python benchmarks/count_prefill_ops.py [--tokens 512] [--chunk 128] [--seqs 1] [--top 25]
+
+A "sync" is any call that needs a device value on the host (`.item()`, `.tolist()`, `bool()`/`int()` of a
+tensor, `nonzero`, one-argument `where`, `unique`, `masked_select`, ...): on cuda each waits for the stream.
+Must not: change the model; it only observes (TorchFunctionMode) and times.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SYNC_NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere", "unique",
+              "masked_select", "repeat_interleave", "bincount", "cpu", "numpy", "equal", "allclose"}
+
+
+def _is_sync(func, args) -> bool:
+    name = getattr(func, "__name__", str(func))
+    if name in SYNC_NAMES:
+        return name != "repeat_interleave" or not isinstance(args[1] if len(args) > 1 else None, int)
+    if name == "where" and len(args) == 1:
+        return True
+    if name in ("to",) and any(a == "cpu" or a == torch.device("cpu") for a in args[1:]):
+        return True
+    return False
+
+
+def cuda_kernel_ops() -> set[str]:
+    """Ops that are one kernel on cuda (kernels.triton's REGISTRATIONS, kv_pack, the cuBLAS bf16 GEMMs): their
+    CPU twins' inner calls count as ONE call, so the totals approximate the cuda launches. Needs triton
+    importable (the kernels are not run)."""
+    import importlib
+
+    from deepinfer.kernels.triton import KERNEL_MODULES
+
+    names = {"grouped_proj_bf16", "head_logits_bf16"}
+    for m in set(KERNEL_MODULES) | {"kv_pack"}:
+        names |= set(importlib.import_module(f"deepinfer.kernels.triton.{m}").REGISTRATIONS)
+    return names
+
+
+class CallCounter(TorchFunctionMode):
+    """Every torch function call attributed to its innermost deepinfer frame (file:function:line); a call
+    inside a cuda-fused op's twin counts once per op call, attributed to the op's caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused_ops = cuda_kernel_ops()
+        self._last_fused = None
+        self.by_function: collections.Counter = collections.Counter()
+        self.by_line: collections.Counter = collections.Counter()
+        self.syncs: collections.Counter = collections.Counter()
+        self.total = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        f = sys._getframe(1)
+        fused = None
+        g = f
+        while g is not None:  # the outermost fused-op frame, if any
+            if "/deepinfer/kernels/" in g.f_code.co_filename and \
+                    g.f_code.co_name.removesuffix("_torch").removesuffix("_cublas") in self.fused_ops:
+                layout = g.f_locals.get("layout")  # kv_pack: only the fp8_e8m0 codec is a kernel
+                if layout is None or getattr(layout, "codec", None) == "fp8_e8m0":
+                    fused = g
+            g = g.f_back
+        if fused is not None:
+            if fused is self._last_fused:
+                return func(*args, **(kwargs or {}))
+            self._last_fused = fused
+            f = fused.f_back
+        where = "?"
+        while f is not None:
+            path = f.f_code.co_filename
+            if "/deepinfer/" in path and "/benchmarks/" not in path:
+                rel = path.split("/deepinfer/", 1)[1]
+                where = f"{rel}:{f.f_code.co_name}"
+                line = f"{where}:{f.f_lineno}"
+                break
+            f = f.f_back
+        else:
+            line = where
+        name = getattr(func, "__name__", str(func))
+        if name not in ("__get__", "__set__", "shape", "dtype", "device", "size", "dim", "stride", "is_cuda"):
+            self.total += 1
+            self.by_function[where] += 1
+            self.by_line[line] += 1
+            if fused is None and _is_sync(func, args):
+                self.syncs[f"{line} {name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=0, help="prefill in chunks of this many tokens (0: one step)")
+    ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from deepinfer.config import ModelConfig
+    from deepinfer.model import ForwardContext, SeqContext
+    from deepinfer.model.factory import build_v4_model
+    from deepinfer.tiny import default_model_dir
+    from deepinfer.weights import load_tensors
+
+    path = default_model_dir("v4")
+    cfg = ModelConfig.from_checkpoint(path)
+    raw = load_tensors(path, cfg, progress=False)
+    blocks = -(-args.tokens // 128)
+    model = build_v4_model(cfg, raw, "fast", "cpu", num_blocks=blocks * args.seqs, max_num_seqs=args.seqs)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, cfg.vocab_size, (args.seqs, args.tokens), generator=g)
+    chunk = args.chunk or args.tokens
+    counter = CallCounter()
+    t0 = time.perf_counter()
+    with counter:
+        for start in range(0, args.tokens, chunk):
+            n = min(chunk, args.tokens - start)
+            ctx = ForwardContext(tuple(SeqContext(start, n, i, i, tuple(range(i * blocks, (i + 1) * blocks)))
+                                       for i in range(args.seqs)))
+            model(ids[:, start : start + n].flatten(), ctx)
+    dt = time.perf_counter() - t0
+    print(f"{args.seqs} x {args.tokens} tokens in chunks of {chunk}: {counter.total} torch calls, "
+          f"{sum(counter.syncs.values())} syncs, {dt * 1e3:.0f} ms (with counting)")
+    print("\n-- by function --")
+    for k, v in counter.by_function.most_common(args.top):
+        print(f"{v:7d}  {k}")
+    print("\n-- by line --")
+    for k, v in counter.by_line.most_common(args.top):
+        print(f"{v:7d}  {k}")
+    print("\n-- syncs --")
+    for k, v in sorted(counter.syncs.items()):
+        print(f"{v:7d}  {k}")
+    t0 = time.perf_counter()
+    model2 = build_v4_model(cfg, raw, "fast", "cpu", num_blocks=blocks * args.seqs, max_num_seqs=args.seqs)
+    t0 = time.perf_counter()
+    for start in range(0, args.tokens, chunk):
+        n = min(chunk, args.tokens - start)
+        ctx = ForwardContext(tuple(SeqContext(start, n, i, i, tuple(range(i * blocks, (i + 1) * blocks)))
+                                   for i in range(args.seqs)))
+        model2(ids[:, start : start + n].flatten(), ctx)
+    print(f"\nuncounted: {(time.perf_counter() - t0) * 1e3:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

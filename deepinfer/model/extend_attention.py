@@ -1,0 +1,167 @@
+"""V4 attention of a varlen extend batch (prefill chunks, long extends, mixed prefill + decode) in fast
+numerics, with the step's rows from `extend_metadata` (built once per step, one host-to-device copy) and no
+host sync: a layer is a fixed handful of ops plus, only on indexer layers, one scoring + top-k per sequence
+(its keys are its own).
+
+Owns: `extend_attention(attn, x, ctx, cache)` (one layer) and `compress_step` (its compressors).
+Same math, rounding points and index-row order as `V4Attention._forward_official` with fast=True (the
+per-sequence path, kept for official numerics and as this path's reference: CPU results are bit-identical,
+tests/test_engine_fast_prefill.py); the differences are in organisation only:
+* the cache codec goes through the registry's `kv_encode` / `kv_decode` (one Triton kernel each on cuda for
+  the FP8 layouts; the layout's own codec elsewhere: the same bytes);
+* the window ring is read for every sequence in one gather and written in one scatter;
+* every sequence's compressed entries of a ratio are gathered (and their indexer keys decoded) at once; on
+  indexer layers a sequence whose S queries select fewer entries in total (S * k) than it has decodes only
+  the selected ones (decode-like steps of long sequences), else all of its visible entries once;
+* the completed entries of all sequences are encoded in one call per compressor and stored in one scatter.
+Must not: import the oracle; read host values of device tensors (no .item(), .tolist(), nonzero).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer import formats, kernels
+from deepinfer.model.cache import LayerCache, V4Cache
+from deepinfer.model.compressor import compress_extend
+from deepinfer.model.context import ForwardContext
+from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, current_extend_rows
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _encode(attn, lc: LayerCache, role: str, x: torch.Tensor) -> torch.Tensor:
+    return x if lc.layouts is None else kernels.get("kv_encode", attn.kdev)(lc.layouts[role], x)
+
+
+def _decode(attn, lc: LayerCache, role: str, stored: torch.Tensor) -> torch.Tensor:
+    return stored if lc.layouts is None else kernels.get("kv_decode", attn.kdev)(lc.layouts[role], stored)
+
+
+def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr: RatioExtendRows) -> None:
+    """Run both compressors of every sequence (one projection GEMM each for the batch) and store the entries
+    the step completes: one encode and one scatter per compressor."""
+    jobs = [(attn.comp_p, lc.comp_state, lc.comp, False, "compressed")]
+    if attn.has_indexer:
+        jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
+    xf = x.to(F32)
+    for p, state, store, rotate, role in jobs:
+        kv_all, gate_all = xf @ p["wkv.weight"].T, xf @ p["wgate.weight"].T
+        entries, where = [], []
+        for i, s in enumerate(ctx.seqs):
+            rows = ctx.rows(i)
+            first, e = compress_extend(p, state, s.state_slot, x[rows], s.start_pos, attn.inv_freq, attn.eps,
+                                       rotate, True, attn.kdev, (kv_all[rows], gate_all[rows]))
+            if e.shape[0]:
+                start = rr.ent_start[i] + first
+                entries.append(e)
+                where.append(rr.entry_rows[start : start + e.shape[0]])
+        if entries:
+            store[torch.cat(where)] = _encode(attn, lc, role, torch.cat(entries))
+
+
+def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rr: RatioExtendRows, q_idx: torch.Tensor,
+                       w_idx: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: score its entries, take the stable top-k of the visible ones -> (stored entries the pool
+    appends [N, bytes], index columns [T, C] into the pool counted from `base`, -1 = none)."""
+    k = lambda name: kernels.get(name, attn.kdev)  # noqa: E731
+    keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])  # every sequence's keys in one decode
+    dev = q_idx.device
+    pieces, parts = [], []
+    for i, s in enumerate(ctx.seqs):
+        S, n, e0 = s.num_new, rr.n_ent[i], rr.ent_start[i]
+        if not n:
+            parts.append(torch.full((S, 0), -1, dtype=torch.long, device=dev))
+            continue
+        rows = ctx.rows(i)
+        visible = rr.visible[rows].unsqueeze(1)
+        scores = k("indexer_scores_bf16")(q_idx[rows], w_idx[rows], keys[e0 : e0 + n])  # [S, n]
+        scores = scores.masked_fill(torch.arange(n, device=dev) >= visible, float("-inf"))
+        sel = k("stable_topk")(scores, min(attn.cfg.index_topk, n))
+        sel = torch.where(sel >= visible, -1, sel)
+        ent = rr.entry_rows[e0 : e0 + n]
+        K = sel.shape[1]
+        if S * K < n:  # fewer selections than entries: gather and decode only what the queries read
+            pieces.append(lc.comp[ent[sel.clamp(min=0)].flatten()])
+            cols = base + torch.arange(S * K, device=dev).view(S, K)
+            parts.append(torch.where(sel >= 0, cols, -1))
+            base += S * K
+        else:
+            pieces.append(lc.comp[ent])
+            parts.append(torch.where(sel >= 0, sel + base, -1))
+            base += n
+    width = max(t.shape[1] for t in parts)
+    cols = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in parts])
+    return torch.cat(pieces), cols
+
+
+def _index_rows(rows: ExtendRows, comp_cols: torch.Tensor | None, comp_width: tuple[int, ...]) -> torch.Tensor:
+    """[T, K] index rows: each sequence's window columns, then its compressed columns, padded with -1 to
+    the widest sequence's total (the per-sequence path's layout exactly)."""
+    win = rows.window_idx
+    if comp_cols is None:
+        return win
+    widths = rows.window_width
+    total = max(w + c for w, c in zip(widths, comp_width))
+    if len(set(widths)) == 1:  # every sequence's compressed part starts at the same column
+        return torch.cat([win, comp_cols], dim=1)[:, :total]
+    T, C = comp_cols.shape
+    out = torch.full((T, win.shape[1] + C), -1, dtype=torch.long, device=win.device)
+    out[:, : win.shape[1]] = win
+    cols = rows.window_width_row.unsqueeze(1) + torch.arange(C, device=win.device)
+    return out.scatter_(1, cols, comp_cols)[:, :total]
+
+
+def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
+    """x [T, D] bf16 (normed input of the flat batch) -> [T, D] bf16."""
+    cfg, p, r = attn.cfg, attn.p, attn.ratio
+
+    def k(name: str):
+        return kernels.get(name, attn.kdev)
+
+    qlinear, rope = k("fp8_linear"), k("rope32")
+
+    def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return k("rms_norm")(t.to(F32), w, attn.eps).to(BF16)
+
+    rows = current_extend_rows(ctx, cfg, cache)
+    lc = cache.layers[attn.layer]
+    pos = ctx.positions
+    T = x.shape[0]
+    qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
+    q = qlinear(qr, p["wq_b.weight"]).view(T, attn.H, attn.hd)
+    q = rope(k("head_rms_norm")(q, attn.eps), pos, attn.inv_freq)
+    kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, attn.inv_freq)  # [T, hd]
+    kv_stored = _encode(attn, lc, "window", kv)
+    kv = _decode(attn, lc, "window", kv_stored)  # the fake-quantised values the oracle attends to and caches
+    ring = lc.ring.flatten(0, 1)  # [slots * window, bytes] view
+    ring_kv = _decode(attn, lc, "window", ring[rows.ring_read])  # read before this step's rows overwrite it
+    ring[rows.ring_write] = kv_stored[rows.kv_write]
+    pool = [ring_kv, kv]
+    comp_cols, comp_width = None, ()
+    if r:
+        rr = rows.ratios[r]
+        compress_step(attn, lc, ctx, x, rr)  # entries completed by this step are visible to it
+        base = ring_kv.shape[0] + T  # the compressed entries' first pool row
+        if any(rr.n_ent):
+            if attn.has_indexer:
+                ihd, nh = cfg.index_head_dim, cfg.index_n_heads
+                q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(T, nh, ihd)
+                q_idx = formats.fp4_fake_quant(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
+                w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+                stored, comp_cols = _indexer_selection(attn, lc, ctx, rr, q_idx, w_idx, base)
+                comp_width = tuple(min(cfg.index_topk, n) for n in rr.n_ent)
+            else:  # every visible entry, ascending
+                stored = lc.comp[rr.entry_rows]
+                j = torch.arange(max(rr.n_ent), device=x.device)
+                comp_cols = torch.where(j < rr.visible.unsqueeze(1), base + rr.ent_start_row.unsqueeze(1) + j, -1)
+                comp_width = rr.n_ent
+            pool.append(_decode(attn, lc, "compressed", stored))
+    idx = _index_rows(rows, comp_cols, comp_width)
+    o = k("sparse_attn_sink_official")(q, torch.cat(pool), p["attn_sink"], idx, attn.hd**-0.5)
+    o = rope(o, pos, attn.inv_freq, inverse=True)
+    G = attn.G
+    wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
+    z = k("grouped_proj_bf16")(o.reshape(T, G, -1), wo_a)  # the official bf16 einsum, no fp32 copy of wo_a
+    out = qlinear(z.flatten(1), p["wo_b.weight"])
+    return out if attn.comm is None else attn.comm.attn_out(out)
