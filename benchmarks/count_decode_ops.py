@@ -23,7 +23,7 @@ NO_KERNEL = {"empty", "empty_strided", "detach", "lift_fresh", "_local_scalar_de
              "set_", "resolve_conj", "resolve_neg", "is_nonzero", "item", "sym_size", "sym_stride", "dim"}
 
 
-def cuda_kernel_ops() -> set[str]:
+def cuda_kernel_ops(extra: tuple[str, ...] = ()) -> set[str]:
     """Op names registered for cuda by kernels.triton (plus the cuBLAS bf16 GEMMs): each is one (or a few)
     kernels on cuda, so one call counts as one launch and its torch twin's inner ops are skipped. Needs
     triton importable (it is on the dev machines; the kernels are not run)."""
@@ -32,7 +32,7 @@ def cuda_kernel_ops() -> set[str]:
     from deepinfer.kernels.triton import KERNEL_MODULES
 
     names = {"grouped_proj_bf16", "head_logits_bf16"}
-    for m in KERNEL_MODULES:
+    for m in KERNEL_MODULES + tuple(extra):
         names |= set(importlib.import_module(f"deepinfer.kernels.triton.{m}").REGISTRATIONS)
     return names
 
@@ -54,10 +54,10 @@ GROUPS = [  # (group, regex on the innermost model frame "file:function"); first
 class _OpCounter(TorchDispatchMode):
     """Counts every dispatched aten op that launches a kernel, attributed to its decode-path source line."""
 
-    def __init__(self, line_of: dict[int, str]) -> None:
+    def __init__(self, line_of: dict[int, str], extra: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.line_of = line_of
-        self.fused_ops = cuda_kernel_ops()
+        self.fused_ops = cuda_kernel_ops(extra)
         self.groups: collections.Counter = collections.Counter()
         self.lines: collections.Counter = collections.Counter()
         self._last_fused = None  # the frame object of the fused-op call already counted
@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--pos", type=int, default=130, help="prompt length before the profiled step")
     ap.add_argument("--top", type=int, default=0, help="also print the N most frequent source lines")
+    ap.add_argument("--with", dest="extra", default="", help="Triton modules not yet in KERNEL_MODULES to count "
+                    "as registered, comma-separated (e.g. fp4_quant)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from deepinfer.config import ModelConfig
@@ -147,7 +149,7 @@ def main() -> None:
     seqs = [SeqContext(args.pos, 1, i, i, tab[i]) for i in range(B)]
     ids = torch.ones(B, dtype=torch.long)
     runner(ids, seqs)  # warm
-    counter = _OpCounter(attention_lines())
+    counter = _OpCounter(attention_lines(), tuple(m for m in args.extra.split(",") if m))
     with counter:
         runner(ids, seqs)
     groups, lines = counter.groups, counter.lines

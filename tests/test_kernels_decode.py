@@ -1,6 +1,8 @@
-"""Kernels of the fast decode step that are not GEMMs or attention: the V4 MoE gate
-(`moe_gate_sqrtsoftplus`: sqrt-softplus, biased top-k, renormalise, scale in one Triton kernel) against its
-torch twin in `kernels/official_fused.py`, which is exactly `V4MoE.route`'s sequence of torch ops.
+"""Kernels of the fast decode step that are not GEMMs or attention, against their torch twins in
+`kernels/official_fused.py`: the V4 MoE gate (`moe_gate_sqrtsoftplus`: sqrt-softplus, biased top-k,
+renormalise, scale in one Triton kernel; the twin is exactly `V4MoE.route`'s sequence of torch ops) and the
+indexer q's FP4 fake quantisation (`fp4_fake_quant`, bit for bit: also checked under TRITON_INTERPRET on the
+CPU when triton is installed, since its GPU test has not run yet).
 
 CPU: the twin equals the route's formula written out, and rejects bad shapes. GPU (-m gpu): the Triton
 kernel vs the twin on fresh random logits at decode and prefill row counts: same experts in the same
@@ -56,3 +58,59 @@ def test_gate_triton_matches_its_twin(T, E, k):
     torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0)
     with pytest.raises(ValueError, match="fp32"):
         gate_triton(logits.half(), bias, k, 1.5)
+
+
+# ------------------------------------------------------------------------------------- FP4 fake quant
+def _fp4_inputs(gen: torch.Generator, shape, scale, device="cpu") -> torch.Tensor:
+    """Random bf16 values plus every E2M1 midpoint (ties to the even code), signed zeros, tiny values and an
+    all-zero block (the amax floor)."""
+    x = (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+    flat = x.view(-1)
+    flat[:8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]).to(torch.bfloat16)
+    flat[32:40] = torch.tensor([-0.25, -0.0, 0.0, -1e-30, 1e-30, -5.0, -3.5, -6.0]).to(torch.bfloat16)
+    flat[64:96] = 0
+    return x.to(device)
+
+
+_INTERPRET_CHECK = """
+import torch
+from deepinfer.kernels.triton.fp4_quant import fp4_fake_quant
+from deepinfer.kernels.official_fused import fp4_fake_quant as twin
+import test_kernels_decode as t
+g = torch.Generator().manual_seed(5)
+for shape, scale in [((2, 4, 128), 1.0), ((3, 64), 1e-3), ((1, 96), 40.0)]:
+    x = t._fp4_inputs(g, shape, scale)
+    for v in (x, x.float()):
+        a, b = fp4_fake_quant(v), twin(v)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (shape, v.dtype)
+print("ok")
+"""
+
+
+def test_fp4_fake_quant_triton_is_its_twin_under_the_interpreter():
+    """The Triton kernel run by TRITON_INTERPRET on the CPU (a fresh process: the flag is read at import)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
+    res = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,scale", [((1, 64, 128), 1.0), ((128, 64, 128), 3.0), ((5, 96), 1e-4)])
+def test_fp4_fake_quant_triton_is_its_twin_bit_for_bit(shape, scale):
+    from deepinfer.kernels.official_fused import fp4_fake_quant as twin
+    from deepinfer.kernels.triton.fp4_quant import fp4_fake_quant
+
+    x = _fp4_inputs(torch.Generator().manual_seed(sum(shape)), shape, scale, "cuda")
+    for v in (x, x.float()):
+        got, ref = fp4_fake_quant(v), twin(v)
+        assert got.dtype == ref.dtype and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fp4_fake_quant(x[..., :48])

@@ -5,7 +5,7 @@ Owns: `hc_pre_fused` (hc mixes, Sinkhorn split, collapse, bf16 round, RMSNorm, b
 steps `V4Block._hc_official` runs before a sublayer), `hc_post_fused` (hc_post rounded once to bf16), and
 `kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace),
 `moe_gate_sqrtsoftplus` (the V4 gate after its logits GEMM: sqrt-softplus, bias-only selection, top-k,
-renormalise, scale: exactly `V4MoE.route`'s ops).
+renormalise, scale: exactly `V4MoE.route`'s ops), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op).
 Must not: hold state or import the model or the reference oracle; change a rounding point of the
 unfused sequence (the engine may call either and must get the same bits on CPU).
 """
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer import formats
 from deepinfer.kernels import torch_ops
 
-__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode", "moe_gate_sqrtsoftplus"]
+__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -63,3 +64,8 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
     weights = scores.gather(1, indices)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * route_scale, indices
+
+
+def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """E2M1 values with E8M0 pow2 scales per `block` values, dequantised, in x's dtype (the indexer's q)."""
+    return formats.fp4_fake_quant(x, block)

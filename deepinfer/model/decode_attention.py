@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer import formats, kernels
+from deepinfer import kernels
 from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.decode_metadata import DecodeRows, RatioRows
@@ -115,7 +115,7 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
             if attn.has_indexer:
                 ihd, nh = cfg.index_head_dim, cfg.index_n_heads
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
-                q_idx = formats.fp4_fake_quant(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
+                q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
                 keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])  # [B, E, ihd]
                 scores = k("indexer_scores_batched_bf16")(q_idx, w_idx, keys).masked_fill(rr.hidden, float("-inf"))
