@@ -43,11 +43,11 @@ class ModelRunner:
         this rank's slices of the checkpoint); None in one process."""
         self.comm = comm
         self.device = engine_device(config.device)
-        if cfg.is_v41 and self.device.type != "cpu":
-            raise NotImplementedError(f"the V4.1 engine runs on the CPU only (device {config.device!r} asked)")
-        if cfg.is_v41:  # family v41: its own model, cache and sizing (exact or official numerics)
+        if cfg.is_v41:  # family v41: its own model, cache and sizing (any numerics; no batched decode path)
             from deepinfer.model.v41 import build_for_runner
 
+            if self.device.type == "cuda":
+                start_cuda_kernels()
             self.config, self.cfg, self.numerics = config, cfg, config.numerics
             self.dtype = torch.float64 if config.numerics == "exact" else torch.float32  # logits dtype
             load = None if comm is None else (lambda d, c: load_rank_tensors(d, c, comm.parallel))

@@ -6,7 +6,13 @@ compressed vocabulary), `EngramHistory` (the last max_ngram-1 compressed ids of 
 sequence's n-grams reach across calls of any length; DEAD after a reset) and `EngramLayer` (exact
 numerics: float64, no FP8 rounding of activations; official numerics: table rows dequantised in fp32 and
 rounded to bf16, wkv an FP8 linear with activation quantisation per cfg.act_block, gate in fp32, the
-updated residual rounded to bf16).
+updated residual rounded to bf16; fast numerics: the same with wkv kept FP8 as a `QuantLinearWeight` run by
+the `fp8_linear` op of its device).
+Devices: the hashes are computed on the host (from the host token ids) and the TABLES STAY ON THE HOST
+wherever the loader put them: a step gathers its unique rows there (FP8 bytes + E8M0 scales, never a
+dequantised table) and moves only those rows to the model's device, where they are dequantised. Why: the
+real V4.1 tables are many GiB per engram layer, read a few thousand rows per step; copying them to the
+accelerator would take memory the KV cache needs, for a per-step transfer of a few MiB.
 Must not: import the reference oracle (tests check this copy against the oracle's hasher).
 """
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from deepinfer import formats, kernels
 from deepinfer.config import ModelConfig
+from deepinfer.kernels.quant_weights import QuantLinearWeight
 from deepinfer.model.context import ForwardContext
 
 DEAD = -1  # history entry that no n-gram reaches across (never written / reset)
@@ -148,24 +155,35 @@ class EngramHasher:
 
 # ------------------------------------------------------------------------------------------ layer
 def engram_params(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int,
-                  dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> engine engram params: table + scale left as stored, wkv dequantised."""
+                  dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
+                  fast: bool = False) -> dict:
+    """Checkpoint tensors -> engine engram params: table + scale left as stored on the host, wkv dequantised
+    (fast: kept FP8 as a QuantLinearWeight) and the gate weight on `device`."""
     p = f"layers.{layer}.engram."
     w, scale = raw[p + "wkv.weight"], raw.get(p + "wkv.scale")
-    wkv = formats.dequant_fp8_blocks(w, scale, cfg.weight_block) if scale is not None else w.to(torch.float32)
-    return {"embed.weight": raw[p + "embed.weight"], "embed.scale": raw[p + "embed.scale"], "wkv.weight": wkv.to(dtype),
-            "wgt": raw[p + "q_weight"].to(dtype) * raw[p + "k_weight"].to(dtype)}
+    if fast:
+        if scale is None or w.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{p}wkv: fast numerics expects an FP8 E4M3 weight with a block scale, got {w.dtype}")
+        wkv = QuantLinearWeight.from_checkpoint(w.to(device), scale.to(device), cfg)
+    else:
+        wkv = formats.dequant_fp8_blocks(w, scale, cfg.weight_block) if scale is not None else w.to(torch.float32)
+        wkv = wkv.to(device, dtype)
+    wgt = (raw[p + "q_weight"].to(dtype) * raw[p + "k_weight"].to(dtype)).to(device)
+    return {"embed.weight": raw[p + "embed.weight"], "embed.scale": raw[p + "embed.scale"], "wkv.weight": wkv,
+            "wgt": wgt}
 
 
 class EngramLayer:
     """x [T, hc, D] -> x + gate * value, gate per (token, stream) from the table rows the hashes name."""
 
     def __init__(self, params: Mapping[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
-                 comm=None, layer: int | None = None) -> None:
+                 comm=None, layer: int | None = None, fast: bool = False) -> None:
         """comm (with `layer`): the table holds this tp rank's rows only (`ParallelConfig.engram_rows`);
-        foreign rows read as zero and the tp group sums the looked-up rows (spec §10.5)."""
+        foreign rows read as zero and the tp group sums the looked-up rows (spec §10.5).
+        fast: official rounding points, wkv a QuantLinearWeight (`engram_params(..., fast=True)`)."""
         self.p, self.hc, self.dim, self.eps = params, cfg.hc_mult, cfg.dim, cfg.norm_eps
-        self.official, self.act_block = official, cfg.act_block
+        self.official, self.fast, self.act_block = official or fast, fast, cfg.act_block
+        self.device = params["wgt"].device  # the model's device; the table stays where it is (host)
         self.comm = comm
         n = params["embed.weight"].shape[0]
         self.row_start, self.total_rows = 0, n
@@ -177,9 +195,10 @@ class EngramLayer:
                                  f"[{self.row_start}, {end}) of {self.total_rows}")
 
     def rows(self, hashes: torch.Tensor) -> torch.Tensor:
+        """hashes [T, cols] (host) -> dequantised rows [T, cols, hd] on the model's device."""
         table, scale = self.p["embed.weight"], self.p["embed.scale"]
         n_rows, hd = table.shape
-        flat = hashes.reshape(-1).long()
+        flat = hashes.reshape(-1).long().to(table.device)
         uniq, inverse = torch.unique(flat, return_inverse=True)
         if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.total_rows):
             raise IndexError(f"engram hash ids outside the table's {self.total_rows} rows")
@@ -189,19 +208,23 @@ class EngramLayer:
             foreign = (uniq < 0) | (uniq >= n_rows)
             uniq = uniq.masked_fill(foreign, 0)
         acc = torch.float32 if self.official else torch.float64
-        w = torch.index_select(table, 0, uniq).to(acc)
-        s = formats.scale_to_float(torch.index_select(scale, 0, uniq)).to(acc)
+        # gathered where the table lives, only the step's unique rows move (stored bytes: E4M3 + E8M0)
+        w = torch.index_select(table, 0, uniq).to(self.device).to(acc)
+        s = formats.scale_to_float(torch.index_select(scale, 0, uniq).to(self.device)).to(acc)
         vals = (w.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
         if self.official:
             vals = vals.to(torch.bfloat16)  # fp32 `fp8 * scale` rounded to bf16
         if foreign is not None:
-            vals = self.comm.engram_sum(vals.masked_fill(foreign.unsqueeze(-1), 0))
-        return vals[inverse].reshape(*hashes.shape, hd)
+            vals = self.comm.engram_sum(vals.masked_fill(foreign.to(self.device).unsqueeze(-1), 0))
+        return vals[inverse.to(self.device)].reshape(*hashes.shape, hd)
 
     def _official(self, x: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
         f32 = torch.float32
         emb = self.rows(hashes)  # [T, cols, hd] bf16
-        kv = kernels.get("qlinear")(emb.flatten(-2), self.p["wkv.weight"], self.act_block)  # bf16
+        if self.fast:
+            kv = kernels.get("fp8_linear", self.device.type)(emb.flatten(-2), self.p["wkv.weight"])  # bf16
+        else:
+            kv = kernels.get("qlinear")(emb.flatten(-2), self.p["wkv.weight"], self.act_block)  # bf16
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.to(f32).unflatten(-1, (self.hc, self.dim))
         h = x.to(f32)

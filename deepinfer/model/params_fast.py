@@ -13,6 +13,9 @@ tensors, e.g. `tiny.make_tensors`) into what the fast path computes with:
 * small tensors as the official numerics hold them: embedding bf16, every other float tensor fp32 (norms,
   hc, gate, sinks, compressors, indexer weights_proj), `tid2eid` int64.
 Memory is about the checkpoint's own size (plus small fp32 tensors).
+Both families: V4 (128x128 weight blocks, activations quantised per 128) and V4.1 (32x32 blocks, per 32: the
+containers carry cfg.weight_block / cfg.act_block). V4.1's engram tensors are not params here: the model's
+EngramLayer takes them from the checkpoint (`model/engram.py::engram_params`, tables left on the host).
 Must not: import the reference oracle, or dequantise an FP8/FP4 weight other than `wo_a`.
 """
 from __future__ import annotations
@@ -38,8 +41,6 @@ def prepare_params_fast(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, devic
                         skip_mtp: bool = True) -> dict[str, ParamValue]:
     """name -> tensor or quantised container on `device` (see the module doc). skip_mtp: the backbone does
     not need the MTP block."""
-    if cfg.is_v41:
-        raise NotImplementedError("fast numerics is implemented for family v4 only (this checkpoint is v41)")
     device = torch.device(device)
     dequantised = getattr(raw, "dequantised", set())
     out: dict[str, ParamValue] = {}

@@ -11,6 +11,14 @@ activations, FP8 activation quantisation per cfg.act_block before FP8/FP4 GEMMs,
 collapse / norms (eps as configured) / gate / ratio-2 compressor / RoPE / head, packed FP8/FP4 caches; needs
 `prepare_params(..., numerics="official")` and `V41Cache(..., numerics="official")`). Official runs the
 sequences of a batch one per call (shapes of the oracle's batch-1 calls, hence its bits; see V4EngineModel).
+`fast`: the official rounding points BATCHED (no one-sequence-per-call), FP8 weights (32x32 blocks) and FP4
+experts kept quantised (`params_fast.prepare_params_fast`; engram wkv FP8 too), every op from the registry
+for the params' device (Triton on cuda once registered); the head is the checkpoint's bf16 with fp32
+accumulation and logits (`head_logits_bf16`). Any numerics runs on the device its params and cache live on:
+token ids and positions move there once per forward, the engram hashes and table rows are computed and
+gathered on the host (model/engram.py says why), the logits stay on the device (the runner brings them back).
+V4.1 has no batched decode path or CUDA graphs (model/decode_*.py are V4 only): every step takes this
+general varlen path.
 Debug tap: `tap(name, x, seq_index)` receives, per sequence of the ForwardContext, that sequence's rows of
 the FULL 4-stream residual [S, hc, D] after the embedding ("embed"), each engram update
 ("layers.{i}.engram") and each sublayer's hc_post ("layers.{i}.attn", "layers.{i}.ffn"), and the normed
@@ -30,23 +38,28 @@ from deepinfer.model.v41_attention import V41Attention, _sub
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_moe import V41MoE
 
-SUPPORTED_NUMERICS = ("exact", "official")
+SUPPORTED_NUMERICS = ("exact", "official", "fast")
 Tap = Callable[[str, torch.Tensor, int], None]
 F32, BF16 = torch.float32, torch.bfloat16
 
 
 class V41Block:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 all_params: dict[str, torch.Tensor], official: bool = False, comm=None) -> None:
-        self.p, self.cfg, self.official = _sub(params, f"layers.{layer}."), cfg, official
-        self.attn = V41Attention(layer, _sub(self.p, "attn."), cfg, all_params, official, comm)
-        self.ffn = V41MoE(layer, _sub(self.p, "ffn."), cfg, official, comm)
+                 all_params: dict[str, torch.Tensor], official: bool = False, comm=None, fast: bool = False) -> None:
+        self.p, self.cfg = _sub(params, f"layers.{layer}."), cfg
+        self.official, self.fast = official or fast, fast
+        self.kdev = self.p["attn_norm.weight"].device.type if fast else "cpu"  # whose kernels (see V41Attention)
+        self.attn = V41Attention(layer, _sub(self.p, "attn."), cfg, all_params, official, comm, fast)
+        self.ffn = V41MoE(layer, _sub(self.p, "ffn."), cfg, official, comm, fast)
+
+    def _k(self, name: str):
+        return kernels.get(name, self.kdev)
 
     def _mixes(self, x: torch.Tensor, which: str):
         cfg, p = self.cfg, self.p
-        mixes = kernels.get("hc_mix")(x, p[f"hc_{which}_fn"], cfg.norm_eps)
-        return kernels.get("hc_split_sinkhorn")(mixes, p[f"hc_{which}_scale"], p[f"hc_{which}_base"], cfg.hc_mult,
-                                                cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        mixes = self._k("hc_mix")(x, p[f"hc_{which}_fn"], cfg.norm_eps)
+        return self._k("hc_split_sinkhorn")(mixes, p[f"hc_{which}_scale"], p[f"hc_{which}_base"], cfg.hc_mult,
+                                            cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
     def __call__(self, x, pre_mix, ctx: ForwardContext, cache: V41Cache, shared: dict, tap=None, name: str = ""):
         """x [T, hc, D], pre_mix [T, hc] -> (x, the pre mix for the next sublayer)."""
@@ -68,28 +81,36 @@ class V41Block:
 
     def _official(self, x, pre_mix, ctx: ForwardContext, cache: V41Cache, shared: dict, tap, name: str):
         """x [T, hc, D] bf16, pre_mix [T, hc] fp32: mixes, Sinkhorn, collapse, norm and mix-back in fp32,
-        rounded to bf16 after the collapse, the norm and the mix-back."""
-        rms, collapse, post_fn, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), kernels.get("hc_post"), \
-            self.cfg.norm_eps
+        rounded to bf16 after the collapse, the norm and the mix-back (fast: the mix-back as the fused
+        `hc_post_fused` op, whose twin is exactly these steps)."""
+        k, eps = self._k, self.cfg.norm_eps
+        rms, collapse = k("rms_norm"), k("hc_collapse")
+
+        def mix_back(f: torch.Tensor, residual: torch.Tensor, xf: torch.Tensor, post, comb) -> torch.Tensor:
+            if self.fast:  # f and the residual bf16, fp32 arithmetic inside, bf16 out
+                return k("hc_post_fused")(f, residual, post, comb)
+            return k("hc_post")(f.to(F32), xf, post, comb).to(BF16)
+
         xf = x.to(F32)
         attn_pre, post, comb = self._mixes(xf, "attn")
         y = rms(collapse(xf, pre_mix).to(BF16).to(F32), self.p["attn_norm.weight"], eps).to(BF16)
-        x = post_fn(self.attn(y, ctx, cache, shared).to(F32), xf, post, comb).to(BF16)
+        x = mix_back(self.attn(y, ctx, cache, shared), x, xf, post, comb)
         if tap:
             tap(f"{name}.attn", x)
         xf = x.to(F32)
         ffn_pre, post, comb = self._mixes(xf, "ffn")
         y = rms(collapse(xf, attn_pre).to(BF16).to(F32), self.p["ffn_norm.weight"], eps).to(BF16)
-        x = post_fn(self.ffn(y).to(F32), xf, post, comb).to(BF16)
+        x = mix_back(self.ffn(y), x, xf, post, comb)
         if tap:
             tap(f"{name}.ffn", x)
         return x, ffn_pre
 
 
 class V41EngineModel:
-    """V4.1 backbone + head over a paged `V41Cache` (exact or official numerics).
+    """V4.1 backbone + head over a paged `V41Cache` (exact, official or fast numerics).
 
-    params: `prepare_params` output (engram tensors are skipped there); `raw`: the checkpoint tensors, from
+    params: `prepare_params` output (fast: `prepare_params_fast`; engram tensors are skipped by both) on the
+    model's device; `raw`: the checkpoint tensors (host), from
     which the engram tables/wkv are taken (needed when cfg has engram layers); `tokenizer` (or a path to a
     tokenizer.json): the compressed vocabulary the n-gram hashes run over.
     """
@@ -103,12 +124,20 @@ class V41EngineModel:
             raise NotImplementedError(f"numerics {numerics!r} not implemented yet (have {SUPPORTED_NUMERICS})")
         if getattr(cache, "numerics", "exact") != numerics:
             raise ValueError(f"cache was built for numerics {cache.numerics!r}, model asks for {numerics!r}")
-        official = numerics == "official"
+        official, fast = numerics == "official", numerics == "fast"
         if official and params["embed.weight"].dtype != BF16:
             raise ValueError("official numerics need params from prepare_params(..., numerics='official')")
-        self.cfg, self.p, self.cache, self.numerics, self.official = cfg, params, cache, numerics, official
+        if fast and "layers.0.ffn.experts" not in params:
+            raise ValueError("fast numerics need params from params_fast.prepare_params_fast (quantised weights)")
+        self.device = params["embed.weight"].device
+        ring_device = cache.layers[0].ring.device if cache.layers else self.device
+        if ring_device != self.device:
+            raise ValueError(f"cache is on {ring_device}, params on {self.device}")
+        self.cfg, self.p, self.cache, self.numerics = cfg, params, cache, numerics
+        self.official, self.fast = official or fast, fast  # `official`: the official rounding points
+        self.kdev = self.device.type if fast else "cpu"  # exact/official: the torch twins on any device
         self.comm = comm  # a deepinfer.distributed.Communicator when params/raw are one rank's slices
-        self.layers = [V41Block(i, params, cfg, params, official, comm) for i in range(cfg.n_layers)]
+        self.layers = [V41Block(i, params, cfg, params, official, comm, fast) for i in range(cfg.n_layers)]
         # Debug tap (parity tools): tap(name, x, seq_index), see the module doc. Only this instance is
         # tapped: the runner's KV-sizing warm-up runs on a scratch instance.
         self.tap: Tap | None = None
@@ -118,8 +147,9 @@ class V41EngineModel:
         if cfg.engram_layer_ids:
             if raw is None or tokenizer is None:
                 raise ValueError("a V4.1 checkpoint with engram layers needs `raw` tensors and a `tokenizer`")
-            dtype = F32 if official else torch.float64
-            self.engrams = {i: EngramLayer(engram_params(raw, cfg, i, dtype), cfg, official, comm, i)
+            dtype = F32 if self.official else torch.float64
+            self.engrams = {i: EngramLayer(engram_params(raw, cfg, i, dtype, self.device, fast), cfg, official, comm,
+                                           i, fast)
                             for i in cfg.engram_layer_ids}
             token_map, size = compressed_token_map(tokenizer)
             self.hasher = EngramHasher(cfg, cache.max_num_seqs, token_map, size)
@@ -131,16 +161,19 @@ class V41EngineModel:
     def hidden(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The final 4-stream residual [T, hc, D] and the last block's pre mix [T, hc]."""
         ctx = get_forward_context()
-        self._check(token_ids, ctx)
+        self._check(token_ids, ctx)  # on the ids as given (the runner passes host ids: no device sync)
         for s in ctx.seqs:
             if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
                 self.cache.reset(s.window_slot, s.state_slot)
-        hashes = self.hasher(token_ids, ctx) if self.hasher is not None else None
+        # engram hashes on the host (per-slot history and table rows live there)
+        hashes = self.hasher(token_ids.cpu(), ctx) if self.hasher is not None else None
+        token_ids, ctx = token_ids.to(self.device), ctx.on(self.device)
+        self.cache.begin_step()
         T, hc = token_ids.shape[0], self.cfg.hc_mult
         table = self.p["embed.weight"]
         x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
         x = x.unsqueeze(1).repeat(1, hc, 1)
-        pre_mix = torch.zeros(T, hc, dtype=F32 if self.official else x.dtype)
+        pre_mix = torch.zeros(T, hc, dtype=F32 if self.official else x.dtype, device=self.device)
         pre_mix[:, 0] = 1.0
         tap = self._per_sequence_tap(ctx) if self.tap else None
         if tap:
@@ -164,7 +197,8 @@ class V41EngineModel:
     def final_hidden(self, x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         """Collapse with the last block's pre mix and the final norm: [N, hc, D] -> [N, D]
         (official: fp32 math, bf16 after the collapse and after the norm)."""
-        rms, collapse, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), self.cfg.norm_eps
+        rms, collapse, eps = kernels.get("rms_norm", self.kdev), kernels.get("hc_collapse", self.kdev), \
+            self.cfg.norm_eps
         if self.official:
             y = collapse(x.to(F32), pre_mix).to(BF16).to(F32)
             return rms(y, self.p["norm.weight"], eps).to(BF16)
@@ -174,12 +208,15 @@ class V41EngineModel:
         return self.head(self.final_hidden(x, pre_mix))
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
-        logits = (y.to(F32) if self.official else y) @ self.p["head.weight"].T
+        if self.fast:  # bf16 normed rows times the checkpoint's bf16 head, fp32 sums and logits
+            logits = kernels.get("head_logits_bf16", self.kdev)(y, self.p["head.weight"])
+        else:
+            logits = (y.to(F32) if self.official else y) @ self.p["head.weight"].T
         return logits if self.comm is None else self.comm.gather_vocab(logits)  # vocab-parallel head
 
     def idle_moe(self) -> None:
         """A data-parallel rank with no sequence this step still joins every layer's MoE token exchange."""
-        x = torch.zeros(0, self.cfg.dim, dtype=self.p["embed.weight"].dtype)
+        x = torch.zeros(0, self.cfg.dim, dtype=self.p["embed.weight"].dtype, device=self.device)
         for block in self.layers:
             block.ffn(x)
 
@@ -188,7 +225,7 @@ class V41EngineModel:
         with ctx.all_logits). Without `ctx`, uses the one entered with `forward_context`."""
         if ctx is None:
             ctx = get_forward_context()
-        if self.official and len(ctx.seqs) > 1:
+        if self.official and not self.fast and len(ctx.seqs) > 1:
             # One sequence per call, as V4EngineModel does: CPU torch rounds the last bit of GEMMs and
             # vectorised elementwise ops depending on a tensor's shape, and the quantised model amplifies
             # a last-bit difference chaotically; batch-1 shapes reproduce the oracle bit for bit.
@@ -202,7 +239,7 @@ class V41EngineModel:
             return torch.cat(out)
         with forward_context(ctx):
             x, pre_mix = self.hidden(token_ids)
-        rows = ctx.logit_rows()
+        rows = ctx.logit_rows().to(self.device)
         if self.tap:  # "final" covers every row, like the oracle's
             y = self.final_hidden(x, pre_mix)
             self._per_sequence_tap(ctx)("final", y)
@@ -212,19 +249,65 @@ class V41EngineModel:
     __call__ = forward
 
 
+def runner_device(device: str) -> torch.device:
+    """EngineConfig.device as a torch device; "cuda" means the current CUDA device, with its index (params,
+    caches and the model compare devices)."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"EngineConfig(device={device!r}) but torch sees no CUDA device")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def v41_params(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, numerics: str,
+               device: torch.device | str = "cpu") -> dict:
+    """Params for `numerics` on `device`: fast keeps the weights quantised (params_fast: FP8 linears as
+    QuantLinearWeight with 32x32 blocks, one FP4ExpertBank per layer); exact and official dequantise on the
+    host (their reference forms), then move."""
+    from deepinfer.model.params import prepare_params
+    from deepinfer.model.params_fast import prepare_params_fast
+
+    if numerics not in SUPPORTED_NUMERICS:
+        raise NotImplementedError(f"the V4.1 engine runs {SUPPORTED_NUMERICS} numerics only, got {numerics!r}")
+    if numerics == "fast":
+        return prepare_params_fast(raw, cfg, device)
+    params = prepare_params(raw, cfg, torch.float64, numerics=numerics)
+    return {name: t.to(device) for name, t in params.items()}
+
+
+def build_v41_model(cfg: ModelConfig, raw: Mapping[str, torch.Tensor], tokenizer=None, numerics: str = "fast",
+                    device: torch.device | str = "cpu", num_blocks: int = 16, block_size: int = 128,
+                    max_num_seqs: int = 8, params: dict | None = None, comm=None) -> V41EngineModel:
+    """A ready V41EngineModel over a fresh paged cache on `device` (the V4.1 counterpart of
+    factory.build_v4_model). `params`: already prepared ones to share (e.g. the runner's warm-up)."""
+    device = runner_device(str(device)) if torch.device(device).type == "cuda" else torch.device(device)
+    if params is None:
+        params = v41_params(raw, cfg, numerics, device)
+    dtype = torch.float64 if numerics == "exact" else F32  # cache value dtype (official/fast: packed + fp32 state)
+    cache = V41Cache(cfg, num_blocks, block_size, max_num_seqs, dtype, numerics, device)
+    return V41EngineModel(cfg, params, cache, raw, tokenizer, numerics, comm)
+
+
 def build_for_runner(config, cfg: ModelConfig, comm=None, load=None) -> tuple[dict[str, torch.Tensor], int,
                                                                             V41EngineModel]:
     """The engine runner's V4.1 model: (params, num_blocks, model) for an `EngineConfig`-like `config`
     (model, numerics, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, device,
     kv_cache_bytes, gpu_memory_utilization). The KV budget is sized like the V4 runner: one worst-case
-    warm-up forward on a throwaway cache, the rest of the budget to blocks."""
-    from deepinfer.model.params import prepare_params
+    warm-up forward on a throwaway cache, the rest of the budget to blocks (on cuda: free memory, and no
+    more blocks than every sequence slot at max_model_len can use)."""
+    from deepinfer.model.context import SeqContext
     from deepinfer.tokenizer import Tokenizer
     from deepinfer.weights import load_tensors
 
-    if config.numerics not in SUPPORTED_NUMERICS:
-        raise NotImplementedError(f"the V4.1 engine runs {SUPPORTED_NUMERICS} numerics only")
     numerics = config.numerics
+    if numerics not in SUPPORTED_NUMERICS:
+        raise NotImplementedError(f"the V4.1 engine runs {SUPPORTED_NUMERICS} numerics only, got {numerics!r}")
+    if numerics == "fast" and comm is not None:
+        raise NotImplementedError("V4.1 fast numerics runs in one process (tensor/expert/data parallel: use "
+                                  "numerics 'exact' or 'official')")
+    device = runner_device(config.device)
     if load is not None:  # e.g. one rank's slices, read a layer at a time (engine/distributed_load.py)
         raw = load(config.model, cfg)
     else:
@@ -233,26 +316,28 @@ def build_for_runner(config, cfg: ModelConfig, comm=None, load=None) -> tuple[di
             from deepinfer.distributed import shard_checkpoint
 
             raw = shard_checkpoint(raw, cfg, comm.parallel)
-    params = prepare_params(raw, cfg, torch.float64, numerics=numerics)
-    dtype = torch.float64 if numerics == "exact" else F32  # cache value dtype (official: packed + fp32 state)
+    params = v41_params(raw, cfg, numerics, device)
+    dtype = torch.float64 if numerics == "exact" else F32  # cache value dtype (official/fast: packed + fp32 state)
     tok = Tokenizer.from_checkpoint(config.model) if cfg.engram_layer_ids else None
     c = config
+
+    def model(num_blocks: int, max_num_seqs: int) -> V41EngineModel:
+        return build_v41_model(cfg, raw, tok, numerics, device, num_blocks, c.block_size, max_num_seqs, params, comm)
+
     num_blocks = c.num_blocks
     if not num_blocks:
         tokens = min(c.max_num_batched_tokens, c.max_model_len)
         blocks = -(-tokens // c.block_size)
-        scratch = V41EngineModel(cfg, params, V41Cache(cfg, blocks, c.block_size, 1, dtype, numerics), raw, tok,
-                                 numerics, comm)
+        scratch = model(blocks, 1)
         ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
-        from deepinfer.model.context import SeqContext
-
-        if c.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         scratch.forward(ids, ForwardContext((SeqContext(0, tokens, 0, 0, tuple(range(blocks))),)))
+        del scratch
         fixed = V41Cache.bytes_per_sequence(cfg, dtype, numerics) * c.max_num_seqs
-        if c.device == "cuda":
-            _, total = torch.cuda.mem_get_info()
-            budget = int(total * c.gpu_memory_utilization) - torch.cuda.max_memory_allocated() - fixed
+        if device.type == "cuda":
+            _, total = torch.cuda.mem_get_info(device)
+            budget = int(total * c.gpu_memory_utilization) - torch.cuda.max_memory_allocated(device) - fixed
         else:
             budget = c.kv_cache_bytes - fixed
         per_block = V41Cache.bytes_per_block(cfg, c.block_size, dtype, numerics)
@@ -260,9 +345,10 @@ def build_for_runner(config, cfg: ModelConfig, comm=None, load=None) -> tuple[di
         if comm is not None:  # every rank must hold the blocks the one scheduler hands out
             num_blocks = comm.min_over_world(int(num_blocks))
         need = -(-c.max_model_len // c.block_size)
+        # no more blocks than every sequence slot at max_model_len can use (a GPU's free memory would
+        # otherwise give millions of blocks to the host-side block pool)
+        num_blocks = min(num_blocks, need * c.max_num_seqs)
         if num_blocks < need:
             raise ValueError(f"KV budget holds {num_blocks} blocks but one sequence of max_model_len "
                              f"{c.max_model_len} needs {need}: raise kv_cache_bytes or lower max_model_len")
-    model = V41EngineModel(cfg, params, V41Cache(cfg, int(num_blocks), c.block_size, c.max_num_seqs, dtype, numerics),
-                           raw, tok, numerics, comm)
-    return params, int(num_blocks), model
+    return params, int(num_blocks), model(int(num_blocks), c.max_num_seqs)

@@ -16,6 +16,11 @@ indexer query FP4 per 32 and bf16 score rounding; the V4.1 sparse-attention kern
 -1e30) with the official index order and width: a prefill from 0 lists window positions ascending then -1
 (min(S, window) columns), an extend at P > 0 lists the ring in slot order oldest first (-1 for unfilled
 slots, window columns); then the compressed top-k in position order padded to min(topk, end//r).
+Fast numerics (`fast=True`): the official rounding points with FP8 weights kept quantised (`fp8_linear`,
+32x32 blocks, activations quantised per 32), wo_a in bf16 (`grouped_proj_bf16`), the registry's kernels for
+the tensors' device, the compressor projections as one GEMM for the batch, and ONE sparse-attention call for
+the batch (each sequence's official index rows offset into one flat pool, padded with -1): same math,
+other last bits than official. Every tensor (index rows, positions) lives on the params' device.
 Must not: import the reference oracle; per-forward sharing lives in the `shared` dict of one forward.
 """
 from __future__ import annotations
@@ -32,26 +37,39 @@ def _sub(p: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in p.items() if k.startswith(prefix)}
 
 
-def _rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Official RMSNorm: the (bf16) input upcast, fp32 math, bf16 out."""
-    return kernels.get("rms_norm")(x.to(torch.float32), weight, eps).to(torch.bfloat16)
+def _rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, kdev: str = "cpu") -> torch.Tensor:
+    """Official RMSNorm: the (bf16) input upcast, fp32 math, bf16 out (kdev: whose registered kernel)."""
+    return kernels.get("rms_norm", kdev)(x.to(torch.float32), weight, eps).to(torch.bfloat16)
 
 
 def compress_extend_v41(p: dict[str, torch.Tensor], lc: V41LayerCache, slot: int, x: torch.Tensor,
-                        start_pos: int, eps: float, official: bool = False) -> tuple[int, torch.Tensor]:
+                        start_pos: int, eps: float, official: bool = False, kdev: str = "cpu",
+                        proj: tuple[torch.Tensor, ...] | None = None) -> tuple[int, torch.Tensor]:
     """x [S, D] new tokens -> (first entry index, normalised latents BEFORE RoPE [n, hd]) of the groups
     this extend completes; the partial group's rows stay in the state.
     official: ratio 1 a bf16 linear + fp32 norm -> bf16; ratio 2 fp32 projections / state / pooling, the
-    pooled latent rounded to bf16, fp32 norm -> bf16."""
+    pooled latent rounded to bf16, fp32 norm -> bf16. kdev: whose registered kernels (fast numerics);
+    proj: this sequence's rows of projections computed for the whole batch (ratio 1: (latent,), ratio 2:
+    (kv, score)), or None to project here."""
     r, S = lc.ratio, x.shape[0]
-    rms = _rms_bf16 if official else kernels.get("rms_norm")
     if official:
-        if r == 1:
-            return start_pos, rms(kernels.get("blinear")(x, p["wkv.weight"]), p["norm.weight"], eps)
-        x = x.to(torch.float32)
+        def rms(t, w, e):
+            return _rms_bf16(t, w, e, kdev)
+    else:
+        rms = kernels.get("rms_norm")
     if r == 1:
-        return start_pos, rms(x @ p["wkv.weight"].T, p["norm.weight"], eps)
-    kv, score = x @ p["wkv.weight"].T, x @ p["wgate.weight"].T
+        if proj is not None:
+            lin = proj[0]
+        elif official:
+            lin = kernels.get("blinear", kdev)(x, p["wkv.weight"])
+        else:
+            lin = x @ p["wkv.weight"].T
+        return start_pos, rms(lin, p["norm.weight"], eps)
+    if proj is not None:
+        kv, score = proj
+    else:
+        xf = x.to(torch.float32) if official else x
+        kv, score = xf @ p["wkv.weight"].T, xf @ p["wgate.weight"].T
     first, n_part = start_pos // r, start_pos % r
     kv_all = torch.cat([lc.state_kv[slot, :n_part], kv])
     sc_all = torch.cat([lc.state_score[slot, :n_part], score])
@@ -59,7 +77,8 @@ def compress_extend_v41(p: dict[str, torch.Tensor], lc: V41LayerCache, slot: int
     left = kv_all.shape[0] - n * r
     lat = kv.new_zeros(0, kv.shape[-1])
     if n:
-        pooled = kernels.get("compress_pool")(kv_all[: n * r].view(n, r, -1), sc_all[: n * r].view(n, r, -1), False)
+        pooled = kernels.get("compress_pool", kdev)(kv_all[: n * r].view(n, r, -1), sc_all[: n * r].view(n, r, -1),
+                                                    False)
         if official:
             pooled = pooled.to(torch.bfloat16)
         lat = rms(pooled, p["norm.weight"], eps)
@@ -71,7 +90,8 @@ def compress_extend_v41(p: dict[str, torch.Tensor], lc: V41LayerCache, slot: int
     return first, lat
 
 
-def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blocks: int, block: int):
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blocks: int, block: int,
+                            kdev: str = "cpu"):
     """scores [S, E] (-inf where invisible), visible [S] -> keep mask [S, E]: each query's best `top_blocks`
     blocks (block score = max), the block of its newest visible entry always kept, empty blocks never."""
     width = scores.shape[-1]
@@ -79,8 +99,8 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blo
     bs = padded.unflatten(-1, (-1, block)).amax(dim=-1)  # [S, nb]
     nb = bs.shape[-1]
     newest = ((visible - 1) // block).unsqueeze(-1)
-    bs = bs.masked_fill(torch.arange(nb) == newest, float("inf"))
-    chosen = kernels.get("stable_topk")(bs, min(top_blocks, nb))
+    bs = bs.masked_fill(torch.arange(nb, device=scores.device) == newest, float("inf"))
+    chosen = kernels.get("stable_topk", kdev)(bs, min(top_blocks, nb))
     reachable = bs.gather(-1, chosen) > float("-inf")
     keep = torch.zeros_like(bs, dtype=torch.bool).scatter(-1, chosen, reachable)
     return keep.repeat_interleave(block, dim=-1)[..., :width]
@@ -88,18 +108,25 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blo
 
 class V41Attention:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
-                 all_params: dict[str, torch.Tensor], official: bool = False, comm=None) -> None:
-        self.layer, self.p, self.cfg, self.official = layer, params, cfg, official
+                 all_params: dict[str, torch.Tensor], official: bool = False, comm=None, fast: bool = False) -> None:
+        self.layer, self.p, self.cfg = layer, params, cfg
+        self.official, self.fast = official or fast, fast  # fast numerics keeps the official rounding points
         self.comm = comm  # deepinfer.distributed.Communicator, or None in one process
+        self.device = params["attn_sink"].device
+        # Only fast numerics asks the registry for device kernels (Triton on cuda); exact and official keep
+        # the torch twins, which run on any device and stay bit-identical to their CPU runs.
+        self.kdev = self.device.type if fast else "cpu"
         self.ratio = r = cfg.compress_ratios[layer]
         self.win, self.hd, self.eps = cfg.window_size, cfg.head_dim, cfg.norm_eps
         # this rank's heads and output groups, read off the (tensor-parallel sliced) weights
-        self.H = params["wq_b.weight"].shape[0] // cfg.head_dim
+        wq_b = params["wq_b.weight"]  # a tensor, or a QuantLinearWeight in fast numerics
+        self.H = (getattr(wq_b, "out_features", None) or wq_b.shape[0]) // cfg.head_dim
         self.G = params["wo_a.weight"].shape[0] // cfg.o_lora_rank
         original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0
-        freqs = "rope_freqs32" if official else "rope_inv_freq"  # official: fp32 table, complex64 rotation
+        freqs = "rope_freqs32" if self.official else "rope_inv_freq"  # official: fp32 table, complex64 rotation
         self.inv_freq = kernels.get(freqs)(
-            cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+            cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
+        ).to(self.device)
         self.is_kv_source = bool(r) and layer in cfg.kv_source_layers
         self.is_index_source = bool(r) and layer in cfg.index_source_layers
         self.kv_src = cfg.kv_source_of(layer) if r else None
@@ -116,6 +143,9 @@ class V41Attention:
         self.is_cand_source = layer == cand
         self.uses_cand = 0 <= cand < layer
 
+    def _k(self, name: str):
+        return kernels.get(name, self.kdev)
+
     def _write_entries(self, lc: V41LayerCache, cache: V41Cache, ctx: ForwardContext, x: torch.Tensor) -> None:
         rope, rms, r = kernels.get("rope"), kernels.get("rms_norm"), self.ratio
         for i, s in enumerate(ctx.seqs):
@@ -123,7 +153,7 @@ class V41Attention:
             n = lat.shape[0]
             if not n:
                 continue
-            gpos = (first + torch.arange(n)) * r  # an entry stands for the first position of its group
+            gpos = (first + torch.arange(n, device=x.device)) * r  # an entry stands for the first position of its group
             keys = rms(lat @ self.key_p["wk.weight"].T, self.key_p["k_norm.weight"], self.eps)
             rows = cache.entry_rows(s.block_table, r, first + n)[first:]
             lc.index_keys[rows] = rope(keys, gpos, self.inv_freq)
@@ -134,15 +164,16 @@ class V41Attention:
         """Index-source top-k for sequence i -> entry indices [S, k] in position order, -1 = none."""
         n_ent = keys.shape[0]
         visible = (qpos + 1) // self.ratio
-        scores = kernels.get(scores_op)(q_idx[rows], w_idx[rows], keys)
-        scores = scores.masked_fill(torch.arange(n_ent).unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
+        scores = self._k(scores_op)(q_idx[rows], w_idx[rows], keys)
+        hidden = torch.arange(n_ent, device=keys.device).unsqueeze(0) >= visible.unsqueeze(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
         cand = shared.setdefault("candidates", {})
         if self.is_cand_source:
             cand[i] = select_candidate_blocks(scores, visible, self.cfg.candidate_topk_blocks,
-                                              self.cfg.candidate_block_size)
+                                              self.cfg.candidate_block_size, self.kdev)
         elif self.uses_cand:
             scores = scores.masked_fill(~cand[i], float("-inf"))
-        top = kernels.get("stable_topk")(scores, min(self.cfg.index_topk, n_ent)).sort(dim=-1).values
+        top = self._k("stable_topk")(scores, min(self.cfg.index_topk, n_ent)).sort(dim=-1).values
         return torch.where(top < visible.unsqueeze(1), top, -1)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
@@ -152,7 +183,7 @@ class V41Attention:
         cfg, p, r, win = self.cfg, self.p, self.ratio, self.win
         rms, rope = kernels.get("rms_norm"), kernels.get("rope")
         lc = cache.layers[self.layer]
-        pos, T = ctx.positions, x.shape[0]
+        pos, T, dev = ctx.positions, x.shape[0], x.device
         qr = rms(x @ p["wq_a.weight"].T, p["q_norm.weight"], self.eps)
         q = rope((qr @ p["wq_b.weight"].T).view(T, self.H, self.hd), pos, self.inv_freq)  # no head norm in V4.1
         kv = rope(rms(x @ p["wkv.weight"].T, p["kv_norm.weight"], self.eps), pos, self.inv_freq)
@@ -170,12 +201,12 @@ class V41Attention:
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)
-            ring_kv = lc.ring[s.window_slot, torch.arange(lo, P) % win]
+            ring_kv = lc.ring[s.window_slot, torch.arange(lo, P, device=dev) % win]
             kv_s = kv[rows]
             keep = max(P, end - win)
-            lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_s[keep - P :]
+            lc.ring[s.window_slot, torch.arange(keep, end, device=dev) % win] = kv_s[keep - P :]
             qpos = pos[rows]
-            wpos = qpos.unsqueeze(1) - win + 1 + torch.arange(win)
+            wpos = qpos.unsqueeze(1) - win + 1 + torch.arange(win, device=dev)
             n_win = P - lo + S
             parts = [torch.where(wpos >= 0, wpos - lo + base, -1)]
             pool += [ring_kv, kv_s]
@@ -201,36 +232,55 @@ class V41Attention:
         out = z.flatten(1) @ p["wo_b.weight"].T
         return out if self.comm is None else self.comm.attn_out(out)  # row-parallel wo_b: sum the partials
 
-    # ------------------------------------------------------------------ official numerics
+    # ------------------------------------------------------------------ official / fast numerics
+    def _compressor_proj(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """Fast numerics: the compressor's projections of the whole batch in one GEMM each (official projects
+        per sequence: same math, other last bits). None outside fast numerics."""
+        if not self.fast:
+            return None
+        p = self.comp_p
+        if self.ratio == 1:
+            return (self._k("blinear")(x, p["wkv.weight"]),)
+        xf = x.to(torch.float32)
+        return xf @ p["wkv.weight"].T, xf @ p["wgate.weight"].T
+
     def _write_entries_official(self, lc: V41LayerCache, cache: V41Cache, ctx: ForwardContext,
                                 x: torch.Tensor) -> None:
-        rope, eps, r = kernels.get("rope32"), self.eps, self.ratio
+        rope, eps, r, kdev = self._k("rope32"), self.eps, self.ratio, self.kdev
+        proj = self._compressor_proj(x)
         for i, s in enumerate(ctx.seqs):
-            first, lat = compress_extend_v41(self.comp_p, lc, s.state_slot, x[ctx.rows(i)], s.start_pos, eps,
-                                             official=True)
+            rows = ctx.rows(i)
+            first, lat = compress_extend_v41(self.comp_p, lc, s.state_slot, x[rows], s.start_pos, eps, True, kdev,
+                                             None if proj is None else tuple(t[rows] for t in proj))
             n = lat.shape[0]
             if not n:
                 continue
-            gpos = (first + torch.arange(n)) * r
-            keys = _rms_bf16(kernels.get("blinear")(lat, self.key_p["wk.weight"]), self.key_p["k_norm.weight"], eps)
+            gpos = (first + torch.arange(n, device=x.device)) * r
+            keys = _rms_bf16(self._k("blinear")(lat, self.key_p["wk.weight"]), self.key_p["k_norm.weight"], eps,
+                             kdev)
             rows = cache.entry_rows(s.block_table, r, first + n)[first:]
             lc.index_keys[rows] = lc.encode("index", rope(keys, gpos, self.inv_freq))  # FP4, E8M0 per 32
             lc.comp[rows] = lc.encode("latent", rope(lat, gpos, self.inv_freq))  # FP4, E4M3 per 16
 
     def _forward_official(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
-        """x [T, D] bf16 -> [T, D] bf16 with the official V4.1 kernels' rounding points."""
-        cfg, p, r, win, eps = self.cfg, self.p, self.ratio, self.win, self.eps
-        block = cfg.act_block
-        rope, blinear = kernels.get("rope32"), kernels.get("blinear")
-
-        def qlinear(t, w):
-            return kernels.get("qlinear")(t, w, block)
+        """x [T, D] bf16 -> [T, D] bf16 with the official V4.1 kernels' rounding points.
+        Official: FP8 weights as exact fp32 values (`qlinear`), one sparse-attention call per sequence.
+        Fast: FP8 weights as `QuantLinearWeight` (`fp8_linear`), the kernels of the tensors' device, ONE
+        sparse-attention call for the batch over a flat pool of every sequence's keys."""
+        cfg, p, r, win, eps, fast = self.cfg, self.p, self.ratio, self.win, self.eps, self.fast
+        k = self._k
+        rope, blinear = k("rope32"), k("blinear")
+        if fast:
+            qlinear = k("fp8_linear")  # the weight carries its act_block (cfg.act_block)
+        else:
+            def qlinear(t, w):
+                return kernels.get("qlinear")(t, w, cfg.act_block)
 
         def rms(t, w):
-            return _rms_bf16(t, w, eps)
+            return _rms_bf16(t, w, eps, self.kdev)
 
         lc = cache.layers[self.layer]
-        pos, T = ctx.positions, x.shape[0]
+        pos, T, dev = ctx.positions, x.shape[0], x.device
         qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
         q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq)  # no head norm
         kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq)
@@ -246,20 +296,20 @@ class V41Attention:
             w_idx = blinear(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
             shared[self.layer] = {}
 
-        outs = []
+        outs, pools, idxs, base = [], [], [], 0
         for i, s in enumerate(ctx.seqs):
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)
-            ring_kv = lc.decode("window", lc.ring[s.window_slot, torch.arange(lo, P) % win])
+            ring_kv = lc.decode("window", lc.ring[s.window_slot, torch.arange(lo, P, device=dev) % win])
             keep = max(P, end - win)
-            lc.ring[s.window_slot, torch.arange(keep, end) % win] = kv_stored[rows][keep - P :]
+            lc.ring[s.window_slot, torch.arange(keep, end, device=dev) % win] = kv_stored[rows][keep - P :]
             qpos = pos[rows].unsqueeze(1)
             if P == 0:  # prefill pattern: ascending from the oldest visible position, then -1
-                wpos = (qpos - win + 1).clamp(min=0) + torch.arange(min(S, win))
+                wpos = (qpos - win + 1).clamp(min=0) + torch.arange(min(S, win), device=dev)
                 wpos = torch.where(wpos <= qpos, wpos, -1)
             else:  # the ring in slot order, oldest first; unfilled slots -1
-                slot = (qpos % win + 1 + torch.arange(win)) % win
+                slot = (qpos % win + 1 + torch.arange(win, device=dev)) % win
                 wpos = qpos - (qpos - slot) % win
             parts = [torch.where(wpos >= 0, wpos - lo, -1)]
             pool = [ring_kv, kv[rows]]
@@ -276,11 +326,25 @@ class V41Attention:
                     sel = shared[self.idx_src][i]
                 parts.append(torch.where(sel >= 0, sel + n_win, -1))
             idx = torch.cat(parts, dim=1)
-            outs.append(kernels.get("sparse_attn_sink_official_v41")(q[rows], torch.cat(pool), p["attn_sink"], idx,
-                                                                      self.hd**-0.5))
-        o = rope(torch.cat(outs), pos, self.inv_freq, inverse=True)
+            if fast:  # this sequence's pool rows start at `base` in the batch's flat pool
+                pools += pool
+                idxs.append(torch.where(idx >= 0, idx + base, -1))
+                base += n_win + n_ent
+            else:
+                outs.append(k("sparse_attn_sink_official_v41")(q[rows], torch.cat(pool), p["attn_sink"], idx,
+                                                               self.hd**-0.5))
+        if fast:
+            width = max(t.shape[1] for t in idxs)
+            idx = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in idxs])
+            o = k("sparse_attn_sink_official_v41")(q, torch.cat(pools), p["attn_sink"], idx, self.hd**-0.5)
+        else:
+            o = torch.cat(outs)
+        o = rope(o, pos, self.inv_freq, inverse=True)
         G = self.G
-        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-        z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(torch.float32), wo_a).to(torch.bfloat16)
+        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # fast: held in bf16, the same values as official's
+        if fast:  # the official bf16 einsum (fp32 accumulation, bf16 out), no per-call fp32 copy of wo_a
+            z = k("grouped_proj_bf16")(o.reshape(T, G, -1), wo_a)
+        else:
+            z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(torch.float32), wo_a).to(torch.bfloat16)
         out = qlinear(z.flatten(1), p["wo_b.weight"])
         return out if self.comm is None else self.comm.attn_out(out)

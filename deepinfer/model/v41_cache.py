@@ -4,7 +4,9 @@ Exact numerics: float64 values. Official numerics (`numerics="official"`): the r
 latents and the index keys hold the PACKED uint8 entries of `cache/layouts.py` (`layouts_for(cfg)`:
 window `v41_window_fp8`, latent `v41_latent_fp4`, index `v41_index_fp4`), the ratio-2 partial-group
 state stays fp32; `encode`/`decode` convert between stored form and values (identity in exact numerics),
-so `decode(encode(x))` is the oracle's cached value.
+so `decode(encode(x))` is the oracle's cached value. Fast numerics stores the same packed entries.
+Every tensor lives on the cache's `device`, and so do the entry-row maps it returns (memoised per step:
+one host-to-device copy per sequence and ratio, not per layer).
 
 Owns, per layer:
   ring        [max_num_seqs, window, head_dim]   every layer: position p at slot p % window, row = window_slot
@@ -36,24 +38,26 @@ def cache_layouts(cfg: ModelConfig, numerics: str) -> dict[str, KVLayout] | None
     """Packed layout per cache role (window, latent, index) in official numerics; None in exact."""
     if numerics == "exact":
         return None
-    if numerics != "official":
+    if numerics not in ("official", "fast"):  # fast numerics stores the same packed entries as official
         raise ValueError(f"unknown numerics {numerics!r}")
     return layouts_for(cfg)
 
 
 class V41LayerCache(PackedStore):
     def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None) -> None:
+                 dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.ratio = r = cfg.compress_ratios[layer]
-        state_dtype = self._init_store(cfg, max_num_seqs, dtype, layouts)
+        state_dtype = self._init_store(cfg, max_num_seqs, dtype, layouts, device)
         store = self.store
         self.comp = self.index_keys = self.state_kv = self.state_score = None
         if r and layer in cfg.kv_source_layers:
             self.comp = store("latent", num_blocks * (block_size // r), cfg.head_dim)
             self.index_keys = store("index", num_blocks * (block_size // r), cfg.index_head_dim)
             if r > 1:
-                self.state_kv = torch.zeros(max_num_seqs, r, cfg.head_dim, dtype=state_dtype)
-                self.state_score = torch.full((max_num_seqs, r, cfg.head_dim), float("-inf"), dtype=state_dtype)
+                self.state_kv = torch.zeros(max_num_seqs, r, cfg.head_dim, dtype=state_dtype, device=device)
+                self.state_score = torch.full((max_num_seqs, r, cfg.head_dim), float("-inf"), dtype=state_dtype,
+                                              device=device)
 
     # stored form <-> values (identity in exact numerics); roles: window, latent, index
     def reset(self, window_slot: int, state_slot: int) -> None:
@@ -64,17 +68,19 @@ class V41LayerCache(PackedStore):
 
 
 class V41Cache:
-    """All layers' caches of one V4.1 engine instance (exact numerics: float64 values; official: packed)."""
+    """All layers' caches of one V4.1 engine instance (exact numerics: float64 values; official/fast: packed)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
-                 dtype: torch.dtype = torch.float64, numerics: str = "exact") -> None:
+                 dtype: torch.dtype = torch.float64, numerics: str = "exact",
+                 device: torch.device | str = "cpu") -> None:
         for r in cfg.compress_ratios[: cfg.n_layers]:
             if r and block_size % r:
                 raise ValueError(f"block_size {block_size} must be a multiple of every compression ratio ({r})")
         self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
-        self.numerics = numerics
+        self.numerics, self.device = numerics, torch.device(device)
+        self._entry_rows: dict[tuple, torch.Tensor] = {}
         self.layouts = cache_layouts(cfg, numerics)
-        self.layers = [V41LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype, self.layouts)
+        self.layers = [V41LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype, self.layouts, device)
                        for i in range(cfg.n_layers)]
         self.hasher = None  # the model attaches its EngramHasher (history per state slot)
 
@@ -102,7 +108,18 @@ class V41Cache:
         return total + 8 * max(0, cfg.engram_max_ngram_size - 1)
 
     def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
-        return paged_entry_rows(block_table, self.block_size, ratio, num_entries)
+        """Flat rows [num_entries] (on the cache's device) of a sequence's entries 0..num_entries-1, memoised
+        on the full input (never stale) until the next `begin_step`."""
+        key = (tuple(block_table), ratio, num_entries)
+        rows = self._entry_rows.get(key)
+        if rows is None:
+            rows = self._entry_rows[key] = paged_entry_rows(block_table, self.block_size, ratio, num_entries,
+                                                            self.device)
+        return rows
+
+    def begin_step(self) -> None:
+        """A new forward: drop the previous step's memoised row maps (bounds the memo's size)."""
+        self._entry_rows.clear()
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         for layer in self.layers:

@@ -4,7 +4,10 @@ scaled by route_scale; clamped SwiGLU experts and a clamped shared expert. No ha
 Exact numerics: float64 throughout. Official numerics: bf16 in/out, fp32 gate, each expert's GEMMs with
 FP8 activation quantisation per cfg.act_block (the routing weight multiplies the fp32 SwiGLU output before
 its rounding to bf16 and the down projection), outputs accumulated in fp32 in expert order (shared expert,
-clamped, last), rounded to bf16 once. Must not: import the reference oracle.
+clamped, last), rounded to bf16 once. Fast numerics: the same rounding points with the routed experts kept
+FP4 in one `FP4ExpertBank` (params key "experts") run by the `fp4_moe` op in one call (no per-expert loop,
+no host sync on the routing) and the shared expert's FP8 weights kept quantised (`fp8_linear`), the ops of
+the params' device. Must not: import the reference oracle.
 """
 from __future__ import annotations
 
@@ -17,10 +20,14 @@ from deepinfer.config import ModelConfig
 
 class V41MoE:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
-                 comm=None) -> None:
+                 comm=None, fast: bool = False) -> None:
         if not cfg.is_v41:
             raise ValueError("V41MoE implements family v41 routing")
-        self.p, self.cfg, self.topk, self.official = params, cfg, cfg.n_activated_experts, official
+        self.p, self.cfg, self.topk = params, cfg, cfg.n_activated_experts
+        self.official, self.fast = official or fast, fast  # fast numerics keeps the official rounding points
+        if fast and comm is not None:
+            raise NotImplementedError("fast numerics with expert parallelism (one FP4 expert bank per layer)")
+        self.kdev = params["gate.weight"].device.type if fast else "cpu"  # exact/official: the torch twins
         self.comm = comm  # expert parallel: params hold only this rank's routed experts
 
     def _local_experts(self, indices: torch.Tensor) -> list[int]:
@@ -45,7 +52,13 @@ class V41MoE:
 
     def _swiglu_official(self, x: torch.Tensor, pre: str, weight: torch.Tensor | None) -> torch.Tensor:
         block, limit = self.cfg.act_block, self.cfg.swiglu_limit
-        qlinear = kernels.get("qlinear")
+        if self.fast:  # QuantLinearWeight: its act_block is cfg.act_block
+            fp8_linear = kernels.get("fp8_linear", self.kdev)
+
+            def qlinear(t, w, _block):
+                return fp8_linear(t, w)
+        else:
+            qlinear = kernels.get("qlinear")
         gate = qlinear(x, self.p[pre + "w1.weight"], block).to(torch.float32)
         up = qlinear(x, self.p[pre + "w3.weight"], block).to(torch.float32)
         if limit > 0:
@@ -68,7 +81,18 @@ class V41MoE:
         y += self._swiglu_official(x, "shared_experts.", None).to(torch.float32)
         return y.to(torch.bfloat16)
 
+    def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts in
+        ascending expert order, as official), the clamped shared expert added in fp32, rounded to bf16 once."""
+        weights, indices = self.route(x)
+        y = kernels.get("fp4_moe", self.kdev)(x, indices, weights.to(torch.float32), self.p["experts"],
+                                              self.cfg.swiglu_limit)
+        y = y + self._swiglu_official(x, "shared_experts.", None).to(torch.float32)
+        return y.to(torch.bfloat16)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return self._forward_fast(x)
         if self.official:
             return self._forward_official(x)
         swiglu, limit = kernels.get("swiglu"), self.cfg.swiglu_limit
