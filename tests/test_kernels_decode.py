@@ -1,8 +1,9 @@
 """Kernels of the fast decode step that are not GEMMs or attention, against their torch twins in
 `kernels/official_fused.py`: the V4 MoE gate (`moe_gate_sqrtsoftplus`: sqrt-softplus, biased top-k,
 renormalise, scale in one Triton kernel; the twin is exactly `V4MoE.route`'s sequence of torch ops) and the
-indexer q's FP4 fake quantisation (`fp4_fake_quant`, bit for bit: also checked under TRITON_INTERPRET on the
-CPU when triton is installed, since its GPU test has not run yet).
+indexer q's FP4 fake quantisation (`fp4_fake_quant`) and the FP4 index-key codec (`fp4_kv_encode` /
+`fp4_kv_decode` vs `KVLayout.store` / `.load`), bit for bit: also checked under TRITON_INTERPRET on the CPU
+when triton is installed, since their GPU tests have not run yet.
 
 CPU: the twin equals the route's formula written out, and rejects bad shapes. GPU (-m gpu): the Triton
 kernel vs the twin on fresh random logits at decode and prefill row counts: same experts in the same
@@ -72,6 +73,38 @@ def _fp4_inputs(gen: torch.Generator, shape, scale, device="cpu") -> torch.Tenso
     return x.to(device)
 
 
+def _check_fp4_codec(device: str, subnormal_scales: bool = True) -> None:
+    """fp4_kv_encode / fp4_kv_decode == KVLayout.store / .load of both index-key layouts: bytes equal; decoded
+    bits equal (random bytes too, with scale bytes 0xFF = NaN: NaN where the codec's is, and 0 = 2**-127;
+    scale bytes below 2 (subnormal products, never written by the encoder) only on the GPU: the interpreter
+    flushes subnormals)."""
+    from deepinfer.cache.layouts import get_layout
+    from deepinfer.config import ModelConfig
+    from deepinfer.kernels.triton.fp4_quant import fp4_kv_decode, fp4_kv_encode
+    from deepinfer.tiny import default_model_dir
+
+    cfg = ModelConfig.from_checkpoint(default_model_dir("v4", seed=0))
+    g = torch.Generator().manual_seed(11)
+    for name in ("v4_index_fp4", "v41_index_fp4"):
+        lay = get_layout(name, cfg)
+        for shape, scale in [((3, 5, lay.dim), 1.0), ((4, lay.dim), 1e-3), ((2, lay.dim), 30.0)]:
+            x = _fp4_inputs(g, shape, scale, device)
+            for v in (x, x.float() * 1.37):  # wider input: rounded to bf16 first, as store does
+                assert torch.equal(fp4_kv_encode(lay, v), lay.store(v)), (name, shape, v.dtype)
+            rnd = torch.randint(0, 256, (*shape[:-1], lay.bytes_per_token), generator=g, dtype=torch.uint8)
+            rnd[..., lay.value_bytes] = 0
+            if not subnormal_scales:  # scale bytes >= 2: every decoded value is a normal number
+                rnd[..., lay.value_bytes:] = rnd[..., lay.value_bytes:].clamp(min=2)
+            rnd[..., lay.value_bytes + 1] = 0xFF
+            for packed in (lay.store(x), rnd.to(device)):
+                got, ref = fp4_kv_decode(lay, packed), lay.load(packed)
+                assert torch.equal(got.isnan(), ref.isnan()), name
+                same = got.view(torch.int16) == ref.view(torch.int16)
+                assert bool((same | ref.isnan()).all()), name
+    with pytest.raises(ValueError, match="not supported"):
+        fp4_kv_encode(get_layout("v4_fp8_ds_mla", cfg), torch.zeros(1, cfg.head_dim, device=device))
+
+
 _INTERPRET_CHECK = """
 import torch
 from deepinfer.kernels.triton.fp4_quant import fp4_fake_quant
@@ -83,12 +116,14 @@ for shape, scale in [((2, 4, 128), 1.0), ((3, 64), 1e-3), ((1, 96), 40.0)]:
     for v in (x, x.float()):
         a, b = fp4_fake_quant(v), twin(v)
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (shape, v.dtype)
+t._check_fp4_codec("cpu", subnormal_scales=False)
 print("ok")
 """
 
 
-def test_fp4_fake_quant_triton_is_its_twin_under_the_interpreter():
-    """The Triton kernel run by TRITON_INTERPRET on the CPU (a fresh process: the flag is read at import)."""
+def test_fp4_triton_kernels_are_their_twins_under_the_interpreter():
+    """fp4_fake_quant and the FP4 index-key codec run by TRITON_INTERPRET on the CPU (a fresh process: the
+    flag is read at import)."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -114,3 +149,8 @@ def test_fp4_fake_quant_triton_is_its_twin_bit_for_bit(shape, scale):
         assert got.dtype == ref.dtype and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
     with pytest.raises(ValueError, match="multiple of 32"):
         fp4_fake_quant(x[..., :48])
+
+
+@pytest.mark.gpu
+def test_fp4_index_codec_triton_is_the_layout_codec():
+    _check_fp4_codec("cuda")

@@ -1,14 +1,18 @@
 """Triton FP4 (E2M1) fake quantisation with E8M0 scales per 32 values: the CUDA twin of
 `official_fused.fp4_fake_quant` (= `formats.fp4_fake_quant(x, 32)`), bit for bit.
 
-Owns: `fp4_fake_quant(x, block=32)`. Per block of 32 values: amax (floored at 6 * 2**-126) -> the official
+Owns: `fp4_fake_quant(x, block=32)`, and `fp4_kv_encode(layout, x)` / `fp4_kv_decode(layout, packed)`: the
+same quantisation as the packed codec of the index-key layouts (codec "fp4_e8m0" with no raw tail:
+v4_index_fp4, v41_index_fp4), the CUDA twins of `KVLayout.store` / `.load` byte for byte (codes packed two
+a byte, even index in the low nibble, then one E8M0 byte per block; zero pad). `fp4_fake_quant`: Per block of 32 values: amax (floored at 6 * 2**-126) -> the official
 pow2 scale 2**ceil(log2(amax * fp32(1/6))) by the exponent-bit trick -> x / s (exact: s is a power of
 two, applied as its exact reciprocal) clamped to 6 -> the nearest E2M1 value, ties to the even code ->
 value * s rounded to x's dtype; zero codes keep a +0 sign, as the torch codec's. Only exact operations
 (compares, power-of-two products, bit arithmetic), so the GPU result equals the torch twin's bits.
 On torch this is ~30 kernels (the indexer's q path runs it every ratio-4 layer and decode step); here one.
-STATUS: bit-exact under TRITON_INTERPRET (tests/test_kernels_decode.py); its `-m gpu` test has NOT run on a
-GPU yet, so this module is NOT in kernels.triton.KERNEL_MODULES: add "fp4_quant" there once it passes.
+STATUS: bit-exact under TRITON_INTERPRET (tests/test_kernels_decode.py); its `-m gpu` tests have NOT run on a
+GPU yet, so this module is NOT in kernels.triton.KERNEL_MODULES: add "fp4_quant" there once they pass, and
+let kv_pack.kv_encode / kv_decode hand fp4_e8m0 layouts (`fp4_codec_supported`) to the codec here.
 Must not: pack codes (the cache layouts do), or be imported off CUDA (imports triton).
 """
 from __future__ import annotations
@@ -43,6 +47,111 @@ def _fp4_fake_quant_kernel(x_ptr, out_ptr, n_blocks, BB: tl.constexpr, BLK: tl.c
                    tl.where(code == 5, 3.0, tl.where(code == 6, 4.0, 6.0)))
     val = tl.where((x < 0) & (code != 0), -val, val)
     tl.store(out_ptr + off, (val * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _fp4_codes(x, inv_s):
+    """fp32 values (already bf16-exact) x / s -> E2M1 codes 0..15 (sign bit 8 only for non-zero codes)."""
+    mag = tl.minimum(tl.abs(x * inv_s), 6.0)
+    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+            + (mag > 5.0).to(tl.int32))
+    return code | (((x < 0) & (code != 0)).to(tl.int32) << 3)
+
+
+@triton.jit
+def _fp4_value(code):
+    """E2M1 code 0..15 -> fp32 value (code 8 is -0.0, as the torch table)."""
+    c = code & 7
+    mag = tl.where(c <= 4, c.to(tl.float32) * 0.5, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
+    return mag * tl.where((code & 8) != 0, -1.0, 1.0)  # a product keeps -0.0 (Triton's negation is 0 - x)
+
+
+@triton.jit
+def _fp4_encode_kernel(x_ptr, out_ptr, stride_x, BPT, NB: tl.constexpr, NB_P2: tl.constexpr,
+                       HALF: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    nb = tl.arange(0, NB_P2)
+    j = tl.arange(0, HALF)  # byte j of a block holds values 2j (low nibble) and 2j + 1 (high nibble)
+    m = (nb < NB)[:, None] & (j[None, :] < HALF)
+    ch = nb[:, None] * (2 * HALF) + 2 * j[None, :]
+    xe = tl.load(x_ptr + row * stride_x + ch, mask=m, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + row * stride_x + ch + 1, mask=m, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1)),
+                      6.0 * 1.1754943508222875e-38)
+    bits = (amax * (1.0 / 6.0)).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    byte = _fp4_codes(xe, inv_s[:, None]) | (_fp4_codes(xo, inv_s[:, None]) << 4)
+    tl.store(out_ptr + row * BPT + nb[:, None] * HALF + j[None, :], byte.to(tl.uint8), mask=m)
+    tl.store(out_ptr + row * BPT + NB * HALF + nb, e.to(tl.uint8), mask=nb < NB)
+    if PAD > 0:
+        p = tl.arange(0, PAD_P2)
+        tl.store(out_ptr + row * BPT + NB * HALF + NB + p, tl.zeros([PAD_P2], dtype=tl.uint8), mask=p < PAD)
+
+
+@triton.jit
+def _fp4_decode_kernel(p_ptr, out_ptr, BPT, NB: tl.constexpr, NB_P2: tl.constexpr, HALF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    nb = tl.arange(0, NB_P2)
+    j = tl.arange(0, HALF)
+    bm = nb < NB
+    m = bm[:, None] & (j[None, :] < HALF)
+    byte = tl.load(p_ptr + row * BPT + nb[:, None] * HALF + j[None, :], mask=m, other=0).to(tl.int32)
+    b = tl.load(p_ptr + row * BPT + NB * HALF + nb, mask=bm, other=127).to(tl.int32)
+    # 2**(b - 127): the normal fp32 with exponent field b; b == 0 is the subnormal 2**-127; 0xFF is NaN
+    s = tl.where(b == 0, tl.full([NB_P2], 0x00400000, tl.int32), b << 23).to(tl.float32, bitcast=True)
+    s = tl.where(b == 0xFF, float("nan"), s)
+    lo = (_fp4_value(byte & 15) * s[:, None]).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    hi = (_fp4_value(byte >> 4) * s[:, None]).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    ch = nb[:, None] * (2 * HALF) + 2 * j[None, :]
+    tl.store(out_ptr + row * (NB * 2 * HALF) + ch, lo, mask=m)
+    tl.store(out_ptr + row * (NB * 2 * HALF) + ch + 1, hi, mask=m)
+
+
+def fp4_codec_supported(layout) -> bool:
+    """fp4_e8m0 layouts without a raw bf16 tail (the index keys), blocks of an even power-of-two size."""
+    return (layout.codec == "fp4_e8m0" and layout.raw_dim == 0 and layout.block >= 2
+            and layout.block & (layout.block - 1) == 0)
+
+
+def fp4_kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `layout.store(x)` for `fp4_codec_supported` layouts: [..., dim] -> uint8 [..., bpt]."""
+    if not fp4_codec_supported(layout):
+        raise ValueError(f"fp4_kv_encode: layout {layout.name} ({layout.codec}, raw {layout.raw_dim}) not supported")
+    if x.shape[-1] != layout.dim:
+        raise ValueError(f"{layout.name}: expected last dimension {layout.dim}, got {tuple(x.shape)}")
+    lead, bpt = x.shape[:-1], layout.bytes_per_token
+    # rounded to bf16 first, as `store` (by torch: one RNE cast, only when the caller passes wider values)
+    x2 = x.reshape(-1, layout.dim).to(torch.bfloat16)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], bpt, dtype=torch.uint8, device=x.device)
+    if x2.shape[0]:
+        nb = layout.n_scales
+        pad = bpt - layout.value_bytes - layout.scale_bytes
+        _fp4_encode_kernel[(x2.shape[0],)](x2, out, x2.stride(0), bpt, NB=nb, NB_P2=triton.next_power_of_2(nb),
+                                           HALF=layout.block // 2, PAD=pad, PAD_P2=triton.next_power_of_2(max(pad, 1)),
+                                           num_warps=1)
+    return out.reshape(*lead, bpt)
+
+
+def fp4_kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
+    """Same contract as `layout.load(packed)` for `fp4_codec_supported` layouts: uint8 [..., bpt] -> bf16."""
+    if not fp4_codec_supported(layout):
+        raise ValueError(f"fp4_kv_decode: layout {layout.name} ({layout.codec}, raw {layout.raw_dim}) not supported")
+    bpt = layout.bytes_per_token
+    if packed.dtype != torch.uint8 or packed.shape[-1] != bpt:
+        raise ValueError(f"{layout.name}: expected uint8 [..., {bpt}], got {packed.dtype} {tuple(packed.shape)}")
+    lead = packed.shape[:-1]
+    p2 = packed.reshape(-1, bpt).contiguous()
+    out = torch.empty(p2.shape[0], layout.dim, dtype=torch.bfloat16, device=packed.device)
+    if p2.shape[0]:
+        nb = layout.n_scales
+        _fp4_decode_kernel[(p2.shape[0],)](p2, out, bpt, NB=nb, NB_P2=triton.next_power_of_2(nb),
+                                           HALF=layout.block // 2, num_warps=1)
+    return out.reshape(*lead, layout.dim)
+
 
 
 def fp4_fake_quant(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
