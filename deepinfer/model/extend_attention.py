@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer import formats, kernels
+from deepinfer import kernels
 from deepinfer.model.cache import LayerCache, V4Cache
 from deepinfer.model.compressor import compress_extend
 from deepinfer.model.context import ForwardContext
@@ -147,7 +147,7 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
             if attn.has_indexer:
                 ihd, nh = cfg.index_head_dim, cfg.index_n_heads
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(T, nh, ihd)
-                q_idx = formats.fp4_fake_quant(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
+                q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
                 stored, comp_cols = _indexer_selection(attn, lc, ctx, rr, q_idx, w_idx, base)
                 comp_width = tuple(min(cfg.index_topk, n) for n in rr.n_ent)
