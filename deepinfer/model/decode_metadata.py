@@ -65,6 +65,15 @@ class DecodeMetadata:
         self.host = torch.zeros(batch, cols, dtype=torch.long, pin_memory=pin)
         self.buf = torch.zeros(batch, cols, dtype=torch.long, device=self.device)  # the static device copy
         self.num_real = 0
+        # step-invariant index tensors of `derive`, built once per bucket (each would be a kernel per step)
+        dev = self.device
+        self._win_cols = torch.arange(window, device=dev)
+        self._ring_base = torch.arange(batch, device=dev).unsqueeze(1) * window
+        self._entry_cols = {}  # ratio -> (j // entries_per_block, j % entries_per_block, j as [1, E])
+        for r in self.ratios:
+            epb = block_size // r
+            j = torch.arange(max_context // r, device=dev)
+            self._entry_cols[r] = (j // epb, j % epb, j.unsqueeze(0))
         # the previous step's host-to-device copy: the host buffer is rewritten only once it has been read
         self._copied = torch.cuda.Event() if pin else None
 
@@ -104,20 +113,17 @@ class DecodeMetadata:
         b = self.buf
         pos, win = b[:, _POS], self.window
         tables = b[:, _TABLE:]
-        dev = b.device
         qlo = (pos - win + 1).clamp(min=0)
-        wpos = qlo.unsqueeze(1) + torch.arange(win, device=dev)  # ascending from the oldest visible position
-        base = torch.arange(self.batch, device=dev).unsqueeze(1) * win
-        window_idx = torch.where(wpos <= pos.unsqueeze(1), base + wpos % win, -1)
+        wpos = qlo.unsqueeze(1) + self._win_cols  # ascending from the oldest visible position
+        window_idx = torch.where(wpos <= pos.unsqueeze(1), self._ring_base + wpos % win, -1)
         ratios = {}
         for r in self.ratios:
             epb = self.block_size // r
-            E = self.max_context // r
-            j = torch.arange(E, device=dev)
-            entry_rows = tables[:, j // epb] * epb + j % epb  # [B, E]
+            block_of, in_block, cols = self._entry_cols[r]
+            entry_rows = tables[:, block_of] * epb + in_block  # [B, E]
             visible = (pos + 1) // r
             cur = pos // r
             new_row = tables.gather(1, (cur // epb).unsqueeze(1)).squeeze(1) * epb + cur % epb
-            ratios[r] = RatioRows(entry_rows, visible, j.unsqueeze(0) >= visible.unsqueeze(1),
+            ratios[r] = RatioRows(entry_rows, visible, cols >= visible.unsqueeze(1),
                                   (pos + 1) % r == 0, new_row, cur * r)
         return DecodeRows(pos, b[:, _WIN], b[:, _STATE], pos % win, window_idx, ratios)
