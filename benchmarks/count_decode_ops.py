@@ -60,6 +60,7 @@ class _OpCounter(TorchDispatchMode):
         self.fused_ops = cuda_kernel_ops(extra)
         self.groups: collections.Counter = collections.Counter()
         self.lines: collections.Counter = collections.Counter()
+        self.layers: collections.Counter = collections.Counter()
         self._last_fused = None  # the frame object of the fused-op call already counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -67,9 +68,17 @@ class _OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.is_view or name in NO_KERNEL:
             return out
-        model_frame, fused = None, None
+        model_frame, fused, layer = None, None, "outside the blocks (prepare, head)"
         f = sys._getframe(1)
-        while f is not None and model_frame is None:
+        while f is not None:
+            if f.f_code.co_name == "decode_hidden":  # the block loop: which layer this op belongs to
+                block = f.f_locals.get("block")
+                layer = (f"layer {block.attn.layer} (ratio {block.attn.ratio})" if block is not None
+                         else "step start (metadata derive, embedding)")
+                break
+            if model_frame is not None:
+                f = f.f_back
+                continue
             path = f.f_code.co_filename
             if "deepinfer/kernels/" in path and f.f_code.co_name.removesuffix("_torch") in self.fused_ops:
                 layout = f.f_locals.get("layout")  # kv_pack: only the fp8_e8m0 codec is a Triton kernel
@@ -79,6 +88,9 @@ class _OpCounter(TorchDispatchMode):
                 model_frame = f"{os.path.basename(path)}:{f.f_code.co_name}:{f.f_lineno}"
             f = f.f_back
         model_frame = model_frame or "?"
+        if model_frame.startswith("decode_metadata.py:fill:") and name != "copy_" or (
+                model_frame.startswith("decode_step.py:prepare:") and name in ("min", "max")):
+            return out  # host-side work on the pinned buffer / host ids: no kernel on cuda
         if fused is not None:
             if fused is self._last_fused:
                 return out
@@ -91,6 +103,7 @@ class _OpCounter(TorchDispatchMode):
             else:
                 g = model_frame
         self.groups[g] += 1
+        self.layers[layer] += 1
         self.lines[(model_frame, name)] += 1
         return out
 
@@ -160,6 +173,8 @@ def main() -> None:
     for g, n in groups.most_common():
         print(f"{g:36s} {n:14d}")
     print(f"{'TOTAL':36s} {total:14d}   ({total / n_layers:.0f} per layer incl. head)")
+    for name, n in sorted(counter.layers.items()):
+        print(f"  {name:34s} {n:14d}")
     if args.top:
         for (frame, name), n in lines.most_common(args.top):
             print(f"{n:5d}  {frame:45s} {name}")
