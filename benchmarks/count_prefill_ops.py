@@ -2,9 +2,14 @@
 checkpoint (CPU torch twins), grouped by the engine code they come from, and time the steps.
 
     PYTHONPATH=$PWD python benchmarks/count_prefill_ops.py [--tokens 512] [--chunk 128] [--seqs 1] [--top 25]
+                                                         [--per-sequence]
 
+Calls inside an op that is one kernel on cuda (kernels.triton's modules, kv_pack, the cuBLAS bf16 GEMMs)
+count once, so the totals approximate the cuda launches of the step.
 A "sync" is any call that needs a device value on the host (`.item()`, `.tolist()`, `bool()`/`int()` of a
 tensor, `nonzero`, one-argument `where`, `unique`, `masked_select`, ...): on cuda each waits for the stream.
+On this CPU run the host-side metadata's own reads show up too (check_batch's int() of the host token ids):
+judge each listed line by whether its tensor lives on the device.
 Must not: change the model; it only observes (TorchFunctionMode) and times.
 """
 from __future__ import annotations
@@ -28,8 +33,8 @@ def _is_sync(func, args) -> bool:
         return name != "repeat_interleave" or not isinstance(args[1] if len(args) > 1 else None, int)
     if name == "where" and len(args) == 1:
         return True
-    if name in ("to",) and any(a == "cpu" or a == torch.device("cpu") for a in args[1:]):
-        return True
+    if name == "to" and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+        return any(a == "cpu" or a == torch.device("cpu") for a in args[1:])  # a device-to-host copy
     return False
 
 
@@ -103,8 +108,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=0, help="prefill in chunks of this many tokens (0: one step)")
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--per-sequence", action="store_true", help="the per-sequence attention path (reference)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    from deepinfer.model.attention import V4Attention
+
+    V4Attention.batched_extend = not args.per_sequence
     from deepinfer.config import ModelConfig
     from deepinfer.model import ForwardContext, SeqContext
     from deepinfer.model.factory import build_v4_model
