@@ -119,7 +119,7 @@ def attention_lines() -> dict[int, str]:
     for i, text in enumerate(src, start=start):
         if "idx" in text or "index" in text or "stable_topk" in text or "sel" in text:
             g = "indexer + selection"
-        elif "q_norm" in text or "wq_b" in text or "head_rms_norm" in text or "def rms" in text or "return k(\"rms" in text:
+        elif any(w in text for w in ("q_norm", "wq_b", "head_rms_norm")):
             g = "attention q path"
         elif "ring" in text or "pools" in text or "comp[chosen]" in text:
             g = "window/entry gathers"
