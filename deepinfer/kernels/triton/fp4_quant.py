@@ -5,8 +5,9 @@ Owns: `fp4_fake_quant(x, block=32)`, and `fp4_kv_encode(layout, x)` / `fp4_kv_de
 same quantisation as the packed codec of the index-key layouts (codec "fp4_e8m0" with no raw tail:
 v4_index_fp4, v41_index_fp4), the CUDA twins of `KVLayout.store` / `.load` byte for byte (codes packed two
 a byte, even index in the low nibble, then one E8M0 byte per block; zero pad).
-Per block of 32 values: amax (floored at 6 * 2**-126) -> the official pow2 scale 2**ceil(log2(amax * fp32(1/6))) by the exponent-bit trick -> x / s (exact: s is a power of
-two, applied as its exact reciprocal) clamped to 6 -> the nearest E2M1 value, ties to the even code ->
+Per block of 32 values: amax (floored at 6 * 2**-126) -> the official pow2 scale
+2**ceil(log2(amax * fp32(1/6))) by the exponent-bit trick -> x / s (exact: s is a power of two, applied as
+its exact reciprocal) clamped to 6 -> the nearest E2M1 value, ties to the even code ->
 value * s rounded to x's dtype; zero codes keep a +0 sign, as the torch codec's. Only exact operations
 (compares, power-of-two products, bit arithmetic), so the GPU result equals the torch twin's bits.
 On torch this is ~30 kernels (the indexer's q path runs it every ratio-4 layer and decode step); here one.
