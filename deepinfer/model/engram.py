@@ -8,11 +8,12 @@ numerics: float64, no FP8 rounding of activations; official numerics: table rows
 rounded to bf16, wkv an FP8 linear with activation quantisation per cfg.act_block, gate in fp32, the
 updated residual rounded to bf16; fast numerics: the same with wkv kept FP8 as a `QuantLinearWeight` run by
 the `fp8_linear` op of its device).
-Devices: the hashes are computed on the host (from the host token ids) and the TABLES STAY ON THE HOST
-wherever the loader put them: a step gathers its unique rows there (FP8 bytes + E8M0 scales, never a
-dequantised table) and moves only those rows to the model's device, where they are dequantised. Why: the
-real V4.1 tables are many GiB per engram layer, read a few thousand rows per step; copying them to the
-accelerator would take memory the KV cache needs, for a per-step transfer of a few MiB.
+Devices: the hashes are computed on the host (from the host token ids) and the TABLES STAY ON THE HOST,
+memory-mapped by the loader (`weights/loader.py`): a step gathers its unique rows there (FP8 bytes + E8M0
+scales, never a dequantised table) and moves only those rows to the model's device, where they are
+dequantised. Why: the real V4.1-Flash tables are ~183 GiB, more than one GPU holds beside the model, and a
+step reads a few thousand rows (a few MiB moved); placing them on GPUs (row shards per rank, as the
+official `ParallelEngramEmbedding`) belongs with parallel serving, which V4.1 fast numerics does not do yet.
 Must not: import the reference oracle (tests check this copy against the oracle's hasher).
 """
 from __future__ import annotations
