@@ -134,6 +134,8 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, attn.inv_freq)  # [T, hd]
     kv_stored = _encode(attn, lc, "window", kv)
     kv = _decode(attn, lc, "window", kv_stored)  # the fake-quantised values the oracle attends to and caches
+    if not lc.ring.is_contiguous():  # flatten would copy, and the ring writes below would be lost
+        raise ValueError(f"layer {attn.layer}: the window ring must be contiguous")
     ring = lc.ring.flatten(0, 1)  # [slots * window, bytes] view
     ring_kv = _decode(attn, lc, "window", ring[rows.ring_read])  # read before this step's rows overwrite it
     ring[rows.ring_write] = kv_stored[rows.kv_write]
