@@ -17,6 +17,23 @@ from timing import cuda_time_ms
 BLOCK = 128
 
 
+def _profile_rows(fn, top: int) -> list[tuple[str, int, float]]:
+    """(kernel name, launches, total us) of the CUDA kernels `fn` runs, largest first (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((ev.key[:70], ev.count, t))
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
 class SliceRunner:
     def __init__(self, cfg, raw, max_batch: int, max_tokens: int) -> None:
         self.cfg = cfg
@@ -84,10 +101,8 @@ class SliceRunner:
 
     @torch.no_grad()
     def decode_kernel_breakdown(self, batch: int, context: int, top: int = 14) -> list[tuple[str, int, float]]:
-        """(kernel name, launches, total us) of one batched decode step run eagerly (the kernels a graph
-        replays; the profiler does not see inside a graph), largest first."""
-        from torch.profiler import ProfilerActivity, profile
-
+        """Kernels of one batched decode step run eagerly (the kernels a graph replays; the profiler does not
+        see inside a graph), largest first."""
         from deepinfer.model.decode_step import DecodeRunner
 
         self.prefill(list(range(batch)), context)
@@ -95,17 +110,7 @@ class SliceRunner:
                               contexts=(context + 64,))
         seqs = [SeqContext(context, 1, i, i, self._table(i)) for i in range(batch)]
         ids = self._ids(batch)
-        runner(ids, seqs)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner(ids, seqs)
-            torch.cuda.synchronize()
-        rows = []
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t > 0:
-                rows.append((ev.key[:70], ev.count, t))
-        return sorted(rows, key=lambda r: -r[2])[:top]
+        return _profile_rows(lambda: runner(ids, seqs), top)
 
     @torch.no_grad()
     def prefill_ms(self, tokens: int, reps: int = 3, blocks_only: bool = False) -> float:
@@ -120,23 +125,3 @@ class SliceRunner:
                 self.model.forward(ids, ctx)
 
         return cuda_time_ms(run, reps=reps, warmup=1)
-
-    @torch.no_grad()
-    def kernel_breakdown(self, batch: int, context_pos: int, top: int = 12) -> list[tuple[str, int, float]]:
-        """(kernel name, launches, total us) of one decode step's blocks, largest first (torch.profiler)."""
-        from torch.profiler import ProfilerActivity, profile
-
-        ctx = ForwardContext(tuple(SeqContext(context_pos, 1, i, i, self._table(i)) for i in range(batch)))
-        ids = self._ids(batch)
-        with forward_context(ctx):
-            self.model.hidden(ids)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                self.model.hidden(ids)
-                torch.cuda.synchronize()
-        rows = []
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t > 0:
-                rows.append((ev.key[:70], ev.count, t))
-        return sorted(rows, key=lambda r: -r[2])[:top]

@@ -23,7 +23,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.distributed_load import load_rank_tensors
 from deepinfer.model.cache import V4Cache
-from deepinfer.model.context import ForwardContext, SeqContext
+from deepinfer.model.context import ForwardContext, SeqContext, resolve_device
 from deepinfer.model.decode_step import DecodeRunner
 from deepinfer.model.factory import v4_cache, v4_params, value_dtype
 from deepinfer.model.v4 import V4EngineModel
@@ -42,7 +42,7 @@ class ModelRunner:
         """comm: a `deepinfer.distributed.Communicator` on a rank of a parallel group (the model then gets
         this rank's slices of the checkpoint); None in one process."""
         self.comm = comm
-        self.device = engine_device(config.device)
+        self.device = resolve_device(config.device)
         if cfg.is_v41:  # family v41: its own model, cache and sizing (any numerics; no batched decode path)
             from deepinfer.model.v41 import build_for_runner
 
@@ -142,18 +142,6 @@ class ModelRunner:
         if decoder is not None and self.model.tap is None and all(s.num_new == 1 for s in ctx.seqs):
             return decoder(ids, ctx.seqs).to("cpu")  # one logits row per sequence (== its last token's)
         return self.model.forward(ids, ctx).to("cpu")
-
-
-def engine_device(device: str) -> torch.device:
-    """The engine's torch device; "cuda" means the current CUDA device, with its index (params, caches and
-    the model compare devices)."""
-    d = torch.device(device)
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"EngineConfig(device={device!r}) but torch sees no CUDA device")
-        if d.index is None:
-            d = torch.device("cuda", torch.cuda.current_device())
-    return d
 
 
 def start_cuda_kernels() -> None:

@@ -130,7 +130,31 @@ class LayerCache(PackedStore):
                 state.reset(state_slot)
 
 
-class V4Cache:
+class EntryRowMemo:
+    """The paged entry-row maps of one step, shared by the V4 and V4.1 caches (needs `block_size`, `device`
+    and a `_entry_rows` dict). Memoised on the full input (so never stale): every layer of one ratio reuses
+    one tensor, and a device cache pays one host-to-device copy per (sequence, ratio) and step instead of
+    one per layer."""
+
+    block_size: int
+    device: torch.device
+    _entry_rows: dict
+
+    def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
+        """Flat rows [num_entries] of a sequence's compressed entries 0..num_entries-1 (see module doc)."""
+        key = (tuple(block_table), ratio, num_entries)
+        rows = self._entry_rows.get(key)
+        if rows is None:
+            rows = self._entry_rows[key] = paged_entry_rows(block_table, self.block_size, ratio, num_entries,
+                                                            self.device)
+        return rows
+
+    def begin_step(self) -> None:
+        """A new forward: drop the previous step's memoised row maps (bounds the memo's size)."""
+        self._entry_rows.clear()
+
+
+class V4Cache(EntryRowMemo):
     """All layers' caches of one engine instance (exact numerics: float64 values; official: packed)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
@@ -186,21 +210,6 @@ class V4Cache:
                 if cfg.has_indexer(layer):
                     total += 2 * c * r * c * cfg.index_head_dim * state_size
         return total
-
-    def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
-        """Flat rows [num_entries] of a sequence's compressed entries 0..num_entries-1 (see module doc).
-        Memoised on the full input (so never stale): every layer of one ratio reuses one tensor, and a device
-        cache pays one host-to-device copy per (sequence, ratio) and step instead of one per layer."""
-        key = (tuple(block_table), ratio, num_entries)
-        rows = self._entry_rows.get(key)
-        if rows is None:
-            rows = self._entry_rows[key] = paged_entry_rows(block_table, self.block_size, ratio, num_entries,
-                                                            self.device)
-        return rows
-
-    def begin_step(self) -> None:
-        """A new forward: drop the previous step's memoised row maps (bounds the memo's size)."""
-        self._entry_rows.clear()
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         for layer in self.layers:

@@ -95,6 +95,18 @@ class ForwardContext:
         return cls(tuple(seqs), all_logits)
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """An engine's torch device; "cuda" means the current CUDA device, with its index (params, caches and the
+    model compare devices, and `torch.device("cuda") != torch.device("cuda", 0)`)."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"EngineConfig(device={str(device)!r}) but torch sees no CUDA device")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device` without a stream sync on cuda: pinned, then a non-blocking copy (torch's
     caching host allocator keeps the pinned block until the copy has run). A plain `.to("cuda")` of pageable

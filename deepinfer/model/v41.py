@@ -32,7 +32,7 @@ import torch
 
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
-from deepinfer.model.context import ForwardContext, check_batch, forward_context, get_forward_context
+from deepinfer.model.context import ForwardContext, check_batch, forward_context, get_forward_context, resolve_device
 from deepinfer.model.engram import EngramHasher, EngramLayer, compressed_token_map, engram_params
 from deepinfer.model.v41_attention import V41Attention, _sub
 from deepinfer.model.v41_cache import V41Cache
@@ -249,18 +249,6 @@ class V41EngineModel:
     __call__ = forward
 
 
-def runner_device(device: str) -> torch.device:
-    """EngineConfig.device as a torch device; "cuda" means the current CUDA device, with its index (params,
-    caches and the model compare devices)."""
-    d = torch.device(device)
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"EngineConfig(device={device!r}) but torch sees no CUDA device")
-        if d.index is None:
-            d = torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
 def v41_params(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, numerics: str,
                device: torch.device | str = "cpu") -> dict:
     """Params for `numerics` on `device`: fast keeps the weights quantised (params_fast: FP8 linears as
@@ -282,7 +270,7 @@ def build_v41_model(cfg: ModelConfig, raw: Mapping[str, torch.Tensor], tokenizer
                     max_num_seqs: int = 8, params: dict | None = None, comm=None) -> V41EngineModel:
     """A ready V41EngineModel over a fresh paged cache on `device` (the V4.1 counterpart of
     factory.build_v4_model). `params`: already prepared ones to share (e.g. the runner's warm-up)."""
-    device = runner_device(str(device)) if torch.device(device).type == "cuda" else torch.device(device)
+    device = resolve_device(device) if torch.device(device).type == "cuda" else torch.device(device)
     if params is None:
         params = v41_params(raw, cfg, numerics, device)
     dtype = torch.float64 if numerics == "exact" else F32  # cache value dtype (official/fast: packed + fp32 state)
@@ -307,7 +295,7 @@ def build_for_runner(config, cfg: ModelConfig, comm=None, load=None) -> tuple[di
     if numerics == "fast" and comm is not None:
         raise NotImplementedError("V4.1 fast numerics runs in one process (tensor/expert/data parallel: use "
                                   "numerics 'exact' or 'official')")
-    device = runner_device(config.device)
+    device = resolve_device(config.device)
     if load is not None:  # e.g. one rank's slices, read a layer at a time (engine/distributed_load.py)
         raw = load(config.model, cfg)
     else:

@@ -24,13 +24,11 @@ Must not: compute model math or decide visibility.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from deepinfer.cache.layouts import KVLayout, layouts_for
 from deepinfer.config import ModelConfig
-from deepinfer.model.cache import STATE_DTYPE_OFFICIAL, PackedStore, paged_entry_rows
+from deepinfer.model.cache import STATE_DTYPE_OFFICIAL, EntryRowMemo, PackedStore
 
 
 
@@ -67,7 +65,7 @@ class V41LayerCache(PackedStore):
             self.state_score[state_slot].fill_(float("-inf"))
 
 
-class V41Cache:
+class V41Cache(EntryRowMemo):
     """All layers' caches of one V4.1 engine instance (exact numerics: float64 values; official/fast: packed)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
@@ -106,20 +104,6 @@ class V41Cache:
             if r > 1:
                 total += 2 * r * cfg.head_dim * state_size
         return total + 8 * max(0, cfg.engram_max_ngram_size - 1)
-
-    def entry_rows(self, block_table: Sequence[int], ratio: int, num_entries: int) -> torch.Tensor:
-        """Flat rows [num_entries] (on the cache's device) of a sequence's entries 0..num_entries-1, memoised
-        on the full input (never stale) until the next `begin_step`."""
-        key = (tuple(block_table), ratio, num_entries)
-        rows = self._entry_rows.get(key)
-        if rows is None:
-            rows = self._entry_rows[key] = paged_entry_rows(block_table, self.block_size, ratio, num_entries,
-                                                            self.device)
-        return rows
-
-    def begin_step(self) -> None:
-        """A new forward: drop the previous step's memoised row maps (bounds the memo's size)."""
-        self._entry_rows.clear()
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         for layer in self.layers:
