@@ -37,42 +37,50 @@ def prompts(cfg, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in LENS]
 
 
-@pytest.fixture(scope="module")
-def oracle_run(tiny_v4_raw, oracle_factory):
-    """The oracle (official numerics) per prompt: prefill + STEPS greedy decodes -> (logits [STEPS+1, B, V],
-    tokens [STEPS, B]), and the floor: the same positions' logits from one prefill of prompt + tokens."""
-    cfg, _ = tiny_v4_raw
-    steps, floor, tokens = [], [], []
-    for p in prompts(cfg):
-        orc = oracle_factory("official", max_batch=1, max_seq_len=512)
+def oracle_decode_run(make_oracle, ps: list[torch.Tensor], steps: int = STEPS):
+    """The oracle (official numerics, batch 1) per prompt: prefill + `steps` greedy decodes -> (logits
+    [steps+1, B, V], tokens [steps, B]), and the floor: the same positions' logits from one prefill of
+    prompt + tokens. `make_oracle()` returns a fresh oracle (fresh caches)."""
+    out, floor, tokens = [], [], []
+    for p in ps:
+        orc = make_oracle()
         lg = orc(p[None], 0)[0]
         rows, toks = [lg], []
-        for k in range(STEPS):
+        for k in range(steps):
             toks.append(int(lg.argmax()))
             lg = orc(torch.tensor([[toks[-1]]]), len(p) + k)[0]
             rows.append(lg)
-        steps.append(torch.stack(rows))
+        out.append(torch.stack(rows))
         tokens.append(toks)
         full = torch.cat([p, torch.tensor(toks)])
-        one = oracle_factory("official", max_batch=1, max_seq_len=512).forward(full[None], 0, all_logits=True)[0]
+        one = make_oracle().forward(full[None], 0, all_logits=True)[0]
         floor.append(one[len(p) - 1 :])
-    return torch.stack(steps, 1), torch.tensor(tokens).T, torch.stack(floor, 1)
+    return torch.stack(out, 1), torch.tensor(tokens).T, torch.stack(floor, 1)
 
 
-def teacher_forced(model: V4EngineModel, cfg, tokens: torch.Tensor) -> torch.Tensor:
-    """All prompts prefilled as ONE varlen batch, then STEPS batched decodes of the forced tokens
-    -> logits [STEPS+1, B, V] on the host."""
-    ps = prompts(cfg)
-
+def teacher_forced_batch(model, ps: list[torch.Tensor], tokens: torch.Tensor, blocks_per_seq: int,
+                         steps: int = STEPS) -> torch.Tensor:
+    """All prompts prefilled as ONE varlen batch, then `steps` batched decodes of the forced tokens
+    -> logits [steps+1, B, V] on the host."""
     def table(i):
-        return tuple(range(BLOCKS_PER_SEQ * i, BLOCKS_PER_SEQ * (i + 1)))
+        return tuple(range(blocks_per_seq * i, blocks_per_seq * (i + 1)))
 
     ctx = ForwardContext(tuple(SeqContext(0, len(p), i, i, table(i)) for i, p in enumerate(ps)))
     out = [model(torch.cat(ps), ctx)]
-    for k in range(STEPS):
+    for k in range(steps):
         ctx = ForwardContext(tuple(SeqContext(len(p) + k, 1, i, i, table(i)) for i, p in enumerate(ps)))
         out.append(model(tokens[k], ctx))
     return torch.stack(out).to("cpu", torch.float64)
+
+
+@pytest.fixture(scope="module")
+def oracle_run(tiny_v4_raw, oracle_factory):
+    cfg, _ = tiny_v4_raw
+    return oracle_decode_run(lambda: oracle_factory("official", max_batch=1, max_seq_len=512), prompts(cfg))
+
+
+def teacher_forced(model: V4EngineModel, cfg, tokens: torch.Tensor) -> torch.Tensor:
+    return teacher_forced_batch(model, prompts(cfg), tokens, BLOCKS_PER_SEQ)
 
 
 def figures(got: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -52,40 +52,12 @@ def prompts(cfg, seed: int = 1) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def oracle_run(parts, oracle41_factory):
-    """The oracle (official numerics, batch 1) per prompt: prefill + STEPS greedy decodes -> (logits
-    [STEPS+1, B, V], tokens [STEPS, B]), and the floor: the same positions' logits from one prefill."""
-    cfg = parts[0]
-    steps, floor, tokens = [], [], []
-    for p in prompts(cfg):
-        orc = oracle41_factory("official", max_batch=1, max_seq_len=256)
-        lg = orc(p[None], 0)[0]
-        rows, toks = [lg], []
-        for k in range(STEPS):
-            toks.append(int(lg.argmax()))
-            lg = orc(torch.tensor([[toks[-1]]]), len(p) + k)[0]
-            rows.append(lg)
-        steps.append(torch.stack(rows))
-        tokens.append(toks)
-        full = torch.cat([p, torch.tensor(toks)])
-        one = oracle41_factory("official", max_batch=1, max_seq_len=256).forward(full[None], 0, all_logits=True)[0]
-        floor.append(one[len(p) - 1 :])
-    return torch.stack(steps, 1), torch.tensor(tokens).T, torch.stack(floor, 1)
+    return v4_fast.oracle_decode_run(lambda: oracle41_factory("official", max_batch=1, max_seq_len=256),
+                                     prompts(parts[0]))
 
 
 def teacher_forced(model: V41EngineModel, cfg, tokens: torch.Tensor) -> torch.Tensor:
-    """All prompts prefilled as ONE varlen batch, then STEPS batched decodes of the forced tokens
-    -> logits [STEPS+1, B, V] on the host."""
-    ps = prompts(cfg)
-
-    def table(i):
-        return tuple(range(BLOCKS_PER_SEQ * i, BLOCKS_PER_SEQ * (i + 1)))
-
-    ctx = ForwardContext(tuple(SeqContext(0, len(p), i, i, table(i)) for i, p in enumerate(ps)))
-    out = [model(torch.cat(ps), ctx)]
-    for k in range(STEPS):
-        ctx = ForwardContext(tuple(SeqContext(len(p) + k, 1, i, i, table(i)) for i, p in enumerate(ps)))
-        out.append(model(tokens[k], ctx))
-    return torch.stack(out).to("cpu", torch.float64)
+    return v4_fast.teacher_forced_batch(model, prompts(cfg), tokens, BLOCKS_PER_SEQ)
 
 
 def fast_model(parts, device: str) -> V41EngineModel:
