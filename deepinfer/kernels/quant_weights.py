@@ -151,11 +151,13 @@ class FP4ExpertBank:
             raise ValueError(f"FP4ExpertBank dims D={d}, I={inter} must be multiples of act_block {self.act_block}")
 
     @classmethod
-    def from_checkpoint(cls, raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> "FP4ExpertBank":
-        """Stack `{prefix}experts.{e}.{w1,w3,w2}.{weight,scale}` for e < cfg.n_routed_experts.
+    def from_checkpoint(cls, raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig,
+                        experts: range | None = None) -> "FP4ExpertBank":
+        """Stack `{prefix}experts.{e}.{w1,w3,w2}.{weight,scale}` for e in `experts` (default: all
+        cfg.n_routed_experts), at bank index e - experts.start (expert parallelism: one rank's shard).
         `prefix` is the MoE module's name with its dot, e.g. "layers.3.ffn."."""
         w13, w13_s, w2, w2_s = [], [], [], []
-        for e in range(cfg.n_routed_experts):
+        for e in range(cfg.n_routed_experts) if experts is None else experts:
             def get(part: str) -> torch.Tensor:
                 name = f"{prefix}experts.{e}.{part}"
                 if name not in raw:

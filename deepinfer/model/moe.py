@@ -6,7 +6,8 @@ before its rounding to bf16 and the down projection), expert outputs accumulated
 (shared expert last), rounded to bf16 once. Fast numerics: the same rounding points with the routed
 experts kept FP4 in one `FP4ExpertBank` (params key "experts") run by the `fp4_moe` op in one call (no
 per-expert loop, no host sync on the routing), the shared expert's FP8 weights kept quantised
-(`fp8_linear`).
+(`fp8_linear`). Fast numerics with expert parallelism: the same dispatch/combine as the other numerics,
+the bank holding this rank's experts only (`expert_parallel_fast.py`: non-local slots get weight 0).
 Must not: import the reference oracle.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
+from deepinfer.model.expert_parallel_fast import expert_shard, local_routing
 
 
 class V4MoE:
@@ -32,6 +34,7 @@ class V4MoE:
         device = params["gate.weight"].device
         self.kdev = device.type if fast else "cpu"  # exact/official: the torch twins (any device)
         self.comm = comm  # expert parallel: params hold only this rank's routed experts
+        self.expert_shard = expert_shard(params, cfg, comm) if fast else None
 
     def _local_experts(self, indices: torch.Tensor) -> list[int]:
         """The routed experts this batch uses that live on this rank (all of them in one process)."""
@@ -111,8 +114,13 @@ class V4MoE:
     def _forward_fast(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts),
         the shared expert added in fp32, rounded to bf16 once."""
-        weights, indices = self.route(x, ids)
-        y = kernels.get("fp4_moe", self.kdev)(x, indices, weights.to(torch.float32), self.p["experts"],
-                                              self.cfg.swiglu_limit)
+        xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
+        weights, indices = self.route(xr, idr)
+        weights = weights.to(torch.float32)
+        if self.expert_shard is not None:  # this rank's experts only; the others' slots contribute 0
+            indices, weights = local_routing(indices, weights, *self.expert_shard)
+        y = kernels.get("fp4_moe", self.kdev)(xr, indices, weights, self.p["experts"], self.cfg.swiglu_limit)
+        if self.comm is not None:
+            y = self.comm.moe_combine(y)  # fp32 partial sums over the expert shards, this rank's rows
         y = y + self._swiglu_official(x, "shared_experts.", self.shared_limit, None).to(torch.float32)
         return y.to(torch.bfloat16)

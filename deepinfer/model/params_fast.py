@@ -5,7 +5,8 @@ tensors, e.g. `tiny.make_tensors`) into what the fast path computes with:
 * every FP8 linear (attention wq_a/wq_b/wkv/wo_b, indexer wq_b, shared experts) -> `QuantLinearWeight`
   (E4M3 data + fp32 block scales: the checkpoint's bytes, never a dequantised copy);
 * the routed experts of each MoE layer -> one `FP4ExpertBank` under `layers.{i}.ffn.experts` (packed FP4 +
-  E8M0 bytes, stacked);
+  E8M0 bytes, stacked); with expert parallelism only this rank's shard, at local indices (the MoE maps
+  global ids: `model/expert_parallel_fast.py`);
 * `attn.wo_a` -> its bf16 value (the official convert.py dequantises it to bf16; the official grouped output
   einsum runs on bf16 operands, so does ours: op "grouped_proj_bf16");
 * `head.weight` -> the checkpoint's bf16 (official holds it as fp32 of the same values; op "head_logits_bf16"
@@ -74,16 +75,31 @@ def prepare_params_fast(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, devic
 
 
 def _expert_bank(raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig, device: torch.device) -> FP4ExpertBank:
-    w1 = raw.get(f"{prefix}experts.0.w1.weight")
-    if w1 is None or w1.dtype == torch.float8_e4m3fn or f"{prefix}experts.0.w1.scale" not in raw:
+    layer = {k: v for k, v in raw.items() if k.startswith(prefix + "experts.")}
+    held = _held_experts(layer, prefix, cfg)
+    first = f"{prefix}experts.{held.start}.w1."  # the first expert this rank holds (0 without expert parallel)
+    w1 = raw.get(first + "weight")
+    if w1 is None or w1.dtype == torch.float8_e4m3fn or first + "scale" not in raw:
         got = None if w1 is None else w1.dtype
         raise ValueError(f"{prefix}experts: fast numerics keeps routed experts as packed FP4 with E8M0 scales "
                          f"(an FP4ExpertBank); this checkpoint holds {got} experts")
-    layer = {k: v for k, v in raw.items() if k.startswith(prefix + "experts.")}
     if all(v.device == device for v in layer.values()):
-        return FP4ExpertBank.from_checkpoint(layer, prefix, cfg)
+        return FP4ExpertBank.from_checkpoint(layer, prefix, cfg, held)
     # Stack one layer at a time on the host, then move: the device only ever holds the packed bank.
-    return FP4ExpertBank.from_checkpoint(layer, prefix, cfg).to(device)
+    return FP4ExpertBank.from_checkpoint(layer, prefix, cfg, held).to(device)
+
+
+def _held_experts(layer: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> range:
+    """The routed experts these tensors hold: all of them, or (expert parallelism, `distributed.sharding`)
+    one rank's contiguous shard [first, first + n_local), stacked at local indices 0..n_local-1."""
+    start = len(prefix + "experts.")
+    held = sorted({int(k[start:].split(".", 1)[0]) for k in layer})
+    if not held or held != list(range(held[0], held[-1] + 1)) or cfg.n_routed_experts % len(held) \
+            or held[0] % len(held):
+        raise ValueError(f"{prefix}experts: fast numerics stacks all {cfg.n_routed_experts} routed experts or "
+                         f"one expert-parallel shard (a contiguous, aligned range), got experts {held[:8]}"
+                         f"{'...' if len(held) > 8 else ''} ({len(held)})")
+    return range(held[0], held[-1] + 1)
 
 
 def param_bytes(params: Mapping[str, ParamValue]) -> int:
