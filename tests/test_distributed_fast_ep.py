@@ -3,6 +3,7 @@ non-local slots go to a local expert with routing weight 0 (`model/expert_parall
 
 1. The routing remap, on the `fp4_moe` torch twin: a shard's call returns exactly (bitwise) the whole bank's
    call with the other shards' weights zeroed; the shards' sum matches the whole to fp32 summation order.
+   `params_fast` stacks a rank's shard at local indices and refuses a shard with a hole.
 2. The engine on CPU (gloo, 2 processes, torch twins), V4 tiny checkpoint:
    a. against ep 1 with the same tp/dp split: bit-identical logits (the tiny model's k = 2: a two-term fp32
       sum does not depend on its order, so nothing but a bug can change a bit);
@@ -62,6 +63,24 @@ def test_shard_call_is_the_whole_call_with_foreign_weights_zeroed(ep):
 def test_too_few_local_experts_is_refused():
     with pytest.raises(ValueError, match="only 2 local experts"):
         local_routing(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3), 0, 2)
+
+
+def test_params_fast_stacks_the_rank_shard_and_refuses_a_broken_one(tiny_v4_raw):
+    from deepinfer.distributed.parallel_config import ParallelConfig
+    from deepinfer.distributed.sharding import shard_checkpoint
+    from deepinfer.model.params_fast import prepare_params_fast
+
+    cfg, raw = tiny_v4_raw
+    whole = prepare_params_fast(raw, cfg)["layers.0.ffn.experts"]
+    n = cfg.n_routed_experts // 2
+    shard = shard_checkpoint(raw, cfg, ParallelConfig(tp=1, ep=2, dp=2, rank=1))  # experts n..2n-1
+    part = prepare_params_fast(shard, cfg)["layers.0.ffn.experts"]
+    assert part.n_experts == n
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert torch.equal(getattr(part, name), getattr(whole, name)[n:])
+    broken = {k: v for k, v in shard.items() if ".ffn.experts.%d." % (n + 1) not in k}  # a hole in the shard
+    with pytest.raises(ValueError, match="contiguous, aligned range"):
+        prepare_params_fast(broken, cfg)
 
 
 @pytest.mark.gpu
