@@ -82,3 +82,13 @@ def oracle41_factory(tiny_v41_dir):
                         tokenizer=tok)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def cuda_kernels():
+    """A CUDA device with the Triton kernels registered (skips without one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from deepinfer.engine.model_runner import start_cuda_kernels
+
+    start_cuda_kernels()

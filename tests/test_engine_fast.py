@@ -205,14 +205,6 @@ def test_llm_fast_generates_on_cpu(tiny_v4_dir, tiny_v4_raw, oracle_run):
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-@pytest.fixture(scope="module")
-def cuda_kernels():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from deepinfer.engine.model_runner import start_cuda_kernels
-
-    start_cuda_kernels()
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ops", ["twins", "registered"])

@@ -227,14 +227,6 @@ def test_decode_runner_errors(fast_params):
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-@pytest.fixture(scope="module")
-def cuda_kernels():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from deepinfer.engine.model_runner import start_cuda_kernels
-
-    start_cuda_kernels()
-
 
 @pytest.mark.gpu
 def test_graph_replay_is_bit_identical_to_eager(tiny_v4_raw, cuda_kernels):

@@ -139,10 +139,8 @@ class V4Attention:
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)  # oldest position the first query can see
-            ring_kv = lc.ring[s.window_slot, torch.arange(lo, P, device=dev) % win]  # [P - lo, hd] (a copy)
             kv_s = kv[rows]
-            keep = max(P, end - win)  # the ring keeps the last `win` positions, p at slot p % win
-            lc.ring[s.window_slot, torch.arange(keep, end, device=dev) % win] = kv_s[keep - P :]
+            ring_kv = lc.ring_extend(s.window_slot, P, end, kv_s)  # [P - lo, hd]
             qpos = pos[rows]
             wpos = causal_window(qpos, win)  # [S, win] absolute positions
             n_win = P - lo + S
@@ -212,9 +210,7 @@ class V4Attention:
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)
-            ring_kv = lc.decode("window", lc.ring[s.window_slot, torch.arange(lo, P, device=dev) % win])
-            keep = max(P, end - win)
-            lc.ring[s.window_slot, torch.arange(keep, end, device=dev) % win] = kv_stored[rows][keep - P :]
+            ring_kv = lc.ring_extend(s.window_slot, P, end, kv_stored[rows])
             qpos = pos[rows]
             width = min(S, win) if P == 0 else win  # the official index width of a prefill / a decode
             qlo = (qpos - win + 1).clamp(min=0)  # oldest visible position per query

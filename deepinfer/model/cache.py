@@ -104,6 +104,17 @@ class PackedStore:
     def decode(self, role: str, stored: torch.Tensor) -> torch.Tensor:
         return stored if self.layouts is None else self.layouts[role].load(stored)
 
+    def ring_extend(self, slot: int, start: int, end: int, new_stored: torch.Tensor) -> torch.Tensor:
+        """One sequence extends [start, end) through its window ring: returns the decoded rows of positions
+        [max(0, start - win + 1), start) (what its first query can see, read BEFORE the write), then stores the
+        new tokens' rows (`new_stored` [end - start, ...] in stored form; only the last `win` are kept,
+        position p at slot p % win)."""
+        win, dev = self.ring.shape[1], self.ring.device
+        old = self.decode("window", self.ring[slot, torch.arange(max(0, start - win + 1), start, device=dev) % win])
+        keep = max(start, end - win)
+        self.ring[slot, torch.arange(keep, end, device=dev) % win] = new_stored[keep - start :]
+        return old
+
 
 class LayerCache(PackedStore):
     def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,

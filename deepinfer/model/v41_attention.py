@@ -201,10 +201,8 @@ class V41Attention:
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)
-            ring_kv = lc.ring[s.window_slot, torch.arange(lo, P, device=dev) % win]
             kv_s = kv[rows]
-            keep = max(P, end - win)
-            lc.ring[s.window_slot, torch.arange(keep, end, device=dev) % win] = kv_s[keep - P :]
+            ring_kv = lc.ring_extend(s.window_slot, P, end, kv_s)
             qpos = pos[rows]
             wpos = qpos.unsqueeze(1) - win + 1 + torch.arange(win, device=dev)
             n_win = P - lo + S
@@ -301,9 +299,7 @@ class V41Attention:
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)
-            ring_kv = lc.decode("window", lc.ring[s.window_slot, torch.arange(lo, P, device=dev) % win])
-            keep = max(P, end - win)
-            lc.ring[s.window_slot, torch.arange(keep, end, device=dev) % win] = kv_stored[rows][keep - P :]
+            ring_kv = lc.ring_extend(s.window_slot, P, end, kv_stored[rows])
             qpos = pos[rows].unsqueeze(1)
             if P == 0:  # prefill pattern: ascending from the oldest visible position, then -1
                 wpos = (qpos - win + 1).clamp(min=0) + torch.arange(min(S, win), device=dev)
