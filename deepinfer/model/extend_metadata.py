@@ -78,7 +78,9 @@ def build_extend_rows(ctx: ForwardContext, win: int, block_size: int, ratios: tu
     """Every row the step's layers read, from the host batch description, in one host-to-device copy."""
     T = ctx.num_tokens
     (ring_read, ring_write, kv_write, per_tok), widths = _window_host(ctx, win)
-    parts = [ctx.positions, ring_read, ring_write, kv_write, per_tok.flatten()]
+    # host positions from the batch description: ctx.positions may already live on the device (ctx.on)
+    positions = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in ctx.seqs])
+    parts = [positions, ring_read, ring_write, kv_write, per_tok.flatten()]
     ratio_host = {}
     for r in ratios:
         n_ent = tuple(s.end_pos // r for s in ctx.seqs)
