@@ -50,8 +50,8 @@ def engine_part(cfg, args, res: dict) -> None:
         if b <= args.eager_max_batch:  # the mixed-batch (per-sequence) path, for comparison
             res[f"decode_b{b}"]["per_sequence_path_ms"] = runner.decode_ms(b, args.context, reps=5)
         print("decode", b, res[f"decode_b{b}"], flush=True)
-    res["decode_b1_kernels"] = runner.decode_kernel_breakdown(1, args.context)
-    res["decode_b128_kernels"] = runner.decode_kernel_breakdown(128, args.context)
+    res["decode_b1_kernels"] = runner.decode_kernel_breakdown(1, args.context, top=args.top)
+    res["decode_b128_kernels"] = runner.decode_kernel_breakdown(128, args.context, top=args.top)
     for s in PREFILLS:
         full = runner.prefill_ms(s)
         blocks = runner.prefill_ms(s, blocks_only=True)
@@ -59,6 +59,7 @@ def engine_part(cfg, args, res: dict) -> None:
         res[f"prefill_{s}"] = {"ms": full, "blocks_ms": blocks, "per_layer_ms": per_layer, "tok_s": s / full * 1e3,
                                "tflops": flops_tok[s] * s / (per_layer * 1e-3) / 1e12}
         print("prefill", s, res[f"prefill_{s}"], flush=True)
+    res[f"prefill_{PREFILLS[-1]}_kernels"] = runner.prefill_kernel_breakdown(PREFILLS[-1], top=args.top)
     del runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -98,9 +99,10 @@ def table(res: dict) -> str:
             ratio = f", x{p['tok_s'] / h['tok_s']:.1f} transformers" if h else ""
             lines.append(f"prefill {s:<5} {p['ms']:8.1f} ms  {p['per_layer_ms']:7.2f} ms/layer  {p['tflops']:6.0f} TFLOP/s"
                          f" = {100 * p['tflops'] / c['fp8_tflops']:5.1f}% FP8 peak  {p['tok_s']:8.0f} tok/s{ratio}")
-    for key in ("decode_b1_kernels", "decode_b128_kernels"):
+    for key in ("decode_b1_kernels", "decode_b128_kernels", f"prefill_{PREFILLS[-1]}_kernels"):
         if key in res:
-            lines.append(f"{key} (one eager batched step, all layers + head; us total, launches):")
+            what = "one fresh prefill" if key.startswith("prefill") else "one eager batched step"
+            lines.append(f"{key} ({what}, all layers + head; us total, launches):")
             lines += [f"  {t:9.0f} us {c:5d}x  {name}" for name, c, t in res[key]]
     return "\n".join(lines)
 
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--top", type=int, default=14, help="kernels listed per breakdown")
     ap.add_argument("--eager-max-batch", type=int, default=1, help="also time the per-sequence path up to this batch")
     args = ap.parse_args()
     from deepinfer.kernels.triton import register_cuda_kernels

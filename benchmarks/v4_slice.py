@@ -113,6 +113,13 @@ class SliceRunner:
         return _profile_rows(lambda: runner(ids, seqs), top)
 
     @torch.no_grad()
+    def prefill_kernel_breakdown(self, tokens: int, top: int = 24) -> list[tuple[str, int, float]]:
+        """Kernels of one fresh `tokens`-token prefill (blocks + head), largest first."""
+        ctx = ForwardContext((SeqContext(0, tokens, 0, 0, self._table(0)),))
+        ids = self._ids(tokens)
+        return _profile_rows(lambda: self.model.forward(ids, ctx), top)
+
+    @torch.no_grad()
     def prefill_ms(self, tokens: int, reps: int = 3, blocks_only: bool = False) -> float:
         ctx = ForwardContext((SeqContext(0, tokens, 0, 0, self._table(0)),))
         ids = self._ids(tokens)
