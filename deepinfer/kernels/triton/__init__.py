@@ -20,7 +20,8 @@ KERNEL_MODULES: tuple[str, ...] = (
     "rope",       # rope32
     "indexer",    # indexer_scores_bf16
     "compress_pool",  # compress_pool: the compressor's gated softmax pooling
-    "kv_pack",    # kv_encode, kv_decode: the FP8 KV layouts' codec (the decode path's cache reads/writes)
+    "kv_pack",    # kv_encode, kv_decode: the FP8 KV layouts' codec, and the FP4 index keys' (fp4_quant's kernels)
+    "fp4_quant",  # fp4_fake_quant: the indexer q's FP4 fake quantisation (bit-identical to its twin)
     "moe_gate",   # moe_gate_sqrtsoftplus: sqrt-softplus scores, biased top-k, renormalised weights in one kernel
 )
 

@@ -11,9 +11,9 @@ its exact reciprocal) clamped to 6 -> the nearest E2M1 value, ties to the even c
 value * s rounded to x's dtype; zero codes keep a +0 sign, as the torch codec's. Only exact operations
 (compares, power-of-two products, bit arithmetic), so the GPU result equals the torch twin's bits.
 On torch this is ~30 kernels (the indexer's q path runs it every ratio-4 layer and decode step); here one.
-STATUS: bit-exact under TRITON_INTERPRET (tests/test_kernels_decode.py); its `-m gpu` tests have NOT run on a
-GPU yet, so this module is NOT in kernels.triton.KERNEL_MODULES: add "fp4_quant" there once they pass, and
-let kv_pack.kv_encode / kv_decode hand fp4_e8m0 layouts (`fp4_codec_supported`) to the codec here.
+STATUS: bit-exact under TRITON_INTERPRET and on the H200 (tests/test_kernels_decode.py -m gpu passed there,
+2026-12-01), so it is registered (kernels.triton.KERNEL_MODULES), and kv_pack.kv_encode / kv_decode hand
+the fp4_e8m0 index-key layouts (`fp4_codec_supported`) to the codec here.
 Must not: import `cache` (the layout object is passed in), or be imported off CUDA (imports triton).
 """
 from __future__ import annotations

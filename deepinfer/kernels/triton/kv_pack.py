@@ -7,7 +7,9 @@ amax (floored at 1e-4) -> the official pow2 scale 2**ceil(log2(amax * fp32(1/448
 trick -> E4M3 RNE of clamp(x / s, +-448); the entry bytes [E4M3 values | rope tail as raw bf16 | E8M0
 scale bytes | zero pad]. Decode multiplies the E4M3 value by its scale in fp32 and rounds to bf16, as the
 oracle's fake-quant does. One program per entry, one pass each way (the torch codec makes ~15 passes).
-Other codecs (FP4, bf16, the seed's) go to the layout's torch codec.
+FP4 index-key layouts (codec fp4_e8m0, no raw tail) go to `fp4_quant`'s codec (bit-identical to the layout
+codec on the H200, tests/test_kernels_decode.py -m gpu, 2026-12-01); other codecs (V4.1's latents, bf16,
+the seed's) to the layout's torch codec.
 Must not: import `cache` (the layout object is passed in); be imported off CUDA (imports triton).
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported, fp4_kv_decode, fp4_kv_encode
 
 FP8_MAX = tl.constexpr(448.0)  # jit code reads module globals only as constexpr
 FP8_AMAX_FLOOR = tl.constexpr(1e-4)
@@ -96,6 +100,8 @@ def _supported(layout) -> bool:
 
 def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
     """Same contract as `layout.store(x)`: [..., dim] float -> uint8 [..., bytes_per_token]."""
+    if fp4_codec_supported(layout) and _on_device(x):  # the FP4 index keys
+        return fp4_kv_encode(layout, x)
     if not _supported(layout) or not _on_device(x):
         return layout.store(x)
     if x.shape[-1] != layout.dim:
@@ -115,6 +121,8 @@ def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
 
 def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     """Same contract as `layout.load(packed)`: uint8 [..., bytes_per_token] -> bf16 [..., dim]."""
+    if fp4_codec_supported(layout) and _on_device(packed):  # the FP4 index keys
+        return fp4_kv_decode(layout, packed)
     if not _supported(layout) or not _on_device(packed):
         return layout.load(packed)
     bpt = layout.bytes_per_token
