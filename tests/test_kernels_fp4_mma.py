@@ -1,0 +1,113 @@
+"""fp4_moe's FP8 tensor-core kernel (expand 3): the E2M1 -> E4M3 byte conversion and the whole op against
+the torch twin on fresh random inputs; and the default expansion with the tiles `_config` picks per regime.
+
+The official fp4_gemm on Hopper converts each E2M1 weight to E4M3 (exact), runs FP8 tensor-core dots of 32 K
+(one E8M0 weight scale each) and promotes every partial into an fp32 accumulator with scale_a x scale_w.
+Expand 3 does the same; it differs from the twin (exact products summed in fp32) by fp32 summation order and
+by the reduced-precision accumulation inside Hopper's FP8 MMA (within 32 products), so it is held to a
+looser bound than the bf16-operand kernels (1e-3): rel_err <= 3e-3, the measured figures printed.
+CPU: the byte conversion under TRITON_INTERPRET (a fresh process), every byte value, bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
+
+BF16 = torch.bfloat16
+ROOT = Path(__file__).resolve().parents[1]
+
+_CONVERSION_CHECK = r"""
+import torch, triton, triton.language as tl
+from deepinfer import formats
+from deepinfer.kernels.triton.fp4_moe import _e2m1_bytes_to_e4m3
+
+@triton.jit
+def k(p, o, N: tl.constexpr):
+    v = _e2m1_bytes_to_e4m3(tl.load(p + tl.arange(0, N)[None, :]))
+    tl.store(o + tl.arange(0, 2 * N)[None, :], v.to(tl.float32))
+
+b = torch.arange(256, dtype=torch.uint8)
+o = torch.empty(512, dtype=torch.float32)
+k[(1,)](b, o, N=256)
+ref = formats.fp4_codes_to_float(formats.unpack_fp4(b)) * 2.0 ** -6  # low nibble first, as the kernel reads
+assert torch.equal(o, ref), (o - ref).abs().max()  # (code 8 gives -0 here: adds +-0 to a dot)
+print("OK")
+"""
+
+
+def test_e2m1_to_e4m3_byte_conversion_is_exact_for_every_byte():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", _CONVERSION_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    return torch.device("cuda")
+
+
+def _bank(e, d, i, act_block, dev) -> FP4ExpertBank:
+    def scales(*shape):  # 2**-8 .. 2**1 around the real checkpoints' range
+        return torch.randint(119, 129, shape, dtype=torch.uint8, device=dev)
+
+    return FP4ExpertBank(torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, device=dev), scales(e, 2 * i, d // 32),
+                         torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, device=dev), scales(e, d, i // 32),
+                         act_block)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
+
+
+BOUND = {1: 1e-3, 3: 3e-3}  # 1: exact bf16 operands (tests/test_kernels_gemm.py's bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expand", [3])
+@pytest.mark.parametrize("act_block", [128, 32])
+@pytest.mark.parametrize("t", [1, 3, 40, 200, 1000])
+def test_fp4_moe_variant_matches_twin(expand, act_block, t):
+    dev = _cuda()
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+
+    bank = _bank(32, 512, 256, act_block, dev)
+    x = (torch.randn(t, 512, device=dev) * torch.exp(torch.randn(t, 1, device=dev))).to(BF16)
+    ids = torch.stack([torch.randperm(32, device=dev)[:6] for _ in range(t)])
+    weights = torch.rand(t, 6, device=dev) * 0.5
+    for limit in (10.0, 0.0):
+        got = fp4_moe(x, ids, weights, bank, limit, expand=expand)
+        want = fp4_moe_torch(x, ids, weights, bank, limit)
+        rel = _rel(got, want)
+        print(f"fp4_moe expand={expand} act_block={act_block} T={t} limit={limit}: rel_err={rel:.2e}")
+        assert bool(torch.isfinite(got).all()) and rel <= BOUND[expand]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expand", [1, 3])
+@pytest.mark.parametrize("cfg", [None, dict(BM=16, BN=128, num_warps=4, num_stages=3),
+                                 dict(BM=64, BN=128, num_warps=4, num_stages=3, KB=256),
+                                 dict(BM=128, BN=256, num_warps=8, num_stages=3)])
+def test_fp4_moe_variant_tiles_and_real_dims(expand, cfg):
+    """V4-Flash dims (D=4096, I=2048) at a decode and a prefill shape, with the tiles the benchmark sweeps."""
+    dev = _cuda()
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+
+    bank = _bank(16, 4096, 2048, 128, dev)
+    for t in (2, 300, 600):  # 600 x 6 / 16 experts: the BM=128 / BN=256 default tiles
+        x = torch.randn(t, 4096, device=dev).to(BF16)
+        ids = torch.stack([torch.randperm(16, device=dev)[:6] for _ in range(t)])
+        weights = torch.rand(t, 6, device=dev) * 0.5
+        rel = _rel(fp4_moe(x, ids, weights, bank, 10.0, expand=expand, config=cfg),
+                   fp4_moe_torch(x, ids, weights, bank, 10.0))
+        print(f"fp4_moe expand={expand} real dims T={t} cfg={cfg}: rel_err={rel:.2e}")
+        assert rel <= BOUND[expand]
