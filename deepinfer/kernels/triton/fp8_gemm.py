@@ -1,49 +1,99 @@
-"""Triton op "fp8_linear": official act_quant of bf16 x fused into a block-scaled FP8 GEMM (spec §6.1, §6.3,
-§10.6). x bf16 [M, K], w `QuantLinearWeight` (E4M3 [N, K], fp32 block scales, block 128 in V4 / 32 in V4.1)
--> bf16 [M, N].
+"""Triton op "fp8_linear": official act_quant of bf16 x + a block-scaled FP8 GEMM (spec §6.1, §6.3, §10.6).
+x bf16 [M, K], w `QuantLinearWeight` (E4M3 [N, K], fp32 block scales, block 128 in V4 / 32 in V4.1)
+-> bf16 [M, N], fp32 accumulation, rounded to bf16 once.
 
 The activation is quantised to E4M3 per `act_block` group with the group's pow2 scale (bit-identical to
-formats.act_quant): inside the GEMM for M <= 64 (decode: one launch), by one act_quant pass writing the exact
-q * s in bf16 for larger M (else every N tile's program would redo it). Each weight tile is multiplied by
-its block scales in registers. Both
-operands then enter the tensor cores as their exact values in bf16 (E4M3 x pow2 fits bf16), so every
-product is exact and is accumulated in fp32: the official fp8_gemm's math (sum over K blocks of
-scale_a x scale_b x exact FP8 dot) up to fp32 summation order, which is the only difference from the torch
-twin (`quant_weights.fp8_linear_torch`). Why not FP8 tensor-core dots: Hopper's FP8 MMA accumulates with
-reduced precision (measured 6e-4 rel_err vs the twin, 6% of outputs off, against 0 for this form).
-Tried and dropped (H200, 2026-11-29, same run): the E4M3 codes as fp16 into the dot with the pow2 scales
-applied once per K chunk to the fp32 partial (one conversion per element, no per-element multiply; exact,
-passed the twin tests): M=1 22.2 vs 21.2 us (the decode GEMM is not bound by the expansion), M=4096 543 vs
-406 us (the per-chunk `acc += part * s` serialises the wgmma pipeline).
-Must not: be imported without triton; allocate per-call weights.
+formats.act_quant): inside the GEMM for M <= 64 (decode: the quantisation is trivially cheap, each program
+quantises only the K range it reads), by one act_quant pass for larger M (else every N tile's program would
+redo it). Two tensor-core forms, chosen by `mma=` (module default `MMA`):
+* "bf16" (`_fp8_linear_kernel`, exact products): each weight tile is multiplied by its block scales in
+  registers, the activation enters as its exact q * s; both are exact in bf16 (E4M3 x pow2), so every
+  product is exact and is accumulated in fp32: the official fp8_gemm's math up to fp32 summation order, the
+  only difference from the torch twin (`quant_weights.fp8_linear_torch`).
+* "fp8" (`_fp8_linear_mma_kernel`, what the official TileLang fp8_gemm does on Hopper): E4M3 codes of both
+  operands into the FP8 tensor cores, per K group of the scale granularity (act_block: 128, or 32 in V4.1)
+  a FRESH fp32 partial = dot(a_codes, w_codes), promoted as acc += partial * a_scale[:, None] * w_scale.
+  Hopper's FP8 MMA accumulates inside one dot with reduced precision (an earlier version measured 6e-4
+  rel_err vs the twin), so this is not the twin's math to the last bit.
+Split-K (both forms): when the (M, N) tiles would not fill the SMs (decode), S programs per tile each
+reduce a K range into an fp32 workspace [S, M, N]; `_split_sum_kernel` adds the S partials in a fixed order
+and rounds to bf16. Deterministic (no atomics), no host sync, CUDA-graph capturable. Rule: `_split_k`.
+
+Default (`MMA = "auto"`): "fp8" from M = FP8_MMA_MIN_M (1024) rows (prefill: compute-bound, where it
+doubles the rate), "bf16" below (decode is weight-bandwidth bound, both forms read the same bytes, and
+bf16 keeps the products exact).
+Measured (H200, 2026-12-01, benchmarks/bench_fp8_linear.py, results/bench_fp8_linear_h200.log; FP8 peak
+measured that day 1396 TFLOP/s, bf16 781, copy 4244 GB/s):
+* fp8 form, 128x128 tiles, 8 warps, 4 stages: K=N=4096 M=4096 189 us = 726 TFLOP/s (bf16 form 408 us =
+  337); K=4096 N=32768 M=8192 2.67 ms = 825 TFLOP/s (bf16 6.0 ms); K=8192 N=4096 M=8192 699 us = 786.
+  128x256 tiles spill (812 us). At M=128 fp8 is not faster for every shape (K=N=4096: 85 vs 62 us).
+  Error vs the twin (tests/test_kernels_fp8_linear.py): rel_err 6-8e-4 with 6.7% of outputs one bf16 ulp
+  off (128 blocks), 3-5e-4 / 2.7% (V4.1's 32 blocks); 0 to 8e-5 for M <= 16 (BM=16 runs mma.sync, which
+  accumulates these products exactly).
+* split-K at M=1 (CUDA-graph replay): K=N=4096 15-18 us with S=4..8 against 20-21 us unsplit (about 1 TB/s,
+  still far under the copy rate: one 16 MB weight is 2-3 waves of tiny programs); eager timings of the
+  split form are host-bound (two launches and a workspace per call).
+Earlier (2026-11-29): the E4M3 codes as fp16 into the dot with the pow2 scales applied per K chunk to the
+fp32 partial: M=1 22.2 vs 21.2 us, M=4096 543 vs 406 us (the per-chunk `acc += part * s` serialises the
+wgmma pipeline of bf16 dots; with FP8 dots the same promotion per 128 K is the faster form above).
+Must not: be imported without triton; allocate per-call weights (the split-K workspace and, for large M,
+the quantised activation are per-call activation-sized buffers).
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch, _check_activation
-from deepinfer.kernels.triton.act_quant import act_quant_dequant_bf16, interpreting, quantise_rows
+from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
+
+MMA_MODES = ("bf16", "fp8")
+MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below
+FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096),
+#                       not at M=128 (4096x4096: 85 vs 62 us); 129..1023 unmeasured, so bf16 there
+FUSED_ACT_MAX_M = 64  # M up to this: act_quant fused into the GEMM; above: one act_quant pass first
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
-                       stride_xm, stride_wn, stride_wsn, stride_om, K: tl.constexpr,
-                       WBLOCK: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, A_DEQUANT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """A_DEQUANT: x already holds act_quant's exact q * s in bf16 (large M: quantised once, not per N tile);
-    else x is the raw bf16 activation, quantised here per CHUNK (small M: one launch, fused)."""
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped program order: GROUP_M row tiles share each weight tile while it is in L2."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
-    # grouped program order: GROUP_M row tiles share each weight tile while it is in L2
     per_group = GROUP_M * grid_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = min(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
 
+
+@triton.jit
+def _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, stride_os, SPLIT_OUT: tl.constexpr):
+    """SPLIT_OUT: the fp32 partial of this program's K range into workspace[split]; else bf16 (rounded once)."""
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_OUT:
+        ptrs = out_ptr + tl.program_id(1).to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om \
+            + offs_n[None, :]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(ptrs, acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
+                       stride_xm, stride_wn, stride_wsn, stride_om, stride_os, K: tl.constexpr,
+                       WBLOCK: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, A_DEQUANT: tl.constexpr,
+                       K_SPLIT: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """mma "bf16". A_DEQUANT: x already holds act_quant's exact q * s in bf16 (large M: quantised once, not
+    per N tile); else x is the raw bf16 activation, quantised here per CHUNK (small M: one launch, fused).
+    Program (tile, split) reduces K range [split * K_SPLIT, (split + 1) * K_SPLIT) (K_SPLIT = K: no split)."""
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, KB)
@@ -52,8 +102,13 @@ def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [KB, BN], K-major
     ws_ptrs = ws_ptr + (offs_n // WBLOCK)[None, :] * stride_wsn + tl.arange(0, KB // WBLOCK)[:, None]
+    if SPLIT_OUT:
+        k_lo = tl.program_id(1) * K_SPLIT
+    else:
+        k_lo = 0
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, KB):
+    for k_step in range(0, K_SPLIT, KB):  # constant trip count (k_lo is added to the offsets)
+        k0 = k_lo + k_step
         # activation: E4M3 with one pow2 scale per CHUNK of a row, then its exact value q * s in bf16
         if A_DEQUANT:
             a_val = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
@@ -66,24 +121,149 @@ def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
         b_scale = tl.load(ws_ptrs + k0 // WBLOCK, mask=n_ok[None, :], other=0.0)  # [KB/WBLOCK, BN]
         b_val = tl.reshape(tl.reshape(b, (KB // WBLOCK, WBLOCK, BN)) * b_scale[:, None, :], (KB, BN))
         acc = tl.dot(a_val, b_val.to(tl.bfloat16), acc)  # exact products, fp32 accumulation
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, stride_os, SPLIT_OUT)
 
 
-def _config(m: int, chunk: int) -> dict:
-    """Tile sizes: small M (decode) is weight-bandwidth bound -> narrow N tiles so all SMs stream weights;
-    large M is compute bound -> 128x128 tiles."""
+@triton.jit
+def _fp8_linear_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N,
+                           stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os, K: tl.constexpr,
+                           WBLOCK: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, A_FUSED: tl.constexpr,
+                           K_SPLIT: tl.constexpr, SPLIT_OUT: tl.constexpr, W_UNIFORM: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+                           LOOP_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """mma "fp8" (the official fp8_gemm's form): per K group of G (= act_block) a fresh fp32 partial of the
+    E4M3 codes' dot, promoted by the activation row scales and the weight block scales. A_FUSED: x is the
+    raw bf16 activation, quantised here per G (small M); else x = act_quant codes and xs its fp32 scales.
+    BK: K per loop step (BK // G sub-dots, each with its own loads). W_UNIFORM: BN divides WBLOCK, so one
+    weight scale per tile and K group. LOOP_STAGES (None: the launch's num_stages) / WARP_SPECIALIZE: the K
+    loop's tl.range options."""
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_g = tl.arange(0, G)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_g[None, :]
+    xs_ptrs = xs_ptr + offs_m.to(tl.int64) * stride_xsm
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_g[:, None]  # [G, BN], K-major
+    if W_UNIFORM:
+        ws_ptrs = ws_ptr + ((pid_n * BN) // WBLOCK) * stride_wsn
+    else:
+        ws_ptrs = ws_ptr + (offs_n // WBLOCK) * stride_wsn
+    if SPLIT_OUT:
+        k_lo = tl.program_id(1) * K_SPLIT
+    else:
+        k_lo = 0
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k_step in tl.range(0, K_SPLIT, BK, num_stages=LOOP_STAGES, warp_specialize=WARP_SPECIALIZE):
+        k0 = k_lo + k_step
+        for j in tl.static_range(BK // G):
+            kk = k0 + j * G
+            if A_FUSED:
+                a = tl.load(x_ptrs + kk, mask=m_ok[:, None], other=0.0).to(tl.float32)
+                a_q, a_s = quantise_rows(a)  # the official act_quant of this G group: E4M3 codes, pow2 scales
+            else:
+                a_q = tl.load(x_ptrs + kk, mask=m_ok[:, None], other=0.0)
+                a_s = tl.load(xs_ptrs + kk // G, mask=m_ok, other=0.0)
+            b = tl.load(w_ptrs + kk, mask=n_ok[None, :], other=0.0)
+            part = tl.dot(a_q, b)  # E4M3 x E4M3 on the FP8 tensor cores, fresh fp32 partial
+            if W_UNIFORM:
+                b_s = tl.load(ws_ptrs + kk // WBLOCK)
+                acc += part * (a_s * b_s)[:, None]
+            else:
+                b_s = tl.load(ws_ptrs + kk // WBLOCK, mask=n_ok, other=0.0)
+                acc += part * (a_s[:, None] * b_s[None, :])
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, stride_os, SPLIT_OUT)
+
+
+@triton.jit
+def _split_sum_kernel(ws_ptr, out_ptr, N, MN, stride_om, S: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = bf16(sum over s = 0, 1, ..., S-1 of ws[s, m, n]) in that fixed order (fp32)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, S):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + (offs // N) * stride_om + offs % N, acc.to(tl.bfloat16), mask=mask)
+
+
+@lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 132 (an H200) elsewhere, so the interpreter exercises the same rules."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _tiles(m: int, mma: str, g: int) -> dict:
+    """Tile sizes: small M (decode) is weight-bandwidth bound -> narrow N tiles, many programs streaming
+    weights; large M is compute bound -> 128x128 tiles (the FP8 form: 128 K per step, BK // g sub-dots)."""
+    if mma == "fp8":
+        if m <= 16:
+            return dict(BM=16, BN=32, BK=128, GROUP_M=1, num_warps=4, num_stages=6)
+        if m <= 64:
+            return dict(BM=64, BN=64, BK=128, GROUP_M=4, num_warps=4, num_stages=4)
+        return dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
     if m <= 16:
-        return dict(BM=16, BN=32, GROUP_M=1, num_warps=4, num_stages=6 if chunk == 128 else 8)
+        return dict(BM=16, BN=32, GROUP_M=1, num_warps=4, num_stages=6 if g == 128 else 8)
     if m <= 64:
-        return dict(BM=64, BN=64, GROUP_M=4, num_warps=4, num_stages=4 if chunk == 128 else 6)
-    return dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3 if chunk == 128 else 5)
+        return dict(BM=64, BN=64, GROUP_M=4, num_warps=4, num_stages=4 if g == 128 else 6)
+    return dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3 if g == 128 else 5)
 
 
-def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None) -> torch.Tensor:
+def _split_k(m: int, n: int, k: int, kb: int, bm: int, bn: int, sms: int) -> int:
+    """Deterministic split-K count S (a power of 2, at most 16): double S while the (M, N) tiles x S stay
+    within ~4 programs per SM (small tiles; 1 per SM for 128-row tiles), every split keeps >= 4 loop steps
+    of kb, S divides the K steps, and the fp32 workspace traffic (write + read, 8 S M N bytes) stays within
+    half the weight bytes (S <= K / (16 M))."""
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    target = (4 if bm <= 64 else 1) * sms
+    steps = k // kb
+    s = 1
+    while (s * 2 <= 16 and tiles * s * 2 <= target and steps % (s * 2) == 0 and steps // (s * 2) >= 4
+           and 16 * m * s * 2 <= k):
+        s *= 2
+    return s
+
+
+def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: int,
+         config: dict | None = None) -> dict:
+    """The launch configuration for one call: `_tiles` and `_split_k`, then `config`'s keys on top
+    (BM, BN, GROUP_M, num_warps, num_stages, BK (fp8), SPLIT_K, LOOP_STAGES / WARP_SPECIALIZE (fp8))."""
+    if mma not in MMA_MODES:
+        raise ValueError(f"fp8_linear: mma must be one of {MMA_MODES}, got {mma!r}")
+    if mma == "fp8":
+        cfg = _tiles(m, mma, act_block)
+        cfg.update(config or {})
+        kb = cfg["BK"]
+        if kb % act_block or k % kb:
+            kb = cfg["BK"] = act_block  # K groups of act_block always tile K (QuantLinearWeight checks it)
+    else:
+        kb = 128 if k % 128 == 0 and 128 % w_block == 0 else w_block  # whole scale blocks per K step
+        if k % kb:
+            raise ValueError(f"fp8_linear: in_features {k} must be a multiple of the weight block {w_block}")
+        cfg = _tiles(m, mma, kb)
+        cfg.update({key: v for key, v in (config or {}).items() if key not in ("BK", "LOOP_STAGES", "WARP_SPECIALIZE")})
+    if "SPLIT_K" not in (config or {}):
+        cfg["SPLIT_K"] = _split_k(m, n, k, kb, cfg["BM"], cfg["BN"], sms)
+    steps = k // kb
+    if cfg["SPLIT_K"] < 1 or steps % cfg["SPLIT_K"]:
+        raise ValueError(f"fp8_linear: SPLIT_K {cfg['SPLIT_K']} must divide the {steps} K steps of {kb}")
+    cfg["KB"] = kb
+    return cfg
+
+
+def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Op "fp8_linear" on CUDA tensors; CPU tensors go to the torch twin (or, under TRITON_INTERPRET=1,
-    through the kernel in Triton's interpreter, for tests at tiny shapes). config: tile override (the
-    benchmark's sweep)."""
+    through the kernels in Triton's interpreter, for tests at tiny shapes). config: launch override (the
+    benchmark's sweep; see `plan`). mma: "bf16" (exact products), "fp8" (FP8 tensor cores) or "auto" (by M,
+    `FP8_MMA_MIN_M`); None: `MMA`.
+    out: optional bf16 [M, N] destination (tests poison it to check every element is written)."""
     if not x.is_cuda and not interpreting():
         return fp8_linear_torch(x, w)
     _check_activation("fp8_linear", x, w.in_features)
@@ -94,18 +274,44 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     x = x.contiguous()
     m, k = x.shape
     n = w.out_features
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    elif out.shape != (m, n) or out.dtype != torch.bfloat16 or out.device != x.device or out.stride(1) != 1:
+        raise ValueError(f"fp8_linear: out must be bf16 [{m}, {n}] on {x.device} with unit column stride")
     if m == 0:
         return out
-    kb = 128 if k % 128 == 0 and 128 % w.block == 0 else w.block  # K per loop step: whole scale blocks
-    cfg = config or _config(m, kb)
-    a_dequant = m > 64  # quantise once (exact bf16 q * s) rather than in each of the N/BN tiles' programs
-    if a_dequant:
-        x = act_quant_dequant_bf16(x, w.act_block)
-    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    _fp8_linear_kernel[grid](x, w.data, w.scale, out, m, n, x.stride(0), w.data.stride(0), w.scale.stride(0),
-                             out.stride(0), K=k, WBLOCK=w.block, CHUNK=w.act_block, KB=kb,
-                             A_DEQUANT=a_dequant, **cfg)
+    mma = mma or MMA
+    if mma == "auto":
+        mma = "fp8" if m >= FP8_MMA_MIN_M else "bf16"
+    cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)
+    split, kb = cfg.pop("SPLIT_K"), cfg.pop("KB")
+    dest = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    stride_os = dest.stride(0) if split > 1 else 0
+    stride_om = dest.stride(1) if split > 1 else out.stride(0)
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
+    fused = m <= FUSED_ACT_MAX_M
+    if mma == "fp8":
+        cfg.pop("BK")
+        if fused:
+            xq, xs = x, x  # xs unused
+        else:
+            xq, xs = act_quant(x, w.act_block)
+        bn = cfg["BN"]
+        _fp8_linear_mma_kernel[grid](
+            xq, xs, w.data, w.scale, dest, m, n, xq.stride(0), xs.stride(0) if not fused else 0, w.data.stride(0),
+            w.scale.stride(0), stride_om, stride_os, K=k, WBLOCK=w.block, G=w.act_block, BK=kb, A_FUSED=fused,
+            K_SPLIT=k // split, SPLIT_OUT=split > 1, W_UNIFORM=bn <= w.block and w.block % bn == 0,
+            LOOP_STAGES=cfg.pop("LOOP_STAGES", None), WARP_SPECIALIZE=cfg.pop("WARP_SPECIALIZE", False), **cfg)
+    else:
+        if not fused:
+            x = act_quant_dequant_bf16(x, w.act_block)  # quantise once, not in each N tile's program
+        _fp8_linear_kernel[grid](x, w.data, w.scale, dest, m, n, x.stride(0), w.data.stride(0), w.scale.stride(0),
+                                 stride_om, stride_os, K=k, WBLOCK=w.block, CHUNK=w.act_block, KB=kb,
+                                 A_DEQUANT=not fused, K_SPLIT=k // split, SPLIT_OUT=split > 1, **cfg)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](dest, out, n, m * n, out.stride(0), S=split, BLOCK=block,
+                                                       num_warps=4)
     return out
 
 
