@@ -67,7 +67,7 @@ class CallCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         f = sys._getframe(1)
-        fused = None
+        fused = outer = None
         g = f
         while g is not None:  # the outermost fused-op frame, if any
             if "/deepinfer/kernels/" in g.f_code.co_filename and \
@@ -75,7 +75,11 @@ class CallCounter(TorchFunctionMode):
                 layout = g.f_locals.get("layout")  # kv_pack: only the fp8_e8m0 codec is a kernel
                 if layout is None or getattr(layout, "codec", None) == "fp8_e8m0":
                     fused = g
+            if "/deepinfer/kernels/" in g.f_code.co_filename:
+                outer = g
             g = g.f_back
+        if fused is not None and fused is not outer:  # called by an op that is NOT one kernel (head_rms_norm
+            fused = None  # runs torch_ops.rms_norm's ops on cuda): its ops are launches of their own
         if fused is not None:
             if fused is self._last_fused:
                 return func(*args, **(kwargs or {}))

@@ -18,6 +18,7 @@ Bit-level facts this module relies on (checked by tests/test_formats.py):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -92,24 +93,53 @@ def pow2_ceil_scale(amax: torch.Tensor, max_value: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # FP4 E2M1
 # ----------------------------------------------------------------------------------------------
+def _fp4_bucket_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(boundaries [15] fp32, bucket -> code [16] uint8, bucket -> value [16] fp32) on `device`, see `_fp4_buckets`."""
+    tables = _FP4_BUCKETS_ON.get(device)
+    if tables is None:
+        tables = _FP4_BUCKETS_ON[device] = tuple(t.to(device) for t in _FP4_BUCKETS)
+    return tables
+
+
+def _fp4_bucket_tables_host() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mids = [(a + b) / 2 for a, b in zip(FP4_VALUES, FP4_VALUES[1:])]  # 0.25, 0.75, ..., 5 (exact in fp32)
+    f32 = torch.float32
+    below = lambda v: torch.nextafter(torch.tensor(v, dtype=f32), torch.tensor(-math.inf, dtype=f32)).item()  # noqa: E731
+    # x > m counts a midpoint whose lower code is even (a tie stays there), x >= m one whose lower code is
+    # odd (a tie goes up): bucketize counts boundaries b < x, and x >= m is x > the float just below m
+    pos = [m if j % 2 == 0 else below(m) for j, m in enumerate(mids)]
+    neg = [below(-m) if j % 2 == 0 else -m for j, m in enumerate(mids)]  # mirrored: -x > m, -x >= m
+    bounds = torch.tensor(sorted(neg) + pos + [math.inf], dtype=f32)
+    # bucket 0..6: codes -6 .. -0.5; 7: zero (+0, as a negative value that rounds to 0 keeps code 0);
+    # 8..14: 0.5 .. 6 (x = +inf included); 15: NaN (no boundary is below it), code 0 like the grid search's
+    codes = [8 + c for c in range(7, 0, -1)] + [0] + list(range(1, 8)) + [0]
+    codes = torch.tensor(codes, dtype=torch.uint8)
+    return bounds, codes, _FP4_TABLE[codes.long()]
+
+
+_FP4_BUCKETS = _fp4_bucket_tables_host()
+_FP4_BUCKETS_ON: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _fp4_buckets(x: torch.Tensor) -> torch.Tensor:
+    """int32 bucket 0..15 of fp32 values on the signed E2M1 grid (see `_fp4_bucket_tables_host`): one
+    binary search per value against the 14 signed midpoints (+inf), instead of a distance to each of the 8
+    grid values (an [..., 8] tensor and ~10 passes over it: at an 8k prefill the indexer q's FP4 fake-quant
+    moved ~20 GB per layer that way). Same codes as the grid search bit for bit, saturation, ties to the
+    even code, +0 for negatives that round to 0 and NaN -> 0 included (checked once against it on every fp32
+    value of magnitude <= 8; tests/test_formats.py: every bf16 value and the fp32 neighbours of each
+    midpoint)."""
+    return torch.bucketize(x, _fp4_bucket_tables(x.device)[0], out_int32=True)
+
+
 def fp4_round_codes(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values (already divided by their scale) to E2M1 codes (uint8 0..15).
 
     Saturates at +-6; ties go to the even code (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4,
-    5->4), which is round-to-nearest-even on the E2M1 grid.
+    5->4), which is round-to-nearest-even on the E2M1 grid. A negative value that rounds to 0 gets code 0.
     """
     x = x.to(torch.float32)
-    mag = x.abs().clamp(max=FP4_MAX)
-    grid = _fp4_table_on(x.device)[:8]
-    dist = (mag.unsqueeze(-1) - grid).abs()  # [..., 8]
-    nearest = dist.min(dim=-1, keepdim=True).values
-    is_min = dist == nearest
-    even = (torch.arange(8, device=x.device) % 2) == 0
-    # at most two codes tie and they are adjacent (one even, one odd): prefer the even one
-    preference = is_min.to(torch.int8) * 2 + (is_min & even).to(torch.int8)
-    code = preference.argmax(dim=-1).to(torch.uint8)
-    negative = (x < 0) & (code != 0)
-    return code | (negative.to(torch.uint8) << 3)
+    return _fp4_bucket_tables(x.device)[1][_fp4_buckets(x)]
 
 
 def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
@@ -244,11 +274,30 @@ def fp8_fake_quant(x: torch.Tensor, block: int) -> torch.Tensor:
     return act_quant_dequant(x, block).to(x.dtype)
 
 
+def _block_amax(xb: torch.Tensor) -> torch.Tensor:
+    """fp32 max |x| of blocks [..., nb, block] -> [..., nb, 1]: |max(max x, -min x)|, one read of xb in its
+    own dtype (no |x| tensor); the same bits as xb.abs().amax() (the outer abs: +0, and a NaN's sign)."""
+    lo, hi = torch.aminmax(xb, dim=-1, keepdim=True)
+    return torch.maximum(hi, -lo).abs().to(torch.float32)
+
+
+def _fp4_scale(xb: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales of blocks [..., nb, block] -> fp32 [..., nb, 1] (official `fp4_act_quant`)."""
+    return pow2_ceil_scale(_block_amax(xb).clamp(min=FP4_AMAX_FLOOR), FP4_MAX)
+
+
+def _fp4_scale_e4m3(xb: torch.Tensor) -> torch.Tensor:
+    """E4M3 scales (as fp32 values) of blocks [..., nb, block] -> [..., nb, 1] (V4.1)."""
+    amax = _block_amax(xb).clamp(min=FP4_AMAX_FLOOR_E4M3_SCALE)
+    # E4M3 cannot hold a scale above 448 (amax > 2688): saturate like a satfinite GPU conversion instead of
+    # torch's NaN. Unreachable for RMS-normalised latents; an assumption, since [Gk] is not the original.
+    return (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
 def fp4_act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Official `fp4_act_quant` (E8M0 scales): (codes uint8 [..., K], fp32 pow2 scales [..., K/block])."""
     xb = _blocks(x, block)
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_AMAX_FLOOR)
-    s = pow2_ceil_scale(amax, FP4_MAX)
+    s = _fp4_scale(xb)
     codes = fp4_round_codes((xb / s).clamp(-FP4_MAX, FP4_MAX))
     return codes.flatten(-2), s.squeeze(-1)
 
@@ -260,19 +309,22 @@ def fp4_act_quant_e4m3_scale(x: torch.Tensor, block: int = 16) -> tuple[torch.Te
     amax is floored at 6*2**-9 so the scale never drops below E4M3's smallest subnormal range.
     """
     xb = _blocks(x, block)
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_AMAX_FLOOR_E4M3_SCALE)
-    # E4M3 cannot hold a scale above 448 (amax > 2688): saturate like a satfinite GPU conversion instead of
-    # torch's NaN. Unreachable for RMS-normalised latents; an assumption, since [Gk] is not the original.
-    s = (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    s = _fp4_scale_e4m3(xb)
     codes = fp4_round_codes((xb / s).clamp(-FP4_MAX, FP4_MAX))
     return codes.flatten(-2), s.squeeze(-1)
 
 
 def fp4_fake_quant(x: torch.Tensor, block: int = 32, e4m3_scale: bool = False) -> torch.Tensor:
-    """Inplace-style FP4 fake quantisation: dequantised values, in x's dtype."""
-    quant = fp4_act_quant_e4m3_scale if e4m3_scale else fp4_act_quant
-    codes, s = quant(x, block)
-    values = fp4_codes_to_float(codes).unflatten(-1, (-1, block)) * s.unsqueeze(-1)
+    """Inplace-style FP4 fake quantisation: dequantised values, in x's dtype.
+    = fp4_codes_to_float(codes) * scale of `fp4_act_quant(_e4m3_scale)`, the value read straight off the
+    E2M1 bucket (no uint8 codes and int64 copy of them, no clamp: the buckets saturate): the same bits.
+    bf16/fp16 x stays in its dtype until the division by the fp32 scale (which upcasts it exactly): no fp32
+    copy of x (the indexer q of an 8k prefill is [8192, 64, 128])."""
+    if x.shape[-1] % block:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the block size {block}")
+    xb = x.unflatten(-1, (-1, block)) if x.dtype in (torch.bfloat16, torch.float16) else _blocks(x, block)
+    s = _fp4_scale_e4m3(xb) if e4m3_scale else _fp4_scale(xb)
+    values = _fp4_bucket_tables(x.device)[2][_fp4_buckets(xb / s)] * s
     return values.flatten(-2).to(x.dtype)
 
 

@@ -191,6 +191,30 @@ def test_fp4_round_against_brute_force():
     assert bad.size == 0, [(vals[i], got[i], want[i]) for i in bad[:10]]
 
 
+def _grid_search_codes(x: torch.Tensor) -> torch.Tensor:
+    """The former `fp4_round_codes`: distance to each of the 8 grid values, ties to the even code."""
+    mag = x.abs().clamp(max=6.0)
+    dist = (mag.unsqueeze(-1) - torch.tensor(FP4_GRID, dtype=torch.float32)).abs()
+    is_min = dist == dist.min(dim=-1, keepdim=True).values
+    even = (torch.arange(8) % 2) == 0
+    code = (is_min.to(torch.int8) * 2 + (is_min & even).to(torch.int8)).argmax(dim=-1).to(torch.uint8)
+    return code | (((x < 0) & (code != 0)).to(torch.uint8) << 3)
+
+
+def test_fp4_round_buckets_equal_grid_search():
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(FP4_GRID, FP4_GRID[1:])], dtype=torch.float32)
+    bits = (torch.cat([mids, -mids]).view(torch.int32).unsqueeze(1) + torch.arange(-64, 65)).flatten()
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 3e38, -3e38, 1e-45, -1e-45])
+    x = torch.cat([every_bf16, bits.view(torch.float32), special])
+    assert torch.equal(F.fp4_round_codes(x), _grid_search_codes(x))
+    s = torch.full((x.numel() // 32 + 1, 1), 2.0)
+    xs = torch.cat([x, torch.zeros(s.shape[0] * 32 - x.numel())]).view(-1, 32) * s  # blocks of 32, scaled
+    codes, sc = F.fp4_act_quant(xs, 32)
+    want = (F.fp4_codes_to_float(codes).view(-1, 32) * sc).flatten()
+    assert torch.equal(F.fp4_fake_quant(xs, 32).flatten().view(torch.int32), want.view(torch.int32))
+
+
 # ------------------------------------------------------------------------------------------------
 # power-of-two ceil scale
 # ------------------------------------------------------------------------------------------------

@@ -35,15 +35,21 @@ def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: in
     S = x.shape[0]
     end = start_pos + S
     positions = torch.arange(start_pos, end, device=x.device)
-    if official:
-        x = x.to(torch.float32)
-    kv, gate = projected if projected is not None else (x @ p["wkv.weight"].T, x @ p["wgate.weight"].T)  # [S, c*width]
+    if projected is not None:  # x itself is not read again: no fp32 copy of it (an [S, dim] cast per call)
+        kv, gate = projected
+    else:
+        if official:
+            x = x.to(torch.float32)
+        kv, gate = x @ p["wkv.weight"].T, x @ p["wgate.weight"].T  # [S, c*width]
     score = gate + p["ape"][positions % r]
     first_block = start_pos // r
     n_part = start_pos - first_block * r  # rows of the current block already stored
     off = r if overlap else 0  # overlap: the previous complete block sits in rows [0, r)
-    kv_all = torch.cat([state.kv[slot, : off + n_part], kv])  # [off + n_part + S, c*width]
-    score_all = torch.cat([state.score[slot, : off + n_part], score])
+    if off + n_part:  # [off + n_part + S, c*width]
+        kv_all = torch.cat([state.kv[slot, : off + n_part], kv])
+        score_all = torch.cat([state.score[slot, : off + n_part], score])
+    else:  # nothing stored before (a block-aligned start without overlap): no copy
+        kv_all, score_all = kv, score
     n = end // r - first_block  # blocks completed by this extend
     left = kv_all.shape[0] - off - n * r  # == end % r
     entries = kv.new_zeros(0, state.kv.shape[-1] // (2 if overlap else 1))

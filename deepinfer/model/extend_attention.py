@@ -78,21 +78,23 @@ def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rr: RatioExten
         scores = k("indexer_scores_bf16")(q_idx[rows], w_idx[rows], keys[e0 : e0 + n])  # [S, n]
         scores = scores.masked_fill(torch.arange(n, device=dev) >= visible, float("-inf"))
         sel = k("stable_topk")(scores, min(attn.cfg.index_topk, n))
-        sel = torch.where(sel >= visible, -1, sel)
+        hidden = sel >= visible  # picks past the visible entries (a query that sees fewer than k)
         ent = rr.entry_rows[e0 : e0 + n]
         K = sel.shape[1]
         if S * K < n:  # fewer selections than entries: gather and decode only what the queries read
-            pieces.append(lc.comp[ent[sel.clamp(min=0)].flatten()])
+            pieces.append(lc.comp[ent[torch.where(hidden, 0, sel)].flatten()])
             cols = base + torch.arange(S * K, device=dev).view(S, K)
-            parts.append(torch.where(sel >= 0, cols, -1))
+            parts.append(torch.where(hidden, -1, cols))
             base += S * K
-        else:
+        else:  # one where over [S, k]: a pick is visible exactly when it is a column (top-k indices are >= 0)
             pieces.append(lc.comp[ent])
-            parts.append(torch.where(sel >= 0, sel + base, -1))
+            parts.append(torch.where(hidden, -1, sel + base))
             base += n
     width = max(t.shape[1] for t in parts)
-    cols = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in parts])
-    return torch.cat(pieces), cols
+    # no pad / cat copy of the [T, k] columns when there is nothing to pad or join (one prefill)
+    padded = [t if t.shape[1] == width else F.pad(t, (0, width - t.shape[1]), value=-1) for t in parts]
+    cols = padded[0] if len(padded) == 1 else torch.cat(padded)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)), cols
 
 
 def _index_rows(rows: ExtendRows, comp_cols: torch.Tensor | None, comp_width: tuple[int, ...]) -> torch.Tensor:

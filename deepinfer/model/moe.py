@@ -122,5 +122,7 @@ class V4MoE:
         y = kernels.get("fp4_moe", self.kdev)(xr, indices, weights, self.p["experts"], self.cfg.swiglu_limit)
         if self.comm is not None:
             y = self.comm.moe_combine(y)  # fp32 partial sums over the expert shards, this rank's rows
-        y = y + self._swiglu_official(x, "shared_experts.", self.shared_limit, None).to(torch.float32)
+        # in place, the bf16 shared output upcast inside the add (exact, the same sum as adding its fp32 copy):
+        # no fp32 copy of it and no second [T, dim] fp32 buffer (y is this call's own fp32 result)
+        y.add_(self._swiglu_official(x, "shared_experts.", self.shared_limit, None))
         return y.to(torch.bfloat16)
