@@ -2,16 +2,19 @@
 checkpoint, against the oracle's official numerics.
 
 Official numerics is chaotic (a last-bit difference grows to percent-level logit differences), so fast is
-judged against the oracle's OWN noise floor, measured in the same test: the oracle's logits at the same
+judged against the oracle's OWN noise floors, measured in the same test: (a) the oracle's logits at the same
 positions computed by a single prefill of prompt + forced tokens instead of prefill-then-decode (same math,
-other shapes). Runs are teacher-forced on the oracle's greedy tokens, so both sides always see identical
-inputs. Bounds:
+other shapes), (b) the oracle's prefill + decodes with its embedding table one bf16 ulp off in 10% of the
+elements (the parity tools' floor); per figure the worse of the two. (a) alone moves only a few ops'
+rounding; for V4.1 it sat 3x under (b), and the CUDA engine, whose every op rounds differently, landed at
+(b)'s level (scripts/fast_divergence.py, benchmarks/results/fast_divergence_v41_h200.log). Runs are
+teacher-forced on the oracle's greedy tokens, so both sides always see identical inputs. Bounds:
 * overall logits rel_err(fast) <= 2 x rel_err(floor), median cos deficit <= 2 x the floor's;
-* greedy agreement on every row where the oracle's top-1 margin exceeds the floor's largest top-1/top-2
-  margin change (the measured delta-margin noise), which must leave at least a quarter of the rows.
+* greedy agreement on every row whose oracle top-1 margin exceeds twice the most either floor moved that
+  row's top-1/top-2 margin, which must leave at least a quarter of the rows.
 The oracle's bits (so the floor) depend on the host CPU: the device machine's floor is another draw.
-Measured on CPU (torch twins, 4 prompts x (prefill + 8 decodes)): floor rel_err 0.052 / median cos 0.99938,
-fast 0.051 / 0.99936. `-m gpu`: the same on CUDA (Triton kernels where registered), exact numerics on CUDA
+Measured on CPU (torch twins, 4 prompts x (prefill + 8 decodes)): floor rel_err 0.058 / median cos 0.99901,
+fast 0.051 / 0.99936, 21 of 36 rows judged, all agree. `-m gpu`: the same on CUDA (Triton kernels where registered), exact numerics on CUDA
 against CPU exact, and LLM(numerics="fast", device="cuda") end to end. Run with `-s` for the figures.
 """
 from __future__ import annotations
@@ -37,11 +40,18 @@ def prompts(cfg, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in LENS]
 
 
-def oracle_decode_run(make_oracle, ps: list[torch.Tensor], steps: int = STEPS):
+def oracle_decode_run(make_oracle, ps: list[torch.Tensor], steps: int = STEPS, ulp_seed: int = 1):
     """The oracle (official numerics, batch 1) per prompt: prefill + `steps` greedy decodes -> (logits
-    [steps+1, B, V], tokens [steps, B]), and the floor: the same positions' logits from one prefill of
-    prompt + tokens. `make_oracle()` returns a fresh oracle (fresh caches)."""
-    out, floor, tokens = [], [], []
+    [steps+1, B, V], tokens [steps, B], floor, ulp_floor). Two measured noise floors of the oracle itself on
+    the same positions: `floor` = the logits from one prefill of prompt + tokens (another rounding order),
+    `ulp_floor` = the same prefill + decodes teacher-forced on the tokens with the embedding table one bf16
+    ulp off in 10% of its elements (`parity.layers.perturb_last_bit`, the parity tools' floor). Why both:
+    the first moves only a few ops' rounding and for V4.1 sits ~3x under what a 1-ulp input change alone
+    does (H200, 2026-12-01, benchmarks/results/fast_divergence_v41_h200.log); any other device or op order
+    moves every op. `make_oracle()` returns a fresh oracle (fresh caches)."""
+    from deepinfer.parity.layers import perturb_last_bit
+
+    out, floor, ulp, tokens = [], [], [], []
     for p in ps:
         orc = make_oracle()
         lg = orc(p[None], 0)[0]
@@ -55,7 +65,21 @@ def oracle_decode_run(make_oracle, ps: list[torch.Tensor], steps: int = STEPS):
         full = torch.cat([p, torch.tensor(toks)])
         one = make_oracle().forward(full[None], 0, all_logits=True)[0]
         floor.append(one[len(p) - 1 :])
-    return torch.stack(out, 1), torch.tensor(tokens).T, torch.stack(floor, 1)
+        orc = make_oracle()
+        table = perturb_last_bit(orc.p["embed.weight"], ulp_seed)
+        orc.embed = lambda ids, t=table: t[ids]  # every occurrence of a token gets the same perturbed row
+        rows = [orc(p[None], 0)[0]] + [orc(torch.tensor([[t]]), len(p) + k)[0] for k, t in enumerate(toks)]
+        ulp.append(torch.stack(rows))
+    return torch.stack(out, 1), torch.tensor(tokens).T, torch.stack(floor, 1), torch.stack(ulp, 1)
+
+
+def floor_figures(oracle_run) -> dict:
+    """The noise floor the judge uses: per figure the worse of the oracle's two floors (see oracle_decode_run)."""
+    ref, _, floor, ulp = oracle_run
+    a, b = figures(floor, ref), figures(ulp, ref)
+    return {"rel_err": max(a["rel_err"], b["rel_err"]), "cos_median": min(a["cos_median"], b["cos_median"]),
+            "cos_min": min(a["cos_min"], b["cos_min"]), "margin": a["margin"],
+            "delta_margin": torch.maximum(a["delta_margin"], b["delta_margin"]), "agree": a["agree"] & b["agree"]}
 
 
 def teacher_forced_batch(model, ps: list[torch.Tensor], tokens: torch.Tensor, blocks_per_seq: int,
@@ -95,18 +119,23 @@ def figures(got: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def judge(name: str, got: torch.Tensor, oracle_run) -> None:
-    ref, _, floor_logits = oracle_run
-    fl, fa = figures(floor_logits, ref), figures(got, ref)
-    noise = float(fl["delta_margin"].max())
-    sure = fa["margin"] > noise
+    """rel_err and the median cos deficit at most 2x the floor's; greedy agreement on every row whose
+    oracle top-1 margin exceeds twice the most either floor moved THAT row's margin (its own measured
+    sensitivity; a global max over rows would let one chaotic row silence the test for all, and with
+    V4.1's 1-ulp floor it left 5 of 36 rows to judge), on at least a quarter of the rows."""
+    ref = oracle_run[0]
+    fl, fa = floor_figures(oracle_run), figures(got, ref)
+    row_noise = 2 * fl["delta_margin"]
+    sure = fa["margin"] > row_noise
     print(f"\n{name}: rel_err {fa['rel_err']:.4g} (floor {fl['rel_err']:.4g}), cos median {fa['cos_median']:.6f} "
           f"min {fa['cos_min']:.6f} (floor {fl['cos_median']:.6f} / {fl['cos_min']:.6f}), greedy agreement "
           f"{int(fa['agree'].sum())}/{fa['agree'].numel()} (floor {int(fl['agree'].sum())}); rows with margin > "
-          f"noise {noise:.3g}: {int(sure.sum())}, all agree: {bool(fa['agree'][sure].all())}")
+          f"2x their floor margin change: {int(sure.sum())}, all agree: {bool(fa['agree'][sure].all())} "
+          f"(largest floor margin change {float(fl['delta_margin'].max()):.3g})")
     assert fa["rel_err"] <= 2 * fl["rel_err"]
     assert 1 - fa["cos_median"] <= 2 * (1 - fl["cos_median"])
     assert sure.sum() >= sure.numel() // 4, "the margin test would judge too few rows"
-    assert bool(fa["agree"][sure].all()), f"greedy flips above the noise margin {noise:.3g}"
+    assert bool(fa["agree"][sure].all()), "greedy flips on a row whose margin is above twice its floor's change"
 
 
 def greedy_agreement(outs, ref: torch.Tensor, tokens: torch.Tensor, noise: float) -> int:
@@ -193,8 +222,8 @@ def test_llm_fast_generates_on_cpu(tiny_v4_dir, tiny_v4_raw, oracle_run):
     """LLM(numerics="fast") through the scheduler and runner: greedy tokens equal the oracle's while the
     oracle's margin stays above the measured noise (after a legitimate flip the sequences differ)."""
     cfg, _ = tiny_v4_raw
-    ref, tokens, floor_logits = oracle_run
-    noise = float(figures(floor_logits, ref)["delta_margin"].max())
+    ref, tokens = oracle_run[:2]
+    noise = float(floor_figures(oracle_run)["delta_margin"].max())
     llm = LLM(tiny_v4_dir, numerics="fast", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=512)
     outs = llm.generate([p.tolist() for p in prompts(cfg)],
                         SamplingParams(temperature=0, max_tokens=STEPS + 1, ignore_eos=True))
@@ -237,8 +266,8 @@ def test_exact_cuda_matches_cpu_exact(tiny_v4_dir, tiny_v4_raw, cuda_kernels):
 @pytest.mark.gpu
 def test_llm_fast_cuda_generates(tiny_v4_dir, tiny_v4_raw, oracle_run, cuda_kernels):
     cfg, _ = tiny_v4_raw
-    ref, tokens, floor_logits = oracle_run
-    noise = float(figures(floor_logits, ref)["delta_margin"].max())
+    ref, tokens = oracle_run[:2]
+    noise = float(floor_figures(oracle_run)["delta_margin"].max())
     llm = LLM(tiny_v4_dir, numerics="fast", device="cuda", max_model_len=256, max_num_seqs=4,
               max_num_batched_tokens=512)  # KV sized from free GPU memory (capped, see ModelRunner)
     outs = llm.generate([p.tolist() for p in prompts(cfg)],
