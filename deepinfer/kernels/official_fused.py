@@ -5,7 +5,9 @@ Owns: `hc_pre_fused` (hc mixes, Sinkhorn split, collapse, bf16 round, RMSNorm, b
 steps `V4Block._hc_official` runs before a sublayer), `hc_post_fused` (hc_post rounded once to bf16), and
 `kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace),
 `moe_gate_sqrtsoftplus` (the V4 gate after its logits GEMM: sqrt-softplus, bias-only selection, top-k,
-renormalise, scale: exactly `V4MoE.route`'s ops), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op).
+renormalise, scale: exactly `V4MoE.route`'s ops), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
+`compress_decode_step` (one decode token per row through a compressor: state scatter, block pooling, overlap
+shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention._compress_step` ran).
 Must not: hold state or import the model or the reference oracle; change a rounding point of the
 unfused sequence (the engine may call either and must get the same bits on CPU).
 """
@@ -16,7 +18,8 @@ import torch
 from deepinfer import formats
 from deepinfer.kernels import torch_ops
 
-__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant"]
+__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
+           "compress_decode_step"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -69,3 +72,47 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
 def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """E2M1 values with E8M0 pow2 scales per `block` values, dequantised, in x's dtype (the indexer's q)."""
     return formats.fp4_fake_quant(x, block)
+
+
+def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state_kv: torch.Tensor,
+                         state_score: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                         complete: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         overlap: bool) -> torch.Tensor:
+    """One decode token per row through one compressor (the batched decode path; state updated in place).
+
+    kv, gate [B, c*w]: the token's two fp32 projections (gate WITHOUT ape); ape [r, c*w]; state_kv /
+    state_score [S, c*r, c*w] (c = 2 with overlap: rows [0, r) hold the previous complete block);
+    slots, positions [B] int64; complete [B] bool (this token completes block p // r, i.e. (p + 1) % r == 0).
+    Writes row (p % r) + (r if overlap) of each row's slot (score = gate + ape[p % r]); pools the slot's
+    current block (overlap: the previous block's A-half and this block's B-half, one softmax over 2r rows);
+    where complete and overlap, moves the block's rows into rows [0, r). Returns [B, w] bf16: bf16(RMSNorm(
+    bf16(pooled))) where complete, 0 elsewhere (rows that complete nothing store no entry).
+    Rows may share a slot only when their writes are interchangeable (batch padding in a scratch slot)."""
+    c = 2 if overlap else 1
+    r = state_kv.shape[1] // c
+    if (kv.dim() != 2 or gate.shape != kv.shape or state_kv.shape != state_score.shape or state_kv.dim() != 3
+            or state_kv.shape[1] != c * r or state_kv.shape[2] != kv.shape[1] or tuple(ape.shape) != (r, kv.shape[1])
+            or kv.shape[1] % c or tuple(norm_weight.shape) != (kv.shape[1] // c,)):
+        raise ValueError(f"compress_decode_step: want kv, gate [B, c*w], ape [r, c*w], states [S, c*r, c*w], "
+                         f"norm_weight [w] (c={c}); got kv {tuple(kv.shape)}, gate {tuple(gate.shape)}, ape "
+                         f"{tuple(ape.shape)}, states {tuple(state_kv.shape)} / {tuple(state_score.shape)}, "
+                         f"norm_weight {tuple(norm_weight.shape)}")
+    off = r if overlap else 0  # overlap: rows [0, r) hold the previous complete block
+    phase = positions % r  # the token's row in its block
+    row = phase + off
+    score = gate + ape[phase]
+    state_kv[slots, row] = kv
+    state_score[slots, row] = score
+    kv_s, sc_s = state_kv[slots], state_score[slots]  # [B, c*r, c*w] (copies)
+    if overlap:  # previous block's A-half and the current block's B-half: one softmax over 2r rows
+        w = kv_s.shape[-1] // 2
+        kv_p = torch.cat([kv_s[:, :r, :w], kv_s[:, r:, w:]], dim=1)
+        sc_p = torch.cat([sc_s[:, :r, :w], sc_s[:, r:, w:]], dim=1)
+        done = complete.view(-1, 1, 1)
+        state_kv[slots, :r] = torch.where(done, kv_s[:, r:], kv_s[:, :r])
+        state_score[slots, :r] = torch.where(done, sc_s[:, r:], sc_s[:, :r])
+    else:
+        kv_p, sc_p = kv_s, sc_s
+    pooled = torch_ops.compress_pool(kv_p, sc_p, False).to(BF16).to(F32)  # [B, w]
+    entries = torch_ops.rms_norm(pooled, norm_weight, eps).to(BF16)
+    return torch.where(complete.unsqueeze(1), entries, 0)

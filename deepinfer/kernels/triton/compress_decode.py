@@ -1,0 +1,154 @@
+"""Triton decode step of one KV compressor: the CUDA twin of `official_fused.compress_decode_step`.
+
+Owns: `compress_decode_step(kv, gate, ape, state_kv, state_score, slots, positions, complete, norm_weight,
+eps, overlap)`, same contract as the twin: ONE launch for what the batched decode path ran as ~20 torch ops
+per compressor (ape add, state scatter, block gather, overlap concat / shift, gated softmax pooling, bf16
+round, RMSNorm, bf16 round). One program per batch row:
+1. writes the token's row (kv, gate + ape[p % r]) into its state slot;
+2. only where `complete`: loads the slot's block in chunks of channels (the token's row is taken from the
+   inputs, not re-read), pools it with `compress_pool`'s math (max-subtracted exp, p / sum, sum of v * p,
+   fp32), rounds to bf16 into `out`; with overlap moves rows [r, 2r) to rows [0, r); then RMSNorm of the
+   bf16 row as `norm_hc.rms_norm` computes it (fp32, sum(x^2) / w), bf16 into `out`;
+3. elsewhere writes 0 (the entry is not stored: its pooling is skipped, so an incomplete row reads none of
+   its state; ratio 128 reads 512 KB per complete row).
+Deterministic (no atomics; every sum within one program). The token's row is substituted in registers, so a
+row's result does not depend on the order in which programs sharing a slot (batch padding) write it.
+Hazards inside a program (the shift overwrites rows the pooling read; `out` is re-read by other threads)
+are ordered by `tl.debug_barrier()` (bar.sync orders global memory within the CTA).
+float64 or non-fp32 state falls back to the twin.
+Must not: be imported off CUDA (imports triton); know about caches or metadata (the caller passes tensors).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels import official_fused
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@triton.jit
+def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_ptr, pos_ptr, done_ptr, nw_ptr,
+                            out_ptr, eps, stride_s, stride_r, stride_slot, stride_pos, stride_done,
+                            R: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + b * stride_slot).to(tl.int64)
+    pos = tl.load(pos_ptr + b * stride_pos).to(tl.int64)
+    done = tl.load(done_ptr + b * stride_done) != 0
+    phase = pos % R
+    CW: tl.constexpr = 2 * W if OVERLAP else W
+    if OVERLAP:
+        row = phase + R
+    else:
+        row = phase
+    base = slot * stride_s
+    src = b * CW  # the token's projections
+    # 1. the token's row into its slot (every row, complete or not)
+    for c0 in range(0, CW, BLOCK_S):
+        cs = c0 + tl.arange(0, BLOCK_S)
+        m = cs < CW
+        v = tl.load(kv_ptr + src + cs, mask=m, other=0.0)
+        s = tl.load(gate_ptr + src + cs, mask=m, other=0.0) + tl.load(ape_ptr + phase * CW + cs, mask=m, other=0.0)
+        tl.store(skv_ptr + base + row * stride_r + cs, v, mask=m)
+        tl.store(ssc_ptr + base + row * stride_r + cs, s, mask=m)
+    wc = tl.arange(0, BLOCK_W)
+    wm = wc < W
+    if done:
+        rows = tl.arange(0, BLOCK_R)
+        if OVERLAP:
+            rmask = rows < 2 * R
+        else:
+            rmask = rows < R
+        new = (rows == row)[:, None]
+        second = (rows >= R)[:, None]
+        for c0 in range(0, W, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            cm = cols < W
+            m2 = rmask[:, None] & cm[None, :]
+            off_a = base + rows[:, None].to(tl.int64) * stride_r + cols[None, :]  # channels [c0, c0+C) (A-half)
+            kv_a = tl.load(skv_ptr + off_a, mask=m2, other=0.0)
+            sc_a = tl.load(ssc_ptr + off_a, mask=m2, other=float("-inf"))
+            nkv_a = tl.load(kv_ptr + src + cols, mask=cm, other=0.0)
+            nsc_a = tl.load(gate_ptr + src + cols, mask=cm, other=0.0) + tl.load(ape_ptr + phase * CW + cols,
+                                                                                mask=cm, other=0.0)
+            kv_a = tl.where(new, nkv_a[None, :], kv_a)
+            sc_a = tl.where(new, nsc_a[None, :], sc_a)
+            if OVERLAP:
+                # rows [0, r): the previous block, A-half; rows [r, 2r): this block, B-half (channels + W)
+                kv_b = tl.load(skv_ptr + off_a + W, mask=m2, other=0.0)
+                sc_b = tl.load(ssc_ptr + off_a + W, mask=m2, other=float("-inf"))
+                nkv_b = tl.load(kv_ptr + src + W + cols, mask=cm, other=0.0)
+                nsc_b = tl.load(gate_ptr + src + W + cols, mask=cm, other=0.0) + tl.load(
+                    ape_ptr + phase * CW + W + cols, mask=cm, other=0.0)
+                kv_b = tl.where(new, nkv_b[None, :], kv_b)
+                sc_b = tl.where(new, nsc_b[None, :], sc_b)
+                v = tl.where(second, kv_b, kv_a)
+                s = tl.where(second, sc_b, sc_a)
+            else:
+                v = kv_a
+                s = sc_a
+            p = tl.exp(s - tl.max(s, axis=0)[None, :])
+            wgt = p / tl.sum(p, axis=0)[None, :]
+            tl.store(out_ptr + b * W + cols, tl.sum(v * wgt, axis=0).to(tl.bfloat16), mask=cm)
+            if OVERLAP:  # this block becomes the previous one: rows [r, 2r) -> [0, r), both halves
+                tl.debug_barrier()  # every thread has read rows [0, r) before any overwrites them
+                sm = m2 & second
+                dst = off_a - R * stride_r
+                tl.store(skv_ptr + dst, kv_a, mask=sm)
+                tl.store(ssc_ptr + dst, sc_a, mask=sm)
+                tl.store(skv_ptr + dst + W, kv_b, mask=sm)
+                tl.store(ssc_ptr + dst + W, sc_b, mask=sm)
+        tl.debug_barrier()  # the bf16 pooled row, written by other threads
+        x = tl.load(out_ptr + b * W + wc, mask=wm, other=0.0).to(tl.float32)
+        rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / W + eps)
+        y = tl.load(nw_ptr + wc, mask=wm, other=0.0).to(tl.float32) * (x * rs)
+        tl.debug_barrier()
+        tl.store(out_ptr + b * W + wc, y.to(tl.bfloat16), mask=wm)
+    else:
+        tl.store(out_ptr + b * W + wc, tl.zeros([BLOCK_W], tl.float32).to(tl.bfloat16), mask=wm)
+
+
+def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state_kv: torch.Tensor,
+                         state_score: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                         complete: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         overlap: bool) -> torch.Tensor:
+    """See `official_fused.compress_decode_step` (same arguments, same result; the states in place)."""
+    if state_kv.dtype != F32 or state_score.dtype != F32 or kv.dtype == torch.float64 or gate.dtype == torch.float64:
+        return official_fused.compress_decode_step(kv, gate, ape, state_kv, state_score, slots, positions,
+                                                   complete, norm_weight, eps, overlap)
+    c = 2 if overlap else 1
+    B, cw = kv.shape if kv.dim() == 2 else (-1, -1)
+    r = state_kv.shape[1] // c if state_kv.dim() == 3 else -1
+    if (kv.dim() != 2 or gate.shape != kv.shape or state_kv.shape != state_score.shape or state_kv.dim() != 3
+            or state_kv.shape[1] != c * r or state_kv.shape[2] != cw or tuple(ape.shape) != (r, cw) or cw % c
+            or tuple(norm_weight.shape) != (cw // c,) or slots.shape != (B,) or positions.shape != (B,)
+            or complete.shape != (B,) or complete.dtype != torch.bool):
+        raise ValueError(f"compress_decode_step: want kv, gate [B, c*w], ape [r, c*w], states [S, c*r, c*w], "
+                         f"norm_weight [w], slots / positions / complete (bool) [B] (c={c}); got kv "
+                         f"{tuple(kv.shape)}, gate {tuple(gate.shape)}, ape {tuple(ape.shape)}, states "
+                         f"{tuple(state_kv.shape)} / {tuple(state_score.shape)}, norm_weight "
+                         f"{tuple(norm_weight.shape)}, slots {tuple(slots.shape)}, positions "
+                         f"{tuple(positions.shape)}, complete {tuple(complete.shape)} {complete.dtype}")
+    if not (state_kv.is_contiguous() and state_score.is_contiguous()):
+        raise ValueError("compress_decode_step: the state tensors are updated in place and must be contiguous")
+    w = cw // c
+    out = torch.empty(B, w, dtype=BF16, device=kv.device)
+    if B == 0:
+        return out
+    kv, gate = kv.to(F32).contiguous(), gate.to(F32).contiguous()
+    ape = ape.to(F32).contiguous()
+    block_r = triton.next_power_of_2(c * r)
+    block_c = min(triton.next_power_of_2(w), max(16, min(128, 8192 // block_r)))  # compress_pool's tile
+    _compress_decode_kernel[(B,)](
+        kv, gate, ape, state_kv, state_score, slots, positions, complete.view(torch.uint8),
+        norm_weight.contiguous(), out, float(eps), state_kv.stride(0), state_kv.stride(1), slots.stride(0),
+        positions.stride(0), complete.stride(0), R=r, W=w, OVERLAP=bool(overlap), BLOCK_R=block_r, BLOCK_C=block_c,
+        BLOCK_S=min(1024, triton.next_power_of_2(cw)), BLOCK_W=triton.next_power_of_2(w),
+        num_warps=8 if block_r >= 64 else 4)
+    return out
+
+
+REGISTRATIONS = {"compress_decode_step": compress_decode_step}

@@ -1,0 +1,264 @@
+"""`compress_decode_step`: one decode token per row through one KV compressor (state scatter, block pooling,
+overlap shift, bf16 round, RMSNorm, bf16 round) as one op: the torch twin (`kernels/official_fused.py`,
+registered for every device) and the Triton kernel (`kernels/triton/compress_decode.py`, cuda).
+
+CPU: the twin reproduces the torch ops `decode_attention._compress_step` ran before the op existed (copied
+below as `_old_step`) bit for bit: states, and the entries of every row that completes its block (rows that
+complete nothing: the twin returns 0, the old code returned a pooling of the partial block that was never
+stored); both overlap modes, ratios 4 and 128, partially complete batches, batch padding in a shared scratch
+slot, slots and positions as strided columns (as `DecodeMetadata` hands them over).
+CPU under TRITON_INTERPRET=1 (a fresh process, Triton 3.6's interpreter rounding fixed as in
+test_kernels_fp8_linear): the kernel == the twin on tiny shapes, states bit for bit (the kernel moves
+values and adds ape in fp32: exact), incomplete rows exactly 0, entries within ULPS bf16 ulps (measured: 0).
+Why not bit for bit: the pooling's exp and sums are fp32 in another order, and where that flips the bf16
+rounding of one pooled value (1 ulp, up to 2^-7 relative) the normed bf16 output moves by up to ~3 of its
+own ulps (a different binade).
+GPU (-m gpu, fresh random inputs each run, V4-Flash sizes: B in 1, 8, 128; main w 512 and indexer w 128 at
+ratio 4 with overlap, main w 512 at ratio 128): states bit for bit vs the twin on cuda; entries within ULPS
+bf16 ulps and rel_err <= 1e-3 (1 ulp everywhere would be ~4e-3) of the twin and of the old cuda path (Triton
+compress_pool + rms_norm, the same pooling formula); incomplete rows exactly 0; CUDA-graph replay == eager
+bit for bit. NOT YET RUN on a GPU.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import kernels
+from deepinfer.kernels import official_fused, torch_ops
+
+F32, BF16 = torch.float32, torch.bfloat16
+EPS = 1e-6
+ULPS = 3  # bound on any entry, bf16 ulps (see the module docstring)
+
+
+def _old_step(kv_w, gate_w, ape, state_kv, state_score, xf, slots, pos, complete, norm_w, eps, overlap):
+    """decode_attention._compress_step at fa49f0a, up to `entries` (CPU registry = torch_ops)."""
+    r = state_kv.shape[1] // (2 if overlap else 1)
+    off = r if overlap else 0
+    phase = pos % r
+    row = phase + off
+    kv = xf @ kv_w.T
+    score = xf @ gate_w.T + ape[phase]
+    state_kv[slots, row] = kv
+    state_score[slots, row] = score
+    kv_s, sc_s = state_kv[slots], state_score[slots]
+    if overlap:
+        w = kv_s.shape[-1] // 2
+        kv_p = torch.cat([kv_s[:, :r, :w], kv_s[:, r:, w:]], dim=1)
+        sc_p = torch.cat([sc_s[:, :r, :w], sc_s[:, r:, w:]], dim=1)
+        done = complete.view(-1, 1, 1)
+        state_kv[slots, :r] = torch.where(done, kv_s[:, r:], kv_s[:, :r])
+        state_score[slots, :r] = torch.where(done, sc_s[:, r:], sc_s[:, :r])
+    else:
+        kv_p, sc_p = kv_s, sc_s
+    pooled = torch_ops.compress_pool(kv_p, sc_p, False).to(BF16).to(F32)
+    return torch_ops.rms_norm(pooled, norm_w, eps).to(BF16)
+
+
+def make_case(B: int, r: int, w: int, overlap: bool, seed: int, device="cpu", n_pad: int = 0, dim: int = 48):
+    """Random compressor inputs for B rows (the last n_pad rows: batch padding at position 0 in the scratch
+    slot S - 1, identical inputs). About half the real rows complete their block; overlap rows in their
+    first block see a fresh previous block (kv 0, score -inf). Slots and positions are strided columns."""
+    g = torch.Generator().manual_seed(seed)
+    c = 2 if overlap else 1
+    n_real = B - n_pad
+    S = n_real + 4  # spare slots that no row uses (must stay untouched) + the scratch slot
+    state_kv = torch.randn(S, c * r, c * w, generator=g)
+    state_score = torch.randn(S, c * r, c * w, generator=g) * 2
+    pos = torch.randint(0, 6 * r, (B,), generator=g)
+    pos[: n_real: 2] = (pos[: n_real: 2] // r) * r + r - 1  # every other real row completes
+    if n_real > 1:
+        pos[1] = 2  # a row in its first block (r > 2)
+    slots = torch.cat([torch.randperm(S - 1, generator=g)[:n_real], torch.full((n_pad,), S - 1)])
+    pos[n_real:] = 0
+    if overlap:
+        first = (pos < r) & (torch.arange(B) < n_real)
+        state_kv[slots[first], :r] = 0.0
+        state_score[slots[first], :r] = float("-inf")
+    meta = torch.zeros(B, 3, dtype=torch.long)
+    meta[:, 0], meta[:, 2] = pos, slots
+    xf = torch.randn(B, dim, generator=g)
+    if n_pad:
+        xf[n_real:] = xf[-1:].clone()  # padding rows: the same token, so their order of writes does not matter
+    case = dict(kv_w=torch.randn(c * w, dim, generator=g) / dim**0.5,
+                gate_w=torch.randn(c * w, dim, generator=g) * (3 / dim**0.5),
+                ape=torch.randn(r, c * w, generator=g), state_kv=state_kv, state_score=state_score, xf=xf,
+                meta=meta, norm_w=torch.rand(w, generator=g) + 0.5)
+    case = {k: v.to(device) for k, v in case.items()}
+    case["pos"], case["slots"] = case["meta"][:, 0], case["meta"][:, 2]
+    case["complete"] = (case["pos"] + 1) % r == 0
+    case["kv"], case["gate"] = case["xf"] @ case["kv_w"].T, case["xf"] @ case["gate_w"].T  # once per case
+    case["overlap"] = overlap
+    return case
+
+
+def run_op(op, case, states=None):
+    """op on a copy of the case's states -> (entries, state_kv, state_score)."""
+    skv, ssc = states or (case["state_kv"].clone(), case["state_score"].clone())
+    out = op(case["kv"], case["gate"], case["ape"], skv, ssc, case["slots"], case["pos"], case["complete"],
+             case["norm_w"], EPS, case["overlap"])
+    return out, skv, ssc
+
+
+def run_old(case):
+    skv, ssc = case["state_kv"].clone(), case["state_score"].clone()
+    out = _old_step(case["kv_w"], case["gate_w"], case["ape"], skv, ssc, case["xf"], case["slots"], case["pos"],
+                    case["complete"], case["norm_w"], EPS, case["overlap"])
+    return out, skv, ssc
+
+
+def ordered(v: torch.Tensor) -> torch.Tensor:
+    """bf16 bit patterns as integers in value order: differences are ulp distances."""
+    b = v.view(torch.int16).int()
+    return torch.where(b < 0, -(b & 0x7FFF), b)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+CASES = [(4, 16, True), (4, 128, True), (8, 24, False), (128, 32, False), (128, 512, False), (4, 512, True)]
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("r,w,overlap", CASES)
+@pytest.mark.parametrize("B,n_pad", [(1, 0), (7, 0), (9, 3)])
+def test_twin_is_the_old_decode_compressor_bit_for_bit(r, w, overlap, B, n_pad):
+    case = make_case(B, r, w, overlap, seed=B * 100 + r + w, n_pad=n_pad)
+    got, skv, ssc = run_op(official_fused.compress_decode_step, case)
+    want, okv, osc = run_old(case)
+    assert torch.equal(skv, okv) and torch.equal(ssc, osc)
+    done = case["complete"]
+    assert bool(done.any()) and got.dtype == BF16 and got.shape == want.shape
+    assert torch.equal(got[done], want[done])
+    assert bool((got[~done] == 0).all())
+    unused = [s for s in range(skv.shape[0]) if s not in set(case["slots"].tolist())]
+    assert unused and torch.equal(skv[unused], case["state_kv"][unused])  # only the batch's slots are written
+
+
+def test_twin_is_the_registered_cpu_op_and_rejects_bad_shapes():
+    assert kernels.get("compress_decode_step") is official_fused.compress_decode_step
+    assert kernels.get("compress_decode_step", "cpu") is official_fused.compress_decode_step
+    case = make_case(3, 4, 16, True, seed=1)
+    with pytest.raises(ValueError, match="compress_decode_step"):
+        run_op(official_fused.compress_decode_step, dict(case, ape=case["ape"][:3]))
+    with pytest.raises(ValueError, match="compress_decode_step"):
+        run_op(official_fused.compress_decode_step, dict(case, overlap=False))
+
+
+# ---------------------------------------------------------------------------------- interpreter (CPU)
+_INTERPRET_CHECK = '''
+import torch
+import test_kernels_compress_decode as t
+from deepinfer.kernels.official_fused import compress_decode_step as twin
+from deepinfer.kernels.triton.compress_decode import compress_decode_step as kern
+
+worst = 0
+for r, w, overlap in [(4, 16, True), (4, 24, True), (8, 24, False), (128, 96, False)]:
+    for B, n_pad in [(1, 0), (6, 0), (8, 3)]:
+        case = t.make_case(B, r, w, overlap, seed=B * 10 + r + w, n_pad=n_pad)
+        got, skv, ssc = t.run_op(kern, case)
+        want, okv, osc = t.run_op(twin, case)
+        assert torch.equal(skv, okv) and torch.equal(ssc, osc), (r, w, overlap, B)
+        done = case["complete"]
+        assert bool((got[~done] == 0).all()) and not bool(got.isnan().any()), (r, w, overlap, B)
+        u = t.ulps(got[done], want[done])
+        worst = max(worst, u)
+        print(f"r={r} w={w} overlap={overlap} B={B} pad={n_pad}: entries max {u} bf16 ulps")
+        assert u <= t.ULPS, (r, w, overlap, B, u)
+print(f"worst {worst} ulps")
+print("ok")
+'''
+
+
+def test_triton_kernel_is_the_twin_under_the_interpreter():
+    """A fresh process (the flag is read at import), with the interpreter's bf16 rounding fixed."""
+    pytest.importorskip("triton")
+    from test_kernels_fp8_linear import _INTERPRETER_FIXES
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
+    res = subprocess.run([sys.executable, "-c", _INTERPRETER_FIXES + _INTERPRET_CHECK], env=env,
+                         capture_output=True, text=True, timeout=600)
+    print(res.stdout[-3000:])
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+GPU_CASES = [(4, 512, True), (4, 128, True), (128, 512, False)]  # V4-Flash: main / indexer at ratio 4, main at 128
+
+
+def _old_cuda_path(case):
+    """What the cuda decode path ran before the fused op: the torch data movement + Triton compress_pool and
+    rms_norm (entries only)."""
+    from deepinfer.kernels.triton.compress_pool import compress_pool
+    from deepinfer.kernels.triton.norm_hc import rms_norm
+
+    skv, ssc = case["state_kv"].clone(), case["state_score"].clone()
+    r, overlap, slots = case["ape"].shape[0], case["overlap"], case["slots"]
+    phase = case["pos"] % r
+    row = phase + (r if overlap else 0)
+    skv[slots, row] = case["kv"]
+    ssc[slots, row] = case["gate"] + case["ape"][phase]
+    kv_s, sc_s = skv[slots], ssc[slots]
+    if overlap:
+        w = kv_s.shape[-1] // 2
+        kv_s = torch.cat([kv_s[:, :r, :w], kv_s[:, r:, w:]], dim=1)
+        sc_s = torch.cat([sc_s[:, :r, :w], sc_s[:, r:, w:]], dim=1)
+    pooled = compress_pool(kv_s, sc_s, False).to(BF16).to(F32)
+    return rms_norm(pooled, case["norm_w"], EPS).to(BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,w,overlap", GPU_CASES)
+@pytest.mark.parametrize("B", [1, 8, 128])
+def test_triton_kernel_matches_the_twin_on_gpu(r, w, overlap, B):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from deepinfer.kernels.triton.compress_decode import compress_decode_step as kern
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run (printed for a rerun)
+    n_pad = B // 8
+    case = make_case(B, r, w, overlap, seed=seed, device="cuda", n_pad=n_pad, dim=4096)
+    got, skv, ssc = run_op(kern, case)
+    want, okv, osc = run_op(official_fused.compress_decode_step, case)
+    old = _old_cuda_path(case)
+    torch.cuda.synchronize()
+    assert torch.equal(skv, okv) and torch.equal(ssc, osc), seed
+    done = case["complete"]
+    assert bool((got[~done] == 0).all()) and not bool(got.isnan().any()), seed
+    u, e = ulps(got[done], want[done]), rel_err(got[done], want[done])
+    u_old, e_old = ulps(got[done], old[done]), rel_err(got[done], old[done])
+    print(f"r={r} w={w} B={B} seed={seed}: vs twin {u} ulps rel_err {e:.1e}; vs old cuda path {u_old} ulps "
+          f"rel_err {e_old:.1e}")
+    assert u <= ULPS and e <= 1e-3 and u_old <= ULPS and e_old <= 1e-3, seed
+
+    # CUDA graph: capture once, replay on the same inputs == eager, bit for bit (states and entries)
+    kv, gate = case["kv"], case["gate"]
+    gkv, gsc = case["state_kv"].clone(), case["state_score"].clone()
+    args = (kv, gate, case["ape"], gkv, gsc, case["slots"], case["pos"], case["complete"], case["norm_w"], EPS,
+            overlap)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kern(*args)  # warm-up (compiles) on scratch copies of the states
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = kern(*args)
+    gkv.copy_(case["state_kv"])  # the capture's run did not execute; the warm-up's did: fresh states
+    gsc.copy_(case["state_score"])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gout, got) and torch.equal(gkv, skv) and torch.equal(gsc, ssc), seed
