@@ -37,8 +37,21 @@ def cuda_kernel_ops(extra: tuple[str, ...] = ()) -> set[str]:
     return names
 
 
+# kernels a fused op's cuda wrapper launches beyond its one kernel, from the twin frame's locals: rope32
+# without a precomputed table builds its cos/sin table first (positions to fp32, outer, cos, sin), and
+# rope_table32 is exactly those 4
+def cuda_launches(name: str, f_locals: dict) -> int:
+    if name == "rope32":
+        return 1 if f_locals.get("table") is not None else 5
+    if name == "rope_table32":
+        return 4
+    return 1
+
+
 GROUPS = [  # (group, regex on the innermost model frame "file:function"); first match wins
     ("metadata (derive)", r"decode_metadata\.py:derive"),
+    ("RoPE (tables + rotations)", r"decode_attention\.py:(rope|build_rope_table):"),
+    ("entry selection (shared per step)", r"decode_attention\.py:(build_ascending|build_pool_cols):"),
     ("KV codec (cache encode/decode)", r"(decode_attention|cache)\.py:(_encode|_decode|encode|decode):"),
     ("attention q/kv norms", r"decode_attention\.py:rms:"),
     ("compressor", r"decode_attention\.py:(_compress_step|compress_decode)"),
@@ -68,7 +81,7 @@ class _OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.is_view or name in NO_KERNEL:
             return out
-        model_frame, fused, layer = None, None, "outside the blocks (prepare, head)"
+        model_frame, fused, outer, layer = None, None, None, "outside the blocks (prepare, head)"
         f = sys._getframe(1)
         while f is not None:
             if f.f_code.co_name == "decode_hidden":  # the block loop: which layer this op belongs to
@@ -80,31 +93,37 @@ class _OpCounter(TorchDispatchMode):
                 f = f.f_back
                 continue
             path = f.f_code.co_filename
-            if "deepinfer/kernels/" in path and f.f_code.co_name.removesuffix("_torch") in self.fused_ops:
-                layout = f.f_locals.get("layout")  # kv_pack: only the fp8_e8m0 codec is a Triton kernel
-                if layout is None or getattr(layout, "codec", None) == "fp8_e8m0":
-                    fused = f  # keep the outermost fused call
+            if "deepinfer/kernels/" in path:
+                if f.f_code.co_name.removesuffix("_torch") in self.fused_ops:
+                    layout = f.f_locals.get("layout")  # kv_pack: only the fp8_e8m0 codec is a Triton kernel
+                    if layout is None or getattr(layout, "codec", None) == "fp8_e8m0":
+                        fused = f  # keep the outermost fused call
+                outer = f
             elif "deepinfer/model/" in path:
                 model_frame = f"{os.path.basename(path)}:{f.f_code.co_name}:{f.f_lineno}"
             f = f.f_back
+        if fused is not None and fused is not outer:  # inside a twin that is NOT one kernel on cuda
+            fused = None  # (head_rms_norm runs torch_ops.rms_norm's torch ops there): each op is a launch
         model_frame = model_frame or "?"
         if model_frame.startswith("decode_metadata.py:fill:") and name != "copy_" or (
                 model_frame.startswith("decode_step.py:prepare:") and name in ("min", "max")):
             return out  # host-side work on the pinned buffer / host ids: no kernel on cuda
+        n = 1
         if fused is not None:
             if fused is self._last_fused:
                 return out
             self._last_fused = fused
             name = fused.f_code.co_name
+            n = cuda_launches(name.removesuffix("_torch"), fused.f_locals)
         g = next((gname for gname, rx in GROUPS if re.search(rx, model_frame)), None)
         if g is None:
             if "decode_attention.py:decode_attention" in model_frame:
                 g = self.line_of.get(int(model_frame.rsplit(":", 1)[1]), "attention (other)")
             else:
                 g = model_frame
-        self.groups[g] += 1
-        self.layers[layer] += 1
-        self.lines[(model_frame, name)] += 1
+        self.groups[g] += n
+        self.layers[layer] += n
+        self.lines[(model_frame, name)] += n
         return out
 
 

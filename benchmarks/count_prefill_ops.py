@@ -52,6 +52,19 @@ def cuda_kernel_ops() -> set[str]:
     return names
 
 
+def cuda_launches(name: str, f_locals: dict) -> int:
+    """Kernels a fused op's cuda wrapper launches in all: rope32 without a precomputed table builds its
+    cos/sin table first (positions to fp32, outer, cos, sin: 4 + the kernel); rope_table32 is those 4."""
+    if name == "rope32":
+        return 1 if f_locals.get("table") is not None else 5
+    if name == "rope_table32":
+        return 4
+    return 1
+
+
+_NOT_CALLS = {"__get__", "__set__", "shape", "dtype", "device", "size", "dim", "stride", "is_cuda"}  # no kernel
+
+
 class CallCounter(TorchFunctionMode):
     """Every torch function call attributed to its innermost deepinfer frame (file:function:line); a call
     inside a cuda-fused op's twin counts once per op call, attributed to the op's caller."""
@@ -66,6 +79,9 @@ class CallCounter(TorchFunctionMode):
         self.total = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in _NOT_CALLS:  # before the fused-op bookkeeping: a twin whose first torch call reads
+            return func(*args, **(kwargs or {}))  # .shape would otherwise count as no launch at all
         f = sys._getframe(1)
         fused = outer = None
         g = f
@@ -80,10 +96,12 @@ class CallCounter(TorchFunctionMode):
             g = g.f_back
         if fused is not None and fused is not outer:  # called by an op that is NOT one kernel (head_rms_norm
             fused = None  # runs torch_ops.rms_norm's ops on cuda): its ops are launches of their own
+        n = 1
         if fused is not None:
             if fused is self._last_fused:
                 return func(*args, **(kwargs or {}))
             self._last_fused = fused
+            n = cuda_launches(fused.f_code.co_name, fused.f_locals)
             f = fused.f_back
         where = "?"
         while f is not None:
@@ -96,13 +114,11 @@ class CallCounter(TorchFunctionMode):
             f = f.f_back
         else:
             line = where
-        name = getattr(func, "__name__", str(func))
-        if name not in ("__get__", "__set__", "shape", "dtype", "device", "size", "dim", "stride", "is_cuda"):
-            self.total += 1
-            self.by_function[where] += 1
-            self.by_line[line] += 1
-            if fused is None and _is_sync(func, args):
-                self.syncs[f"{line} {name}"] += 1
+        self.total += n
+        self.by_function[where] += n
+        self.by_line[line] += n
+        if fused is None and _is_sync(func, args):
+            self.syncs[f"{line} {name}"] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -15,8 +15,10 @@ from functools import lru_cache
 import torch
 
 from deepinfer import formats
+from deepinfer.kernels import torch_ops
 
-__all__ = ["qlinear", "blinear", "rope_freqs32", "rope32", "hadamard32", "indexer_scores_bf16",
+__all__ = ["qlinear", "blinear", "rope_freqs32", "rope_table32", "rope32", "rms_norm_bf16", "hadamard32",
+           "indexer_scores_bf16",
            "indexer_scores_batched_bf16",
            "sparse_attn_sink_official", "sparse_attn_sink_official_v41"]
 
@@ -55,18 +57,40 @@ def rope_freqs32(rope_dim: int, original_seq_len: int, base: float, factor: floa
     return freqs
 
 
-def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Interleaved rotation of the last 2*len(freqs) channels, math in complex64, result in x's dtype.
-    x [T, ..., d], positions [T]."""
-    rd = freqs.shape[0] * 2
+def rope_table32(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The rotation table `rope32` builds for positions [T]: complex64 [T, len(freqs)] = polar(1, p * f) from
+    the fp32 angles. A step whose layers rotate the same positions by the same frequencies builds it once and
+    passes it as `rope32(..., table=)` (each call otherwise rebuilds it: 4 kernels on cuda). The cuda
+    registration returns ITS kernel's table (cos, sin); a table is only for the same device's `rope32`."""
     angles = torch.outer(positions.to(F32), freqs)
-    f = torch.polar(torch.ones_like(angles), angles)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False,
+           table: torch.Tensor | None = None) -> torch.Tensor:
+    """Interleaved rotation of the last 2*len(freqs) channels, math in complex64, result in x's dtype.
+    x [T, ..., d], positions [T]; `table`: `rope_table32(positions, freqs)` precomputed (the same bits)."""
+    rd = freqs.shape[0] * 2
+    if table is None:
+        f = rope_table32(positions, freqs)
+    elif table.dtype != torch.complex64 or tuple(table.shape) != (x.shape[0], rd // 2):
+        raise ValueError(f"rope32: table {table.dtype} {tuple(table.shape)} is not rope_table32's complex64 "
+                         f"[{x.shape[0]}, {rd // 2}] (a table from another device's rope_table32?)")
+    else:
+        f = table
     if inverse:
         f = f.conj()
     z = torch.view_as_complex(x[..., -rd:].to(F32).unflatten(-1, (-1, 2)).contiguous())
     shape = [z.shape[0]] + [1] * (z.dim() - 2) + [z.shape[-1]]
     rotated = torch.view_as_real(z * f.view(shape)).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-rd], rotated], dim=-1)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The official RMSNorm of a bf16 activation: fp32 math, bf16 out, i.e. exactly
+    `rms_norm(x.to(fp32), weight, eps).to(bf16)`; the cuda kernel reads the bf16 x and writes the bf16 result
+    itself (the two casts would be two more kernels)."""
+    return torch_ops.rms_norm(x.to(F32), weight, eps).to(BF16)
 
 
 @lru_cache(maxsize=4)

@@ -68,6 +68,9 @@ class V4Attention:
             self.inv_freq = kernels.get("rope_freqs32")(
                 cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
             ).to(self.device)
+        # what determines inv_freq's values: layers with equal keys share one RoPE table per step (fast paths)
+        self.rope_key = (self.official, cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor,
+                         cfg.beta_fast, cfg.beta_slow)
         self.comp_p = _sub(params, "compressor.")
         self.has_indexer = bool(self.ratio) and cfg.has_indexer(layer)
         self.idx_p = _sub(params, "indexer.")

@@ -2,7 +2,10 @@
 the whole batch in fixed-shape tensor ops (no per-sequence Python loop, no shape that depends on positions),
 so a step can be captured in a CUDA graph per batch bucket.
 
-Owns: `decode_attention(attn, x, rows, cache)` (one layer) and `compress_decode` (its compressors).
+Owns: `decode_attention(attn, x, rows, cache)` (one layer) and `compress_decode` (its compressors), and
+`step_memo` / `rope_table`: what every layer of a step would compute alike (the RoPE table of the step's
+positions per frequency table, the ascending selection of non-indexer ratios, pool columns) is built by the
+first layer that needs it and kept on the step's `DecodeRows` (launches per step, not per layer).
 Same math and official rounding points as `V4Attention._forward_official` with fast=True; the differences
 are in layout only:
 * the new token's KV is written into the window ring FIRST, then each sequence's whole ring row is gathered
@@ -54,33 +57,40 @@ def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: De
 
 def _compress_step(attn: V4Attention, p: dict, state: CompressorState, xf: torch.Tensor, rows: DecodeRows,
                    rr: RatioRows, rotate: bool) -> torch.Tensor:
-    """Scatter the token's projections into its state slot, pool every row's current block -> entries [B, w]
-    (meaningful where the block is complete); shift the overlap state of completed rows."""
+    """Scatter the token's projections into its state slot, pool the current block of every row that completes
+    it -> entries [B, w] (0 where the block is not complete); shift the overlap state of completed rows.
+    `compress_decode_step`: one Triton kernel on cuda for everything between the two projection GEMMs and
+    the RoPE (scatter, gather, pooling, shift, bf16 round, RMSNorm, bf16 round); on the CPU the torch ops
+    this function ran before (bit-identical)."""
     def k(name: str):
         return kernels.get(name, attn.kdev)
 
-    r, slots, pos = state.ratio, rows.state_slots, rows.positions
-    off = r if state.overlap else 0  # overlap: rows [0, r) hold the previous complete block
-    phase = pos % r  # the token's row in its block (computed once: each tensor op is a kernel on cuda)
-    row = phase + off
     kv = xf @ p["wkv.weight"].T  # [B, c*w]
-    score = xf @ p["wgate.weight"].T + p["ape"][phase]
-    state.kv[slots, row] = kv
-    state.score[slots, row] = score
-    kv_s, sc_s = state.kv[slots], state.score[slots]  # [B, c*r, c*w] (copies)
-    if state.overlap:  # previous block's A-half and the current block's B-half: one softmax over 2r rows
-        w = kv_s.shape[-1] // 2
-        kv_p = torch.cat([kv_s[:, :r, :w], kv_s[:, r:, w:]], dim=1)
-        sc_p = torch.cat([sc_s[:, :r, :w], sc_s[:, r:, w:]], dim=1)
-        done = rr.complete.view(-1, 1, 1)
-        state.kv[slots, :r] = torch.where(done, kv_s[:, r:], kv_s[:, :r])
-        state.score[slots, :r] = torch.where(done, sc_s[:, r:], sc_s[:, :r])
-    else:
-        kv_p, sc_p = kv_s, sc_s
-    pooled = k("compress_pool")(kv_p, sc_p, False).to(BF16).to(F32)  # [B, w]
-    entries = k("rms_norm")(pooled, p["norm.weight"], attn.eps).to(BF16)
+    gate = xf @ p["wgate.weight"].T  # ape[p % r] is added inside the op
+    entries = k("compress_decode_step")(kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions,
+                                        rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
     entries = k("rope32")(entries, rr.block_pos, attn.inv_freq)
     return k("hadamard32")(entries) if rotate else entries
+
+
+def step_memo(rows, key, make):
+    """`make()` once per step: the first layer that needs a value shared by every layer of the step (same
+    positions, same ratio) builds it and the others reuse it (each tensor op is a kernel on cuda). Lives on
+    the step's rows (`rows.memo`); inside a CUDA graph capture the build is captured with the first layer,
+    so a replay recomputes it from the step's buffers (shapes are fixed per bucket)."""
+    v = rows.memo.get(key)
+    if v is None:
+        v = rows.memo[key] = make()
+    return v
+
+
+def rope_table(attn: V4Attention, rows, pos: torch.Tensor) -> torch.Tensor:
+    """The step's `rope_table32` of `pos` (the step's positions) for attn's frequencies: one per step and
+    frequency table (window-only and compressed layers differ), instead of one per rope32 call."""
+    def build_rope_table() -> torch.Tensor:
+        return kernels.get("rope_table32", attn.kdev)(pos, attn.inv_freq)
+
+    return step_memo(rows, ("rope", attn.rope_key), build_rope_table)
 
 
 def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache) -> torch.Tensor:
@@ -92,21 +102,26 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     def k(name: str):
         return kernels.get(name, attn.kdev)
 
-    qlinear, rope = k("fp8_linear"), k("rope32")
-
+    qlinear, rope32 = k("fp8_linear"), k("rope32")
     def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return k("rms_norm")(t.to(F32), w, attn.eps).to(BF16)
+        # = rms_norm(t.to(fp32), w).to(bf16) bit for bit: one kernel on cuda instead of three
+        return k("rms_norm_bf16")(t, w, attn.eps)
 
     lc = cache.layers[attn.layer]
     pos = rows.positions
+    table = rope_table(attn, rows, pos)
+
+    def rope(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return rope32(t, pos, attn.inv_freq, inverse, table=table)
+
     B = x.shape[0]
     qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
     q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
-    q = rope(k("head_rms_norm")(q, attn.eps), pos, attn.inv_freq)
-    kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, attn.inv_freq)  # [B, hd]
+    q = rope(k("head_rms_norm")(q, attn.eps))
+    kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]))  # [B, hd]
     lc.ring[rows.window_slots, rows.ring_cols] = _encode(attn, lc, "window", kv)  # write first, read by slot
-    pools = [_decode(attn, lc, "window", lc.ring[rows.window_slots]).flatten(0, 1)]  # [B * win, hd]
-    idx = [rows.window_idx]
+    pool = _decode(attn, lc, "window", lc.ring[rows.window_slots]).flatten(0, 1)  # [B * win, hd]
+    idx = rows.window_idx  # a window-only layer attends over these alone (no cat: it would be a copy)
     if r:
         compress_decode(attn, lc, x, rows)  # entries this token completes are visible to it
         rr = rows.ratios[r]
@@ -115,21 +130,31 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
             if attn.has_indexer:
                 ihd, nh = cfg.index_head_dim, cfg.index_n_heads
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
-                q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
+                q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
                 keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])  # [B, E, ihd]
                 scores = k("indexer_scores_batched_bf16")(q_idx, w_idx, keys).masked_fill(rr.hidden, float("-inf"))
-                sel = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K]
-            else:
-                sel = torch.arange(E, device=x.device).expand(B, -1)
-            sel = torch.where(sel >= rr.visible.unsqueeze(1), -1, sel)
-            K = sel.shape[1]
-            chosen = rr.entry_rows.gather(1, sel.clamp(min=0))  # [B, K] cache rows of the selection
-            pools.append(_decode(attn, lc, "compressed", lc.comp[chosen]).flatten(0, 1))  # [B * K, hd]
-            cols = B * win + torch.arange(B * K, device=x.device).view(B, K)
-            idx.append(torch.where(sel >= 0, cols, -1))
-    o = k("sparse_attn_sink_official")(q, torch.cat(pools), p["attn_sink"], torch.cat(idx, dim=1), attn.hd**-0.5)
-    o = rope(o, pos, attn.inv_freq, inverse=True)
+                top = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K], every pick in [0, E)
+                K = top.shape[1]
+                hid = top >= rr.visible.unsqueeze(1)  # picks past the visible entries
+                # = gather(sel.clamp(0)) and where(sel >= 0, cols, -1) of sel = where(hid, -1, top)
+                chosen = rr.entry_rows.gather(1, torch.where(hid, 0, top))  # [B, K] cache rows of the selection
+                def build_pool_cols() -> torch.Tensor:  # [B, K] pool rows after the B * win window rows
+                    return torch.arange(B * win, B * (win + K), device=x.device).view(B, K)
+
+                cols = step_memo(rows, ("pool cols", K), build_pool_cols)
+                idx = torch.cat([idx, torch.where(hid, -1, cols)], dim=1)
+            else:  # every entry ascending: the same rows for every layer of this ratio in the step
+                def build_ascending() -> tuple[torch.Tensor, torch.Tensor]:
+                    cols = torch.arange(B * win, B * (win + E), device=x.device).view(B, E)
+                    # hidden entries read entry 0's row (sel.clamp(min=0) of sel = -1), never attended
+                    return (torch.where(rr.hidden, rr.entry_rows[:, :1], rr.entry_rows),
+                            torch.cat([idx, torch.where(rr.hidden, -1, cols)], dim=1))
+                chosen, idx = step_memo(rows, ("ascending", r), build_ascending)
+            comp = _decode(attn, lc, "compressed", lc.comp[chosen]).flatten(0, 1)  # [B * K, hd]
+            pool = torch.cat([pool, comp])
+    o = k("sparse_attn_sink_official")(q, pool, p["attn_sink"], idx, attn.hd**-0.5)
+    o = rope(o, inverse=True)
     G = attn.G
     wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
     z = k("grouped_proj_bf16")(o.reshape(B, G, -1), wo_a)  # the official bf16 einsum: no fp32 copy of wo_a

@@ -15,7 +15,7 @@ more than the step. They are pure functions of the filled buffers, so a graph re
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -47,6 +47,11 @@ class DecodeRows:
     ring_cols: torch.Tensor  # [B] p % window: where the new token's KV goes in the ring
     window_idx: torch.Tensor  # [B, window] rows of the batch's gathered window pool [B * window], -1 = none
     ratios: dict[int, RatioRows]
+    # what the layers derive from these rows and share within the step (RoPE tables per frequency table,
+    # the ascending selection of non-indexer ratios, pool columns), built by the first layer that needs it
+    # (`decode_attention.step_memo`): device ops on this step's tensors only, so a captured graph replays
+    # them with the step; a new DecodeRows (one per derive) starts empty
+    memo: dict = field(default_factory=dict, repr=False)
 
 
 class DecodeMetadata:

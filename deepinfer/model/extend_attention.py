@@ -3,7 +3,9 @@ numerics, with the step's rows from `extend_metadata` (built once per step, one 
 host sync: a layer is a fixed handful of ops plus, only on indexer layers, one scoring + top-k per sequence
 (its keys are its own).
 
-Owns: `extend_attention(attn, x, ctx, cache)` (one layer) and `compress_step` (its compressors).
+Owns: `extend_attention(attn, x, ctx, cache)` (one layer) and `compress_step` (its compressors), and
+`step_memo` / `rope_table` (what every layer of the step would compute alike, built once on `ExtendRows`:
+the RoPE table per frequency table, non-indexer index rows, per-sequence visibility masks, pool columns).
 Same math, rounding points and index-row order as `V4Attention._forward_official` with fast=True (the
 per-sequence path, kept for official numerics and as this path's reference: CPU results are bit-identical,
 tests/test_engine_fast_prefill.py); the differences are in organisation only:
@@ -60,10 +62,29 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr
             store[torch.cat(where)] = _encode(attn, lc, role, torch.cat(entries))
 
 
-def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rr: RatioExtendRows, q_idx: torch.Tensor,
-                       w_idx: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+def step_memo(rows: ExtendRows, key, make):
+    """`make()` once per step: the first layer that needs a value shared by every layer of the step (same
+    positions, same ratio) builds it, the others reuse it (each tensor op is a kernel on cuda)."""
+    v = rows.memo.get(key)
+    if v is None:
+        v = rows.memo[key] = make()
+    return v
+
+
+def rope_table(attn, rows: ExtendRows, pos: torch.Tensor) -> torch.Tensor:
+    """The step's `rope_table32` of `pos` for attn's frequencies: one per step and frequency table (window-only
+    and compressed layers differ), instead of one per rope32 call."""
+    def build_rope_table() -> torch.Tensor:
+        return kernels.get("rope_table32", attn.kdev)(pos, attn.inv_freq)
+
+    return step_memo(rows, ("rope", attn.rope_key), build_rope_table)
+
+
+def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rows: ExtendRows, rr: RatioExtendRows,
+                       q_idx: torch.Tensor, w_idx: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: score its entries, take the stable top-k of the visible ones -> (stored entries the pool
-    appends [N, bytes], index columns [T, C] into the pool counted from `base`, -1 = none)."""
+    appends [N, bytes], index columns [T, C] into the pool counted from `base`, -1 = none). The masks of
+    invisible entries and the pool columns depend on the step only: built once for the step's indexer layers."""
     k = lambda name: kernels.get(name, attn.kdev)  # noqa: E731
     keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])  # every sequence's keys in one decode
     dev = q_idx.device
@@ -73,17 +94,25 @@ def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rr: RatioExten
         if not n:
             parts.append(torch.full((S, 0), -1, dtype=torch.long, device=dev))
             continue
-        rows = ctx.rows(i)
-        visible = rr.visible[rows].unsqueeze(1)
-        scores = k("indexer_scores_bf16")(q_idx[rows], w_idx[rows], keys[e0 : e0 + n])  # [S, n]
-        scores = scores.masked_fill(torch.arange(n, device=dev) >= visible, float("-inf"))
+        tok = ctx.rows(i)
+        visible = rr.visible[tok].unsqueeze(1)
+
+        def build_hidden() -> torch.Tensor:  # [S, n] entries past what each query sees
+            return torch.arange(n, device=dev) >= visible
+
+        scores = k("indexer_scores_bf16")(q_idx[tok], w_idx[tok], keys[e0 : e0 + n])  # [S, n]
+        scores = scores.masked_fill(step_memo(rows, ("hidden", attn.ratio, i), build_hidden), float("-inf"))
         sel = k("stable_topk")(scores, min(attn.cfg.index_topk, n))
         hidden = sel >= visible  # picks past the visible entries (a query that sees fewer than k)
         ent = rr.entry_rows[e0 : e0 + n]
         K = sel.shape[1]
         if S * K < n:  # fewer selections than entries: gather and decode only what the queries read
             pieces.append(lc.comp[ent[torch.where(hidden, 0, sel)].flatten()])
-            cols = base + torch.arange(S * K, device=dev).view(S, K)
+
+            def build_pool_cols(b=base, S=S, K=K) -> torch.Tensor:
+                return torch.arange(b, b + S * K, device=dev).view(S, K)
+
+            cols = step_memo(rows, ("pool cols", attn.ratio, i, base, K), build_pool_cols)
             parts.append(torch.where(hidden, -1, cols))
             base += S * K
         else:  # one where over [S, k]: a pick is visible exactly when it is a column (top-k indices are >= 0)
@@ -121,19 +150,25 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     def k(name: str):
         return kernels.get(name, attn.kdev)
 
-    qlinear, rope = k("fp8_linear"), k("rope32")
+    qlinear, rope32 = k("fp8_linear"), k("rope32")
 
     def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return k("rms_norm")(t.to(F32), w, attn.eps).to(BF16)
+        # = rms_norm(t.to(fp32), w).to(bf16) bit for bit: one kernel on cuda instead of three
+        return k("rms_norm_bf16")(t, w, attn.eps)
 
     rows = current_extend_rows(ctx, cfg, cache)
     lc = cache.layers[attn.layer]
     pos = ctx.positions
+    table = rope_table(attn, rows, pos)
+
+    def rope(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return rope32(t, pos, attn.inv_freq, inverse, table=table)
+
     T = x.shape[0]
     qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
     q = qlinear(qr, p["wq_b.weight"]).view(T, attn.H, attn.hd)
-    q = rope(k("head_rms_norm")(q, attn.eps), pos, attn.inv_freq)
-    kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, attn.inv_freq)  # [T, hd]
+    q = rope(k("head_rms_norm")(q, attn.eps))
+    kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]))  # [T, hd]
     kv_stored = _encode(attn, lc, "window", kv)
     kv = _decode(attn, lc, "window", kv_stored)  # the fake-quantised values the oracle attends to and caches
     if not lc.ring.is_contiguous():  # flatten would copy, and the ring writes below would be lost
@@ -142,7 +177,7 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     ring_kv = _decode(attn, lc, "window", ring[rows.ring_read])  # read before this step's rows overwrite it
     ring[rows.ring_write] = kv_stored[rows.kv_write]
     pool = [ring_kv, kv]
-    comp_cols, comp_width = None, ()
+    comp_cols, comp_width, idx = None, (), None  # idx: set here when the step already built it
     if r:
         rr = rows.ratios[r]
         compress_step(attn, lc, ctx, x, rr)  # entries completed by this step are visible to it
@@ -151,19 +186,24 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
             if attn.has_indexer:
                 ihd, nh = cfg.index_head_dim, cfg.index_n_heads
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(T, nh, ihd)
-                q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx, pos, attn.inv_freq)), 32)
+                q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
-                stored, comp_cols = _indexer_selection(attn, lc, ctx, rr, q_idx, w_idx, base)
+                stored, comp_cols = _indexer_selection(attn, lc, ctx, rows, rr, q_idx, w_idx, base)
                 comp_width = tuple(min(cfg.index_topk, n) for n in rr.n_ent)
-            else:  # every visible entry, ascending
+            else:  # every visible entry, ascending: the same index rows for every layer of this ratio
                 stored = lc.comp[rr.entry_rows]
-                j = torch.arange(max(rr.n_ent), device=x.device)
-                comp_cols = torch.where(j < rr.visible.unsqueeze(1), base + rr.ent_start_row.unsqueeze(1) + j, -1)
-                comp_width = rr.n_ent
+
+                def build_ascending(base=base) -> torch.Tensor:
+                    j = torch.arange(max(rr.n_ent), device=x.device)
+                    cols = torch.where(j < rr.visible.unsqueeze(1), base + rr.ent_start_row.unsqueeze(1) + j, -1)
+                    return _index_rows(rows, cols, rr.n_ent)
+
+                idx = step_memo(rows, ("ascending", r, base), build_ascending)
             pool.append(_decode(attn, lc, "compressed", stored))
-    idx = _index_rows(rows, comp_cols, comp_width)
+    if idx is None:
+        idx = _index_rows(rows, comp_cols, comp_width)
     o = k("sparse_attn_sink_official")(q, torch.cat(pool), p["attn_sink"], idx, attn.hd**-0.5)
-    o = rope(o, pos, attn.inv_freq, inverse=True)
+    o = rope(o, inverse=True)
     G = attn.G
     wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
     z = k("grouped_proj_bf16")(o.reshape(T, G, -1), wo_a)  # the official bf16 einsum, no fp32 copy of wo_a

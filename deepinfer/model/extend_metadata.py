@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -50,6 +50,10 @@ class ExtendRows:
     window_width: tuple[int, ...]  # host: window columns of each sequence (its compressed part starts there)
     window_width_row: torch.Tensor  # [T] the same per token (device)
     ratios: dict[int, RatioExtendRows]
+    # what the layers derive from these rows and share within the step (RoPE tables per frequency table,
+    # the index rows of non-indexer ratios, per-sequence visibility masks), built by the first layer that
+    # needs it (`extend_attention.step_memo`)
+    memo: dict = field(default_factory=dict, repr=False)
 
 
 def _window_host(ctx: ForwardContext, win: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:

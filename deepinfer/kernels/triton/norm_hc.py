@@ -2,7 +2,8 @@
 
 Owns:
 * `rms_norm(x, weight, eps)`: registered under the torch op's name; fp32 math, result in the dtype torch
-  would give (`result_type(x, weight)`), so the official path's `rms_norm(t.float(), w).to(bf16)` is unchanged.
+  would give (`result_type(x, weight)`), so the official path's `rms_norm(t.float(), w).to(bf16)` is unchanged;
+  `rms_norm_bf16(x, weight, eps)` is that whole expression in one launch (bf16 in, bf16 out, the same bits).
 * `hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps) -> (y, post, comb)`: everything
   `V4Block._hc_official` does before the sublayer, in two launches (split-K partials of the mix GEMM over
   blocks of tokens, then per token: partial sums, r-normalisation, Sinkhorn, collapse, bf16 round, RMSNorm,
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels import official_fused, torch_ops
+from deepinfer.kernels import official, official_fused, torch_ops
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -67,6 +68,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(D)
+        w = weight.contiguous() if weight is not None else x2  # never read without HAS_WEIGHT
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, D, float(eps), x2.stride(0), out.stride(0),
+                                         HAS_WEIGHT=weight is not None, BLOCK_D=block,
+                                         num_warps=max(1, min(16, block // 256)))
+    return out.view(x.shape)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`official.rms_norm_bf16`: the bf16 x read and upcast in the kernel (exact), fp32 math, the result
+    rounded to bf16 in the kernel (round-to-nearest-even on the GPU, as torch's cast; Triton 3.6's
+    interpreter truncates instead, see tests/test_kernels_fp8_linear.py): the same bits as
+    `rms_norm(x.to(fp32), weight, eps).to(bf16)` (same kernel, same reduction) in one launch instead of three."""
+    if _fallback(x, weight) or x.dtype != BF16:
+        return official.rms_norm_bf16(x, weight, eps)
+    D = x.shape[-1]
+    _need(weight is None or tuple(weight.shape) == (D,), f"rms_norm_bf16: weight "
+          f"{tuple(weight.shape) if weight is not None else None} does not match the last dim {D} of x {tuple(x.shape)}")
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=BF16, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(D)
         w = weight.contiguous() if weight is not None else x2  # never read without HAS_WEIGHT
@@ -256,6 +280,7 @@ def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 
 REGISTRATIONS = {
     "rms_norm": rms_norm,
+    "rms_norm_bf16": rms_norm_bf16,
     "hc_pre_fused": hc_pre_fused,
     "hc_post": hc_post,
     "hc_post_fused": hc_post_fused,

@@ -2,9 +2,10 @@
 
 Owns: the interleaved rotation of the LAST 2*len(freqs) channels of x [T, ..., d] by position * freq, fp32
 math, result in x's dtype, written together with the untouched leading channels in one pass (the torch
-version slices, rotates through complex64 and concatenates: four passes). The cos/sin table [T, rd/2] is
-computed by torch from the same fp32 angles the official precompute uses (tiny next to x, and torch's
-cos/sin are the accurate ones; an approximate in-kernel sine is wrong at positions of a million).
+version slices, rotates through complex64 and concatenates: four passes). The cos/sin table [2, T, rd/2]
+(`rope_table32`) is computed by torch from the same fp32 angles the official precompute uses (tiny next to
+x, and torch's cos/sin are the accurate ones; an approximate in-kernel sine is wrong at positions of a
+million); a step passes one table to all of its calls with the same positions and frequencies.
 Must not: change the channel layout (interleaved pairs, rope channels last); be imported off CUDA.
 """
 from __future__ import annotations
@@ -46,10 +47,23 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xr, stri
     tl.store(out_ptr + o_off + 1, (re * s[None, :] + im * c[None, :]).to(dt), mask=rmask[:, None])
 
 
-def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Same contract as `official.rope32`: x [T, ..., d], positions [T], freqs [rd/2] fp32 -> new tensor."""
+def rope_table32(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """This kernel's table for positions [T]: fp32 [2, T, rd/2] = (cos, sin) of the fp32 angles, by torch's
+    cos/sin written into one buffer (4 kernels). A step builds it once per frequency table and passes it to
+    every `rope32(..., table=)` of those positions; without one, `rope32` builds it itself (the same bits)."""
+    angles = torch.outer(positions.to(torch.float32), freqs.to(positions.device, torch.float32))
+    table = torch.empty((2,) + tuple(angles.shape), dtype=torch.float32, device=angles.device)
+    torch.cos(angles, out=table[0])
+    torch.sin(angles, out=table[1])
+    return table
+
+
+def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False,
+           table: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `official.rope32`: x [T, ..., d], positions [T], freqs [rd/2] fp32 -> new tensor;
+    `table` = this module's `rope_table32(positions, freqs)` (not the twin's complex one)."""
     if x.dtype == torch.float64:
-        return official.rope32(x, positions, freqs, inverse)
+        return official.rope32(x, positions, freqs, inverse)  # builds the twin's own table
     half = freqs.shape[0]
     d = x.shape[-1]
     if x.dim() < 2 or positions.shape != (x.shape[0],) or 2 * half > d or half & (half - 1):
@@ -57,20 +71,24 @@ def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, invers
                          f"frequencies <= d/2; got x {tuple(x.shape)}, positions {tuple(positions.shape)}, "
                          f"freqs {tuple(freqs.shape)}")
     T = x.shape[0]
+    if table is not None and (table.dtype != torch.float32 or tuple(table.shape) != (2, T, half)
+                              or not table.is_contiguous() or table.device != x.device):
+        raise ValueError(f"rope32: table {table.dtype} {tuple(table.shape)} on {table.device} is not this "
+                         f"kernel's rope_table32 fp32 [2, {T}, {half}] on {x.device}")
     x3 = x.reshape(T, -1, d)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     if x3.numel():
-        angles = torch.outer(positions.to(torch.float32), freqs.to(x.device, torch.float32))
-        cos, sin = torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
+        if table is None:
+            table = rope_table32(positions, freqs)
         R = x3.shape[1]
         block_r = min(16, triton.next_power_of_2(R))
         _rope_kernel[(T, triton.cdiv(R, block_r))](
-            x3, cos, sin, out, R, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
+            x3, table[0], table[1], out, R, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
             D=d, HALF=half, BLOCK_R=block_r, BLOCK_D=min(128, triton.next_power_of_2(max(1, d - 2 * half))),
             INVERSE=bool(inverse), num_warps=4)
     return out.view(x.shape)
 
 
-REGISTRATIONS = {"rope32": rope32}
+REGISTRATIONS = {"rope32": rope32, "rope_table32": rope_table32}

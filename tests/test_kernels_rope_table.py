@@ -1,0 +1,163 @@
+"""rope32 with a precomputed `rope_table32` (one table per step shared by its layers) gives the same bits as
+rope32 building its table itself: the torch twin on CPU, the Triton kernel on cuda (-m gpu); and
+`rms_norm_bf16` is `rms_norm(x.float(), w).to(bf16)` bit for bit (twin on CPU, kernel on cuda)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.kernels import official, torch_ops
+
+BF16_BOUND = 2e-3  # tests/test_kernels_attn.py's kernel-vs-twin bound for bf16 outputs
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SHAPES = [(1, 64, 512), (7, 4, 256), (33, 512), (5, 8, 128), (4, 64)]
+FREQS = [(64, 65536, 160000.0, 16.0, 32, 1), (64, 0, 10000.0, 1.0, 32, 1)]  # YaRN (compressed) / plain
+
+
+def _inputs(shape, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g).bfloat16()
+    pos = torch.randint(0, 1_000_000, (shape[0],), generator=g)
+    return x.to(device), pos.to(device)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN payloads and signed zeros included)."""
+    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints[a.dtype]), b.view(ints[b.dtype]))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("fi", range(len(FREQS)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_twin_rope32_with_table_is_bit_identical(shape, inverse, fi, dtype):
+    freqs = official.rope_freqs32(*FREQS[fi])
+    x, pos = _inputs(shape, "cpu", shape[0] * 7 + fi)
+    x = x.to(dtype)
+    table = official.rope_table32(pos, freqs)
+    assert table.dtype == torch.complex64 and tuple(table.shape) == (shape[0], freqs.shape[0])
+    assert _same(official.rope32(x, pos, freqs, inverse, table=table), official.rope32(x, pos, freqs, inverse))
+
+
+def test_twin_rope32_one_table_for_several_calls_and_shapes():
+    """One step's table serves q [T, H, d], kv [T, d] and the inverse rotation of o alike."""
+    freqs = official.rope_freqs32(*FREQS[0])
+    q, pos = _inputs((6, 8, 128), "cpu", 1)
+    kv = torch.randn(6, 128).bfloat16()
+    table = official.rope_table32(pos, freqs)
+    for t in (q, kv):
+        for inv in (False, True):
+            assert _same(official.rope32(t, pos, freqs, inv, table=table), official.rope32(t, pos, freqs, inv))
+
+
+def test_twin_rope32_rejects_a_foreign_table():
+    freqs = official.rope_freqs32(*FREQS[0])
+    x, pos = _inputs((3, 128), "cpu", 2)
+    with pytest.raises(ValueError):
+        official.rope32(x, pos, freqs, table=torch.zeros(2, 3, 32))  # the cuda kernel's (cos, sin) layout
+    with pytest.raises(ValueError):
+        official.rope32(x, pos, freqs, table=official.rope_table32(pos[:2], freqs))
+
+
+@pytest.mark.parametrize("shape", [(4, 512), (3, 7, 64), (1, 1024)])
+def test_twin_rms_norm_bf16_is_the_two_casts(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    w = torch.randn(shape[-1], generator=g)
+    want = torch_ops.rms_norm(x.float(), w, 1e-6).to(torch.bfloat16)
+    assert _same(official.rms_norm_bf16(x, w, 1e-6), want)
+
+
+# ------------------------------------------------------------------------- Triton, interpreter on CPU
+_INTERPRET_CHECK = """
+from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's fp32 -> bf16 rounding (the interpreter truncates)
+exec(_INTERPRETER_FIXES)
+import torch
+from test_kernels_rope_table import FREQS, _inputs, _same
+from deepinfer.kernels import official
+from deepinfer.kernels.triton import norm_hc, rope
+for shape in [(1, 64, 512), (9, 4, 256), (33, 512), (5, 8, 128)]:
+    for fa in FREQS:
+        freqs = official.rope_freqs32(*fa)
+        x, pos = _inputs(shape, "cpu", shape[0])
+        table = rope.rope_table32(pos, freqs)
+        for inv in (False, True):
+            assert _same(rope.rope32(x, pos, freqs, inv, table=table), rope.rope32(x, pos, freqs, inv)), (shape, fa, inv)
+g = torch.Generator().manual_seed(0)
+for shape in [(1, 512), (4, 1024), (5, 3, 128)]:
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    for w in (torch.randn(shape[-1], generator=g), None):
+        want = norm_hc.rms_norm(x.float(), w, 1e-6).to(torch.bfloat16)
+        assert _same(norm_hc.rms_norm_bf16(x, w, 1e-6), want), (shape, w is None)
+print("ok")
+"""
+
+
+def test_triton_kernels_under_the_interpreter():
+    """The Triton rope32 with its own table == without one, rms_norm_bf16 == the two-cast form, bit for bit
+    (TRITON_INTERPRET=1 in a fresh process: the flag is read at import)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
+    res = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- cuda
+def _triton():
+    from deepinfer.kernels.triton import norm_hc, rope
+
+    return rope, norm_hc
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(1, 64, 512), (2000, 64, 512), (9, 4, 256), (300, 512), (5, 8, 128)])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("fi", range(len(FREQS)))
+def test_triton_rope32_with_table(shape, inverse, fi):
+    """With the kernel's own table: bit-identical to the kernel building it (what the step did before), and
+    as close to the twin as the kernel without a table (tests/test_kernels_attn.py's bound)."""
+    rope, _ = _triton()
+    freqs = official.rope_freqs32(*FREQS[fi]).cuda()
+    x, pos = _inputs(shape, "cuda", shape[0] * 7 + fi)
+    table = rope.rope_table32(pos, freqs)
+    assert table.dtype == torch.float32 and tuple(table.shape) == (2, shape[0], freqs.shape[0])
+    got = rope.rope32(x, pos, freqs, inverse, table=table)
+    assert _same(got, rope.rope32(x, pos, freqs, inverse))
+    twin = official.rope32(x, pos, freqs, inverse)
+    err = ((got.double() - twin.double()).norm() / twin.double().norm().clamp(min=1e-30)).item()
+    assert err <= BF16_BOUND
+
+
+@gpu
+@needs_cuda
+def test_triton_rope32_rejects_the_twins_table():
+    rope, _ = _triton()
+    freqs = official.rope_freqs32(*FREQS[0]).cuda()
+    x, pos = _inputs((3, 128), "cuda", 2)
+    with pytest.raises(ValueError):
+        rope.rope32(x, pos, freqs, table=official.rope_table32(pos, freqs))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(1, 512), (4, 1024), (300, 512), (5, 3, 128)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_triton_rms_norm_bf16_is_the_two_casts(shape, weighted):
+    """The decode/extend q/kv norms: one kernel, the same bits as rms_norm(x.float(), w).to(bf16) on cuda."""
+    _, norm_hc = _triton()
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16().cuda()
+    w = torch.randn(shape[-1], generator=g).cuda() if weighted else None
+    want = norm_hc.rms_norm(x.float(), w, 1e-6).to(torch.bfloat16)
+    assert _same(norm_hc.rms_norm_bf16(x, w, 1e-6), want)
