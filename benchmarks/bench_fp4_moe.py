@@ -3,6 +3,11 @@ tile, the default; 3 = FP8 tensor-core dots of 32 K promoted into fp32 = the off
 tile sweep per regime, V4-Flash dims (E=256, k=6, D=4096, I=2048), uniform random routing.
 
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py [--ts 1,8,32,128,512,2048,8192] [--quick]
+    PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --variants [--ts 1,8,32,128,512]
+
+--variants: the default against the v2 path's variants (`fp4_moe(config=...)` with `V2_KEYS`: split-K with
+fixed-order reduces, pre-dequantised bf16 activations, one gate+up tile; `VARIANTS` below), each row with
+its speedup over the default at that T; writes $OUT/fp4_moe_variants.json.
 
 Each row: CUDA-graph replay median (the whole op: routing, act_quant, both grouped GEMMs, the k-row sum),
 the experts' bytes over that time (GB/s, FP4 + E8M0 of every touched expert), the expert FLOPs (TFLOP/s), and
@@ -62,17 +67,81 @@ def candidates(t: int, quick: bool) -> list[tuple[int, dict | None]]:
     return out + ([] if quick else [(1, c) for c in grid])
 
 
+# (name, config, max T it is run at): the v2 path's variants (deepinfer/kernels/triton/fp4_moe.py `plan_v2`)
+VARIANTS = [  # (name, config, expand, max T)
+    ("default kernel, expand 5", None, 5, 10 ** 9),
+    ("v2 fused gate+up tile, fp8 act", dict(SPLIT_K=1), 1, 128),
+    ("v2 bf16 act", dict(A_BF16=True), 1, 10 ** 9),
+    ("v2 bf16 act, expand 5", dict(A_BF16=True), 5, 10 ** 9),
+    ("v2 bf16 act BN=128, expand 5", dict(A_BF16=True, BN=128), 5, 10 ** 9),
+    ("v2 bf16 act BN=128 8 warps, e5", dict(A_BF16=True, BN=128, num_warps=8, num_stages=3), 5, 512),
+    ("v2 split auto, fp8 act", dict(SPLIT_K=0), 1, 8),
+    ("v2 split auto, bf16 act, e5", dict(SPLIT_K=0, A_BF16=True), 5, 32),
+    ("v2 split 2, bf16 act, e5", dict(SPLIT_K=2, A_BF16=True), 5, 128),
+    ("v2 split 8/4, bf16 act, e5", dict(SPLIT_K13=8, SPLIT_K2=4, A_BF16=True), 5, 8),
+    ("v2 split 4 BN=128, bf16, e5", dict(SPLIT_K=4, A_BF16=True, BN=128), 5, 8),
+]
+
+
+def run_variants(b, ts, per_expert_bytes) -> None:
+    from deepinfer.kernels.triton.fp4_moe import plan_v2
+
+    dev = b.w13.device
+    rows, res = [], []
+    for t in ts:
+        x = torch.randn(t, D, device=dev).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device=dev)[:K_TOP] for _ in range(t)]).to(torch.int64)
+        w = torch.rand(t, K_TOP, device=dev) * 0.5
+        touched = int(torch.unique(ids).numel())
+        want = fp4_moe_torch(x, ids, w, b, 10.0)
+        base = None
+        for name, cfg, expand, max_t in [("default", None, 1, 10 ** 9)] + VARIANTS:
+            if t > max_t:
+                continue
+            if cfg is None:
+                desc = str(_config(t * K_TOP, E))
+            else:
+                n_slots = t * K_TOP
+                bm = {**_config(n_slots, E), **cfg}["BM"]
+                n_blocks = max(1, min(n_slots, n_slots // bm + min(E, n_slots)))
+                pl = plan_v2(n_slots, E, n_blocks, D, I, torch.cuda.get_device_properties(dev).multi_processor_count,
+                             cfg)
+                desc = f"S13={pl['S13']} S2={pl['S2']} BN={pl['BN']} w={pl['num_warps']}"
+            try:
+                got = fp4_moe(x, ids, w, b, 10.0, expand=expand, config=cfg)
+                rel = float((got.double() - want.double()).norm() / want.double().norm())
+                ms = graph_ms(lambda: fp4_moe(x, ids, w, b, 10.0, expand=expand, config=cfg))
+            except Exception as err:  # report, go on
+                print(f"T={t:4d} {name}: FAILED {type(err).__name__}: {str(err)[:300]}", flush=True)
+                continue
+            base = base or ms
+            gbs = touched * per_expert_bytes / (ms * 1e-3) / 1e9
+            res.append(dict(t=t, name=name, cfg=cfg, expand=expand, plan=desc, ms=ms, gbs=gbs, rel_err=rel, experts=touched,
+                            speedup=base / ms))
+            rows.append(f"T={t:4d} {name:32s} {desc:34s} {ms * 1e3:8.1f} us {gbs:6.0f} GB/s x{base / ms:5.2f} "
+                        f"rel {rel:.1e}")
+            print(rows[-1], flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "fp4_moe_variants.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print("\n".join(["", "fp4_moe variants (CUDA-graph replay of the whole op; x = speedup over the default):"]
+                    + rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ts", default="1,8,32,128,512,2048,8192")
+    ap.add_argument("--ts", default=None, help="default 1,8,32,128,512,2048,8192 (--variants: 1,8,32,128,512)")
     ap.add_argument("--quick", action="store_true", help="defaults only, no tile sweep")
+    ap.add_argument("--variants", action="store_true", help="the default against the v2 path's VARIANTS")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     b = bank(dev)
     per_expert_bytes = (b.w13[0].numel() + b.w13_scale[0].numel() + b.w2[0].numel() + b.w2_scale[0].numel())
+    if args.variants:
+        run_variants(b, [int(v) for v in (args.ts or "1,8,32,128,512").split(",")], per_expert_bytes)
+        return
     rows, res = [], []
-    for t in (int(v) for v in args.ts.split(",")):
+    for t in (int(v) for v in (args.ts or "1,8,32,128,512,2048,8192").split(",")):
         x = torch.randn(t, D, device=dev).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device=dev)[:K_TOP] for _ in range(t)]).to(torch.int64)
         w = torch.rand(t, K_TOP, device=dev) * 0.5

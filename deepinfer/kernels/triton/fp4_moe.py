@@ -30,6 +30,15 @@ the twin); H200 2026-11-29, one run, V4-Flash dims, decode T=1 as CUDA-graph rep
   Also tried and dropped the same day: expanding the packed tile where it was loaded (low / high nibbles
   into two bf16 tiles, even- and odd-K activation columns, two dots per step, no interleave): 1.3x slower
   at T=1 and 5x at T=8192 (the strided activation loads and doubled dots cost more than the interleave).
+  v2 path (`_fp4_moe_v2`, selected by a config with any of `V2_KEYS`; NOT YET MEASURED, written on a CPU-only
+  machine, tested under the interpreter): split-K for few tokens (fp32 partials [S, slots, N] + fixed-order
+  reduce kernels: w13's fuses the SwiGLU epilogue and act_quant(h), w2's fuses the k-row sum; rule
+  `split_k`), bf16 activations pre-dequantised once (A_BF16), one gate+up weight tile per program, and the
+  k-row order computed in the sum kernel (no argsort launch); expand 5 (the fp16 trick by two 32-bit
+  multiplies per byte). Static sm_90 SASS of one K step (BM=16, 64 weight columns, 4 warps; compiled on CPU
+  with the launcher's divisibility hints): default kernel 756 instructions per thread, v2 fp8 act 745, v2
+  bf16 act 603, v2 bf16 act + expand 5 469 (the default's activation dequant is replicated in each warp's
+  dot operand: ~190 of its 756). benchmarks/bench_fp4_moe.py --variants times them against the default.
 Must not: be imported without triton; know about gates, hash routing or the shared expert (the caller's).
 """
 from __future__ import annotations
@@ -39,13 +48,14 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
-from deepinfer.kernels.triton.act_quant import act_quant, interpreting
+from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 
 FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotion of the fp32 partial sum
 # FP4 -> bf16 expansion inside the GEMM (the same exact operand values; only the instruction count differs)
 EXPANSIONS = {0: "fp32 bit assembly per code", 1: "fp16 bit trick (4 int ops per byte)",
               2: "tl.dot_scaled (Triton's microscaling dot, upcast to bf16 on Hopper)",
-              3: "E4M3 codes by byte ops, FP8 tensor-core dots per 32 of K (the official fp4_gemm on SM90)"}
+              3: "E4M3 codes by byte ops, FP8 tensor-core dots per 32 of K (the official fp4_gemm on SM90)",
+              5: "fp16 bit trick, both codes of a byte in one 32-bit word by two multiplies (fewer int ops)"}
 DEFAULT_EXPAND = 1
 
 
@@ -155,14 +165,31 @@ def _e2m1_bytes_to_f32_fp16_trick(packed):
 
 
 @triton.jit
+def _e2m1_bytes_to_f32_fp16_mul(packed):
+    """`_e2m1_bytes_to_f32_fp16_trick`'s values (E2M1 x 2**-14) with the two fp16 codes of a byte built in one
+    32-bit word by two multiplies (copies of the byte at bits 9 / 21 and 12 / 24, no overlap, so no carries)
+    and two masks: magnitude bits to 9..11 / 25..27, signs to 15 / 31 (low half = even K)."""
+    b = packed.to(tl.uint32)
+    word = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & 0x80008000)
+    lo = (word & 0xFFFF).to(tl.uint16)
+    hi = (word >> 16).to(tl.uint16)
+    return tl.interleave(lo, hi).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _fp4_tile(w_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr, EXPAND: tl.constexpr):
     """[BN, KB/2] packed bytes and [BN, KB/32] E8M0 scales -> the exact weights, bf16 [KB, BN] (E2M1 x pow2
     has at most 2 significant bits: exact in bf16). EXPAND 0: fp32 bit assembly per code; 1: the fp16 trick
-    with 2**14 folded into the scale (exact for E8M0 exponents below 241, i.e. scales below 2**114)."""
+    with 2**14 folded into the scale (exact for E8M0 exponents below 241, i.e. scales below 2**114); 5: the
+    same values with the byte's two fp16 codes built by 32-bit multiplies (sm_90 SASS of the v2 w13 K step
+    with bf16 activations: 469 instructions per thread against 603 with 1, 756 in the default kernel)."""
     packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
     byte = tl.load(ws_ptrs, mask=n_ok[:, None], other=0)
-    if EXPAND == 1:
-        vals = _e2m1_bytes_to_f32_fp16_trick(packed)
+    if EXPAND == 1 or EXPAND == 5:
+        if EXPAND == 5:
+            vals = _e2m1_bytes_to_f32_fp16_mul(packed)
+        else:
+            vals = _e2m1_bytes_to_f32_fp16_trick(packed)
         scale = ((byte.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     else:
         vals = _e2m1_bytes_to_f32(packed)
@@ -323,6 +350,143 @@ def _sum_expert_rows_kernel(y_ptr, rows_ptr, order_ptr, D, TOPK: tl.constexpr, B
     tl.store(y_ptr + t.to(tl.int64) * D + offs, acc, mask=ok)
 
 
+@triton.jit
+def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sorted_slots_ptr, block_expert_ptr,
+                        n_slots, N, limit, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
+                        stride_om, stride_os,
+                        K_SPLIT: tl.constexpr, A_ROW_DIV: tl.constexpr, ACT_BLOCK: tl.constexpr, A_BF16: tl.constexpr,
+                        GATED: tl.constexpr, SPLIT_OUT: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, EXPAND: tl.constexpr):
+    """The v2 grouped GEMM (`fp4_moe(config=...)` with V2 keys; `_fp4_grouped_gemm_kernel`'s math):
+    * A_BF16: the activation is already act_quant's exact q * s in bf16 (one pass per op: no E4M3 -> fp32 ->
+      x scale -> bf16 here; in the default kernel that dequant is replicated in each of the 4 warps and was
+      ~1/4 of the K loop's instructions in the sm_90 SASS);
+    * GATED: ONE weight tile of BN rows = BN/2 gate rows (n0..) then the matching BN/2 up rows (N + n0..):
+      one expansion pipeline and one dot per step, split into gate / up in the epilogue (then the SwiGLU
+      epilogue as the default kernel);
+    * SPLIT_OUT: program (block, tile, split) reduces K range [split * K_SPLIT, (split + 1) * K_SPLIT) and
+      stores its fp32 partial at out[split, slot, n] (a reduce kernel adds the splits in a fixed order);
+      else bf16 rows out[slot, n]. SPLIT_OUT is never GATED: the split w13 treats its 2N rows as plain N."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    slots = tl.load(sorted_slots_ptr + pid_m * BM + tl.arange(0, BM))
+    valid = slots < n_slots
+    rows = (slots // A_ROW_DIV).to(tl.int64)
+    r = tl.arange(0, BN)
+    if GATED:
+        col = pid_n * (BN // 2) + r % (BN // 2)
+        w_row = col + (r // (BN // 2)) * N
+    else:
+        col = pid_n * BN + r
+        w_row = col
+    n_ok = col < N
+    if SPLIT_OUT:
+        k_lo = tl.program_id(2) * K_SPLIT
+    else:
+        k_lo = 0
+    a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, KB)[None, :]
+    as_ptrs = as_ptr + rows[:, None] * stride_asm + tl.arange(0, KB // ACT_BLOCK)[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_row[:, None].to(tl.int64) * stride_wn \
+        + tl.arange(0, KB // 2)[None, :]
+    ws_ptrs = ws_ptr + expert.to(tl.int64) * stride_wse + w_row[:, None].to(tl.int64) * stride_wsn \
+        + tl.arange(0, KB // FP4_BLOCK)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k_step in range(0, K_SPLIT, KB):  # constant trip count (k_lo is added to the offsets)
+        k0 = k_lo + k_step
+        if A_BF16:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0).to(tl.float32)
+            a_scale = tl.load(as_ptrs + k0 // ACT_BLOCK, mask=valid[:, None], other=0.0)
+            a = tl.reshape(tl.reshape(a, (BM, KB // ACT_BLOCK, ACT_BLOCK)) * a_scale[:, :, None], (BM, KB))
+            a = a.to(tl.bfloat16)
+        acc = tl.dot(a, _fp4_tile(w_ptrs + k0 // 2, ws_ptrs + k0 // FP4_BLOCK, n_ok, BN, KB, EXPAND), acc)
+    if SPLIT_OUT:
+        ptrs = out_ptr + tl.program_id(2).to(tl.int64) * stride_os + slots[:, None].to(tl.int64) * stride_om \
+            + col[None, :]
+        tl.store(ptrs, acc, mask=valid[:, None] & n_ok[None, :])
+    elif GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        gate = gate.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
+        up = up.to(tl.bfloat16).to(tl.float32)
+        if limit > 0:
+            up = tl.clamp(up, -limit, limit)
+            gate = tl.minimum(gate, limit)
+        route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0)
+        result = route_w[:, None] * (gate / (1.0 + tl.exp(-gate)) * up)
+        cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_om + cols[None, :]
+        tl.store(ptrs, result.to(tl.bfloat16), mask=valid[:, None] & (cols < N)[None, :])
+    else:
+        ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_om + col[None, :]
+        tl.store(ptrs, acc.to(tl.bfloat16), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, stride_ps, stride_pm, stride_hq,
+                                stride_hs, S: tl.constexpr, ACT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                                A_BF16: tl.constexpr):
+    """Split w13 epilogue for one slot x BLOCK columns: gate = bf16(sum_s p[s, slot, n]), up = bf16(sum_s
+    p[s, slot, N + n]) (s = 0, 1, ..., S-1 in that order, fp32), the clamp, h = bf16(w * silu(gate) * up),
+    then act_quant(h) per ACT_BLOCK (bit-identical to the act_quant kernel on the bf16 h): A_BF16 stores the
+    exact q * s as bf16 (the next GEMM's bf16 operand), else the E4M3 codes and the fp32 scales."""
+    slot = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < N
+    base = p_ptr + slot * stride_pm + c
+    gate = tl.load(base, mask=ok, other=0.0)
+    up = tl.load(base + N, mask=ok, other=0.0)
+    for s in tl.static_range(1, S):
+        gate += tl.load(base + s * stride_ps, mask=ok, other=0.0)
+        up += tl.load(base + s * stride_ps + N, mask=ok, other=0.0)
+    gate = gate.to(tl.bfloat16).to(tl.float32)
+    up = up.to(tl.bfloat16).to(tl.float32)
+    if limit > 0:
+        up = tl.clamp(up, -limit, limit)
+        gate = tl.minimum(gate, limit)
+    route_w = tl.load(route_w_ptr + slot)
+    h = (route_w * (gate / (1.0 + tl.exp(-gate)) * up)).to(tl.bfloat16).to(tl.float32)
+    q, scale = quantise_rows(tl.reshape(h, (BLOCK // ACT_BLOCK, ACT_BLOCK)))
+    if A_BF16:
+        tl.store(hq_ptr + slot * stride_hq + c, tl.reshape(q.to(tl.float32) * scale[:, None], (BLOCK,)).to(tl.bfloat16),
+                 mask=ok)
+    else:
+        tl.store(hq_ptr + slot * stride_hq + c, tl.reshape(q, (BLOCK,)), mask=ok)
+        g = tl.program_id(1) * (BLOCK // ACT_BLOCK) + tl.arange(0, BLOCK // ACT_BLOCK)
+        tl.store(hs_ptr + slot * stride_hs + g, scale, mask=g * ACT_BLOCK < N)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, p_ptr, ids_ptr, D, stride_ps, S: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                    BD: tl.constexpr, PARTIAL: tl.constexpr):
+    """y[t] = fp32 sum over token t's k slots in ascending expert id (stable: ties by position, like a stable
+    argsort; computed here, no torch argsort launch) of its w2 row. PARTIAL: the row is bf16(sum_s p[s, slot])
+    (s = 0..S-1 in that order, fp32: the split w2's reduce, fused); else p holds the bf16 rows."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BD + tl.arange(0, BD)
+    ok = offs < D
+    j = tl.arange(0, KP)
+    j_ok = j < TOPK
+    ids = tl.load(ids_ptr + t * TOPK + j, mask=j_ok, other=0).to(tl.int64)
+    before = ((ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]))) \
+        & j_ok[None, :]
+    rank = tl.where(j_ok, tl.sum(before.to(tl.int32), axis=1), KP)
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for r in tl.static_range(TOPK):
+        slot = t * TOPK + tl.sum(tl.where(rank == r, j, 0), axis=0)
+        if PARTIAL:
+            row = tl.load(p_ptr + slot * D + offs, mask=ok, other=0.0)
+            for s in tl.static_range(1, S):
+                row += tl.load(p_ptr + s * stride_ps + slot * D + offs, mask=ok, other=0.0)
+            acc += row.to(tl.bfloat16).to(tl.float32)
+        else:
+            acc += tl.load(p_ptr + slot * D + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * D + offs, acc, mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------
 # the op
 # ----------------------------------------------------------------------------------------------
@@ -361,11 +525,121 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expe
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+V2_KEYS = ("SPLIT_K", "SPLIT_K13", "SPLIT_K2", "A_BF16", "WAVES")  # a config with any of these takes the v2 path (`_fp4_moe_v2`)
+SPLIT_WAVES = 8  # auto SPLIT_K: programs per SM the split aims for (small 4-warp programs, several resident)
+
+
+def split_k(tiles: int, k: int, kb: int, sms: int, waves: int = SPLIT_WAVES) -> int:
+    """Deterministic split-K count S (a power of 2, at most 16) for a grid of `tiles` (block, n-tile)
+    programs: double S while tiles * S < waves * sms, S divides the K steps of kb and each split keeps
+    >= 4 steps. T=1 V4-Flash (6 blocks x 64 tiles = 384 programs, 132 SMs): w13 (32 steps) S=4, w2 (16) S=4;
+    from T=8 (48 blocks) S=1."""
+    steps = k // kb
+    s = 1
+    while s * 2 <= 16 and tiles * s < waves * sms and steps % (s * 2) == 0 and steps // (s * 2) >= 4:
+        s *= 2
+    return s
+
+
+def plan_v2(n_slots: int, n_experts: int, n_blocks: int, d: int, inter: int, sms: int, config: dict) -> dict:
+    """The v2 launch plan: `_config`'s tiles, then `config` on top (BM, BN, num_warps, num_stages, A_BF16,
+    WAVES, SPLIT_K (None/0: auto by `split_k`; else an int applied to both GEMMs), SPLIT_K13 / SPLIT_K2
+    per GEMM). Returns the dict with S13 and S2 resolved (1 = no split: w13 keeps the fused SwiGLU
+    epilogue)."""
+    cfg = dict(_config(n_slots, n_experts))
+    cfg.update(config)
+    kb = 128
+    waves = cfg.get("WAVES", SPLIT_WAVES)
+    for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
+        want = cfg.get("SPLIT_K" + name[1:], cfg.get("SPLIT_K"))
+        s = split_k(n_blocks * triton.cdiv(n, cfg["BN"]), k, kb, sms, waves) if not want else int(want)
+        if s < 1 or (k // kb) % s:
+            raise ValueError(f"fp4_moe: SPLIT_K {s} must divide the {k // kb} K steps of {kb}")
+        cfg[name] = s
+    return cfg
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H200: the interpreter exercises the same rules
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _v2_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, k, limit, a_row_div,
+             act_block, a_bf16, gated, split, cfg, expand):
+    bn = cfg["BN"]
+    grid = (block_expert.numel(), triton.cdiv(n, bn // 2 if gated else bn), split)
+    stride_os = out.stride(0) if split > 1 else 0
+    stride_om = out.stride(1) if split > 1 else out.stride(0)
+    if a_scale is None:  # A_BF16: no scales (the pointer is not read)
+        a_scale = a
+    _fp4_gemm_v2_kernel[grid](
+        a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, float(limit),
+        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
+        w_scale.stride(1), stride_om, stride_os, K_SPLIT=k // split, A_ROW_DIV=a_row_div, ACT_BLOCK=act_block,
+        A_BF16=a_bf16, GATED=gated, SPLIT_OUT=split > 1, KB=128, BM=cfg["BM"], BN=bn, EXPAND=expand,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y):
+    """The v2 path (variants under measurement, same function as the default path): pre-dequantised bf16
+    activations (A_BF16), one gate+up tile per program, split-K with fixed-order reduce kernels (the w13
+    reduce fuses the SwiGLU epilogue and act_quant(h), the w2 reduce fuses the k-row sum), and the k-row sum
+    ordering computed in its kernel (no argsort launch). No host sync: CUDA-graph capturable."""
+    if expand not in (0, 1, 5):
+        raise ValueError(f"fp4_moe v2 path: expand must be 0, 1 or 5, got {expand}")
+    t, topk = topk_ids.shape
+    d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
+    bm = {**_config(n_slots, bank.n_experts), **config}["BM"]
+    n_blocks = max(1, min(n_slots, n_slots // bm + min(bank.n_experts, n_slots)))
+    cfg = plan_v2(n_slots, bank.n_experts, n_blocks, d, inter, _sm_count(x.device), config)
+    a_bf16 = bool(cfg.get("A_BF16", False))
+    small = n_slots <= SMALL_ROUTING_SLOTS and x.is_cuda
+    sorted_slots, block_expert = (align_by_expert_small if small else align_by_expert)(topk_ids, bank.n_experts, bm)
+    route_w = topk_weights.contiguous().view(-1)
+    if a_bf16:
+        xa, xs = act_quant_dequant_bf16(x, ab), None
+    else:
+        xa, xs = act_quant(x, ab)
+    s13, s2 = cfg["S13"], cfg["S2"]
+    if s13 > 1:
+        part = torch.empty((s13, n_slots, 2 * inter), dtype=torch.float32, device=x.device)
+        _v2_gemm(xa, xs, bank.w13, bank.w13_scale, part, route_w, sorted_slots, block_expert, n_slots, 2 * inter,
+                 d, 0.0, topk, ab, a_bf16, False, s13, cfg, expand)
+        ha = torch.empty((n_slots, inter), dtype=torch.bfloat16 if a_bf16 else torch.float8_e4m3fn, device=x.device)
+        hs = None if a_bf16 else torch.empty((n_slots, inter // ab), dtype=torch.float32, device=x.device)
+        block = 512 if inter % 512 == 0 else 128
+        _swiglu_split_reduce_kernel[(n_slots, inter // block)](
+            part, route_w, ha, hs if hs is not None else ha, inter, float(swiglu_limit), part.stride(0),
+            part.stride(1), ha.stride(0), hs.stride(0) if hs is not None else 0, S=s13, ACT_BLOCK=ab, BLOCK=block,
+            A_BF16=a_bf16, num_warps=4)
+    else:
+        h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
+        _v2_gemm(xa, xs, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots, inter, d,
+                 swiglu_limit, topk, ab, a_bf16, True, 1, cfg, expand)
+        if a_bf16:
+            ha, hs = act_quant_dequant_bf16(h, ab), None
+        else:
+            ha, hs = act_quant(h, ab)
+    if s2 > 1:
+        rows = torch.empty((s2, n_slots, d), dtype=torch.float32, device=x.device)
+    else:
+        rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
+    _v2_gemm(ha, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter, 0.0, 1,
+             ab, a_bf16, False, s2, cfg, expand)
+    bd = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if s2 > 1 else 0,
+                                             S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
+                                             PARTIAL=s2 > 1, num_warps=4)
+    return y
+
+
 def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
             swiglu_limit: float, expand: int = DEFAULT_EXPAND, config: dict | None = None) -> torch.Tensor:
     """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
     topk_ids must lie in [0, E) (not checked on the device: that would force a host sync).
-    expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`); config: tile override (benchmarks)."""
+    expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`); config: tile override (benchmarks); a config
+    with any of `V2_KEYS` takes the v2 path (`_fp4_moe_v2`: split-K, bf16 activations; see `plan_v2`)."""
     if expand not in EXPANSIONS:
         raise ValueError(f"fp4_moe: expand must be one of {sorted(EXPANSIONS)}, got {expand!r}")
     if not x.is_cuda and not interpreting():
@@ -381,6 +655,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     y = torch.empty((t, d), dtype=torch.float32, device=x.device)
     if t == 0:
         return y
+    if config and any(key in config for key in V2_KEYS):
+        return _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y)
     cfg = config or _config(n_slots, bank.n_experts)
     small = n_slots <= SMALL_ROUTING_SLOTS and x.is_cuda  # one launch instead of ~19 (host-bound decode)
     sorted_slots, block_expert = (align_by_expert_small if small else align_by_expert)(topk_ids, bank.n_experts,

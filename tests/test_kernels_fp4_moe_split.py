@@ -1,0 +1,221 @@
+"""fp4_moe's v2 path (deepinfer/kernels/triton/fp4_moe.py `_fp4_moe_v2`, selected by a config with any of
+`V2_KEYS`), and expand 5 (the fp16 trick by 32-bit multiplies): split-K with fixed-order reduce kernels (w13: SwiGLU epilogue + act_quant(h) fused; w2: fused
+with the k-row sum), pre-dequantised bf16 activations (A_BF16), one gate+up tile per program, the k-row
+order computed in the sum kernel. Every variant must compute the twin's function.
+
+CPU (needs triton, no GPU): the split rule; expand 5's byte conversion equals expand 1's for every byte,
+bit for bit; every variant under TRITON_INTERPRET=1 in a fresh process with
+the interpreter's numeric bugs patched (tests/test_kernels_fp8_linear.py `_INTERPRETER_FIXES`) against the
+torch twin at tiny shapes (E=8, D=512, I=256 so that w2's K=256 splits in 2; T in 1, 3, 40; act blocks 128
+and 32; limits 10 and 0). Measured when written: every variant 0 .. 0.02 "row ulps" (|diff| over the bf16
+ulp of the row's largest |y|), the same as the default kernel under the interpreter; asserted <= 2 row ulps
+and rel_err <= 1e-4.
+GPU (`-m gpu`, fresh random inputs): V4-Flash dims against the twin at T in 1, 8, 128, rel_err <= 1e-3
+(tests/test_kernels_gemm.py's fp4_moe bound); CUDA-graph replay == eager bit for bit on split plans.
+NOT YET RUN on a GPU (written on a CPU-only machine).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
+
+BF16 = torch.bfloat16
+ROOT = Path(__file__).resolve().parents[1]
+# variants the benchmark compares (`benchmarks/bench_fp4_moe.py --variants`), at tiny shapes
+# (config, expand)
+TINY_VARIANTS = [(dict(SPLIT_K=2), 1), (dict(SPLIT_K13=4, SPLIT_K2=2, A_BF16=True), 5), (dict(A_BF16=True), 1),
+                 (None, 5), (dict(SPLIT_K=1, BN=32), 1), (dict(SPLIT_K=0, A_BF16=True), 1)]
+
+
+def test_split_rule_on_v4_flash_shapes():
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.fp4_moe import plan_v2, split_k
+
+    assert split_k(6 * 64, 4096, 128, 132) == 4 and split_k(6 * 64, 2048, 128, 132) == 4  # T=1, BN=64
+    assert split_k(48 * 64, 4096, 128, 132) == 1  # T=8: 48 blocks already fill the SMs
+    assert split_k(1, 4096, 128, 132) == 8 and split_k(1, 2048, 128, 132) == 4  # >= 4 K steps per split
+    cfg = plan_v2(6, 256, 6, 4096, 2048, 132, {"SPLIT_K": 0})
+    assert (cfg["S13"], cfg["S2"], cfg["BM"], cfg["BN"]) == (4, 4, 16, 64)
+    cfg = plan_v2(6, 256, 6, 4096, 2048, 132, {"SPLIT_K13": 8, "SPLIT_K2": 2})
+    assert (cfg["S13"], cfg["S2"]) == (8, 2)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        plan_v2(6, 256, 6, 4096, 2048, 132, {"SPLIT_K": 3})
+
+
+_EXPANSION_CHECK = r'''
+import torch, triton, triton.language as tl
+from deepinfer import formats
+from deepinfer.kernels.triton.fp4_moe import _e2m1_bytes_to_f32_fp16_mul, _e2m1_bytes_to_f32_fp16_trick
+
+@triton.jit
+def k(p, o1, o5, N: tl.constexpr):
+    b = tl.load(p + tl.arange(0, N)[None, :])
+    tl.store(o1 + tl.arange(0, 2 * N)[None, :], _e2m1_bytes_to_f32_fp16_trick(b))
+    tl.store(o5 + tl.arange(0, 2 * N)[None, :], _e2m1_bytes_to_f32_fp16_mul(b))
+
+b = torch.arange(256, dtype=torch.uint8)
+o1, o5 = torch.empty(512), torch.empty(512)
+k[(1,)](b, o1, o5, N=256)
+ref = formats.fp4_codes_to_float(formats.unpack_fp4(b)) * 2.0 ** -14  # low nibble first
+assert torch.equal(o5.view(torch.int32), o1.view(torch.int32)), (o5 - o1).abs().max()  # same bits, -0 included
+assert torch.equal(o5, ref), (o5 - ref).abs().max()
+print("OK")
+'''
+
+
+def test_expand5_byte_conversion_equals_expand1_for_every_byte():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", _EXPANSION_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+_INTERPRET_CHECK = r'''
+from test_kernels_fp8_linear import _INTERPRETER_FIXES
+exec(_INTERPRETER_FIXES)
+import torch
+from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
+from deepinfer.kernels.triton.fp4_moe import fp4_moe
+from test_kernels_fp4_moe_split import TINY_VARIANTS
+
+g = torch.Generator().manual_seed(5)
+
+
+def bank(e, d, i, ab):
+    sc = lambda *s: torch.randint(119, 129, s, dtype=torch.uint8, generator=g)
+    return FP4ExpertBank(torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, generator=g), sc(e, 2 * i, d // 32),
+                         torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, generator=g), sc(e, d, i // 32), ab)
+
+
+E, D, I = 8, 512, 256
+worst = 0.0
+for ab in (128, 32):
+    b = bank(E, D, I, ab)
+    for t, limits in ((1, (10.0,)), (3, (10.0, 0.0)), (40, (0.0,))):
+        x = (torch.randn(t, D, generator=g) * torch.exp(torch.randn(t, 1, generator=g))).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(t)])
+        w = torch.rand(t, 6, generator=g) * 0.5
+        for limit in limits:
+            want = fp4_moe_torch(x, ids, w, b, limit)
+            ulp = 2.0 ** (torch.floor(torch.log2(want.abs().amax(1, keepdim=True).clamp(min=1e-30))) - 7)
+            for cfg, expand in TINY_VARIANTS if t != 40 else TINY_VARIANTS[:4]:
+                got = fp4_moe(x, ids, w, b, limit, expand=expand, config=cfg)
+                rel = float((got.double() - want.double()).norm() / want.double().norm())
+                ulps = float(((got - want).abs() / ulp).max())
+                worst = max(worst, ulps)
+                print(f"act_block={ab} T={t} limit={limit} cfg={cfg} expand={expand}: rel_err {rel:.2e}, {ulps:.3f} row ulps", flush=True)
+                assert bool(torch.isfinite(got).all()) and ulps <= 2 and rel <= 1e-4, (ab, t, limit, cfg, expand, rel, ulps)
+print(f"worst {worst:.3f} row ulps")
+print("ok")
+'''
+
+
+def test_fp4_moe_v2_variants_match_the_twin_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    res = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, capture_output=True, text=True,
+                         timeout=900)
+    print(res.stdout[-4000:])
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+GPU_VARIANTS = [(dict(SPLIT_K=0), 1), (dict(SPLIT_K=0, A_BF16=True), 5), (dict(A_BF16=True), 1), (None, 5),
+                (dict(A_BF16=True, BN=128), 5), (dict(SPLIT_K=2, BN=128), 1), (dict(SPLIT_K13=8, SPLIT_K2=4, A_BF16=True), 5),
+                (dict(A_BF16=True, BN=128, num_warps=8, num_stages=3), 5)]
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    return torch.device("cuda")
+
+
+def _bank(e, d, i, act_block, dev) -> FP4ExpertBank:
+    def scales(*shape):  # 2**-8 .. 2**1 around the real checkpoints' range
+        return torch.randint(119, 129, shape, dtype=torch.uint8, device=dev)
+
+    return FP4ExpertBank(torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, device=dev), scales(e, 2 * i, d // 32),
+                         torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, device=dev), scales(e, d, i // 32),
+                         act_block)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
+
+
+@pytest.fixture(scope="module")
+def flash_bank():
+    return _bank(256, 4096, 2048, 128, _cuda())
+
+
+def _inputs(t, dev, e=256, d=4096):
+    x = (torch.randn(t, d, device=dev) * torch.exp(torch.randn(t, 1, device=dev))).to(BF16)
+    ids = torch.stack([torch.randperm(e, device=dev)[:6] for _ in range(t)])
+    return x, ids, torch.rand(t, 6, device=dev) * 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 128])
+def test_fp4_moe_v2_matches_twin_v4_flash_dims(flash_bank, t):
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+
+    dev = flash_bank.w13.device
+    x, ids, weights = _inputs(t, dev)
+    for limit in (10.0, 0.0):
+        want = fp4_moe_torch(x, ids, weights, flash_bank, limit)
+        for cfg, expand in GPU_VARIANTS:
+            got = fp4_moe(x, ids, weights, flash_bank, limit, expand=expand, config=cfg)
+            rel = _rel(got, want)
+            print(f"fp4_moe v2 T={t} limit={limit} cfg={cfg} expand={expand}: rel_err={rel:.2e}")
+            assert bool(torch.isfinite(got).all()) and rel <= 1e-3, (cfg, expand, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_block", [128, 32])
+def test_fp4_moe_v2_small_dims_match_twin(act_block):
+    """Many experts per block (T=200 over 32 experts: BM=64 tiles from `_config`) and act_block 32."""
+    dev = _cuda()
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+
+    bank = _bank(32, 512, 256, act_block, dev)
+    for t in (1, 3, 200):
+        x, ids, weights = _inputs(t, dev, e=32, d=512)
+        want = fp4_moe_torch(x, ids, weights, bank, 10.0)
+        for cfg in (dict(SPLIT_K=2), dict(SPLIT_K13=4, SPLIT_K2=2, A_BF16=True), dict(A_BF16=True)):
+            rel = _rel(fp4_moe(x, ids, weights, bank, 10.0, expand=5, config=cfg), want)
+            print(f"fp4_moe v2 small act_block={act_block} T={t} cfg={cfg}: rel_err={rel:.2e}")
+            assert rel <= 1e-3, (cfg, rel)
+
+
+@pytest.mark.gpu
+def test_fp4_moe_split_graph_replay_is_eager_bit_for_bit(flash_bank):
+    """The fixed-order split reduces make eager runs and CUDA-graph replays bit-identical."""
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+
+    dev = flash_bank.w13.device
+    for t, cfg in ((1, dict(SPLIT_K=0)), (1, dict(SPLIT_K13=8, SPLIT_K2=4, A_BF16=True)), (8, dict(SPLIT_K=2)),
+                   (128, dict(SPLIT_K=2, A_BF16=True, BN=128))):
+        x, ids, weights = _inputs(t, dev)
+        run = lambda: fp4_moe(x, ids, weights, flash_bank, 10.0, expand=5, config=cfg)  # noqa: E731
+        eager = run()
+        again = run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(eager, again), f"T={t} {cfg}: two eager runs differ"
+        assert torch.equal(captured, eager), f"T={t} {cfg}: graph replay differs from eager"
