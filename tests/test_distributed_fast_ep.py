@@ -34,7 +34,7 @@ MARGIN_NOISE = 1.0  # logits units; measured flips at world-1 margins <= 0.51 (m
 
 def _shard(bank: FP4ExpertBank, first: int, n: int) -> FP4ExpertBank:
     return FP4ExpertBank(bank.w13[first:first + n], bank.w13_scale[first:first + n], bank.w2[first:first + n],
-                         bank.w2_scale[first:first + n], bank.act_block)
+                         bank.w2_scale[first:first + n], bank.act_block, bank.n_experts)  # plans as the whole bank
 
 
 @pytest.mark.parametrize("ep", [2, 4])

@@ -131,6 +131,10 @@ class FP4ExpertBank:
     w2: torch.Tensor
     w2_scale: torch.Tensor
     act_block: int
+    # the layer's whole expert count when this bank is one expert-parallel shard (0: this bank's own count):
+    # the Triton op picks its tiles and split-K from the routing density over it, so a shard's call runs the
+    # same launch plan, and gives the same bits, as the whole bank's
+    tile_experts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("w13", "w13_scale", "w2", "w2_scale"):
@@ -168,11 +172,17 @@ class FP4ExpertBank:
             w13_s.append(torch.cat([_e8m0_bytes(get("w1.scale"), "w1.scale"), _e8m0_bytes(get("w3.scale"), "w3.scale")]))
             w2.append(_fp4_bytes(get("w2.weight"), "w2"))
             w2_s.append(_e8m0_bytes(get("w2.scale"), "w2.scale"))
-        return cls(torch.stack(w13), torch.stack(w13_s), torch.stack(w2), torch.stack(w2_s), cfg.act_block)
+        return cls(torch.stack(w13), torch.stack(w13_s), torch.stack(w2), torch.stack(w2_s), cfg.act_block,
+                   cfg.n_routed_experts if experts is not None else 0)
 
     @property
     def n_experts(self) -> int:
         return self.w13.shape[0]
+
+    @property
+    def plan_experts(self) -> int:
+        """The expert count launch plans are made for (`tile_experts`, else this bank's)."""
+        return self.tile_experts or self.n_experts
 
     @property
     def dim(self) -> int:
@@ -184,7 +194,7 @@ class FP4ExpertBank:
 
     def to(self, device: torch.device | str) -> "FP4ExpertBank":
         return FP4ExpertBank(self.w13.to(device), self.w13_scale.to(device), self.w2.to(device),
-                             self.w2_scale.to(device), self.act_block)
+                             self.w2_scale.to(device), self.act_block, self.tile_experts)
 
     def dequant_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Exact fp32 (w1 [I, D], w3 [I, D], w2 [D, I]) of expert e."""

@@ -590,9 +590,11 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
         raise ValueError(f"fp4_moe v2 path: expand must be 0, 1 or 5, got {expand}")
     t, topk = topk_ids.shape
     d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
-    bm = {**_config(n_slots, bank.n_experts), **config}["BM"]
-    n_blocks = max(1, min(n_slots, n_slots // bm + min(bank.n_experts, n_slots)))
-    cfg = plan_v2(n_slots, bank.n_experts, n_blocks, d, inter, _sm_count(x.device), config)
+    bm = {**_config(n_slots, bank.plan_experts), **config}["BM"]
+    # the split-K plan from the plan geometry (an expert-parallel shard plans as its whole bank: same bits);
+    # the routing below bounds its blocks with the bank's own count
+    n_blocks = max(1, min(n_slots, n_slots // bm + min(bank.plan_experts, n_slots)))
+    cfg = plan_v2(n_slots, bank.plan_experts, n_blocks, d, inter, _sm_count(x.device), config)
     a_bf16 = bool(cfg.get("A_BF16", False))
     small = n_slots <= SMALL_ROUTING_SLOTS and x.is_cuda
     sorted_slots, block_expert = (align_by_expert_small if small else align_by_expert)(topk_ids, bank.n_experts, bm)
@@ -634,12 +636,23 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     return y
 
 
+DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 slots per expert, with expand 5
+# (H200 2026-12-01, bench_fp4_moe.py --variants, CUDA-graph replay of the whole op, V4-Flash dims, against
+# the kernel below with its tiles and expand 1: T=1 85.6 vs 112 us, T=8 421 vs 606 us, T=32 1119 vs 1558 us,
+# T=128 1931 vs 2710 us = 1.72 TB/s; results/fp4_moe_variants_h200.json). Not measured above 16 per expert.
+
+
 def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
-            swiglu_limit: float, expand: int = DEFAULT_EXPAND, config: dict | None = None) -> torch.Tensor:
+            swiglu_limit: float, expand: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
     topk_ids must lie in [0, E) (not checked on the device: that would force a host sync).
-    expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`); config: tile override (benchmarks); a config
-    with any of `V2_KEYS` takes the v2 path (`_fp4_moe_v2`: split-K, bf16 activations; see `plan_v2`)."""
+    expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`; None: the measured default of the regime:
+    `DECODE_V2` with expand 5 up to 16 slots per expert, else the kernel below with DEFAULT_EXPAND); config:
+    tile override (benchmarks); a config with any of `V2_KEYS` takes the v2 path (`_fp4_moe_v2`: split-K,
+    bf16 activations; see `plan_v2`)."""
+    if expand is None and config is None and topk_ids.numel() / max(1, bank.plan_experts) <= 16:
+        expand, config = 5, DECODE_V2
+    expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
         raise ValueError(f"fp4_moe: expand must be one of {sorted(EXPANSIONS)}, got {expand!r}")
     if not x.is_cuda and not interpreting():
@@ -657,7 +670,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         return y
     if config and any(key in config for key in V2_KEYS):
         return _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y)
-    cfg = config or _config(n_slots, bank.n_experts)
+    cfg = config or _config(n_slots, bank.plan_experts)
     small = n_slots <= SMALL_ROUTING_SLOTS and x.is_cuda  # one launch instead of ~19 (host-bound decode)
     sorted_slots, block_expert = (align_by_expert_small if small else align_by_expert)(topk_ids, bank.n_experts,
                                                                                         cfg["BM"])
