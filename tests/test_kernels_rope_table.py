@@ -154,10 +154,17 @@ def test_triton_rope32_rejects_the_twins_table():
 @pytest.mark.parametrize("shape", [(1, 512), (4, 1024), (300, 512), (5, 3, 128)])
 @pytest.mark.parametrize("weighted", [True, False])
 def test_triton_rms_norm_bf16_is_the_two_casts(shape, weighted):
-    """The decode/extend q/kv norms: one kernel, the same bits as rms_norm(x.float(), w).to(bf16) on cuda."""
+    """The decode/extend q/kv norms: one kernel, within one bf16 ulp of rms_norm(x.float(), w).to(bf16) on
+    cuda and nearly always the same bits (not always: the fp32 sum of squares runs in another order for a
+    bf16 input, see norm_hc.rms_norm_bf16; on the H200 (300, 512) unweighted differed)."""
     _, norm_hc = _triton()
     g = torch.Generator().manual_seed(shape[-1])
     x = (torch.randn(*shape, generator=g) * 3).bfloat16().cuda()
     w = torch.randn(shape[-1], generator=g).cuda() if weighted else None
     want = norm_hc.rms_norm(x.float(), w, 1e-6).to(torch.bfloat16)
-    assert _same(norm_hc.rms_norm_bf16(x, w, 1e-6), want)
+    got = norm_hc.rms_norm_bf16(x, w, 1e-6)
+    assert got.shape == want.shape and got.dtype == want.dtype and bool(torch.isfinite(got).all())
+    same_sign = torch.signbit(got) == torch.signbit(want)
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert bool(same_sign.all()) and int(ulps.max()) <= 1
+    assert float((ulps == 0).float().mean()) >= 0.99

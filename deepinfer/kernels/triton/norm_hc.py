@@ -78,11 +78,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`official.rms_norm_bf16`: the bf16 x read and upcast in the kernel (exact), fp32 math and result,
-    then torch's bf16 cast: the same bits as `rms_norm(x.to(fp32), weight, eps).to(bf16)` by construction
-    (same kernel from the upcast on), in two launches instead of three. Not the bf16 store inside the kernel:
-    on the H200 (2026-12-01) that differed from torch's cast in the last bit on one of 8 tested shapes
-    (unweighted, 300 x 512), so it is not the same function."""
+    """`official.rms_norm_bf16` in one launch instead of three (upcast, norm, cast): the bf16 x read and
+    upcast in the kernel (exact), fp32 math, the result rounded to bf16 in the kernel. The official rounding
+    points, but NOT the bits of `rms_norm(x.to(fp32), w, eps).to(bf16)` on cuda: the kernel's layout, and
+    so the order of its fp32 sum of squares, follows the input's vector width, so bf16 and fp32 inputs sum in
+    different orders (H200, 2026-12-01: 1 of 8 test shapes differed in last bits, with the output rounded
+    either in the kernel or by torch). tests/test_kernels_rope_table.py bounds it at 1 bf16 ulp."""
     if _fallback(x, weight) or x.dtype != BF16:
         return official.rms_norm_bf16(x, weight, eps)
     D = x.shape[-1]
@@ -91,14 +92,14 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=F32, device=x.device)
+    out = torch.empty(x2.shape, dtype=BF16, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(D)
         w = weight.contiguous() if weight is not None else x2  # never read without HAS_WEIGHT
         _rms_norm_kernel[(x2.shape[0],)](x2, w, out, D, float(eps), x2.stride(0), out.stride(0),
                                          HAS_WEIGHT=weight is not None, BLOCK_D=block,
                                          num_warps=max(1, min(16, block // 256)))
-    return out.to(BF16).view(x.shape)
+    return out.view(x.shape)
 
 
 # ---------------------------------------------------------------------------------------------- hc_pre
