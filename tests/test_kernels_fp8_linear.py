@@ -17,7 +17,7 @@ with NaN (every element must be written): M in {1, 7, 16, 128, 1000, 4096}, bloc
 default plans; explicit SPLIT_K 1..8 at decode M; CUDA-graph replay == eager, bit for bit, on split plans.
 Bounds: mma "bf16" rel_err <= 3e-4 (exact products, fp32 sums in another order: the old kernel measured 0
 at M <= 7, <= 6.0e-5 above); mma "fp8" rel_err <= 2e-3 (Hopper's FP8 MMA accumulates one dot with reduced
-precision: an earlier FP8 version measured 6e-4). NOT YET RUN on a GPU (written on a CPU-only machine).
+precision: measured 6-8e-4). Passed on the H200, 2026-12-01.
 """
 from __future__ import annotations
 

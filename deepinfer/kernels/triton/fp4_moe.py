@@ -30,15 +30,18 @@ the twin); H200 2026-11-29, one run, V4-Flash dims, decode T=1 as CUDA-graph rep
   Also tried and dropped the same day: expanding the packed tile where it was loaded (low / high nibbles
   into two bf16 tiles, even- and odd-K activation columns, two dots per step, no interleave): 1.3x slower
   at T=1 and 5x at T=8192 (the strided activation loads and doubled dots cost more than the interleave).
-  v2 path (`_fp4_moe_v2`, selected by a config with any of `V2_KEYS`; NOT YET MEASURED, written on a CPU-only
-  machine, tested under the interpreter): split-K for few tokens (fp32 partials [S, slots, N] + fixed-order
+  v2 path (`_fp4_moe_v2`, selected by a config with any of `V2_KEYS`, and by default up to 16 slots per expert
+  as `DECODE_V2`; -m gpu tests passed on the H200, 2026-12-01): split-K for few tokens (fp32 partials [S, slots, N] + fixed-order
   reduce kernels: w13's fuses the SwiGLU epilogue and act_quant(h), w2's fuses the k-row sum; rule
   `split_k`), bf16 activations pre-dequantised once (A_BF16), one gate+up weight tile per program, and the
   k-row order computed in the sum kernel (no argsort launch); expand 5 (the fp16 trick by two 32-bit
   multiplies per byte). Static sm_90 SASS of one K step (BM=16, 64 weight columns, 4 warps; compiled on CPU
   with the launcher's divisibility hints): default kernel 756 instructions per thread, v2 fp8 act 745, v2
   bf16 act 603, v2 bf16 act + expand 5 469 (the default's activation dequant is replicated in each warp's
-  dot operand: ~190 of its 756). benchmarks/bench_fp4_moe.py --variants times them against the default.
+  dot operand: ~190 of its 756). benchmarks/bench_fp4_moe.py --variants, H200 2026-12-01 (graph replay of the
+  whole op, V4-Flash dims): bf16 activations + expand 5 1.27-1.44x over the old default at T=1..128 (T=128
+  2.71 -> 1.93 ms); split-K only matters at T=1 (S=4..8: 86 vs 96 us unsplit); the one gate+up tile with
+  FP8 activations 1.03-1.08x; 8 warps slower (results/fp4_moe_variants_h200.log).
 Must not: be imported without triton; know about gates, hash routing or the shared expert (the caller's).
 """
 from __future__ import annotations
