@@ -214,6 +214,25 @@ def _fp4_dot(a, acc, w_ptrs, wt_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.co
 
 
 @triton.jit
+def _store_expert_rows(acc, acc_up, out_ptr, route_w_ptr, slots, valid, offs_n, n_ok, stride_om, limit,
+                       GATED: tl.constexpr):
+    """The grouped GEMMs' epilogue: GATED, out = bf16(w_slot * silu(g) * u) from the bf16-rounded gate and up
+    (the official rounding points; the clamp when limit > 0); else out = bf16(acc)."""
+    if GATED:
+        gate = acc.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
+        up = acc_up.to(tl.bfloat16).to(tl.float32)
+        if limit > 0:
+            up = tl.clamp(up, -limit, limit)
+            gate = tl.minimum(gate, limit)
+        route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0)
+        result = route_w[:, None] * (gate / (1.0 + tl.exp(-gate)) * up)
+    else:
+        result = acc
+    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result.to(tl.bfloat16), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sorted_slots_ptr,
                              block_expert_ptr, n_slots, N, limit,
                              stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
@@ -256,18 +275,7 @@ def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
         if GATED:
             acc_up = _fp4_dot(a, acc_up, w_ptrs + up_w + k0 // 2, wt_ptrs + up_w + k0 // 2,
                               ws_ptrs + up_s + k0 // FP4_BLOCK, n_ok, BN, KB, EXPAND)
-    if GATED:
-        gate = acc.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
-        up = acc_up.to(tl.bfloat16).to(tl.float32)
-        if limit > 0:
-            up = tl.clamp(up, -limit, limit)
-            gate = tl.minimum(gate, limit)
-        route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0)
-        result = route_w[:, None] * (gate / (1.0 + tl.exp(-gate)) * up)
-    else:
-        result = acc
-    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, result.to(tl.bfloat16), mask=valid[:, None] & n_ok[None, :])
+    _store_expert_rows(acc, acc_up, out_ptr, route_w_ptr, slots, valid, offs_n, n_ok, stride_om, limit, GATED)
 
 
 @triton.jit
@@ -326,18 +334,7 @@ def _fp4_fp8mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sorte
                 up_scale = ((tl.load(ws_ptrs + up_s + k // FP4_BLOCK, mask=n_ok, other=0).to(tl.int32) + 6)
                             << 23).to(tl.float32, bitcast=True)
                 acc_up += tl.dot(a, tl.trans(w_up)) * (a_scale[:, None] * up_scale[None, :])
-    if GATED:
-        gate = acc.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
-        up = acc_up.to(tl.bfloat16).to(tl.float32)
-        if limit > 0:
-            up = tl.clamp(up, -limit, limit)
-            gate = tl.minimum(gate, limit)
-        route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0)
-        result = route_w[:, None] * (gate / (1.0 + tl.exp(-gate)) * up)
-    else:
-        result = acc
-    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, result.to(tl.bfloat16), mask=valid[:, None] & n_ok[None, :])
+    _store_expert_rows(acc, acc_up, out_ptr, route_w_ptr, slots, valid, offs_n, n_ok, stride_om, limit, GATED)
 
 
 @triton.jit
