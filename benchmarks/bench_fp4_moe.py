@@ -21,11 +21,11 @@ import os
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch  # noqa: E402
 from deepinfer.kernels.triton.fp4_moe import _config, fp4_moe  # noqa: E402
+from timing import graph_replay_ms  # noqa: E402
 
 E, K_TOP, D, I = 256, 6, 4096, 2048
 
@@ -39,16 +39,7 @@ def bank(dev) -> FP4ExpertBank:
 
 
 def graph_ms(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    return graph_replay_ms(fn)
 
 
 def candidates(t: int, quick: bool) -> list[tuple[int, dict | None]]:

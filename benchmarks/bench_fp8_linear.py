@@ -31,6 +31,9 @@ from deepinfer import formats
 from deepinfer.kernels.quant_weights import QuantLinearWeight
 from deepinfer.kernels.triton.fp8_gemm import fp8_linear, plan, sm_count
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import graph_replay_ms  # noqa: E402
+
 SHAPES = ((4096, 1024), (4096, 4096), (4096, 32768), (8192, 4096), (1024, 32768))  # (K, N)
 MS = (1, 8, 16, 64, 128, 1024, 4096, 8192)
 SMALL_M = 16
@@ -51,16 +54,7 @@ def _ms(fn) -> float:
 
 
 def _graph_ms(fn) -> float:
-    try:
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return _ms(graph.replay)
-    except RuntimeError as err:
-        print(f"graph capture failed: {str(err)[:200]}")
-        return float("nan")
+    return graph_replay_ms(fn, warmup_ms=5, rep_ms=25)
 
 
 def _weights(n: int, k: int, block: int) -> list[QuantLinearWeight]:

@@ -21,3 +21,25 @@ def cuda_time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> f
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graph_replay_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median ms of replaying `fn` captured in a CUDA graph (device time without the Python launch gaps;
+    `triton.testing.do_bench` times the replays with events). Warm-up runs on a side stream before the
+    capture, as torch.cuda.graphs asks; nan (reason printed) when `fn` cannot be captured."""
+    import triton
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as err:
+        print(f"graph capture failed: {str(err)[:200]}")
+        return float("nan")
+    return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")

@@ -36,6 +36,9 @@ from deepinfer.kernels.triton.fp4_moe import (EXPANSIONS, SMALL_ROUTING_SLOTS, a
                                              align_by_expert_small, fp4_moe)
 from deepinfer.kernels.triton.fp8_gemm import fp8_linear
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+from timing import graph_replay_ms  # noqa: E402
+
 
 def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -43,16 +46,7 @@ def _ms(fn) -> float:
 
 def _graph_ms(fn) -> float:
     """Median time of replaying `fn` captured in a CUDA graph (no Python launch overhead); nan if capture fails."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return _ms(graph.replay)
-    except RuntimeError as err:
-        print(f"graph capture failed: {err}")
-        return float("nan")
+    return graph_replay_ms(fn, warmup_ms=10, rep_ms=40)
 
 
 def _row(rows: list[str], label: str, fn) -> None:
