@@ -121,6 +121,10 @@ class ParallelRunner(ModelRunner):
         if self.failure is None and self.pc.rank == 0 and dist.is_initialized():
             try:
                 dist.broadcast_object_list([_STOP], src=0)
+                # every rank has left its step loop before any tears its group down: a rank destroying its
+                # gloo group while a peer still talks to it made that peer abort at exit ("terminate called
+                # without an active exception", 2 of 4 torchrun test runs on the 2-core CI machine)
+                dist.barrier()
             except Exception:  # a dead peer: fall through to the hard stop
                 pass
         self._teardown(graceful=self.failure is None)
@@ -181,6 +185,7 @@ class ParallelRunner(ModelRunner):
             dist.broadcast_object_list(box, src=0)
             msg = box[0]
             if msg == _STOP:
+                dist.barrier()  # rank 0's shutdown waits here too (see shutdown)
                 return
             _, ids, seqs, all_logits = msg
             self.run_step(torch.tensor(ids, dtype=torch.long), ForwardContext(tuple(seqs), all_logits))
