@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
+from deepinfer.kernels.quant_weights import fp4_moe_torch
 
 BF16 = torch.bfloat16
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,24 +49,12 @@ def test_e2m1_to_e4m3_byte_conversion_is_exact_for_every_byte():
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
+from test_kernels_gemm import _cuda as _cuda_device, _random_bank as _bank, _rel  # noqa: E402 (shared helpers)
+
+
 def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     pytest.importorskip("triton")
-    return torch.device("cuda")
-
-
-def _bank(e, d, i, act_block, dev) -> FP4ExpertBank:
-    def scales(*shape):  # 2**-8 .. 2**1 around the real checkpoints' range
-        return torch.randint(119, 129, shape, dtype=torch.uint8, device=dev)
-
-    return FP4ExpertBank(torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, device=dev), scales(e, 2 * i, d // 32),
-                         torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, device=dev), scales(e, d, i // 32),
-                         act_block)
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
+    return _cuda_device()
 
 
 BOUND = {1: 1e-3, 3: 3e-3}  # 1: exact bf16 operands (tests/test_kernels_gemm.py's bound)
@@ -118,7 +106,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 exec(__import__("test_kernels_fp8_linear")._INTERPRETER_FIXES)  # the GPU's roundings in Triton's interpreter
 import torch
-from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
+from deepinfer.kernels.quant_weights import fp4_moe_torch
 from deepinfer.kernels.triton.fp4_moe import fp4_moe
 
 g = torch.Generator().manual_seed(3)

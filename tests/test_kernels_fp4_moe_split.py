@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
+from deepinfer.kernels.quant_weights import fp4_moe_torch
 
 BF16 = torch.bfloat16
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ _INTERPRET_CHECK = r'''
 from test_kernels_fp8_linear import _INTERPRETER_FIXES
 exec(_INTERPRETER_FIXES)
 import torch
-from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
+from deepinfer.kernels.quant_weights import fp4_moe_torch
 from deepinfer.kernels.triton.fp4_moe import fp4_moe
 from test_kernels_fp4_moe_split import TINY_VARIANTS
 
@@ -134,24 +134,12 @@ GPU_VARIANTS = [(dict(SPLIT_K=0), 1), (dict(SPLIT_K=0, A_BF16=True), 5), (dict(A
                 (dict(A_BF16=True, BN=128, num_warps=8, num_stages=3), 5)]
 
 
+from test_kernels_gemm import _cuda as _cuda_device, _random_bank as _bank, _rel  # noqa: E402 (shared helpers)
+
+
 def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     pytest.importorskip("triton")
-    return torch.device("cuda")
-
-
-def _bank(e, d, i, act_block, dev) -> FP4ExpertBank:
-    def scales(*shape):  # 2**-8 .. 2**1 around the real checkpoints' range
-        return torch.randint(119, 129, shape, dtype=torch.uint8, device=dev)
-
-    return FP4ExpertBank(torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, device=dev), scales(e, 2 * i, d // 32),
-                         torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, device=dev), scales(e, d, i // 32),
-                         act_block)
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
+    return _cuda_device()
 
 
 @pytest.fixture(scope="module")
