@@ -106,7 +106,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 exec(__import__("test_kernels_fp8_linear")._INTERPRETER_FIXES)  # the GPU's roundings in Triton's interpreter
 import torch
-from deepinfer.kernels.quant_weights import fp4_moe_torch
+from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
 from deepinfer.kernels.triton.fp4_moe import fp4_moe
 
 g = torch.Generator().manual_seed(3)

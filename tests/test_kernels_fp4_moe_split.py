@@ -81,7 +81,7 @@ _INTERPRET_CHECK = r'''
 from test_kernels_fp8_linear import _INTERPRETER_FIXES
 exec(_INTERPRETER_FIXES)
 import torch
-from deepinfer.kernels.quant_weights import fp4_moe_torch
+from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
 from deepinfer.kernels.triton.fp4_moe import fp4_moe
 from test_kernels_fp4_moe_split import TINY_VARIANTS
 
