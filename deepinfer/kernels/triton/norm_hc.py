@@ -56,14 +56,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_o,
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """weight * x * rsqrt(mean(x^2) + eps) over the last dim, fp32 math (weight None: parameter-free)."""
-    if _fallback(x, weight):
-        return torch_ops.rms_norm(x, weight, eps)
+def _rms_norm_launch(op: str, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """`_rms_norm_kernel` over the rows of x [..., D] (any float dtype, read and upcast in the kernel) into a
+    new tensor of `out_dtype` (the fp32 result rounded there by the kernel's store)."""
     D = x.shape[-1]
-    _need(weight is None or tuple(weight.shape) == (D,), f"rms_norm: weight {tuple(weight.shape) if weight is not None else None} "
-          f"does not match the last dim {D} of x {tuple(x.shape)}")
-    out_dtype = x.dtype if weight is None else torch.result_type(x, weight)
+    _need(weight is None or tuple(weight.shape) == (D,), f"{op}: weight "
+          f"{tuple(weight.shape) if weight is not None else None} does not match the last dim {D} of x {tuple(x.shape)}")
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -77,6 +76,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out.view(x.shape)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """weight * x * rsqrt(mean(x^2) + eps) over the last dim, fp32 math (weight None: parameter-free)."""
+    if _fallback(x, weight):
+        return torch_ops.rms_norm(x, weight, eps)
+    return _rms_norm_launch("rms_norm", x, weight, eps, x.dtype if weight is None else torch.result_type(x, weight))
+
+
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`official.rms_norm_bf16` in one launch instead of three (upcast, norm, cast): the bf16 x read and
     upcast in the kernel (exact), fp32 math, the result rounded to bf16 in the kernel. The official rounding
@@ -86,20 +92,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     either in the kernel or by torch). tests/test_kernels_rope_table.py bounds it at 1 bf16 ulp."""
     if _fallback(x, weight) or x.dtype != BF16:
         return official.rms_norm_bf16(x, weight, eps)
-    D = x.shape[-1]
-    _need(weight is None or tuple(weight.shape) == (D,), f"rms_norm_bf16: weight "
-          f"{tuple(weight.shape) if weight is not None else None} does not match the last dim {D} of x {tuple(x.shape)}")
-    x2 = x.reshape(-1, D)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=BF16, device=x.device)
-    if x2.shape[0]:
-        block = triton.next_power_of_2(D)
-        w = weight.contiguous() if weight is not None else x2  # never read without HAS_WEIGHT
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, D, float(eps), x2.stride(0), out.stride(0),
-                                         HAS_WEIGHT=weight is not None, BLOCK_D=block,
-                                         num_warps=max(1, min(16, block // 256)))
-    return out.view(x.shape)
+    return _rms_norm_launch("rms_norm_bf16", x, weight, eps, BF16)
 
 
 # ---------------------------------------------------------------------------------------------- hc_pre
