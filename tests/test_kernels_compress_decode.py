@@ -21,14 +21,11 @@ bit for bit. The -m gpu tests passed on the H200, 2026-12-01.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from deepinfer import kernels
 from deepinfer.kernels import official_fused, torch_ops
 
@@ -160,6 +157,7 @@ def test_twin_is_the_registered_cpu_op_and_rejects_bad_shapes():
 # ---------------------------------------------------------------------------------- interpreter (CPU)
 _INTERPRET_CHECK = '''
 import torch
+
 import test_kernels_compress_decode as t
 from deepinfer.kernels.official_fused import compress_decode_step as twin
 from deepinfer.kernels.triton.compress_decode import compress_decode_step as kern
@@ -187,10 +185,7 @@ def test_triton_kernel_is_the_twin_under_the_interpreter():
     pytest.importorskip("triton")
     from test_kernels_fp8_linear import _INTERPRETER_FIXES
 
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETER_FIXES + _INTERPRET_CHECK], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = run_interpreted(_INTERPRETER_FIXES + _INTERPRET_CHECK, timeout=600)
     print(res.stdout[-3000:])
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
 

@@ -107,6 +107,7 @@ def _check_fp4_codec(device: str, subnormal_scales: bool = True) -> None:
 
 _INTERPRET_CHECK = """
 import torch
+
 from deepinfer.kernels.triton.fp4_quant import fp4_fake_quant
 from deepinfer.kernels.official_fused import fp4_fake_quant as twin
 import test_kernels_decode as t
@@ -125,15 +126,9 @@ def test_fp4_triton_kernels_are_their_twins_under_the_interpreter():
     """fp4_fake_quant and the FP4 index-key codec run by TRITON_INTERPRET on the CPU (a fresh process: the
     flag is read at import)."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from interpreted import run_interpreted
 
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = run_interpreted(_INTERPRET_CHECK, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 

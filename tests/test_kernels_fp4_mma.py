@@ -10,18 +10,14 @@ CPU: the byte conversion under TRITON_INTERPRET (a fresh process), every byte va
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from deepinfer.kernels.quant_weights import fp4_moe_torch
 
 BF16 = torch.bfloat16
-ROOT = Path(__file__).resolve().parents[1]
 
 _CONVERSION_CHECK = r"""
 import torch, triton, triton.language as tl
@@ -44,8 +40,7 @@ print("OK")
 
 def test_e2m1_to_e4m3_byte_conversion_is_exact_for_every_byte():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", _CONVERSION_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    r = run_interpreted(_CONVERSION_CHECK, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
@@ -102,10 +97,9 @@ def test_fp4_moe_variant_tiles_and_real_dims(expand, cfg):
 
 
 _WHOLE_OP_CHECK = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
 exec(__import__("test_kernels_fp8_linear")._INTERPRETER_FIXES)  # the GPU's roundings in Triton's interpreter
 import torch
+
 from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
 from deepinfer.kernels.triton.fp4_moe import fp4_moe
 
@@ -132,7 +126,5 @@ def test_default_and_fp8mma_kernels_are_the_twin_under_the_interpreter():
     with the GPU's roundings restored (its FP8 dots are exact, so expand 3 matches the twin here; Hopper's
     reduced-precision FP8 accumulation is what the GPU bound above covers). Measured: rel_err 0."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", _WHOLE_OP_CHECK, str(ROOT / "tests")], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = run_interpreted(_WHOLE_OP_CHECK, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -16,18 +16,14 @@ The -m gpu tests passed on the H200, 2026-12-01.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from deepinfer.kernels.quant_weights import fp4_moe_torch
 
 BF16 = torch.bfloat16
-ROOT = Path(__file__).resolve().parents[1]
 # variants the benchmark compares (`benchmarks/bench_fp4_moe.py --variants`), at tiny shapes
 # (config, expand)
 TINY_VARIANTS = [(dict(SPLIT_K=2), 1), (dict(SPLIT_K13=4, SPLIT_K2=2, A_BF16=True), 5), (dict(A_BF16=True), 1),
@@ -72,8 +68,7 @@ print("OK")
 
 def test_expand5_byte_conversion_equals_expand1_for_every_byte():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", _EXPANSION_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    r = run_interpreted(_EXPANSION_CHECK, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
@@ -81,6 +76,7 @@ _INTERPRET_CHECK = r'''
 from test_kernels_fp8_linear import _INTERPRETER_FIXES
 exec(_INTERPRETER_FIXES)
 import torch
+
 from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
 from deepinfer.kernels.triton.fp4_moe import fp4_moe
 from test_kernels_fp4_moe_split import TINY_VARIANTS
@@ -119,9 +115,7 @@ print("ok")
 
 def test_fp4_moe_v2_variants_match_the_twin_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, capture_output=True, text=True,
-                         timeout=900)
+    res = run_interpreted(_INTERPRET_CHECK, timeout=900)
     print(res.stdout[-4000:])
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
 

@@ -21,14 +21,11 @@ precision: measured 6-8e-4). Passed on the H200, 2026-12-01.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from deepinfer import formats
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch
 
@@ -111,6 +108,7 @@ _interp._convert_float = _convert_float
 
 _INTERPRET_CHECK = _INTERPRETER_FIXES + '''
 import torch
+
 import test_kernels_fp8_linear as t
 from deepinfer.kernels.quant_weights import fp8_linear_torch
 from deepinfer.kernels.triton.fp8_gemm import fp8_linear, plan
@@ -155,10 +153,7 @@ def test_fp8_linear_kernels_match_the_twin_under_the_interpreter():
     """Both forms, split and unsplit, fused and pre-quantised activations (a fresh process: the flag is
     read at import)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = run_interpreted(_INTERPRET_CHECK, timeout=600)
     print(res.stdout[-4000:])
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
 

@@ -3,14 +3,11 @@ rope32 building its table itself: the torch twin on CPU, the Triton kernel on cu
 `rms_norm_bf16` is `rms_norm(x.float(), w).to(bf16)` bit for bit (twin on CPU, kernel on cuda)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from deepinfer.kernels import official, torch_ops
 
 BF16_BOUND = 2e-3  # tests/test_kernels_attn.py's kernel-vs-twin bound for bf16 outputs
@@ -81,6 +78,7 @@ _INTERPRET_CHECK = """
 from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's fp32 -> bf16 rounding (the interpreter truncates)
 exec(_INTERPRETER_FIXES)
 import torch
+
 from test_kernels_rope_table import FREQS, _inputs, _same
 from deepinfer.kernels import official
 from deepinfer.kernels.triton import norm_hc, rope
@@ -105,10 +103,7 @@ def test_triton_kernels_under_the_interpreter():
     """The Triton rope32 with its own table == without one, rms_norm_bf16 == the two-cast form, bit for bit
     (TRITON_INTERPRET=1 in a fresh process: the flag is read at import)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = run_interpreted(_INTERPRET_CHECK, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
 
 
