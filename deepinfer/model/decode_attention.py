@@ -2,10 +2,10 @@
 the whole batch in fixed-shape tensor ops (no per-sequence Python loop, no shape that depends on positions),
 so a step can be captured in a CUDA graph per batch bucket.
 
-Owns: `decode_attention(attn, x, rows, cache)` (one layer) and `compress_decode` (its compressors), and
-`step_memo` / `rope_table`: what every layer of a step would compute alike (the RoPE table of the step's
-positions per frequency table, the ascending selection of non-indexer ratios, pool columns) is built by the
-first layer that needs it and kept on the step's `DecodeRows` (launches per step, not per layer).
+Owns: `decode_attention(attn, x, rows, cache)` (one layer) and `compress_decode` (its compressors). What
+every layer of a step would compute alike (the RoPE table of the step's positions per frequency table, the
+ascending selection of non-indexer ratios, pool columns) goes through `step_memo` on the step's `DecodeRows`
+(launches per step, not per layer).
 Same math and official rounding points as `V4Attention._forward_official` with fast=True; the differences
 are in layout only:
 * the new token's KV is written into the window ring FIRST, then each sequence's whole ring row is gathered
@@ -27,6 +27,7 @@ from deepinfer import kernels
 from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.decode_metadata import DecodeRows, RatioRows
+from deepinfer.model.step_memo import rope_table, step_memo
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -73,26 +74,6 @@ def _compress_step(attn: V4Attention, p: dict, state: CompressorState, xf: torch
     return k("hadamard32")(entries) if rotate else entries
 
 
-def step_memo(rows, key, make):
-    """`make()` once per step: the first layer that needs a value shared by every layer of the step (same
-    positions, same ratio) builds it and the others reuse it (each tensor op is a kernel on cuda). Lives on
-    the step's rows (`rows.memo`); inside a CUDA graph capture the build is captured with the first layer,
-    so a replay recomputes it from the step's buffers (shapes are fixed per bucket)."""
-    v = rows.memo.get(key)
-    if v is None:
-        v = rows.memo[key] = make()
-    return v
-
-
-def rope_table(attn: V4Attention, rows, pos: torch.Tensor) -> torch.Tensor:
-    """The step's `rope_table32` of `pos` (the step's positions) for attn's frequencies: one per step and
-    frequency table (window-only and compressed layers differ), instead of one per rope32 call."""
-    def build_rope_table() -> torch.Tensor:
-        return kernels.get("rope_table32", attn.kdev)(pos, attn.inv_freq)
-
-    return step_memo(rows, ("rope", attn.rope_key), build_rope_table)
-
-
 def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache) -> torch.Tensor:
     """x [B, D] bf16 (one token per row) -> [B, D] bf16."""
     if not attn.fast:
@@ -104,7 +85,8 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
 
     qlinear, rope32 = k("fp8_linear"), k("rope32")
     def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # = rms_norm(t.to(fp32), w).to(bf16) bit for bit: one kernel on cuda instead of three
+        # upcast, fp32 RMSNorm, bf16 round: one kernel on cuda instead of three (within one bf16 ulp of the
+        # three there, bit-identical on the CPU twin; norm_hc.rms_norm_bf16 says why)
         return k("rms_norm_bf16")(t, w, attn.eps)
 
     lc = cache.layers[attn.layer]

@@ -49,7 +49,7 @@ class DecodeRows:
     ratios: dict[int, RatioRows]
     # what the layers derive from these rows and share within the step (RoPE tables per frequency table,
     # the ascending selection of non-indexer ratios, pool columns), built by the first layer that needs it
-    # (`decode_attention.step_memo`): device ops on this step's tensors only, so a captured graph replays
+    # (`model.step_memo`): device ops on this step's tensors only, so a captured graph replays
     # them with the step; a new DecodeRows (one per derive) starts empty
     memo: dict = field(default_factory=dict, repr=False)
 

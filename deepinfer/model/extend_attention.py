@@ -3,9 +3,9 @@ numerics, with the step's rows from `extend_metadata` (built once per step, one 
 host sync: a layer is a fixed handful of ops plus, only on indexer layers, one scoring + top-k per sequence
 (its keys are its own).
 
-Owns: `extend_attention(attn, x, ctx, cache)` (one layer) and `compress_step` (its compressors), and
-`step_memo` / `rope_table` (what every layer of the step would compute alike, built once on `ExtendRows`:
-the RoPE table per frequency table, non-indexer index rows, per-sequence visibility masks, pool columns).
+Owns: `extend_attention(attn, x, ctx, cache)` (one layer) and `compress_step` (its compressors). What every
+layer of the step would compute alike (the RoPE table per frequency table, non-indexer index rows,
+per-sequence visibility masks, pool columns) goes through `step_memo` on the step's `ExtendRows`.
 Same math, rounding points and index-row order as `V4Attention._forward_official` with fast=True (the
 per-sequence path, kept for official numerics and as this path's reference: CPU results are bit-identical,
 tests/test_engine_fast_prefill.py); the differences are in organisation only:
@@ -28,6 +28,7 @@ from deepinfer.model.cache import LayerCache, V4Cache
 from deepinfer.model.compressor import compress_extend
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, current_extend_rows
+from deepinfer.model.step_memo import rope_table, step_memo
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -60,24 +61,6 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr
                 where.append(rr.entry_rows[start : start + e.shape[0]])
         if entries:
             store[torch.cat(where)] = _encode(attn, lc, role, torch.cat(entries))
-
-
-def step_memo(rows: ExtendRows, key, make):
-    """`make()` once per step: the first layer that needs a value shared by every layer of the step (same
-    positions, same ratio) builds it, the others reuse it (each tensor op is a kernel on cuda)."""
-    v = rows.memo.get(key)
-    if v is None:
-        v = rows.memo[key] = make()
-    return v
-
-
-def rope_table(attn, rows: ExtendRows, pos: torch.Tensor) -> torch.Tensor:
-    """The step's `rope_table32` of `pos` for attn's frequencies: one per step and frequency table (window-only
-    and compressed layers differ), instead of one per rope32 call."""
-    def build_rope_table() -> torch.Tensor:
-        return kernels.get("rope_table32", attn.kdev)(pos, attn.inv_freq)
-
-    return step_memo(rows, ("rope", attn.rope_key), build_rope_table)
 
 
 def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rows: ExtendRows, rr: RatioExtendRows,
@@ -153,7 +136,8 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     qlinear, rope32 = k("fp8_linear"), k("rope32")
 
     def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # = rms_norm(t.to(fp32), w).to(bf16) bit for bit: one kernel on cuda instead of three
+        # upcast, fp32 RMSNorm, bf16 round: one kernel on cuda instead of three (within one bf16 ulp of the
+        # three there, bit-identical on the CPU twin; norm_hc.rms_norm_bf16 says why)
         return k("rms_norm_bf16")(t, w, attn.eps)
 
     rows = current_extend_rows(ctx, cfg, cache)

@@ -52,7 +52,7 @@ class ExtendRows:
     ratios: dict[int, RatioExtendRows]
     # what the layers derive from these rows and share within the step (RoPE tables per frequency table,
     # the index rows of non-indexer ratios, per-sequence visibility masks), built by the first layer that
-    # needs it (`extend_attention.step_memo`)
+    # needs it (`model.step_memo`)
     memo: dict = field(default_factory=dict, repr=False)
 
 
