@@ -52,6 +52,7 @@ import triton.language as tl
 
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
+from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
 
 FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotion of the fp32 partial sum
 # FP4 -> bf16 expansion inside the GEMM (the same exact operand values; only the instruction count differs)
@@ -559,12 +560,6 @@ def plan_v2(n_slots: int, n_experts: int, n_blocks: int, d: int, inter: int, sms
     return cfg
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # an H200: the interpreter exercises the same rules
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _v2_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, k, limit, a_row_div,
              act_block, a_bf16, gated, split, cfg, expand):
     bn = cfg["BN"]
@@ -594,7 +589,7 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     # the split-K plan from the plan geometry (an expert-parallel shard plans as its whole bank: same bits);
     # the routing below bounds its blocks with the bank's own count
     n_blocks = max(1, min(n_slots, n_slots // bm + min(bank.plan_experts, n_slots)))
-    cfg = plan_v2(n_slots, bank.plan_experts, n_blocks, d, inter, _sm_count(x.device), config)
+    cfg = plan_v2(n_slots, bank.plan_experts, n_blocks, d, inter, sm_count(x.device), config)
     a_bf16 = bool(cfg.get("A_BF16", False))
     small = n_slots <= SMALL_ROUTING_SLOTS and x.is_cuda
     sorted_slots, block_expert = (align_by_expert_small if small else align_by_expert)(topk_ids, bank.n_experts, bm)
