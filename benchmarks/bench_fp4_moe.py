@@ -71,6 +71,13 @@ VARIANTS = [  # (name, config, expand, max T)
     ("v2 split 2, bf16 act, e5", dict(SPLIT_K=2, A_BF16=True), 5, 128),
     ("v2 split 8/4, bf16 act, e5", dict(SPLIT_K13=8, SPLIT_K2=4, A_BF16=True), 5, 8),
     ("v2 split 4 BN=128, bf16, e5", dict(SPLIT_K=4, A_BF16=True, BN=128), 5, 8),
+    ("default kernel, expand 6", None, 6, 10 ** 9),
+    ("v2 decode plan, expand 6", dict(SPLIT_K=0, A_BF16=True, BN=128), 6, 512),
+    ("v2 bf16 act, expand 6", dict(A_BF16=True), 6, 10 ** 9),
+    ("v2 bf16 act BN=128 8w, e6", dict(A_BF16=True, BN=128, num_warps=8, num_stages=3), 6, 10 ** 9),
+    ("v2 bf16 act BM=128 BN=256 4 stages, e6", dict(A_BF16=True, BM=128, BN=256, num_warps=8, num_stages=4), 6, 10 ** 9),
+    ("v2 bf16 act BM=64 BN=256 8w, e6", dict(A_BF16=True, BM=64, BN=256, num_warps=8, num_stages=3), 6, 10 ** 9),
+    ("v2 bf16 act BM=128 BN=128 8w, e6", dict(A_BF16=True, BM=128, BN=128, num_warps=8, num_stages=3), 6, 10 ** 9),
 ]
 
 

@@ -16,6 +16,7 @@ The -m gpu tests passed on the H200, 2026-12-01.
 """
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -27,7 +28,8 @@ BF16 = torch.bfloat16
 # variants the benchmark compares (`benchmarks/bench_fp4_moe.py --variants`), at tiny shapes
 # (config, expand)
 TINY_VARIANTS = [(dict(SPLIT_K=2), 1), (dict(SPLIT_K13=4, SPLIT_K2=2, A_BF16=True), 5), (dict(A_BF16=True), 1),
-                 (None, 5), (dict(SPLIT_K=1, BN=32), 1), (dict(SPLIT_K=0, A_BF16=True), 1)]
+                 (None, 5), (dict(A_BF16=True), 6), (None, 6), (dict(SPLIT_K=1, BN=32), 1),
+                 (dict(SPLIT_K=0, A_BF16=True), 1), (dict(SPLIT_K13=4, SPLIT_K2=2, A_BF16=True), 6)]
 
 
 def test_split_rule_on_v4_flash_shapes():
@@ -69,6 +71,75 @@ print("OK")
 def test_expand5_byte_conversion_equals_expand1_for_every_byte():
     pytest.importorskip("triton")
     r = run_interpreted(_EXPANSION_CHECK, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+# expand 6 for every byte x every E8M0 scale byte it admits (0..128): the exact value E2M1 x 2**(S-127), bit
+# for bit (on the GPU through the inline mul.rn.bf16x2, under the interpreter through its fp32 fallback)
+_EXPAND6_CHECK = r'''
+import torch, triton, triton.language as tl
+from deepinfer import formats
+from deepinfer.kernels.triton.fp4_moe import EXPAND6_SCALE_MAX, _e2m1_bytes_bf16x2_scaled
+
+@triton.jit
+def k(p, sc, o):
+    s = tl.program_id(0)
+    rows = tl.arange(0, 16)[:, None]
+    b = tl.load(p + rows * 16 + tl.arange(0, 16)[None, :])
+    byte = tl.load(sc + s + rows * 0)  # [16, 1]: this program's scale byte on every row
+    tl.store(o + s * 512 + rows * 32 + tl.arange(0, 32)[None, :], _e2m1_bytes_bf16x2_scaled(b, byte, 16, 32))
+
+dev = DEVICE
+lo = LOWEST  # the interpreter flushes subnormal results (S <= 1: 0.5 x 2**(S-127) < 2**-126); the GPU must not
+n = EXPAND6_SCALE_MAX + 1 - lo
+b = torch.arange(256, dtype=torch.uint8, device=dev)
+sc = torch.arange(lo, EXPAND6_SCALE_MAX + 1, dtype=torch.uint8, device=dev)
+o = torch.empty(n * 512, dtype=torch.bfloat16, device=dev)
+k[(n,)](b, sc, o)
+vals = formats.fp4_codes_to_float(formats.unpack_fp4(b.cpu()))  # [512], low nibble first
+ref = (vals[None, :] * torch.exp2(torch.arange(lo, lo + n, dtype=torch.float32) - 127)[:, None]).to(torch.bfloat16)
+got = o.cpu().view(n, 512)
+assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (got.float() - ref.float()).abs().max()
+print("OK")
+'''
+
+
+def test_expand6_byte_conversion_is_exact_for_every_byte_and_scale():
+    pytest.importorskip("triton")
+    r = run_interpreted(_EXPAND6_CHECK.replace("DEVICE", "'cpu'").replace("LOWEST", "2"), timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_expand6_refuses_a_bank_with_scales_above_its_exact_range():
+    pytest.importorskip("triton")
+    from deepinfer.kernels.quant_weights import FP4ExpertBank
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+
+    g = torch.Generator().manual_seed(0)
+    sc = lambda *s: torch.full(s, 120, dtype=torch.uint8)  # noqa: E731
+    w2s = sc(4, 128, 2)
+    w2s[3, 5, 1] = 129  # one scale of 4: above expand 6's range
+    bank = FP4ExpertBank(torch.randint(0, 256, (4, 128, 64), dtype=torch.uint8, generator=g), sc(4, 128, 4),
+                         torch.randint(0, 256, (4, 128, 32), dtype=torch.uint8, generator=g), w2s, 32)
+    assert bank.scale_max == 129
+    x, ids, w = torch.randn(2, 128).to(BF16), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    with pytest.raises(ValueError, match="expand 6 is exact for E8M0 scale bytes up to 128.*129"):
+        fp4_moe(x, ids, w, bank, 0.0, expand=6)
+    assert torch.equal(fp4_moe(x, ids, w, bank, 0.0, expand=5), fp4_moe_torch(x, ids, w, bank, 0.0))  # CPU: the twin
+
+
+@pytest.mark.gpu
+def test_expand6_byte_conversion_is_exact_on_the_gpu(tmp_path):
+    import subprocess
+    import sys
+
+    from interpreted import ROOT
+
+    _cuda()
+    script = tmp_path / "expand6_check.py"  # a file: Triton's jit reads the kernel's source from it
+    script.write_text(_EXPAND6_CHECK.replace("DEVICE", "'cuda'").replace("LOWEST", "0"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
@@ -125,7 +196,8 @@ def test_fp4_moe_v2_variants_match_the_twin_under_the_interpreter():
 # ----------------------------------------------------------------------------------------------
 GPU_VARIANTS = [(dict(SPLIT_K=0), 1), (dict(SPLIT_K=0, A_BF16=True), 5), (dict(A_BF16=True), 1), (None, 5),
                 (dict(A_BF16=True, BN=128), 5), (dict(SPLIT_K=2, BN=128), 1), (dict(SPLIT_K13=8, SPLIT_K2=4, A_BF16=True), 5),
-                (dict(A_BF16=True, BN=128, num_warps=8, num_stages=3), 5)]
+                (dict(A_BF16=True, BN=128, num_warps=8, num_stages=3), 5), (dict(SPLIT_K=0, A_BF16=True, BN=128), 6),
+                (dict(SPLIT_K=2, A_BF16=True), 6), (None, 6)]
 
 
 from test_kernels_gemm import _cuda as _cuda_device, _random_bank as _bank, _rel  # noqa: E402 (shared helpers)

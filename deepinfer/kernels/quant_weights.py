@@ -153,6 +153,9 @@ class FP4ExpertBank:
             raise ValueError(f"FP4ExpertBank dims must be multiples of {formats.FP4_BLOCK}: D={d}, I={inter}")
         if d % self.act_block or inter % self.act_block:
             raise ValueError(f"FP4ExpertBank dims D={d}, I={inter} must be multiples of act_block {self.act_block}")
+        # the largest E8M0 scale byte, read once here (load time), so kernels whose exact expansion has a
+        # range (fp4_moe expand 6: bytes <= 128) can check it without a host sync inside a step
+        self.scale_max = max([int(t.max()) for t in (self.w13_scale, self.w2_scale) if t.numel()] or [0])
 
     @classmethod
     def from_checkpoint(cls, raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig,

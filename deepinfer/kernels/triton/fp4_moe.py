@@ -42,6 +42,12 @@ the twin); H200 2026-11-29, one run, V4-Flash dims, decode T=1 as CUDA-graph rep
   whole op, V4-Flash dims): bf16 activations + expand 5 1.27-1.44x over the old default at T=1..128 (T=128
   2.71 -> 1.93 ms); split-K only matters at T=1 (S=4..8: 86 vs 96 us unsplit); the one gate+up tile with
   FP8 activations 1.03-1.08x; 8 warps slower (results/fp4_moe_variants_h200.log).
+  Expand 6 (H200 2026-12-01, results/fp4_moe_variants_h200_e6.log): the byte's two codes as bf16 bit
+  patterns in one word, scaled by one PTX mul.rn.bf16x2 (no fp16 -> fp32 -> x scale -> bf16 per code):
+  1.14-1.26x over expand 5 in the decode plan (T=1 74.8 us, T=128 1.55 ms = 2.14 TB/s). Exact for scale
+  bytes up to 128 (scale 2; the checkpoints' are ~2**-8), so the default takes it when the bank's
+  `scale_max` allows and expand 5 otherwise. Default since then: the v2 path in every regime
+  (`DECODE_V2`, `PREFILL_V2`), the kernel below only with an explicit expand or config.
 Must not: be imported without triton; know about gates, hash routing or the shared expert (the caller's).
 """
 from __future__ import annotations
@@ -54,13 +60,16 @@ from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_mo
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
 
+_ASM = tl.constexpr(not interpreting())  # inline PTX (expand 6) only on the GPU: the interpreter runs no asm
 FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotion of the fp32 partial sum
 # FP4 -> bf16 expansion inside the GEMM (the same exact operand values; only the instruction count differs)
 EXPANSIONS = {0: "fp32 bit assembly per code", 1: "fp16 bit trick (4 int ops per byte)",
               2: "tl.dot_scaled (Triton's microscaling dot, upcast to bf16 on Hopper)",
               3: "E4M3 codes by byte ops, FP8 tensor-core dots per 32 of K (the official fp4_gemm on SM90)",
-              5: "fp16 bit trick, both codes of a byte in one 32-bit word by two multiplies (fewer int ops)"}
+              5: "fp16 bit trick, both codes of a byte in one 32-bit word by two multiplies (fewer int ops)",
+              6: "bf16 bit patterns of both codes in one word, times the scale by one bf16x2 multiply"}
 DEFAULT_EXPAND = 1
+EXPAND6_SCALE_MAX = 128  # expand 6's multiplier 2**(S-1) must be a normal bf16: S + 126 <= 254
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,14 +190,43 @@ def _e2m1_bytes_to_f32_fp16_mul(packed):
 
 
 @triton.jit
-def _fp4_tile(w_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr, EXPAND: tl.constexpr):
-    """[BN, KB/2] packed bytes and [BN, KB/32] E8M0 scales -> the exact weights, bf16 [KB, BN] (E2M1 x pow2
+def _e2m1_bytes_bf16x2_scaled(packed, byte, BN: tl.constexpr, KB: tl.constexpr):
+    """[BN, KB/2] packed bytes and [BN, KB/32] E8M0 bytes S -> the exact scaled weights, bf16 [BN, KB], by one
+    bf16x2 multiply per byte: the byte's two codes become one 32-bit word of two bf16 bit patterns (magnitude
+    bits e1 e0 m at bf16 bits 8..6 / 24..22, signs at 15 / 31, by two 32-bit multiplies and masks as expand
+    5), i.e. 2**(e-127) * (1 + m/2) for e > 0 and the subnormal m * 2**-127 for e == 0: exactly the E2M1 value
+    times 2**-126. Times the bf16 2**(S-1) (exponent field S + 126) that is E2M1 x 2**(S-127), exact (the
+    smallest product, 2**-128, is a bf16 subnormal) for S <= 128, i.e. scales up to 2 (`fp4_moe` checks
+    the bank's `scale_max` before it picks this). The multiply is PTX mul.rn.bf16x2 (sm_90) by inline asm; the
+    interpreter (no asm) takes the same values through fp32."""
+    b = tl.reshape(packed.to(tl.uint32), (BN, KB // FP4_BLOCK, FP4_BLOCK // 2))
+    word = ((b * 0x00040040) & 0x01C001C0) | ((b * 0x01001000) & 0x80008000)
+    s = byte.to(tl.uint32) + 126
+    mult = tl.broadcast_to(((s << 7) | (s << 23))[:, :, None], (BN, KB // FP4_BLOCK, FP4_BLOCK // 2))
+    if _ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; mul.rn.bf16x2 t, $2, $3; mov.b32 {$0, $1}, t; }", "=h,=h,r,r", [word, mult],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        m = (s << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2**(S-1) in fp32 (the interpreter's fp32 keeps subnormals)
+        lo = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True) * m
+        hi = (word & 0xFFFF0000).to(tl.float32, bitcast=True) * m
+        lo, hi = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+    return tl.reshape(tl.interleave(lo, hi), (BN, KB))
+
+
+@triton.jit
+def _fp4_rows(w_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr, EXPAND: tl.constexpr):
+    """[BN, KB/2] packed bytes and [BN, KB/32] E8M0 scales -> the exact weights, bf16 [BN, KB] (E2M1 x pow2
     has at most 2 significant bits: exact in bf16). EXPAND 0: fp32 bit assembly per code; 1: the fp16 trick
     with 2**14 folded into the scale (exact for E8M0 exponents below 241, i.e. scales below 2**114); 5: the
     same values with the byte's two fp16 codes built by 32-bit multiplies (sm_90 SASS of the v2 w13 K step
-    with bf16 activations: 469 instructions per thread against 603 with 1, 756 in the default kernel)."""
+    with bf16 activations: 469 instructions per thread against 603 with 1, 756 in the default kernel);
+    6: bf16 bit patterns times the scale by one bf16x2 multiply per byte (`_e2m1_bytes_bf16x2_scaled`)."""
     packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
     byte = tl.load(ws_ptrs, mask=n_ok[:, None], other=0)
+    if EXPAND == 6:
+        return _e2m1_bytes_bf16x2_scaled(packed, byte, BN, KB)
     if EXPAND == 1 or EXPAND == 5:
         if EXPAND == 5:
             vals = _e2m1_bytes_to_f32_fp16_mul(packed)
@@ -199,7 +237,13 @@ def _fp4_tile(w_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr, EXPAND:
         vals = _e2m1_bytes_to_f32(packed)
         scale = _e8m0_to_f32(byte)
     vals = tl.reshape(tl.reshape(vals, (BN, KB // FP4_BLOCK, FP4_BLOCK)) * scale[:, :, None], (BN, KB))
-    return tl.trans(vals.to(tl.bfloat16))
+    return vals.to(tl.bfloat16)
+
+
+@triton.jit
+def _fp4_tile(w_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr, EXPAND: tl.constexpr):
+    """`_fp4_rows` transposed: the weight tile as the dot's right operand, bf16 [KB, BN]."""
+    return tl.trans(_fp4_rows(w_ptrs, ws_ptrs, n_ok, BN, KB, EXPAND))
 
 
 @triton.jit
@@ -367,7 +411,10 @@ def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sort
       epilogue as the default kernel);
     * SPLIT_OUT: program (block, tile, split) reduces K range [split * K_SPLIT, (split + 1) * K_SPLIT) and
       stores its fp32 partial at out[split, slot, n] (a reduce kernel adds the splits in a fixed order);
-      else bf16 rows out[slot, n]. SPLIT_OUT is never GATED: the split w13 treats its 2N rows as plain N."""
+      else bf16 rows out[slot, n]. SPLIT_OUT is never GATED: the split w13 treats its 2N rows as plain N.
+    Tried and dropped (H200 2026-12-01, results/fp4_moe_variants_h200_e6.log): swapping the dot's operands
+    (acc^T = W @ A^T, the expanded weights as wgmma's register operand, no transpose): slower at every T
+    (T=1 114 vs 75 us, T=128 1.72 vs 1.55 ms with expand 6)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -581,8 +628,8 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     activations (A_BF16), one gate+up tile per program, split-K with fixed-order reduce kernels (the w13
     reduce fuses the SwiGLU epilogue and act_quant(h), the w2 reduce fuses the k-row sum), and the k-row sum
     ordering computed in its kernel (no argsort launch). No host sync: CUDA-graph capturable."""
-    if expand not in (0, 1, 5):
-        raise ValueError(f"fp4_moe v2 path: expand must be 0, 1 or 5, got {expand}")
+    if expand not in (0, 1, 5, 6):
+        raise ValueError(f"fp4_moe v2 path: expand must be 0, 1, 5 or 6, got {expand}")
     t, topk = topk_ids.shape
     d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
     bm = {**_config(n_slots, bank.plan_experts), **config}["BM"]
@@ -631,7 +678,12 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     return y
 
 
-DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 slots per expert, with expand 5
+PREFILL_V2 = dict(A_BF16=True)  # the default plan above 16 slots per expert (`_config`'s tiles), expand 6
+# (H200 2026-12-01, bench_fp4_moe.py --variants, results/fp4_moe_variants_h200_e6.log, with expand 5:
+# T=2048 3.05 vs 4.48 ms, T=8192 9.25 vs 12.1 ms for the kernel below with its tiles and expand 1)
+DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 slots per expert, expand 6
+# (expand 6 against 5, same run: T=1 74.8 vs 85.2 us, T=8 353 vs 421, T=32 893 vs 1125, T=128 1552 vs 1944 us
+# = 2.14 TB/s); before expand 6:
 # (H200 2026-12-01, bench_fp4_moe.py --variants, CUDA-graph replay of the whole op, V4-Flash dims, against
 # the kernel below with its tiles and expand 1: T=1 85.6 vs 112 us, T=8 421 vs 606 us, T=32 1119 vs 1558 us,
 # T=128 1931 vs 2710 us = 1.72 TB/s; results/fp4_moe_variants_h200.json). Not measured above 16 per expert.
@@ -641,15 +693,21 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             swiglu_limit: float, expand: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
     topk_ids must lie in [0, E) (not checked on the device: that would force a host sync).
-    expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`; None: the measured default of the regime:
-    `DECODE_V2` with expand 5 up to 16 slots per expert, else the kernel below with DEFAULT_EXPAND); config:
+    expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`; with config None too: the measured default,
+    `DECODE_V2` up to 16 slots per expert, else `PREFILL_V2`, both with expand 6 when the bank's scales
+    allow it (`EXPAND6_SCALE_MAX`), else 5; an expand without a config runs the kernel below); config:
     tile override (benchmarks); a config with any of `V2_KEYS` takes the v2 path (`_fp4_moe_v2`: split-K,
     bf16 activations; see `plan_v2`)."""
-    if expand is None and config is None and topk_ids.numel() / max(1, bank.plan_experts) <= 16:
-        expand, config = 5, DECODE_V2
+    if expand is None and config is None:  # the measured default: the v2 plan of the regime, expand 6 when exact
+        few = topk_ids.numel() / max(1, bank.plan_experts) <= 16
+        config = DECODE_V2 if few else PREFILL_V2
+        expand = 6 if bank.scale_max <= EXPAND6_SCALE_MAX else 5
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
         raise ValueError(f"fp4_moe: expand must be one of {sorted(EXPANSIONS)}, got {expand!r}")
+    if expand == 6 and bank.scale_max > EXPAND6_SCALE_MAX:
+        raise ValueError(f"fp4_moe: expand 6 is exact for E8M0 scale bytes up to {EXPAND6_SCALE_MAX} (scale 2); "
+                         f"this bank has {bank.scale_max}")
     if not x.is_cuda and not interpreting():
         return fp4_moe_torch(x, topk_ids, topk_weights, bank, swiglu_limit)
     check_routing("fp4_moe", x, topk_ids, topk_weights, bank)
