@@ -135,6 +135,10 @@ class FP4ExpertBank:
     # the Triton op picks its tiles and split-K from the routing density over it, so a shard's call runs the
     # same launch plan, and gives the same bits, as the whole bank's
     tile_experts: int = 0
+    # the largest E8M0 scale byte (None: read from the scales here, at load time), so kernels whose exact
+    # expansion has a range (fp4_moe expand 6: bytes <= 128) can check it without a host sync inside a step;
+    # `to` carries it over instead of reading the scales again
+    scale_max: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("w13", "w13_scale", "w2", "w2_scale"):
@@ -153,9 +157,8 @@ class FP4ExpertBank:
             raise ValueError(f"FP4ExpertBank dims must be multiples of {formats.FP4_BLOCK}: D={d}, I={inter}")
         if d % self.act_block or inter % self.act_block:
             raise ValueError(f"FP4ExpertBank dims D={d}, I={inter} must be multiples of act_block {self.act_block}")
-        # the largest E8M0 scale byte, read once here (load time), so kernels whose exact expansion has a
-        # range (fp4_moe expand 6: bytes <= 128) can check it without a host sync inside a step
-        self.scale_max = max([int(t.max()) for t in (self.w13_scale, self.w2_scale) if t.numel()] or [0])
+        if self.scale_max is None:
+            self.scale_max = max([int(t.max()) for t in (self.w13_scale, self.w2_scale) if t.numel()] or [0])
 
     @classmethod
     def from_checkpoint(cls, raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig,
@@ -197,7 +200,7 @@ class FP4ExpertBank:
 
     def to(self, device: torch.device | str) -> "FP4ExpertBank":
         return FP4ExpertBank(self.w13.to(device), self.w13_scale.to(device), self.w2.to(device),
-                             self.w2_scale.to(device), self.act_block, self.tile_experts)
+                             self.w2_scale.to(device), self.act_block, self.tile_experts, self.scale_max)
 
     def dequant_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Exact fp32 (w1 [I, D], w3 [I, D], w2 [D, I]) of expert e."""

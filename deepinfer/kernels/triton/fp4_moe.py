@@ -538,6 +538,9 @@ def _combine_kernel(y_ptr, p_ptr, ids_ptr, D, stride_ps, S: tl.constexpr, TOPK: 
 # ----------------------------------------------------------------------------------------------
 # the op
 # ----------------------------------------------------------------------------------------------
+DECODE_SLOTS_PER_EXPERT = 16  # up to this many routed slots per expert: the decode tiles and plan (BM=16)
+
+
 def _config(n_slots: int, n_experts: int) -> dict:
     """Tiles by slots per expert, from the tile sweep of benchmarks/bench_fp4_moe.py (H200, 2026-12-01,
     V4-Flash dims, CUDA-graph replay of the whole op, expand 1):
@@ -546,7 +549,7 @@ def _config(n_slots: int, n_experts: int) -> dict:
     * 17..96 per expert: BM=64, BN=128 (T=2048: 4.5 ms, the BM=32/BN=64 tiles used before took 16.1 ms);
     * more (prefill): BM=128, BN=256, 8 warps (T=8192: 12.2 ms = 203 TFLOP/s, 128x128 took 16.1 ms)."""
     per_expert = n_slots / max(1, n_experts)
-    if per_expert <= 16:
+    if per_expert <= DECODE_SLOTS_PER_EXPERT:
         if n_slots <= SMALL_ROUTING_SLOTS:
             return dict(BM=16, BN=64, num_warps=4, num_stages=6)
         return dict(BM=16, BN=128, num_warps=4, num_stages=4)
@@ -699,7 +702,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     tile override (benchmarks); a config with any of `V2_KEYS` takes the v2 path (`_fp4_moe_v2`: split-K,
     bf16 activations; see `plan_v2`)."""
     if expand is None and config is None:  # the measured default: the v2 plan of the regime, expand 6 when exact
-        few = topk_ids.numel() / max(1, bank.plan_experts) <= 16
+        few = topk_ids.numel() / max(1, bank.plan_experts) <= DECODE_SLOTS_PER_EXPERT
         config = DECODE_V2 if few else PREFILL_V2
         expand = 6 if bank.scale_max <= EXPAND6_SCALE_MAX else 5
     expand = DEFAULT_EXPAND if expand is None else expand
