@@ -10,7 +10,6 @@ CPU: the byte conversion under TRITON_INTERPRET (a fresh process), every byte va
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -16,12 +16,10 @@ The -m gpu tests passed on the H200, 2026-12-01.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import run_compiled, run_interpreted
 from deepinfer.kernels.quant_weights import fp4_moe_torch
 
 BF16 = torch.bfloat16
@@ -130,16 +128,8 @@ def test_expand6_refuses_a_bank_with_scales_above_its_exact_range():
 
 @pytest.mark.gpu
 def test_expand6_byte_conversion_is_exact_on_the_gpu(tmp_path):
-    import subprocess
-    import sys
-
-    from interpreted import ROOT
-
     _cuda()
-    script = tmp_path / "expand6_check.py"  # a file: Triton's jit reads the kernel's source from it
-    script.write_text(_EXPAND6_CHECK.replace("DEVICE", "'cuda'").replace("LOWEST", "0"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    r = run_compiled(_EXPAND6_CHECK.replace("DEVICE", "'cuda'").replace("LOWEST", "0"), tmp_path, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 

@@ -21,7 +21,6 @@ precision: measured 6-8e-4). Passed on the H200, 2026-12-01.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -3,7 +3,6 @@ rope32 building its table itself: the torch twin on CPU, the Triton kernel on cu
 `rms_norm_bf16` is `rms_norm(x.float(), w).to(bf16)` bit for bit (twin on CPU, kernel on cuda)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
