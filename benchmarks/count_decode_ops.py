@@ -31,7 +31,7 @@ def cuda_kernel_ops(extra: tuple[str, ...] = ()) -> set[str]:
 
     from deepinfer.kernels.triton import KERNEL_MODULES
 
-    names = {"grouped_proj_bf16", "head_logits_bf16"}
+    names = {"grouped_proj_bf16", "linear_f32", "blinear"}
     for m in KERNEL_MODULES + tuple(extra):
         names |= set(importlib.import_module(f"deepinfer.kernels.triton.{m}").REGISTRATIONS)
     return names

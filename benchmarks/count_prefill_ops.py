@@ -46,7 +46,7 @@ def cuda_kernel_ops() -> set[str]:
 
     from deepinfer.kernels.triton import KERNEL_MODULES
 
-    names = {"grouped_proj_bf16", "head_logits_bf16"}
+    names = {"grouped_proj_bf16", "linear_f32", "blinear"}
     for m in set(KERNEL_MODULES) | {"kv_pack"}:
         names |= set(importlib.import_module(f"deepinfer.kernels.triton.{m}").REGISTRATIONS)
     return names

@@ -21,7 +21,9 @@ Again 2026-11-29, issue 7 (H8; one run, eager numbers are host-noisy, graph repl
   fp4_moe T=1 graph: expand 0 (before) 168 us, expand 1 (fp16 trick, default) 114 us, expand 2 (dot_scaled)
                         143 us; routing alone 18.8 us (one Triton program) vs 223-405 us of torch ops
           T=128: 3.03 ms (1081 GB/s; expand 2 4.13 ms);  T=8192: 16.2 ms = 153 TFLOP/s (expand 2 19.2 ms)
-Usage: python scripts/bench_gemm_kernels.py [--tiles]   (--tiles: decode tile sweep with rel_err vs the twins)
+Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --linear-f32]   (--tiles: decode tile sweep
+with rel_err vs the twins; --decode-fp8: fp8_linear plans on the V4-Flash decode shapes; --linear-f32: the bf16
+weight GEMMs alone)
 """
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ def bench_fp4_moe(rows: list[str]) -> None:
 
 def bench_bf16_weights(rows: list[str]) -> None:
     """The fast path's bf16-weight GEMMs against the per-call fp32 upcasts they replace (V4-Flash dims)."""
-    from deepinfer.kernels.bf16_gemm import grouped_proj_bf16_cublas, head_logits_bf16_cublas
+    from deepinfer.kernels.bf16_gemm import grouped_proj_bf16_cublas, linear_f32_cublas
 
     wo_a = (torch.randn(8, 1024, 4096, device="cuda") * 0.02).to(torch.bfloat16)
     head = (torch.randn(129280, 4096, device="cuda") * 0.02).to(torch.bfloat16)
@@ -138,9 +140,19 @@ def bench_bf16_weights(rows: list[str]) -> None:
             lambda: torch.einsum("tgd,grd->tgr", o.float(), wo_a.float()).to(torch.bfloat16))
         rows.append(f"wo_a grouped T={t:4d} | bf16 einsum {new * 1e3:7.1f} us ({wo_a.numel() * 2 / new / 1e6:5.0f} GB/s)"
                     f" | fp32 upcast per call {old * 1e3:7.1f} us")
-        new, old = _ms(lambda: head_logits_bf16_cublas(y, head)), _ms(lambda: y.float() @ head32.T)
+        new, old = _ms(lambda: linear_f32_cublas(y, head)), _ms(lambda: y.float() @ head32.T)
         rows.append(f"head 129280x4096 N={t:4d} | bf16 w, fp32 out {new * 1e3:7.1f} us "
                     f"({head.numel() * 2 / new / 1e6:5.0f} GB/s) | fp32 head {old * 1e3:7.1f} us")
+    # the compressor projections (attention wkv/wgate [1024, 4096] on ratio-4 layers) and the MoE gate
+    for name, n in (("compressor wkv 1024x4096", 1024), ("moe gate 256x4096", 256)):
+        w = (torch.randn(n, 4096, device="cuda") * 0.02).to(torch.bfloat16)
+        w32 = w.float()
+        for t in (1, 128, 8192):
+            y = torch.randn(t, 4096, device="cuda").to(torch.bfloat16)
+            new, old = _ms(lambda: linear_f32_cublas(y, w)), _ms(lambda: y.float() @ w32.T)
+            flops = 2 * t * n * 4096
+            rows.append(f"{name} N={t:4d} | bf16 w, fp32 out {new * 1e3:7.1f} us ({flops / new / 1e9:6.1f} TFLOP/s)"
+                        f" | fp32 {old * 1e3:7.1f} us ({flops / old / 1e9:6.1f} TFLOP/s)")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -176,11 +188,53 @@ def sweep_decode_tiles(rows: list[str]) -> None:
         _row(rows, f"tiles fp4 {cfg}", row)
 
 
+# V4-Flash decode GEMMs of one layer: (name, K, N)
+DECODE_SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1", 4096, 2048), ("wq_a", 4096, 1024))
+
+
+def sweep_decode_fp8(rows: list[str]) -> None:
+    """fp8_linear at M=1 and 8 on the layer's decode shapes: the default plan against wider tiles, more
+    warps, the FP8 form and a separate activation-quantisation pass (CUDA-graph replay, weight GB/s)."""
+    cands = [dict()]  # the default plan first
+    for mma in ("bf16", "fp8"):
+        tiles = ((32, 4, 4), (64, 4, 4), (128, 4, 4), (128, 8, 4)) if mma == "bf16" else ((32, 4, 4), (64, 4, 4), (128, 8, 4))
+        for bn, warps, stages in tiles:
+            for fused in (True, False):
+                cands.append(dict(mma=mma, BM=16, BN=bn, GROUP_M=1, num_warps=warps, num_stages=stages,
+                                  FUSED_ACT=fused))
+    for name, k, n in DECODE_SHAPES:
+        w = _fp8_weight(n, k, 128)
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            want = fp8_linear_torch(x, w)
+            best = None
+            for c in cands:
+                cfg = {key: v for key, v in c.items() if key != "mma"}
+                mma = c.get("mma")
+
+                def row(cfg=cfg, mma=mma):
+                    nonlocal best
+                    rel = _rel(fp8_linear(x, w, config=cfg or None, mma=mma), want)
+                    tg = _graph_ms(lambda: fp8_linear(x, w, config=cfg or None, mma=mma))
+                    gbs = n * k / tg / 1e6
+                    if best is None or tg < best[0]:
+                        best = (tg, c)
+                    return (f"decode {name:12s} K={k:5d} N={n:5d} M={m} {str(c or 'default'):105s} | graph "
+                            f"{tg * 1e3:6.1f} us {gbs:5.0f} GB/s | rel_err {rel:.1e}")
+                _row(rows, f"decode {name} M={m} {c}", row)
+            rows.append(f"BEST decode {name} M={m}: {best[0] * 1e3:.1f} us {n * k / best[0] / 1e6:.0f} GB/s {best[1]}")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows: list[str] = []
-    benches = (sweep_decode_tiles,) if "--tiles" in sys.argv else (bench_bf16_weights, bench_fp8_linear, bench_fp4_moe)
+    if "--decode-fp8" in sys.argv:
+        benches = (sweep_decode_fp8,)
+    elif "--linear-f32" in sys.argv:
+        benches = (bench_bf16_weights,)
+    else:
+        benches = (sweep_decode_tiles,) if "--tiles" in sys.argv else (bench_bf16_weights, bench_fp8_linear, bench_fp4_moe)
     for bench in benches:
         _row(rows, bench.__name__, lambda: bench(rows) or f"{bench.__name__} done")
     print("\n".join(rows))

@@ -27,7 +27,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.params import prepare_params
-from deepinfer.model.params_fast import prepare_params_fast
+from deepinfer.model.params_fast import BF16_GEMM_WEIGHTS, prepare_params_fast
 from deepinfer.model.v41 import V41EngineModel, build_v41_model
 from deepinfer.model.v41_cache import V41Cache
 
@@ -90,8 +90,8 @@ def test_fast_v41_params_keep_the_checkpoint_quantised(parts):
             for e in (0, cfg.n_routed_experts - 1):
                 for got, part in zip(w.dequant_expert(e), ("w1", "w3", "w2")):
                     assert torch.equal(got, official[f"{name}.{e}.{part}.weight"]), (name, e, part)
-        elif name.endswith("attn.wo_a.weight") or name == "head.weight":  # bf16 values, no fp32 copy
-            assert w.dtype == torch.bfloat16 and torch.equal(w.float(), official[name]), name
+        elif name.endswith("attn.wo_a.weight") or name == "head.weight" or name.endswith(BF16_GEMM_WEIGHTS):
+            assert w.dtype == torch.bfloat16 and torch.equal(w.float(), official[name]), name  # bf16, no fp32 copy
         else:
             assert w.dtype == official[name].dtype and torch.equal(w, official[name]), name
     assert n_quant >= 5 * cfg.n_layers  # wq_a, wq_b, wkv, wo_b and the shared experts at least
@@ -235,7 +235,7 @@ def test_v41_cuda_kernels_match_their_twins_on_model_inputs(parts, cuda_kernels,
     model(torch.tensor([7, 8, 9]), ctx)
     print("\nv41 cuda kernels vs twins (max rel_err):", {k: f"{v:.2e}" for k, v in sorted(errors.items())})
     for op in ("fp8_linear", "fp4_moe", "sparse_attn_sink_official_v41", "rms_norm", "hc_post_fused",
-               "grouped_proj_bf16", "head_logits_bf16"):
+               "grouped_proj_bf16", "linear_f32"):
         assert op in errors, f"{op} was not called on cuda"
     bad = {k: v for k, v in errors.items() if not v <= 2e-2}
     assert not bad, f"kernels off their twins on V4.1 inputs: {bad}"

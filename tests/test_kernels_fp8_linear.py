@@ -57,10 +57,10 @@ def test_split_k_rule_on_v4_flash_shapes():
     def s(m, n, k, mma="bf16", block=128, config=None):
         return plan(m, n, k, block, block, mma, 132, config)["SPLIT_K"]
 
-    # decode: (M, N) tiles of 16 x 32 would not fill the SMs -> S programs per tile
-    assert s(1, 4096, 4096) == 4 and s(1, 1024, 4096) == 8 and s(1, 4096, 8192) == 4 and s(16, 4096, 4096) == 4
-    assert s(1, 32768, 4096) == 1 and s(1, 32768, 1024) == 1  # 1024 tiles: already ~8 waves
-    assert s(1, 4096, 4096, "fp8") == 4 and s(1, 4096, 4096, block=32) == 4
+    # decode: (M, N) tiles of 16 x 64 (bf16 form; 16 x 32 fp8) would not fill the SMs -> S programs per tile
+    assert s(1, 4096, 4096) == 8 and s(1, 1024, 4096) == 8 and s(1, 4096, 8192) == 8 and s(16, 4096, 4096) == 8
+    assert s(1, 32768, 4096) == 1 and s(1, 32768, 1024) == 1  # 512 tiles: already ~4 waves
+    assert s(1, 4096, 4096, "fp8") == 4 and s(1, 4096, 4096, block=32) == 8
     assert s(128, 4096, 4096) == 2  # workspace traffic cap: S <= K / (16 M)
     assert s(1024, 4096, 4096) == 1 and s(4096, 4096, 4096, "fp8") == 1
     assert s(1, 4096, 4096, config={"SPLIT_K": 1}) == 1 and s(1, 4096, 4096, config={"BN": 128}) == 8
@@ -126,7 +126,8 @@ for block in (128, 32):
     for mma in ("bf16", "fp8"):
         cases += [(block, block, 1, 200, 1024, mma, None), (block, block, 1, 200, 1024, mma, {"SPLIT_K": 1}),
                   (block, block, 5, 72, 512, mma, {"SPLIT_K": 4}), (block, block, 5, 72, 512, mma, {"BN": 64}),
-                  (block, block, 130, 72, 256, mma, None), (block, block, 130, 72, 256, mma, {"SPLIT_K": 2})]
+                  (block, block, 130, 72, 256, mma, None), (block, block, 130, 72, 256, mma, {"SPLIT_K": 2}),
+                  (block, block, 5, 72, 512, mma, {"FUSED_ACT": False})]  # small M, quantised in a pass first
 cases += [(128, 32, 5, 150, 512, "fp8", {"BN": 64, "SPLIT_K": 2}), (128, 32, 5, 150, 512, "bf16", {"SPLIT_K": 2}),
           (32, 32, 3, 40, 256, "fp8", {"BK": 64})]
 for block, act_block, m, n, k, mma, config in cases:

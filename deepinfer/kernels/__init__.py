@@ -43,10 +43,12 @@ from deepinfer.kernels import quant_weights  # noqa: E402  (it imports `official
 register("fp8_linear", quant_weights.fp8_linear_torch)
 register("fp4_moe", quant_weights.fp4_moe_torch)
 
-# bf16-weight GEMMs of fast numerics: torch twins everywhere, cuBLAS on bf16 operands for cuda (no upcasts)
+# bf16-weight GEMMs of fast numerics: torch twins everywhere, cuBLAS on bf16 operands for cuda (no upcasts;
+# these cuda versions need no triton, so they register here rather than in kernels.triton)
 from deepinfer.kernels import bf16_gemm  # noqa: E402
 
 register("grouped_proj_bf16", bf16_gemm.grouped_proj_bf16_torch)
-register("head_logits_bf16", bf16_gemm.head_logits_bf16_torch)
+register("linear_f32", bf16_gemm.linear_f32_torch)
 register("grouped_proj_bf16", bf16_gemm.grouped_proj_bf16_cublas, device="cuda")
-register("head_logits_bf16", bf16_gemm.head_logits_bf16_cublas, device="cuda")
+register("linear_f32", bf16_gemm.linear_f32_cublas, device="cuda")
+register("blinear", bf16_gemm.blinear_cublas, device="cuda")

@@ -1,5 +1,5 @@
-"""GEMMs on bf16 weights in fast numerics, without per-call upcasts: the grouped output LoRA (`wo_a`) and
-the LM head.
+"""GEMMs on bf16 weights in fast numerics, without per-call upcasts: the grouped output LoRA (`wo_a`), the
+official fp32 matmuls of bf16 checkpoint weights (LM head, compressors, MoE gate) and the bf16 linears.
 
 Ops (registered in `deepinfer.kernels`; torch twins for "cpu", cuBLAS on bf16 operands for "cuda"):
 * "grouped_proj_bf16"(o bf16 [T, G, d], w bf16 [G, R, d]) -> bf16 [T, G, R] = o[t, g] . w[g, r].
@@ -8,16 +8,24 @@ Ops (registered in `deepinfer.kernels`; torch twins for "cpu", cuBLAS on bf16 op
   cuBLAS accumulates them in fp32 and rounds the output to bf16 once. The twin does the same math in fp32
   (upcast, fp32 matmul, one bf16 rounding); the cuda version is the official einsum itself (no 4x-sized
   fp32 copy of the 64 MB weight per layer and call).
-* "head_logits_bf16"(y bf16 [N, D], w bf16 [V, D]) -> fp32 [N, V] = y . w^T. The official head holds the
-  checkpoint's bf16 weight as fp32 and computes `F.linear(bf16_normed_y.float(), w_f32)` in fp32 (TF32 off):
-  exact products of bf16 values summed in fp32. cuBLAS with bf16 operands and an fp32 output
-  (`torch.mm(..., out_dtype=float32)`, compute type fp32) is that math up to summation order, reading
-  half the bytes and never forming the 2 GB fp32 head. TF32 cannot enter: it applies to fp32 operands only.
-Must not: upcast a weight on the cuda path; accept inputs that are not bf16 (the values would change).
+* "linear_f32"(x bf16 [N, K], w bf16 or fp32 [M, K]) -> fp32 [N, M] = x . w^T. The official fp32 matmuls
+  whose weights the checkpoint stores in bf16 (the LM head, the compressors' wkv/wgate, the MoE gate; the
+  official model holds them as fp32 copies of the bf16 values) run `F.linear(bf16_x.float(), w_f32)` in
+  fp32 with TF32 off: exact products of bf16 values summed in fp32. cuBLAS with bf16 operands and an fp32
+  output (`torch.mm(..., out_dtype=float32)`, compute type fp32) is that math up to summation order, on the
+  tensor cores (the fp32 path is SIMT/xmma at about a tenth of the rate), reading half the weight bytes and
+  never forming an fp32 copy of the weight. TF32 cannot enter: it applies to fp32 operands only. An fp32
+  weight (official-numerics params) takes the fp32 matmul, its exact values.
+* "blinear"(x bf16, w bf16) -> bf16 on cuda: the official bf16 `F.linear` (indexer weights_proj, V4.1's
+  uncompressed-layer wkv) as fp32 accumulation and output, rounded to bf16 once (the twin's math,
+  `official.blinear`, on the tensor cores; an fp32 weight takes the twin).
+Must not: upcast a bf16 weight on the cuda path; accept activations that are not bf16 (the values would change).
 """
 from __future__ import annotations
 
 import torch
+
+from deepinfer.kernels import official
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -52,15 +60,35 @@ def grouped_proj_bf16_cublas(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("tgd,grd->tgr", o, w)
 
 
-def head_logits_bf16_torch(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Twin: the official fp32 head on the same values (upcasts both; any device)."""
-    _check("head_logits_bf16", y, w, 2, 2)
-    return y.to(F32) @ w.to(F32).T
+def _check_linear(op: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    if w.dtype not in (BF16, F32):
+        raise ValueError(f"{op}: needs a bf16 or fp32 weight, got {w.dtype}")
+    if x.dtype != BF16:
+        raise ValueError(f"{op}: needs a bf16 activation, got {x.dtype}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"{op}: shapes {tuple(x.shape)} and {tuple(w.shape)} do not fit "
+                         f"(2-D activation and weight, same last dim)")
+    if x.device != w.device:
+        raise ValueError(f"{op}: activation on {x.device}, weight on {w.device}")
 
 
-def head_logits_bf16_cublas(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """bf16 operands, fp32 accumulation and output in cuBLAS (no fp32 copy of the head)."""
-    if not y.is_cuda:
-        return head_logits_bf16_torch(y, w)
-    _check("head_logits_bf16", y, w, 2, 2)
-    return torch.mm(y, w.T, out_dtype=F32)
+def linear_f32_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Twin: the official fp32 matmul on the same values (upcasts; an fp32 weight is used as it is)."""
+    _check_linear("linear_f32", x, w)
+    return x.to(F32) @ w.to(F32).T
+
+
+def linear_f32_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16 operands, fp32 accumulation and output in cuBLAS (no fp32 copy of the weight)."""
+    if not x.is_cuda or w.dtype != BF16:
+        return linear_f32_torch(x, w)
+    _check_linear("linear_f32", x, w)
+    return torch.mm(x, w.T, out_dtype=F32)
+
+
+def blinear_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The official bf16 linear: fp32 accumulation and output in cuBLAS, one bf16 rounding."""
+    if not x.is_cuda or w.dtype != BF16:
+        return official.blinear(x, w)
+    _check_linear("blinear", x, w)
+    return torch.mm(x, w.T, out_dtype=F32).to(BF16)

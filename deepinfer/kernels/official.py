@@ -17,7 +17,8 @@ import torch
 from deepinfer import formats
 from deepinfer.kernels import torch_ops
 
-__all__ = ["qlinear", "blinear", "rope_freqs32", "rope_table32", "rope32", "rms_norm_bf16", "hadamard32",
+__all__ = ["qlinear", "blinear", "swiglu_bf16", "rope_freqs32", "rope_table32", "rope32", "rms_norm_bf16",
+           "hadamard32",
            "indexer_scores_bf16",
            "indexer_scores_batched_bf16",
            "sparse_attn_sink_official", "sparse_attn_sink_official_v41"]
@@ -34,8 +35,23 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, block: int = ACT_BLOCK) -> torch.T
 
 
 def blinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """bf16-weight linear on bf16 input: fp32 accumulation, bf16 out."""
-    return (x.to(F32) @ w.T).to(BF16)
+    """bf16-weight linear on bf16 input: fp32 accumulation, bf16 out (w: the bf16 weight or its fp32 copy)."""
+    return (x.to(F32) @ w.to(F32).T).to(BF16)
+
+
+def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor, limit: float,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The official expert activation on the bf16 outputs of the w1 / w3 GEMMs: fp32 upcast, the clamps
+    (limit > 0: up to [-limit, limit], gate to <= limit), silu(gate) * up (times the routing weight), one
+    rounding to bf16 (the w2 GEMM's input)."""
+    g, u = gate.to(F32), up.to(F32)
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    h = torch.nn.functional.silu(g) * u
+    if weight is not None:
+        h = weight * h
+    return h.to(BF16)
 
 
 @lru_cache(maxsize=32)
@@ -67,9 +83,11 @@ def rope_table32(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False,
-           table: torch.Tensor | None = None) -> torch.Tensor:
+           table: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor:
     """Interleaved rotation of the last 2*len(freqs) channels, math in complex64, result in x's dtype.
-    x [T, ..., d], positions [T]; `table`: `rope_table32(positions, freqs)` precomputed (the same bits)."""
+    x [T, ..., d], positions [T]; `table`: `rope_table32(positions, freqs)` precomputed (the same bits).
+    inplace: write the rotated channels into x and return x (the same values as the new tensor; the
+    caller's x must be its own, e.g. the fresh output of the op before)."""
     rd = freqs.shape[0] * 2
     if table is None:
         f = rope_table32(positions, freqs)
@@ -83,6 +101,9 @@ def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, invers
     z = torch.view_as_complex(x[..., -rd:].to(F32).unflatten(-1, (-1, 2)).contiguous())
     shape = [z.shape[0]] + [1] * (z.dim() - 2) + [z.shape[-1]]
     rotated = torch.view_as_real(z * f.view(shape)).flatten(-2).to(x.dtype)
+    if inplace:
+        x[..., -rd:] = rotated
+        return x
     return torch.cat([x[..., :-rd], rotated], dim=-1)
 
 

@@ -84,8 +84,8 @@ class V4Attention:
             jobs.append((self.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
         batched = {}
         if self.fast:  # one projection GEMM per compressor for the whole batch (official: per sequence)
-            xf = x.to(torch.float32)
-            batched = {role: (xf @ p["wkv.weight"].T, xf @ p["wgate.weight"].T) for p, _, _, _, role in jobs}
+            lin = kernels.get("linear_f32", self.kdev)  # the official fp32 matmul of the bf16 x and weights
+            batched = {role: (lin(x, p["wkv.weight"]), lin(x, p["wgate.weight"])) for p, _, _, _, role in jobs}
         for i, s in enumerate(ctx.seqs):
             xs = x[ctx.rows(i)]
             for p, state, store, rotate, role in jobs:

@@ -49,14 +49,13 @@ def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: De
     jobs = [(attn.comp_p, lc.comp_state, lc.comp, False, "compressed")]
     if attn.has_indexer:
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
-    xf = x.to(F32)
     for p, state, store, rotate, role in jobs:
-        entries = _compress_step(attn, p, state, xf, rows, rr, rotate)
+        entries = _compress_step(attn, p, state, x, rows, rr, rotate)
         old = store[rr.new_row]
         store[rr.new_row] = torch.where(rr.complete.unsqueeze(1), _encode(attn, lc, role, entries), old)
 
 
-def _compress_step(attn: V4Attention, p: dict, state: CompressorState, xf: torch.Tensor, rows: DecodeRows,
+def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.Tensor, rows: DecodeRows,
                    rr: RatioRows, rotate: bool) -> torch.Tensor:
     """Scatter the token's projections into its state slot, pool the current block of every row that completes
     it -> entries [B, w] (0 where the block is not complete); shift the overlap state of completed rows.
@@ -66,8 +65,9 @@ def _compress_step(attn: V4Attention, p: dict, state: CompressorState, xf: torch
     def k(name: str):
         return kernels.get(name, attn.kdev)
 
-    kv = xf @ p["wkv.weight"].T  # [B, c*w]
-    gate = xf @ p["wgate.weight"].T  # ape[p % r] is added inside the op
+    lin = k("linear_f32")  # the official fp32 matmul of the bf16 x and weights
+    kv = lin(x, p["wkv.weight"])  # [B, c*w]
+    gate = lin(x, p["wgate.weight"])  # ape[p % r] is added inside the op
     entries = k("compress_decode_step")(kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions,
                                         rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
     entries = k("rope32")(entries, rr.block_pos, attn.inv_freq)
@@ -94,7 +94,8 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     table = rope_table(attn, rows, pos)
 
     def rope(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return rope32(t, pos, attn.inv_freq, inverse, table=table)
+        # in place: every t here is the fresh output of the op before it (only the rope channels move)
+        return rope32(t, pos, attn.inv_freq, inverse, table=table, inplace=True)
 
     B = x.shape[0]
     qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])

@@ -47,9 +47,9 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr
     jobs = [(attn.comp_p, lc.comp_state, lc.comp, False, "compressed")]
     if attn.has_indexer:
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
-    xf = x.to(F32)
+    lin = kernels.get("linear_f32", attn.kdev)  # the official fp32 matmul of the bf16 x and weights
     for p, state, store, rotate, role in jobs:
-        kv_all, gate_all = xf @ p["wkv.weight"].T, xf @ p["wgate.weight"].T
+        kv_all, gate_all = lin(x, p["wkv.weight"]), lin(x, p["wgate.weight"])
         entries, where = [], []
         for i, s in enumerate(ctx.seqs):
             rows = ctx.rows(i)
@@ -146,7 +146,8 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     table = rope_table(attn, rows, pos)
 
     def rope(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return rope32(t, pos, attn.inv_freq, inverse, table=table)
+        # in place: every t here is the fresh output of the op before it (only the rope channels move)
+        return rope32(t, pos, attn.inv_freq, inverse, table=table, inplace=True)
 
     T = x.shape[0]
     qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])

@@ -42,20 +42,19 @@ class V4MoE:
 
     def _swiglu_official(self, x: torch.Tensor, pre: str, limit: float, weight: torch.Tensor | None) -> torch.Tensor:
         qlinear = kernels.get("fp8_linear", self.kdev) if self.fast else kernels.get("qlinear")
-        gate = qlinear(x, self.p[pre + "w1.weight"]).to(torch.float32)
-        up = qlinear(x, self.p[pre + "w3.weight"]).to(torch.float32)
-        if limit > 0:
-            up = up.clamp(-limit, limit)
-            gate = gate.clamp(max=limit)
-        h = F.silu(gate) * up
-        if weight is not None:
-            h = weight * h
-        return qlinear(h.to(torch.bfloat16), self.p[pre + "w2.weight"])
+        gate = qlinear(x, self.p[pre + "w1.weight"])
+        up = qlinear(x, self.p[pre + "w3.weight"])
+        # upcast, clamps, silu * up (* weight), bf16 round: one kernel on cuda (seven torch ops in the twin)
+        h = kernels.get("swiglu_bf16", self.kdev)(gate, up, limit, weight)
+        return qlinear(h, self.p[pre + "w2.weight"])
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], ids [T] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
-        logits = (x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T
+        if self.fast:  # the official fp32 matmul of the bf16 x and weight (tensor cores on cuda)
+            logits = kernels.get("linear_f32", self.kdev)(x, self.p["gate.weight"])
+        else:
+            logits = (x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T
         if self.fast and not self.hash and cfg.score_func == "sqrtsoftplus":
             # one op for the rest (one Triton kernel on cuda); its cpu twin is exactly the lines below
             return kernels.get("moe_gate_sqrtsoftplus", self.kdev)(logits, self.p["gate.bias"], self.topk,

@@ -9,10 +9,12 @@ tensors, e.g. `tiny.make_tensors`) into what the fast path computes with:
   global ids: `model/expert_parallel_fast.py`);
 * `attn.wo_a` -> its bf16 value (the official convert.py dequantises it to bf16; the official grouped output
   einsum runs on bf16 operands, so does ours: op "grouped_proj_bf16");
-* `head.weight` -> the checkpoint's bf16 (official holds it as fp32 of the same values; op "head_logits_bf16"
+* `head.weight` -> the checkpoint's bf16 (official holds it as fp32 of the same values; op "linear_f32"
   multiplies bf16 operands with fp32 accumulation and output: the same math, half the bytes per step);
+* the bf16 GEMM weights `BF16_GEMM_WEIGHTS` (compressor wkv/wgate, MoE gate, indexer weights_proj) -> the
+  checkpoint's bf16 (the official fp32 copies hold the same values; ops "linear_f32" / "blinear");
 * small tensors as the official numerics hold them: embedding bf16, every other float tensor fp32 (norms,
-  hc, gate, sinks, compressors, indexer weights_proj), `tid2eid` int64.
+  hc, sinks, compressor ape, gate bias), `tid2eid` int64.
 Memory is about the checkpoint's own size (plus small fp32 tensors).
 Both families: V4 (128x128 weight blocks, activations quantised per 128) and V4.1 (32x32 blocks, per 32: the
 containers carry cfg.weight_block / cfg.act_block). V4.1's engram tensors are not params here: the model's
@@ -30,6 +32,12 @@ from deepinfer.config import ModelConfig
 from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
 
 ParamValue = torch.Tensor | QuantLinearWeight | FP4ExpertBank
+
+# bf16 checkpoint weights that only feed GEMMs of bf16 activations: the compressors' projections and the MoE
+# gate (official: fp32 matmuls of the bf16 values, op "linear_f32") and the indexer's weights_proj (official:
+# a bf16 linear, op "blinear"); kept bf16 they take the tensor cores and half the bytes
+BF16_GEMM_WEIGHTS = ("compressor.wkv.weight", "compressor.wgate.weight", "ffn.gate.weight",
+                     "indexer.weights_proj.weight")
 
 
 def _expert_prefix(name: str) -> str | None:
@@ -61,6 +69,9 @@ def prepare_params_fast(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, devic
             bf16_kept = name in ("embed.weight", "head.weight") or name.endswith("attn.wo_a.weight")
             if name == "head.weight" and t.dtype != torch.bfloat16:  # keeping it bf16 must not round it
                 raise ValueError(f"head.weight: fast numerics keeps the checkpoint's bf16 head, got {t.dtype}")
+            # GEMM weights the checkpoint stores in bf16 stay bf16 (their exact values): the ops multiply bf16
+            # operands with fp32 accumulation (`linear_f32`, `blinear`), so no fp32 copy is needed
+            bf16_kept = bf16_kept or (t.dtype == torch.bfloat16 and name.endswith(BF16_GEMM_WEIGHTS))
             wanted = torch.bfloat16 if bf16_kept else torch.float32
             out[name] = t.to(device, wanted)
             continue

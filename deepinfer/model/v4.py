@@ -186,7 +186,7 @@ class V4EngineModel:
         if self.fast:  # bf16-rounded normed rows times the checkpoint's bf16 head, fp32 sums and logits
             y = y.to(torch.bfloat16).to(torch.float32)
             y = k("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16)
-            logits = k("head_logits_bf16")(y, p["head.weight"])
+            logits = k("linear_f32")(y, p["head.weight"])
         else:
             if self.official:
                 y = y.to(torch.bfloat16).to(torch.float32)

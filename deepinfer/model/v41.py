@@ -14,7 +14,7 @@ sequences of a batch one per call (shapes of the oracle's batch-1 calls, hence i
 `fast`: the official rounding points BATCHED (no one-sequence-per-call), FP8 weights (32x32 blocks) and FP4
 experts kept quantised (`params_fast.prepare_params_fast`; engram wkv FP8 too), every op from the registry
 for the params' device (Triton on cuda once registered); the head is the checkpoint's bf16 with fp32
-accumulation and logits (`head_logits_bf16`). Any numerics runs on the device its params and cache live on:
+accumulation and logits (`linear_f32`). Any numerics runs on the device its params and cache live on:
 token ids and positions move there once per forward, the engram hashes and table rows are computed and
 gathered on the host (model/engram.py says why), the logits stay on the device (the runner brings them back).
 V4.1 has no batched decode path or CUDA graphs (model/decode_*.py are V4 only): every step takes this
@@ -209,7 +209,7 @@ class V41EngineModel:
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
         if self.fast:  # bf16 normed rows times the checkpoint's bf16 head, fp32 sums and logits
-            logits = kernels.get("head_logits_bf16", self.kdev)(y, self.p["head.weight"])
+            logits = kernels.get("linear_f32", self.kdev)(y, self.p["head.weight"])
         else:
             logits = (y.to(F32) if self.official else y) @ self.p["head.weight"].T
         return logits if self.comm is None else self.comm.gather_vocab(logits)  # vocab-parallel head

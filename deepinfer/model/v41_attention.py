@@ -239,8 +239,8 @@ class V41Attention:
         p = self.comp_p
         if self.ratio == 1:
             return (self._k("blinear")(x, p["wkv.weight"]),)
-        xf = x.to(torch.float32)
-        return xf @ p["wkv.weight"].T, xf @ p["wgate.weight"].T
+        lin = self._k("linear_f32")  # the official fp32 matmul of the bf16 x and weights
+        return lin(x, p["wkv.weight"]), lin(x, p["wgate.weight"])
 
     def _write_entries_official(self, lc: V41LayerCache, cache: V41Cache, ctx: ForwardContext,
                                 x: torch.Tensor) -> None:
@@ -280,8 +280,9 @@ class V41Attention:
         lc = cache.layers[self.layer]
         pos, T, dev = ctx.positions, x.shape[0], x.device
         qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
-        q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq)  # no head norm
-        kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq)
+        # rotations in place: each input is the fresh output of the op before it (only the rope channels move)
+        q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq, inplace=True)
+        kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq, inplace=True)
         kv_stored = lc.encode("window", kv)  # FP8 of all channels, E8M0 per 32
         kv = lc.decode("window", kv_stored)
         if self.is_kv_source:
@@ -289,7 +290,7 @@ class V41Attention:
         src = cache.layers[self.kv_src] if r else None
         if self.is_index_source:
             ihd, nh = cfg.index_head_dim, cfg.index_n_heads
-            q_idx = rope(qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd), pos, self.inv_freq)
+            q_idx = rope(qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd), pos, self.inv_freq, inplace=True)
             q_idx = formats.fp4_fake_quant(q_idx, 32)  # no Hadamard in V4.1
             w_idx = blinear(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
             shared[self.layer] = {}
@@ -335,7 +336,7 @@ class V41Attention:
             o = k("sparse_attn_sink_official_v41")(q, torch.cat(pools), p["attn_sink"], idx, self.hd**-0.5)
         else:
             o = torch.cat(outs)
-        o = rope(o, pos, self.inv_freq, inverse=True)
+        o = rope(o, pos, self.inv_freq, inverse=True, inplace=True)
         G = self.G
         wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # fast: held in bf16, the same values as official's
         if fast:  # the official bf16 einsum (fp32 accumulation, bf16 out), no per-call fp32 copy of wo_a

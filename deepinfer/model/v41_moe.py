@@ -37,7 +37,10 @@ class V41MoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
-        logits = ((x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T) / cfg.gate_temp
+        if self.fast:  # the official fp32 matmul of the bf16 x and weight (tensor cores on cuda)
+            logits = kernels.get("linear_f32", self.kdev)(x, self.p["gate.weight"]) / cfg.gate_temp
+        else:
+            logits = ((x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T) / cfg.gate_temp
         if cfg.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
@@ -59,15 +62,11 @@ class V41MoE:
                 return fp8_linear(t, w)
         else:
             qlinear = kernels.get("qlinear")
-        gate = qlinear(x, self.p[pre + "w1.weight"], block).to(torch.float32)
-        up = qlinear(x, self.p[pre + "w3.weight"], block).to(torch.float32)
-        if limit > 0:
-            up = up.clamp(-limit, limit)
-            gate = gate.clamp(max=limit)
-        h = F.silu(gate) * up
-        if weight is not None:
-            h = weight * h
-        return qlinear(h.to(torch.bfloat16), self.p[pre + "w2.weight"], block)
+        gate = qlinear(x, self.p[pre + "w1.weight"], block)
+        up = qlinear(x, self.p[pre + "w3.weight"], block)
+        # upcast, clamps, silu * up (* weight), bf16 round: one kernel on cuda (seven torch ops in the twin)
+        h = kernels.get("swiglu_bf16", self.kdev)(gate, up, limit, weight)
+        return qlinear(h, self.p[pre + "w2.weight"], block)
 
     def _forward_official(self, x: torch.Tensor) -> torch.Tensor:
         xr = x if self.comm is None else self.comm.moe_dispatch(x, None)[0]

@@ -16,7 +16,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "fp8_gemm",   # fp8_linear: fused act_quant + block-scaled FP8 GEMM
     "fp4_moe",    # fp4_moe: routing + grouped FP4 expert GEMMs
     "sparse_attn",  # sparse_attn_sink_official(_v41): window + compressed sparse attention with the sink
-    "norm_hc",    # rms_norm, rms_norm_bf16, hc_pre_fused, hc_post, hc_post_fused
+    "norm_hc",    # rms_norm, rms_norm_bf16, head_rms_norm, hc_pre_fused, hc_post, hc_post_fused
     "rope",       # rope32, rope_table32
     "indexer",    # indexer_scores_bf16
     "compress_pool",  # compress_pool: the compressor's gated softmax pooling
@@ -24,6 +24,8 @@ KERNEL_MODULES: tuple[str, ...] = (
     "kv_pack",    # kv_encode, kv_decode: the FP8 KV layouts' codec, and the FP4 index keys' (fp4_quant's kernels)
     "fp4_quant",  # fp4_fake_quant: the indexer q's FP4 fake quantisation (bit-identical to its twin)
     "moe_gate",   # moe_gate_sqrtsoftplus: sqrt-softplus scores, biased top-k, renormalised weights in one kernel
+    "hadamard",   # hadamard32: the indexer's rotation as one bf16 MMA kernel (fp32 accumulation, one rounding)
+    "swiglu",     # swiglu_bf16: the shared experts' upcast, clamps, silu * up and bf16 rounding in one kernel
 )
 
 

@@ -208,8 +208,8 @@ def _tiles(m: int, mma: str, g: int) -> dict:
         if m <= 64:
             return dict(BM=64, BN=64, BK=128, GROUP_M=4, num_warps=4, num_stages=4)
         return dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
-    if m <= 16:
-        return dict(BM=16, BN=32, GROUP_M=1, num_warps=4, num_stages=6 if g == 128 else 8)
+    if m <= 16:  # BN 64 / 4 stages: the H200 sweep of 2026-12-02 (scripts/bench_gemm_kernels.py --decode-fp8)
+        return dict(BM=16, BN=64, GROUP_M=1, num_warps=4, num_stages=4 if g == 128 else 8)
     if m <= 64:
         return dict(BM=64, BN=64, GROUP_M=4, num_warps=4, num_stages=4 if g == 128 else 6)
     return dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3 if g == 128 else 5)
@@ -233,7 +233,8 @@ def _split_k(m: int, n: int, k: int, kb: int, bm: int, bn: int, sms: int) -> int
 def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: int,
          config: dict | None = None) -> dict:
     """The launch configuration for one call: `_tiles` and `_split_k`, then `config`'s keys on top
-    (BM, BN, GROUP_M, num_warps, num_stages, BK (fp8), SPLIT_K, LOOP_STAGES / WARP_SPECIALIZE (fp8))."""
+    (BM, BN, GROUP_M, num_warps, num_stages, BK (fp8), SPLIT_K, LOOP_STAGES / WARP_SPECIALIZE (fp8), FUSED_ACT:
+    quantise the activation inside the GEMM (default: M <= FUSED_ACT_MAX_M) or in one pass before it)."""
     if mma not in MMA_MODES:
         raise ValueError(f"fp8_linear: mma must be one of {MMA_MODES}, got {mma!r}")
     if mma == "fp8":
@@ -289,7 +290,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     stride_os = dest.stride(0) if split > 1 else 0
     stride_om = dest.stride(1) if split > 1 else out.stride(0)
     grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
-    fused = m <= FUSED_ACT_MAX_M
+    fused = bool(cfg.pop("FUSED_ACT", m <= FUSED_ACT_MAX_M))
     if mma == "fp8":
         cfg.pop("BK")
         if fused:

@@ -2,7 +2,10 @@
 
 Owns: the interleaved rotation of the LAST 2*len(freqs) channels of x [T, ..., d] by position * freq, fp32
 math, result in x's dtype, written together with the untouched leading channels in one pass (the torch
-version slices, rotates through complex64 and concatenates: four passes). The cos/sin table [2, T, rd/2]
+version slices, rotates through complex64 and concatenates: four passes), or in place (`inplace=True`):
+only the rope channels are read and written, 1/8 of the bytes for V4's q and o (64 of 512 channels; it did
+not move the 8k prefill's 3.8 ms of RoPE on the H200: the kernel is not bandwidth bound, an open item in
+BENCHMARKS.md). The cos/sin table [2, T, rd/2]
 (`rope_table32`) is computed by torch from the same fp32 angles the official precompute uses (tiny next to
 x, and torch's cos/sin are the accurate ones; an approximate in-kernel sine is wrong at positions of a
 million); a step passes one table to all of its calls with the same positions and frequencies.
@@ -20,14 +23,17 @@ from deepinfer.kernels import official
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xr, stride_ot, stride_or,
                  D: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 INVERSE: tl.constexpr):
-    """x viewed as [T, R, D] (R = product of the middle dims); one program per (token, block of R rows)."""
+                 INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr):
+    """x viewed as [T, R, D] (R = product of the middle dims); one program per (token, block of R rows).
+    COPY_NOPE=False: out is x (in place), the pass-through channels are neither read nor written.
+    (One program per 64 rows of any tokens instead, tried 2026-12-02: 5.1 ms against 3.8 ms per 8k prefill
+    on the H200, so the grid stayed per token.)"""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     # the pass-through channels [0, D - 2*HALF)
     NOPE: tl.constexpr = D - 2 * HALF
-    if NOPE > 0:
+    if COPY_NOPE and NOPE > 0:
         for c0 in range(0, NOPE, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)
             m = rmask[:, None] & (cols < NOPE)[None, :]
@@ -59,11 +65,12 @@ def rope_table32(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False,
-           table: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `official.rope32`: x [T, ..., d], positions [T], freqs [rd/2] fp32 -> new tensor;
-    `table` = this module's `rope_table32(positions, freqs)` (not the twin's complex one)."""
+           table: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor:
+    """Same contract as `official.rope32`: x [T, ..., d], positions [T], freqs [rd/2] fp32 -> new tensor
+    (inplace: x, rotated in place); `table` = this module's `rope_table32(positions, freqs)` (not the
+    twin's complex one)."""
     if x.dtype == torch.float64:
-        return official.rope32(x, positions, freqs, inverse)  # builds the twin's own table
+        return official.rope32(x, positions, freqs, inverse, inplace=inplace)  # builds the twin's own table
     half = freqs.shape[0]
     d = x.shape[-1]
     if x.dim() < 2 or positions.shape != (x.shape[0],) or 2 * half > d or half & (half - 1):
@@ -75,10 +82,13 @@ def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, invers
                               or not table.is_contiguous() or table.device != x.device):
         raise ValueError(f"rope32: table {table.dtype} {tuple(table.shape)} on {table.device} is not this "
                          f"kernel's rope_table32 fp32 [2, {T}, {half}] on {x.device}")
-    x3 = x.reshape(T, -1, d)
+    x3 = x.reshape(T, -1, d)  # a view unless x's strides forbid it (then a copy: its own data pointer)
+    if inplace and (x3.stride(-1) != 1 or (x3.numel() and x3.data_ptr() != x.data_ptr())):
+        raise ValueError(f"rope32(inplace=True): x {tuple(x.shape)} with strides {x.stride()} cannot be viewed "
+                         f"as [T, rows, d] with unit channel stride; rotate it out of place")
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    out = x3 if inplace else torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     if x3.numel():
         if table is None:
             table = rope_table32(positions, freqs)
@@ -87,8 +97,8 @@ def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, invers
         _rope_kernel[(T, triton.cdiv(R, block_r))](
             x3, table[0], table[1], out, R, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
             D=d, HALF=half, BLOCK_R=block_r, BLOCK_D=min(128, triton.next_power_of_2(max(1, d - 2 * half))),
-            INVERSE=bool(inverse), num_warps=4)
-    return out.view(x.shape)
+            INVERSE=bool(inverse), COPY_NOPE=not inplace, num_warps=4)
+    return x if inplace else out.view(x.shape)
 
 
 REGISTRATIONS = {"rope32": rope32, "rope_table32": rope_table32}
