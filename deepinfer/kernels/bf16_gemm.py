@@ -30,9 +30,13 @@ from deepinfer.kernels import official
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def _check(op: str, a: torch.Tensor, w: torch.Tensor, a_dims: int, w_dims: int) -> None:
-    if a.dtype != BF16 or w.dtype != BF16:
-        raise ValueError(f"{op}: needs bf16 activation and weight, got {a.dtype} and {w.dtype}")
+def _check(op: str, a: torch.Tensor, w: torch.Tensor, a_dims: int, w_dims: int,
+           weight_dtypes: tuple[torch.dtype, ...] = (BF16,)) -> None:
+    if a.dtype != BF16:
+        raise ValueError(f"{op}: needs a bf16 activation, got {a.dtype}")
+    if w.dtype not in weight_dtypes:
+        names = " or ".join({BF16: "bf16", F32: "fp32"}[d] for d in weight_dtypes)
+        raise ValueError(f"{op}: needs a {names} weight, got {w.dtype}")
     if a.dim() != a_dims or w.dim() != w_dims or a.shape[-1] != w.shape[-1]:
         raise ValueError(f"{op}: shapes {tuple(a.shape)} and {tuple(w.shape)} do not fit "
                          f"({a_dims}-D activation, {w_dims}-D weight, same last dim)")
@@ -60,21 +64,9 @@ def grouped_proj_bf16_cublas(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("tgd,grd->tgr", o, w)
 
 
-def _check_linear(op: str, x: torch.Tensor, w: torch.Tensor) -> None:
-    if w.dtype not in (BF16, F32):
-        raise ValueError(f"{op}: needs a bf16 or fp32 weight, got {w.dtype}")
-    if x.dtype != BF16:
-        raise ValueError(f"{op}: needs a bf16 activation, got {x.dtype}")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[-1] != w.shape[-1]:
-        raise ValueError(f"{op}: shapes {tuple(x.shape)} and {tuple(w.shape)} do not fit "
-                         f"(2-D activation and weight, same last dim)")
-    if x.device != w.device:
-        raise ValueError(f"{op}: activation on {x.device}, weight on {w.device}")
-
-
 def linear_f32_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Twin: the official fp32 matmul on the same values (upcasts; an fp32 weight is used as it is)."""
-    _check_linear("linear_f32", x, w)
+    _check("linear_f32", x, w, 2, 2, (BF16, F32))
     return x.to(F32) @ w.to(F32).T
 
 
@@ -82,7 +74,7 @@ def linear_f32_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """bf16 operands, fp32 accumulation and output in cuBLAS (no fp32 copy of the weight)."""
     if not x.is_cuda or w.dtype != BF16:
         return linear_f32_torch(x, w)
-    _check_linear("linear_f32", x, w)
+    _check("linear_f32", x, w, 2, 2, (BF16, F32))
     return torch.mm(x, w.T, out_dtype=F32)
 
 
@@ -90,5 +82,5 @@ def blinear_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The official bf16 linear: fp32 accumulation and output in cuBLAS, one bf16 rounding."""
     if not x.is_cuda or w.dtype != BF16:
         return official.blinear(x, w)
-    _check_linear("blinear", x, w)
+    _check("blinear", x, w, 2, 2, (BF16, F32))
     return torch.mm(x, w.T, out_dtype=F32).to(BF16)
