@@ -3,9 +3,12 @@
 Owns: the interleaved rotation of the LAST 2*len(freqs) channels of x [T, ..., d] by position * freq, fp32
 math, result in x's dtype, written together with the untouched leading channels in one pass (the torch
 version slices, rotates through complex64 and concatenates: four passes), or in place (`inplace=True`):
-only the rope channels are read and written, 1/8 of the bytes for V4's q and o (64 of 512 channels; it did
-not move the 8k prefill's 3.8 ms of RoPE on the H200: the kernel is not bandwidth bound, an open item in
-BENCHMARKS.md). The cos/sin table [2, T, rd/2]
+only the rope channels are read and written, 1/8 of the bytes for V4's q and o (64 of 512 channels). A
+program takes a block of rows and tokens and reads each row's rope channels as one contiguous run (16-byte
+vector loads), splitting the interleaved pairs in registers: the 8k prefill's 20 RoPE launches went from
+3.75 ms to 0.42 ms on the H200 (2026-12-02; q [8192, 64, 512] in place 44 us, benchmarks/bench_rope.py); the
+old kernel loaded re and im with stride-2 scalar loads, one program per token and 16 rows. The cos/sin
+table [2, T, rd/2]
 (`rope_table32`) is computed by torch from the same fp32 angles the official precompute uses (tiny next to
 x, and torch's cos/sin are the accurate ones; an approximate in-kernel sine is wrong at positions of a
 million); a step passes one table to all of its calls with the same positions and frequencies.
@@ -21,36 +24,43 @@ from deepinfer.kernels import official
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xr, stride_ot, stride_or,
-                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr):
-    """x viewed as [T, R, D] (R = product of the middle dims); one program per (token, block of R rows).
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, R, stride_xt, stride_xr, stride_ot, stride_or,
+                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_D: tl.constexpr, INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr):
+    """x viewed as [T, R, D] (R = product of the middle dims); one program per (BLOCK_T tokens, BLOCK_R rows).
+    The rope channels of a row are read as one contiguous [2*HALF] run (16-byte vector loads) and split into
+    their interleaved (re, im) pairs in registers; cos/sin are read once per token for all its rows.
     COPY_NOPE=False: out is x (in place), the pass-through channels are neither read nor written.
-    (One program per 64 rows of any tokens instead, tried 2026-12-02: 5.1 ms against 3.8 ms per 8k prefill
-    on the H200, so the grid stayed per token.)"""
-    t = tl.program_id(0).to(tl.int64)
+    (Before 2026-12-02's third session: one program per (token, 16 rows) with stride-2 scalar loads of re
+    and im: 3.8 ms of an 8k prefill's RoPE on the H200.)"""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
-    # the pass-through channels [0, D - 2*HALF)
+    ok = (t < T)[:, None] & (rows < R)[None, :]  # [BLOCK_T, BLOCK_R]
+    t64 = t.to(tl.int64)
     NOPE: tl.constexpr = D - 2 * HALF
-    if COPY_NOPE and NOPE > 0:
+    if COPY_NOPE and NOPE > 0:  # the pass-through channels [0, NOPE)
         for c0 in range(0, NOPE, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)
-            m = rmask[:, None] & (cols < NOPE)[None, :]
-            v = tl.load(x_ptr + t * stride_xt + rows[:, None] * stride_xr + cols[None, :], mask=m)
-            tl.store(out_ptr + t * stride_ot + rows[:, None] * stride_or + cols[None, :], v, mask=m)
+            m = ok[:, :, None] & (cols < NOPE)[None, None, :]
+            src = x_ptr + t64[:, None, None] * stride_xt + rows[None, :, None] * stride_xr + cols[None, None, :]
+            dst = out_ptr + t64[:, None, None] * stride_ot + rows[None, :, None] * stride_or + cols[None, None, :]
+            tl.store(dst, tl.load(src, mask=m), mask=m)
     i = tl.arange(0, HALF)
-    c = tl.load(cos_ptr + t * HALF + i)
-    s = tl.load(sin_ptr + t * HALF + i)
+    c = tl.load(cos_ptr + t64[:, None] * HALF + i[None, :], mask=(t < T)[:, None], other=0.0)[:, None, :]
+    s = tl.load(sin_ptr + t64[:, None] * HALF + i[None, :], mask=(t < T)[:, None], other=0.0)[:, None, :]
     if INVERSE:
         s = -s
-    re_off = rows[:, None] * stride_xr + (NOPE + 2 * i)[None, :]
-    re = tl.load(x_ptr + t * stride_xt + re_off, mask=rmask[:, None]).to(tl.float32)
-    im = tl.load(x_ptr + t * stride_xt + re_off + 1, mask=rmask[:, None]).to(tl.float32)
-    o_off = t * stride_ot + rows[:, None] * stride_or + (NOPE + 2 * i)[None, :]
-    dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + o_off, (re * c[None, :] - im * s[None, :]).to(dt), mask=rmask[:, None])
-    tl.store(out_ptr + o_off + 1, (re * s[None, :] + im * c[None, :]).to(dt), mask=rmask[:, None])
+    ch = NOPE + tl.arange(0, 2 * HALF)
+    m3 = ok[:, :, None]
+    x_off = t64[:, None, None] * stride_xt + rows[None, :, None] * stride_xr + ch[None, None, :]
+    pairs = tl.reshape(tl.load(x_ptr + x_off, mask=m3, other=0.0).to(tl.float32), (BLOCK_T, BLOCK_R, HALF, 2))
+    re, im = tl.split(pairs)
+    rot = tl.reshape(tl.join(re * c - im * s, re * s + im * c), (BLOCK_T, BLOCK_R, 2 * HALF))
+    o_off = t64[:, None, None] * stride_ot + rows[None, :, None] * stride_or + ch[None, None, :]
+    tl.store(out_ptr + o_off, rot.to(out_ptr.dtype.element_ty), mask=m3)
+
+
+ROPE_ELEMENTS = 4096  # rope channels per program (tokens x rows x 2*HALF): 8 KB of bf16 in, 8 KB out
 
 
 def rope_table32(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -93,10 +103,14 @@ def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, invers
         if table is None:
             table = rope_table32(positions, freqs)
         R = x3.shape[1]
-        block_r = min(16, triton.next_power_of_2(R))
-        _rope_kernel[(T, triton.cdiv(R, block_r))](
-            x3, table[0], table[1], out, R, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
-            D=d, HALF=half, BLOCK_R=block_r, BLOCK_D=min(128, triton.next_power_of_2(max(1, d - 2 * half))),
+        block_r = min(64, triton.next_power_of_2(R))
+        # up to ROPE_ELEMENTS per program, but at least ~one program per SM when T allows (decode: latency)
+        spread = max(1, T * triton.cdiv(R, block_r) // 128)
+        block_t = max(1, min(64, ROPE_ELEMENTS // (block_r * 2 * half), 1 << (spread.bit_length() - 1)))
+        _rope_kernel[(triton.cdiv(T, block_t), triton.cdiv(R, block_r))](
+            x3, table[0], table[1], out, T, R, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
+            D=d, HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
+            BLOCK_D=min(max(1, 4096 // (block_t * block_r)), triton.next_power_of_2(max(1, d - 2 * half))),
             INVERSE=bool(inverse), COPY_NOPE=not inplace, num_warps=4)
     return x if inplace else out.view(x.shape)
 
