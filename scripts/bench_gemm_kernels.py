@@ -21,7 +21,7 @@ Again 2026-11-29, issue 7 (H8; one run, eager numbers are host-noisy, graph repl
   fp4_moe T=1 graph: expand 0 (before) 168 us, expand 1 (fp16 trick, default) 114 us, expand 2 (dot_scaled)
                         143 us; routing alone 18.8 us (one Triton program) vs 223-405 us of torch ops
           T=128: 3.03 ms (1081 GB/s; expand 2 4.13 ms);  T=8192: 16.2 ms = 153 TFLOP/s (expand 2 19.2 ms)
-Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --linear-f32]   (--tiles: decode tile sweep
+Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --batch-fp8 | --linear-f32]   (--tiles: decode tile sweep
 with rel_err vs the twins; --decode-fp8: fp8_linear plans on the V4-Flash decode shapes; --linear-f32: the bf16
 weight GEMMs alone)
 """
@@ -225,12 +225,55 @@ def sweep_decode_fp8(rows: list[str]) -> None:
             rows.append(f"BEST decode {name} M={m}: {best[0] * 1e3:.1f} us {n * k / best[0] / 1e6:.0f} GB/s {best[1]}")
 
 
+BATCH_SHAPES = DECODE_SHAPES + (("wkv", 4096, 512), ("shared w2", 2048, 4096), ("index wq_b", 1024, 8192))
+
+
+def sweep_batch_fp8(rows: list[str]) -> None:
+    """fp8_linear at the batched decode steps' M (32, 128) on the layer's shapes: the default plan against
+    narrower tiles (more programs), both forms, with the default split rule and without splitting."""
+    cands = [dict()]
+    for mma, tiles in (("bf16", ((32, 32, 4, 4), (32, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
+                                 (128, 64, 4, 3), (128, 128, 8, 3))),
+                       ("fp8", ((64, 32, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 4)))):
+        for bm, bn, warps, stages in tiles:
+            for split in (None, 1):
+                c = dict(mma=mma, BM=bm, BN=bn, GROUP_M=1, num_warps=warps, num_stages=stages)
+                if split:
+                    c["SPLIT_K"] = split
+                cands.append(c)
+    for name, k, n in BATCH_SHAPES:
+        w = _fp8_weight(n, k, 128)
+        for m in (32, 128):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            want = fp8_linear_torch(x, w)
+            best = None
+            for c in cands:
+                cfg = {key: v for key, v in c.items() if key != "mma"}
+                mma = c.get("mma")
+                if cfg and cfg["BM"] > 2 * m:
+                    continue
+
+                def row(cfg=cfg, mma=mma, c=c):
+                    nonlocal best
+                    rel = _rel(fp8_linear(x, w, config=cfg or None, mma=mma), want)
+                    tg = _graph_ms(lambda: fp8_linear(x, w, config=cfg or None, mma=mma))
+                    if best is None or tg < best[0]:
+                        best = (tg, c)
+                    return (f"batch {name:12s} K={k:5d} N={n:5d} M={m:3d} {str(c or 'default'):100s} | graph "
+                            f"{tg * 1e3:6.1f} us {n * k / tg / 1e6:5.0f} GB/s {2 * m * n * k / tg / 1e9:6.1f} TFLOP/s"
+                            f" | rel_err {rel:.1e}")
+                _row(rows, f"batch {name} M={m} {c}", row)
+            rows.append(f"BEST batch {name} M={m}: {best[0] * 1e3:.1f} us {best[1]}")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows: list[str] = []
     if "--decode-fp8" in sys.argv:
         benches = (sweep_decode_fp8,)
+    elif "--batch-fp8" in sys.argv:
+        benches = (sweep_batch_fp8,)
     elif "--linear-f32" in sys.argv:
         benches = (bench_bf16_weights,)
     else:

@@ -68,6 +68,26 @@ def test_split_k_rule_on_v4_flash_shapes():
     assert cfg["BN"] == 64 and cfg["BK"] == 128 and cfg["KB"] == 128 and cfg["BM"] == 128
     with pytest.raises(ValueError, match="SPLIT_K"):
         plan(1, 4096, 4096, 128, 128, "bf16", 132, {"SPLIT_K": 3})
+
+
+def test_auto_form_and_batched_decode_tiles():
+    """mma "auto": the exact-product bf16 form below 1024 rows, the FP8 form from 1024 (FP8_MMA_MIN_M says why
+    batched decode stays bf16); the tiles from the --batch-fp8 sweep of 2026-12-02: bf16 32x64 to M=64, then to
+    M=256 64x32 unless N*K >= 32M (128x128), 128x128 above; fp8 64x64 to M=64, then 64 x (64 for N >= 8192,
+    else 32) to M=256."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.fp8_gemm import auto_form, plan
+
+    assert [auto_form(m) for m in (1, 16, 17, 1023, 1024)] == ["bf16", "bf16", "bf16", "bf16", "fp8"]
+
+    def tiles(m, n, k=4096, mma="bf16"):
+        cfg = plan(m, n, k, 128, 128, mma, 132)
+        return cfg["BM"], cfg["BN"]
+
+    assert tiles(8, 4096) == (16, 64) and tiles(32, 4096) == (32, 64) and tiles(128, 2048) == (64, 32)
+    assert tiles(128, 32768, 1024) == (128, 128) and tiles(128, 4096, 8192) == (128, 128) and tiles(300, 512) == (128, 128)
+    assert tiles(32, 4096, mma="fp8") == (64, 64) and tiles(128, 4096, mma="fp8") == (64, 32)
+    assert tiles(128, 32768, 1024, "fp8") == (64, 64) and tiles(300, 4096, mma="fp8") == (128, 128)
     with pytest.raises(ValueError, match="mma"):
         plan(1, 4096, 4096, 128, 128, "fp16", 132)
 

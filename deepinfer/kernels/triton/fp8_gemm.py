@@ -21,7 +21,7 @@ and rounds to bf16. Deterministic (no atomics), no host sync, CUDA-graph captura
 
 Default (`MMA = "auto"`): "fp8" from M = FP8_MMA_MIN_M (1024) rows (prefill: compute-bound, where it
 doubles the rate), "bf16" below (decode is weight-bandwidth bound, both forms read the same bytes, and
-bf16 keeps the products exact).
+bf16 keeps the products exact; `FP8_MMA_MIN_M` says why batched decode stays bf16 though fp8 is faster there).
 Measured (H200, 2026-12-01, benchmarks/bench_fp8_linear.py, results/bench_fp8_linear_h200.log; FP8 peak
 measured that day 1396 TFLOP/s, bf16 781, copy 4244 GB/s):
 * fp8 form, 128x128 tiles, 8 warps, 4 stages: K=N=4096 M=4096 189 us = 726 TFLOP/s (bf16 form 408 us =
@@ -52,8 +52,13 @@ from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16
 
 MMA_MODES = ("bf16", "fp8")
 MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below
-FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096),
-#                       not at M=128 (4096x4096: 85 vs 62 us); 129..1023 unmeasured, so bf16 there
+FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096).
+# 2026-12-02 (scripts/bench_gemm_kernels.py --batch-fp8, results/fp8_linear_batch_sweep_h200_2026-12-02.log): with
+# narrow tiles the fp8 form is also faster at M=32 and 128 (sum of a layer's seven decode shapes: M=32 183 -> 129
+# us, M=128 247 -> 143 us), but switching there was tried and reverted: a row's bits then depend on whether its
+# step has more or fewer than 17 rows (the batched-extend vs per-sequence GPU test failed: logits differ by 9),
+# and the free-running tiny V4.1 on cuda kept 4 greedy tokens equal to the oracle's instead of >= 8 (the
+# reduced-precision FP8 accumulation). The bf16 form with the sweep's tiles (`_tiles`) gets M=32 to 130 us.
 FUSED_ACT_MAX_M = 64  # M up to this: act_quant fused into the GEMM; above: one act_quant pass first
 
 
@@ -199,19 +204,27 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _tiles(m: int, mma: str, g: int) -> dict:
+def _tiles(m: int, mma: str, g: int, n: int = 1 << 30, k: int = 1 << 30) -> dict:
     """Tile sizes: small M (decode) is weight-bandwidth bound -> narrow N tiles, many programs streaming
-    weights; large M is compute bound -> 128x128 tiles (the FP8 form: 128 K per step, BK // g sub-dots)."""
+    weights; large M is compute bound -> 128x128 tiles (the FP8 form: 128 K per step, BK // g sub-dots).
+    FP8 form at batched decode (H200 sweep, --batch-fp8): M <= 64 64x64; M <= 256 64 x (64 for N >= 8192,
+    else 32: the layer's N = 512..4096 projections need the programs), e.g. M=128 wq_a 38 -> 17 us."""
     if mma == "fp8":
         if m <= 16:
             return dict(BM=16, BN=32, BK=128, GROUP_M=1, num_warps=4, num_stages=6)
         if m <= 64:
             return dict(BM=64, BN=64, BK=128, GROUP_M=4, num_warps=4, num_stages=4)
+        if m <= 256:
+            return dict(BM=64, BN=64 if n >= 8192 else 32, BK=128, GROUP_M=4, num_warps=4, num_stages=4)
         return dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
     if m <= 16:  # BN 64 / 4 stages: the H200 sweep of 2026-12-02 (scripts/bench_gemm_kernels.py --decode-fp8)
         return dict(BM=16, BN=64, GROUP_M=1, num_warps=4, num_stages=4 if g == 128 else 8)
+    # batched decode (--batch-fp8 sweep, 2026-12-02): 32x64 to M=64 (M=32, the seven shapes: 183 -> 130 us);
+    # to M=256 64x32 unless the weight is large (N*K >= 32M: wq_b, wo_b keep 128x128; M=128: 247 -> 183 us)
     if m <= 64:
-        return dict(BM=64, BN=64, GROUP_M=4, num_warps=4, num_stages=4 if g == 128 else 6)
+        return dict(BM=32, BN=64, GROUP_M=4, num_warps=4, num_stages=4 if g == 128 else 6)
+    if m <= 256 and n * k < (32 << 20):
+        return dict(BM=64, BN=32, GROUP_M=4, num_warps=4, num_stages=4 if g == 128 else 6)
     return dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3 if g == 128 else 5)
 
 
@@ -238,7 +251,7 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
     if mma not in MMA_MODES:
         raise ValueError(f"fp8_linear: mma must be one of {MMA_MODES}, got {mma!r}")
     if mma == "fp8":
-        cfg = _tiles(m, mma, act_block)
+        cfg = _tiles(m, mma, act_block, n, k)
         cfg.update(config or {})
         kb = cfg["BK"]
         if kb % act_block or k % kb:
@@ -247,7 +260,7 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
         kb = 128 if k % 128 == 0 and 128 % w_block == 0 else w_block  # whole scale blocks per K step
         if k % kb:
             raise ValueError(f"fp8_linear: in_features {k} must be a multiple of the weight block {w_block}")
-        cfg = _tiles(m, mma, kb)
+        cfg = _tiles(m, mma, kb, n, k)
         cfg.update({key: v for key, v in (config or {}).items() if key not in ("BK", "LOOP_STAGES", "WARP_SPECIALIZE")})
     if "SPLIT_K" not in (config or {}):
         cfg["SPLIT_K"] = _split_k(m, n, k, kb, cfg["BM"], cfg["BN"], sms)
@@ -256,6 +269,11 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
         raise ValueError(f"fp8_linear: SPLIT_K {cfg['SPLIT_K']} must divide the {steps} K steps of {kb}")
     cfg["KB"] = kb
     return cfg
+
+
+def auto_form(m: int) -> str:
+    """The tensor-core form mma="auto" takes for M rows (`FP8_MMA_MIN_M`)."""
+    return "fp8" if m >= FP8_MMA_MIN_M else "bf16"
 
 
 def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,
@@ -283,7 +301,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
         return out
     mma = mma or MMA
     if mma == "auto":
-        mma = "fp8" if m >= FP8_MMA_MIN_M else "bf16"
+        mma = auto_form(m)
     cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)
     split, kb = cfg.pop("SPLIT_K"), cfg.pop("KB")
     dest = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
