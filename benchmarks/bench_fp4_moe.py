@@ -5,6 +5,7 @@ tile sweep per regime, V4-Flash dims (E=256, k=6, D=4096, I=2048), uniform rando
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py [--ts 1,8,32,128,512,2048,8192] [--quick]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --variants [--ts 1,8,32,128,512]
 
+--fp8: the current default (expand and plan chosen by the op) against the FP8 form's variants (`FP8_VARIANTS`);
 --variants: the default against the v2 path's variants (`fp4_moe(config=...)` with `V2_KEYS`: split-K with
 fixed-order reduces, pre-dequantised bf16 activations, one gate+up tile; `VARIANTS` below), each row with
 its speedup over the default at that T; writes $OUT/fp4_moe_variants.json.
@@ -81,8 +82,22 @@ VARIANTS = [  # (name, config, expand, max T)
 ]
 
 
-def run_variants(b, ts, per_expert_bytes) -> None:
-    from deepinfer.kernels.triton.fp4_moe import plan_v2
+# the FP8 form (`fp4_moe(config={"FP8": True, ...})`, kernels/triton/fp4_fp8_gemm.py) against the default
+FP8_VARIANTS = [  # (name, config, expand, max T)
+    ("fp8 form BW=128 3 stages", dict(FP8=True), None, 10 ** 9),
+    ("fp8 form BW=128 4 stages", dict(FP8=True, num_stages=4), None, 10 ** 9),
+    ("fp8 form BW=64", dict(FP8=True, BW=64), None, 512),
+    ("fp8 form BW=256 8 warps", dict(FP8=True, BW=256, num_warps=8), None, 10 ** 9),
+    ("fp8 form BW=128 no split", dict(FP8=True, SPLIT_K=1), None, 32),
+    ("fp8 form BW=128 BT=32", dict(FP8=True, BT=32), None, 512),
+    ("fp8 form BW=128 BT=64 8 warps", dict(FP8=True, BT=64, num_warps=8), None, 10 ** 9),
+    ("fp8 form BW=256 BT=128 8 warps", dict(FP8=True, BT=128, BW=256, num_warps=8), None, 10 ** 9),
+    ("fp8 form BW=128 BT=128 8 warps", dict(FP8=True, BT=128, BW=128, num_warps=8), None, 10 ** 9),
+]
+
+
+def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
+    from deepinfer.kernels.triton.fp4_moe import plan_fp8, plan_v2
 
     dev = b.w13.device
     rows, res = [], []
@@ -93,17 +108,22 @@ def run_variants(b, ts, per_expert_bytes) -> None:
         touched = int(torch.unique(ids).numel())
         want = fp4_moe_torch(x, ids, w, b, 10.0)
         base = None
-        for name, cfg, expand, max_t in [("default", None, 1, 10 ** 9)] + VARIANTS:
+        first = ("default", None, None, 10 ** 9) if variants is not None else ("default", None, 1, 10 ** 9)
+        for name, cfg, expand, max_t in [first] + (VARIANTS if variants is None else variants):
             if t > max_t:
                 continue
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            n_slots = t * K_TOP
             if cfg is None:
-                desc = str(_config(t * K_TOP, E))
+                desc = str(_config(n_slots, E))
+            elif "FP8" in cfg:
+                bt = {**dict(BT=_config(n_slots, E)["BM"]), **cfg}["BT"]
+                pl = plan_fp8(n_slots, E, max(1, min(n_slots, n_slots // bt + min(E, n_slots))), D, I, sms, cfg)
+                desc = f"S13={pl['S13']} S2={pl['S2']} BT={pl['BT']} BW={pl['BW']} w={pl['num_warps']}"
             else:
-                n_slots = t * K_TOP
                 bm = {**_config(n_slots, E), **cfg}["BM"]
                 n_blocks = max(1, min(n_slots, n_slots // bm + min(E, n_slots)))
-                pl = plan_v2(n_slots, E, n_blocks, D, I, torch.cuda.get_device_properties(dev).multi_processor_count,
-                             cfg)
+                pl = plan_v2(n_slots, E, n_blocks, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BN={pl['BN']} w={pl['num_warps']}"
             try:
                 got = fp4_moe(x, ids, w, b, 10.0, expand=expand, config=cfg)
@@ -130,13 +150,15 @@ def main() -> None:
     ap.add_argument("--ts", default=None, help="default 1,8,32,128,512,2048,8192 (--variants: 1,8,32,128,512)")
     ap.add_argument("--quick", action="store_true", help="defaults only, no tile sweep")
     ap.add_argument("--variants", action="store_true", help="the default against the v2 path's VARIANTS")
+    ap.add_argument("--fp8", action="store_true", help="the current default against FP8_VARIANTS (the FP8 form)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     b = bank(dev)
     per_expert_bytes = (b.w13[0].numel() + b.w13_scale[0].numel() + b.w2[0].numel() + b.w2_scale[0].numel())
-    if args.variants:
-        run_variants(b, [int(v) for v in (args.ts or "1,8,32,128,512").split(",")], per_expert_bytes)
+    if args.variants or args.fp8:
+        run_variants(b, [int(v) for v in (args.ts or "1,8,32,128,512").split(",")], per_expert_bytes,
+                     FP8_VARIANTS if args.fp8 else None)
         return
     rows, res = [], []
     for t in (int(v) for v in (args.ts or "1,8,32,128,512,2048,8192").split(",")):

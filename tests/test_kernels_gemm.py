@@ -290,6 +290,46 @@ def test_small_routing_kernel_equals_align_by_expert():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, e, bm)
 
 
+_CHUNKED_ROUTING_CHECK = r"""
+import torch
+from deepinfer.kernels.triton.fp4_moe import ROUTING_KERNEL_SLOTS, align_by_expert, align_by_expert_chunked
+
+g = torch.Generator().manual_seed(11)
+cases = [(256, 6, 64, 16), (256, 6, 32, 16), (256, 6, 11, 16), (300, 8, 48, 64), (7, 2, 100, 32), (256, 6, 1, 16)]
+for e, k, t, bm in cases:
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    assert t * k <= ROUTING_KERNEL_SLOTS
+    want, got = align_by_expert(ids, e, bm), align_by_expert_chunked(ids, e, bm)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (e, k, t, bm)
+print("ok")
+"""
+
+
+def test_chunked_routing_kernel_equals_align_by_expert_under_the_interpreter():
+    """The batched-decode routing kernel (chunks of 64 slots, one program) gives align_by_expert's outputs
+    exactly: E=256 k=6 at T=32 and 64 (192 and 384 slots), odd expert counts, block sizes 16/32/64."""
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    res = run_interpreted(_CHUNKED_ROUTING_CHECK, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_chunked_routing_kernel_equals_align_by_expert():
+    dev = _cuda()
+    from deepinfer.kernels.triton.fp4_moe import ROUTING_KERNEL_SLOTS, align_by_expert, align_by_expert_chunked
+
+    for _ in range(20):
+        e = int(torch.randint(2, 300, ()))
+        k = int(torch.randint(1, min(e, 8) + 1, ()))
+        t = int(torch.randint(1, ROUTING_KERNEL_SLOTS // k + 1, ()))
+        bm = (16, 32, 64)[int(torch.randint(0, 3, ()))]
+        ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+        want, got = align_by_expert(ids, e, bm), align_by_expert_chunked(ids, e, bm)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, e, bm)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("expand", [0, 1, 2])
 def test_triton_fp4_expansions_match_twin(expand):

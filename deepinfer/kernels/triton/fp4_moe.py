@@ -5,8 +5,9 @@ fp4_moe(x bf16 [T, D], topk_ids [T, k], topk_weights fp32 [T, k], bank: FP4Exper
 official expert: gate/up = fp4_gemm(act_quant(x)) -> bf16; fp32 clamp, silu(gate) * up * routing weight
 -> bf16 -> act_quant -> w2 fp4_gemm -> bf16. Stages:
 1. routing: slots (t*k + j) sorted by expert into blocks of BM rows, each block one expert
-   (`align_by_expert`, torch on the device, no host sync; up to SMALL_ROUTING_SLOTS slots one Triton
-   program, `align_by_expert_small`, same outputs: 19 us eager on the H200 against 220-400 us of launches);
+   (`route_slots`: `align_by_expert`, torch on the device, no host sync; on CUDA up to ROUTING_KERNEL_SLOTS
+   slots one Triton program with the same outputs, `align_by_expert_small` / `align_by_expert_chunked`:
+   19 us eager on the H200 against 220-400 us of launches at decode);
 2. act_quant(x) once (a token's row is shared by its k experts);
 3. grouped GEMM w13 with the SwiGLU epilogue -> h bf16 [T*k, I];
 4. act_quant(h); grouped GEMM w2 -> bf16 [T*k, D];
@@ -58,6 +59,7 @@ import triton.language as tl
 
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
+from deepinfer.kernels.triton.fp4_fp8_gemm import _perm32, act_quant_k32perm, fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
 
 _ASM = tl.constexpr(not interpreting())  # inline PTX (expand 6) only on the GPU: the interpreter runs no asm
@@ -126,6 +128,83 @@ def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks
     b = tl.arange(0, NBP)
     owner = tl.sum((padded_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)  # searchsorted, right
     tl.store(block_expert_ptr + b, tl.where(owner >= E, -1, owner), mask=b < n_blocks)
+
+
+ROUTING_KERNEL_SLOTS = 384  # up to this many slots the chunked one-program kernel below (batched decode): H200
+# 2026-12-02 (benchmarks/bench_routing.py, graph replay): 192 slots 31 vs 71 us, 384 57 vs 74; 768 91 vs 76 (slower)
+ROUTING_CHUNK = 64
+
+
+@triton.jit
+def _align_chunked_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
+                          BM: tl.constexpr, CH: tl.constexpr, EP: tl.constexpr, PB: tl.constexpr,
+                          N_CH: tl.constexpr, N_PAD: tl.constexpr, N_BL: tl.constexpr):
+    """`_align_small_kernel` over chunks of CH slots (one program, no sort): pass 1 counts each expert's slots,
+    pass 2 places chunk by chunk, slot i at padded_start[e_i] + (slots of e_i in earlier chunks) + (earlier
+    slots of e_i in its chunk): the stable sort's order. Batched decode (65..ROUTING_KERNEL_SLOTS slots): the
+    torch path's sort and ~19 launches take 70-76 us per call there (graph replay); this one program's time
+    grows with the chunks (one SM), so above ROUTING_KERNEL_SLOTS the torch path is faster.
+    N_CH / N_PAD / N_BL: loop counts (powers of two covering the slots, the padded slots and the blocks in
+    chunks of CH / PB / PB; masked past the end): compile-time, so few variants, and the interpreter runs them
+    (its range() over a run-time bound fails with numpy >= 2.4)."""
+    e = tl.arange(0, EP)
+    j = tl.arange(0, CH)
+    counts = tl.zeros((EP,), tl.int32)
+    for c in range(0, N_CH):
+        i = c * CH + j
+        ids = tl.load(ids_ptr + i, mask=i < n_slots, other=EP).to(tl.int32)  # EP: matches no expert
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + (BM - 1)) // BM * BM
+    padded_end = tl.cumsum(padded, axis=0)
+    start = padded_end - padded
+    for c in range(0, N_PAD):
+        p = c * PB + tl.arange(0, PB)
+        tl.store(sorted_ptr + p, tl.full((PB,), 0, tl.int32) + n_slots, mask=p < n_blocks * BM)  # padding
+    tl.debug_barrier()  # the padding lands before the slots overwrite their places
+    seen = tl.zeros((EP,), tl.int32)
+    for c in range(0, N_CH):
+        i = c * CH + j
+        ok = i < n_slots
+        ids = tl.load(ids_ptr + i, mask=ok, other=EP).to(tl.int32)
+        onehot = ids[:, None] == e[None, :]  # [CH, EP]
+        base = tl.sum(tl.where(onehot, (start + seen)[None, :], 0), axis=1)
+        earlier = (ids[:, None] == ids[None, :]) & (j[None, :] < j[:, None])
+        tl.store(sorted_ptr + base + tl.sum(earlier.to(tl.int32), axis=1), i, mask=ok)
+        seen += tl.sum(onehot.to(tl.int32), axis=0)
+    for c in range(0, N_BL):
+        b = c * PB + tl.arange(0, PB)
+        owner = tl.sum((padded_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)  # searchsorted, right
+        tl.store(block_expert_ptr + b, tl.where(owner >= E, -1, owner), mask=b < n_blocks)
+
+
+def align_by_expert_chunked(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s exact outputs in one launch, for 1..ROUTING_KERNEL_SLOTS slots."""
+    flat = topk_ids.reshape(-1).contiguous()
+    n_slots = flat.numel()
+    if n_slots > ROUTING_KERNEL_SLOTS or n_slots == 0:
+        raise ValueError(f"align_by_expert_chunked: 1..{ROUTING_KERNEL_SLOTS} slots, got {n_slots}")
+    n_blocks = max(1, min(n_slots, n_slots // block_m + min(n_experts, n_slots)))
+    sorted_slots = torch.empty(n_blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
+    pb = 64
+    _align_chunked_kernel[(1,)](flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m,
+                                CH=ROUTING_CHUNK, EP=triton.next_power_of_2(n_experts), PB=pb,
+                                N_CH=triton.next_power_of_2(triton.cdiv(n_slots, ROUTING_CHUNK)),
+                                N_PAD=triton.next_power_of_2(triton.cdiv(n_blocks * block_m, pb)),
+                                N_BL=triton.next_power_of_2(triton.cdiv(n_blocks, pb)), num_warps=8)
+    return sorted_slots, block_expert
+
+
+def route_slots(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s outputs by the cheapest path: one Triton program on CUDA up to
+    ROUTING_KERNEL_SLOTS slots (`align_by_expert_small` up to SMALL_ROUTING_SLOTS, else the chunked one),
+    torch above (prefill: its sort scales; the one-program kernels do not)."""
+    n = topk_ids.numel()
+    if topk_ids.is_cuda and 0 < n <= SMALL_ROUTING_SLOTS:
+        return align_by_expert_small(topk_ids, n_experts, block_m)
+    if topk_ids.is_cuda and 0 < n <= ROUTING_KERNEL_SLOTS:
+        return align_by_expert_chunked(topk_ids, n_experts, block_m)
+    return align_by_expert(topk_ids, n_experts, block_m)
 
 
 def align_by_expert_small(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,11 +555,12 @@ def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sort
 @triton.jit
 def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, stride_ps, stride_pm, stride_hq,
                                 stride_hs, S: tl.constexpr, ACT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                                A_BF16: tl.constexpr):
+                                A_BF16: tl.constexpr, PERM32: tl.constexpr = False):
     """Split w13 epilogue for one slot x BLOCK columns: gate = bf16(sum_s p[s, slot, n]), up = bf16(sum_s
     p[s, slot, N + n]) (s = 0, 1, ..., S-1 in that order, fp32), the clamp, h = bf16(w * silu(gate) * up),
     then act_quant(h) per ACT_BLOCK (bit-identical to the act_quant kernel on the bf16 h): A_BF16 stores the
-    exact q * s as bf16 (the next GEMM's bf16 operand), else the E4M3 codes and the fp32 scales."""
+    exact q * s as bf16 (the next GEMM's bf16 operand), else the E4M3 codes and the fp32 scales (PERM32: the
+    code of column c at column perm32(c), the FP8 form's operand order)."""
     slot = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < N
@@ -502,7 +582,10 @@ def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, st
         tl.store(hq_ptr + slot * stride_hq + c, tl.reshape(q.to(tl.float32) * scale[:, None], (BLOCK,)).to(tl.bfloat16),
                  mask=ok)
     else:
-        tl.store(hq_ptr + slot * stride_hq + c, tl.reshape(q, (BLOCK,)), mask=ok)
+        dest = c
+        if PERM32:
+            dest = _perm32(c)
+        tl.store(hq_ptr + slot * stride_hq + dest, tl.reshape(q, (BLOCK,)), mask=ok)
         g = tl.program_id(1) * (BLOCK // ACT_BLOCK) + tl.arange(0, BLOCK // ACT_BLOCK)
         tl.store(hs_ptr + slot * stride_hs + g, scale, mask=g * ACT_BLOCK < N)
 
@@ -641,8 +724,7 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     n_blocks = max(1, min(n_slots, n_slots // bm + min(bank.plan_experts, n_slots)))
     cfg = plan_v2(n_slots, bank.plan_experts, n_blocks, d, inter, sm_count(x.device), config)
     a_bf16 = bool(cfg.get("A_BF16", False))
-    small = n_slots <= SMALL_ROUTING_SLOTS and x.is_cuda
-    sorted_slots, block_expert = (align_by_expert_small if small else align_by_expert)(topk_ids, bank.n_experts, bm)
+    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bm)
     route_w = topk_weights.contiguous().view(-1)
     if a_bf16:
         xa, xs = act_quant_dequant_bf16(x, ab), None
@@ -674,6 +756,69 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
         rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
     _v2_gemm(ha, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter, 0.0, 1,
              ab, a_bf16, False, s2, cfg, expand)
+    bd = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if s2 > 1 else 0,
+                                             S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
+                                             PARTIAL=s2 > 1, num_warps=4)
+    return y
+
+
+FP8_KEYS = ("FP8",)  # a config with any of these takes the FP8 form (`_fp4_moe_fp8`)
+
+
+def plan_fp8(n_slots: int, n_experts: int, n_blocks: int, d: int, inter: int, sms: int, config: dict) -> dict:
+    """The FP8 form's launch plan: BT (tokens per routing block) from `_config`'s BM, BW weight rows per
+    program, then `config` on top; S13 / S2 split-K counts as `plan_v2` (SPLIT_K None/0: auto)."""
+    base = _config(n_slots, n_experts)
+    cfg = dict(BT=base["BM"], BW=128, num_warps=4, num_stages=3)
+    cfg.update({key: v for key, v in config.items() if key != "FP8"})
+    waves = cfg.get("WAVES", SPLIT_WAVES)
+    for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
+        want = cfg.get("SPLIT_K" + name[1:], cfg.get("SPLIT_K"))
+        s = split_k(n_blocks * triton.cdiv(n, cfg["BW"]), k, 128, sms, waves) if not want else int(want)
+        if s < 1 or (k // 128) % s:
+            raise ValueError(f"fp4_moe: SPLIT_K {s} must divide the {k // 128} K steps of 128")
+        cfg[name] = s
+    return cfg
+
+
+def _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
+    """The FP8 form (`fp4_fp8_gemm.py`: the official fp4_gemm math on the FP8 tensor cores, the weights as
+    the dot's left operand): activations quantised once into perm32 column order, w13 with the SwiGLU
+    epilogue (or split-K partials + the split reduce, which quantises h into perm32 order), act_quant(h),
+    w2, the ordered k-row sum. No host sync: CUDA-graph capturable."""
+    t, topk = topk_ids.shape
+    d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
+    if ab % 32 or 128 % ab:
+        raise ValueError(f"fp4_moe FP8 form: act_block {ab} must be 32, 64 or 128")
+    bt = {**dict(BT=_config(n_slots, bank.plan_experts)["BM"]), **config}["BT"]
+    n_blocks = max(1, min(n_slots, n_slots // bt + min(bank.plan_experts, n_slots)))
+    cfg = plan_fp8(n_slots, bank.plan_experts, n_blocks, d, inter, sm_count(x.device), config)
+    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bt)
+    route_w = topk_weights.contiguous().view(-1)
+    xq, xs = act_quant_k32perm(x, ab)
+    s13, s2 = cfg["S13"], cfg["S2"]
+    if s13 > 1:
+        part = torch.empty((s13, n_slots, 2 * inter), dtype=torch.float32, device=x.device)
+        fp4_fp8_grouped_gemm(xq, xs, bank.w13, bank.w13_scale, part, route_w, sorted_slots, block_expert, n_slots,
+                             2 * inter, 0.0, topk, ab, False, s13, cfg)
+        hq = torch.empty((n_slots, inter), dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty((n_slots, inter // ab), dtype=torch.float32, device=x.device)
+        block = 512 if inter % 512 == 0 else 128
+        _swiglu_split_reduce_kernel[(n_slots, inter // block)](
+            part, route_w, hq, hs, inter, float(swiglu_limit), part.stride(0), part.stride(1), hq.stride(0),
+            hs.stride(0), S=s13, ACT_BLOCK=ab, BLOCK=block, A_BF16=False, PERM32=True, num_warps=4)
+    else:
+        h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
+        fp4_fp8_grouped_gemm(xq, xs, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots,
+                             inter, swiglu_limit, topk, ab, True, 1, cfg)
+        hq, hs = act_quant_k32perm(h, ab)
+    if s2 > 1:
+        rows = torch.empty((s2, n_slots, d), dtype=torch.float32, device=x.device)
+    else:
+        rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
+    fp4_fp8_grouped_gemm(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d,
+                         0.0, 1, ab, False, s2, cfg)
     bd = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if s2 > 1 else 0,
                                              S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
@@ -724,12 +869,12 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     y = torch.empty((t, d), dtype=torch.float32, device=x.device)
     if t == 0:
         return y
+    if config and any(key in config for key in FP8_KEYS):
+        return _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if config and any(key in config for key in V2_KEYS):
         return _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y)
     cfg = config or _config(n_slots, bank.plan_experts)
-    small = n_slots <= SMALL_ROUTING_SLOTS and x.is_cuda  # one launch instead of ~19 (host-bound decode)
-    sorted_slots, block_expert = (align_by_expert_small if small else align_by_expert)(topk_ids, bank.n_experts,
-                                                                                        cfg["BM"])
+    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, cfg["BM"])
     route_w = topk_weights.contiguous().view(-1)
     xq, xs = act_quant(x, bank.act_block)
     h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)

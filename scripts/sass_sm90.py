@@ -1,0 +1,172 @@
+"""Compile a Triton kernel for sm_90 on a machine without a GPU and read its SASS (instruction mix of the
+hot loop, registers, shared memory, spills): the no-device-time half of METHOD.md's "read what costs no
+device time". Used to compare FP4 expansion forms before spending device time on them.
+
+    python scripts/sass_sm90.py fp4_v2_decode     # a named case below
+    python scripts/sass_sm90.py --list
+
+compile_sm90(fn, params, divisible) takes the kernel's parameters as {name: type string ("*u8", "*fp32",
+"i32", "fp32") or constexpr value} and the names of pointer / integer parameters the launcher would
+specialise as divisible by 16 (Triton does that for 16-aligned pointers and multiples of 16).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(fn, params: dict, divisible: set[str] = frozenset(), num_warps: int = 4, num_stages: int = 3):
+    jit_fn = getattr(fn, "fn", fn)
+    names = list(fn.arg_names)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        value = params[name]
+        if isinstance(value, str):
+            signature[name] = value
+            if name in divisible:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+    del jit_fn
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def sass(compiled) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+        path = f.name
+    try:
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+_BRANCH = re.compile(r"BRA\s+(?:`?\(?\.L_x_\d+\)?`?|0x([0-9a-f]+))")
+
+
+def instructions(text: str) -> list[tuple[int, str, str]]:
+    """(address, opcode with modifiers, whole line) of every SASS instruction."""
+    out = []
+    for line in text.splitlines():
+        m = _INSTR.search(line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(3), line.strip()))
+    return out
+
+
+def hottest_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The largest backward-branch body (the K loop, in these kernels)."""
+    best = []
+    for addr, op, line in ins:
+        if op.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)", line.split("BRA", 1)[1])
+            if m:
+                target = int(m.group(1), 16)
+                if target < addr:
+                    body = [x for x in ins if target <= x[0] <= addr]
+                    if len(body) > len(best):
+                        best = body
+    return best
+
+
+def report(compiled, label: str) -> dict:
+    text = sass(compiled)
+    ins = instructions(text)
+    loop = hottest_loop(ins)
+    mix = collections.Counter(op.split(".")[0] for _, op, _ in loop)
+    meta = compiled.metadata
+    n_regs = getattr(compiled, "n_regs", None)
+    res = dict(label=label, total=len(ins), loop=len(loop), shared=meta.shared, mix=dict(mix.most_common()))
+    print(f"{label}: {len(ins)} instructions, hot loop {len(loop)}, shared {meta.shared} B; {resources(compiled)}")
+    print("  " + ", ".join(f"{k} {v}" for k, v in mix.most_common(24)))
+    del n_regs
+    return res
+
+
+def resources(compiled) -> str:
+    """cuobjdump's resource line (REG, SHARED, LOCAL = spill stack) of the kernel."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+        path = f.name
+    try:
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
+
+
+def _case_fp4_v2(bm, bn, expand, gated=True, num_stages=4):
+    from deepinfer.kernels.triton.fp4_moe import _fp4_gemm_v2_kernel
+    params = dict(a_ptr="*bf16", as_ptr="*bf16", w_ptr="*u8", ws_ptr="*u8", out_ptr="*bf16", route_w_ptr="*fp32",
+                  sorted_slots_ptr="*i32", block_expert_ptr="*i32", n_slots="i32", N="i32", limit="fp32",
+                  stride_am="i32", stride_asm="i32", stride_we="i32", stride_wn="i32", stride_wse="i32",
+                  stride_wsn="i32", stride_om="i32", stride_os="i32", K_SPLIT=4096, A_ROW_DIV=6, ACT_BLOCK=128,
+                  A_BF16=True, GATED=gated, SPLIT_OUT=False, KB=128, BM=bm, BN=bn, EXPAND=expand)
+    div = {"a_ptr", "as_ptr", "w_ptr", "ws_ptr", "out_ptr", "route_w_ptr", "sorted_slots_ptr", "block_expert_ptr",
+           "N", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om"}
+    return compile_sm90(_fp4_gemm_v2_kernel, params, div, num_warps=4, num_stages=num_stages)
+
+
+def _case_fp4_fp8(bt, bw, gated=True, act_block=128, num_warps=4, num_stages=3, split=False):
+    from deepinfer.kernels.triton.fp4_fp8_gemm import _fp4_fp8_gemm_kernel
+    params = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*u8", ws_ptr="*u8", out_ptr="*fp32" if split else "*bf16",
+                  route_w_ptr="*fp32", sorted_slots_ptr="*i32", block_expert_ptr="*i32", n_slots="i32", N="i32",
+                  limit="fp32", stride_am="i32", stride_asm="i32", stride_we="i32", stride_wn="i32", stride_wse="i32",
+                  stride_wsn="i32", stride_om="i32", stride_os="i32", K_SPLIT=4096, A_ROW_DIV=6, ACT_BLOCK=act_block,
+                  GATED=gated and not split, SPLIT_OUT=split, BT=bt, BW=bw, ASM=True,
+                  STEP_SUM=bw * bt // (32 * num_warps) <= 32)
+    div = {"a_ptr", "as_ptr", "w_ptr", "ws_ptr", "out_ptr", "route_w_ptr", "sorted_slots_ptr", "block_expert_ptr",
+           "N", "stride_am", "stride_asm", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_om"}
+    return compile_sm90(_fp4_fp8_gemm_kernel, params, div, num_warps=num_warps, num_stages=num_stages)
+
+
+CASES = {
+    "fp4_v2_decode": lambda: _case_fp4_v2(16, 128, 6),
+    "fp4_v2_decode_e5": lambda: _case_fp4_v2(16, 128, 5),
+    "fp4_fp8_decode": lambda: _case_fp4_fp8(16, 128),
+    "fp4_fp8_decode_bw64": lambda: _case_fp4_fp8(16, 64),
+    "fp4_fp8_decode_8w": lambda: _case_fp4_fp8(16, 256, num_warps=8),
+    "fp4_fp8_decode_ab32": lambda: _case_fp4_fp8(16, 128, act_block=32),
+    "fp4_fp8_split": lambda: _case_fp4_fp8(16, 128, split=True),
+    "fp4_fp8_prefill": lambda: _case_fp4_fp8(128, 128, num_warps=8),
+    "fp4_v2_prefill": lambda: _case_fp4_v2(128, 256, 6, num_stages=3),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cases", nargs="*")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--dump", help="write the SASS of the (single) case here")
+    a = p.parse_args(argv)
+    if a.list or not a.cases:
+        print("\n".join(CASES))
+        return 0
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name in a.cases:
+        compiled = CASES[name]()
+        report(compiled, name)
+        if a.dump:
+            with open(a.dump, "w") as f:
+                f.write(sass(compiled))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
