@@ -2,7 +2,11 @@
 non-local slots go to a local expert with routing weight 0 (`model/expert_parallel_fast.py`).
 
 1. The routing remap, on the `fp4_moe` torch twin: a shard's call returns exactly (bitwise) the whole bank's
-   call with the other shards' weights zeroed; the shards' sum matches the whole to fp32 summation order.
+   call for the same routing at global ids; its weight-0 padding slots add exactly +-0 (a call with every
+   weight 0 returns zeros); against the whole bank's call with the other shards' weights zeroed, and the
+   shards' sum against the whole, it agrees up to a bf16 rounding flipped now and then: the padding rows
+   change an expert's row count, and this host's CPU GEMMs round the last fp32 bit by row count (2026-12-02:
+   one element of 3072 at 9.9e-5 of the row max with ep 2; the earlier CI host gave equal bits).
    `params_fast` stacks a rank's shard at local indices and refuses a shard with a hole.
 2. The engine on CPU (gloo, 2 processes, torch twins), V4 tiny checkpoint:
    a. against ep 1 with the same tp/dp split: bit-identical logits (the tiny model's k = 2: a two-term fp32
@@ -51,13 +55,20 @@ def test_shard_call_is_the_whole_call_with_foreign_weights_zeroed(ep):
         local_ids, local_w = local_routing(ids, w, r * n, n)
         assert all(len(set(row)) == k for row in local_ids.tolist())  # the twin needs distinct ids per token
         assert ((local_ids >= 0) & (local_ids < n)).all()
-        got = fp4_moe_torch(x, local_ids, local_w, _shard(bank, r * n, n), 10.0)
+        shard = _shard(bank, r * n, n)
+        got = fp4_moe_torch(x, local_ids, local_w, shard, 10.0)
+        # the shard's experts at local indices are the whole bank's, bit for bit, for the same routing
+        assert torch.equal(got, fp4_moe_torch(x, local_ids + r * n, local_w, bank, 10.0))
+        # a weight-0 (padding) slot adds exactly +-0
+        assert bool((fp4_moe_torch(x, local_ids, torch.zeros_like(local_w), shard, 10.0) == 0).all())
         owned = (ids >= r * n) & (ids < (r + 1) * n)
         want = fp4_moe_torch(x, ids, torch.where(owned, w, torch.zeros_like(w)), bank, 10.0)
-        assert torch.equal(got, want)  # the padding slots contribute exactly +-0
+        # without the padding rows an expert's GEMMs have fewer rows: the CPU's last fp32 bits, then at most a
+        # flipped bf16 rounding (module doc); a leaking padding slot would be O(1)
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-3
         total += got
     whole = fp4_moe_torch(x, ids, w, bank, 10.0)
-    assert float((total - whole).abs().max() / whole.abs().max()) < 1e-6  # fp32 summation order only
+    assert float((total - whole).abs().max() / whole.abs().max()) < 1e-3  # the same, summed over the shards
 
 
 def test_too_few_local_experts_is_refused():
