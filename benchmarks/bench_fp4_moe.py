@@ -97,7 +97,7 @@ FP8_VARIANTS = [  # (name, config, expand, max T)
 
 
 def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
-    from deepinfer.kernels.triton.fp4_moe import plan_fp8, plan_v2
+    from deepinfer.kernels.triton.fp4_moe import n_routing_blocks, plan_fp8, plan_v2
 
     dev = b.w13.device
     rows, res = [], []
@@ -117,13 +117,11 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
             if cfg is None:
                 desc = str(_config(n_slots, E))
             elif "FP8" in cfg:
-                bt = {**dict(BT=_config(n_slots, E)["BM"]), **cfg}["BT"]
-                pl = plan_fp8(n_slots, E, max(1, min(n_slots, n_slots // bt + min(E, n_slots))), D, I, sms, cfg)
+                pl = plan_fp8(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BT={pl['BT']} BW={pl['BW']} w={pl['num_warps']}"
             else:
-                bm = {**_config(n_slots, E), **cfg}["BM"]
-                n_blocks = max(1, min(n_slots, n_slots // bm + min(E, n_slots)))
-                pl = plan_v2(n_slots, E, n_blocks, D, I, sms, cfg)
+                pl = plan_v2(n_slots, E, n_routing_blocks(n_slots, E, {**_config(n_slots, E), **cfg}["BM"]), D, I,
+                             sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BN={pl['BN']} w={pl['num_warps']}"
             try:
                 got = fp4_moe(x, ids, w, b, 10.0, expand=expand, config=cfg)

@@ -190,6 +190,36 @@ def sweep_decode_tiles(rows: list[str]) -> None:
 
 # V4-Flash decode GEMMs of one layer: (name, K, N)
 DECODE_SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1", 4096, 2048), ("wq_a", 4096, 1024))
+BATCH_SHAPES = DECODE_SHAPES + (("wkv", 4096, 512), ("shared w2", 2048, 4096), ("index wq_b", 1024, 8192))
+
+
+def _sweep_plans(rows: list[str], tag: str, shapes, ms, cands: list[dict]) -> None:
+    """fp8_linear plan candidates (`mma` + `plan` config keys; {} = the default plan) on (name, K, N) shapes
+    at each M: CUDA-graph replay, weight GB/s, TFLOP/s, rel_err against the twin; a BEST line per shape and
+    M. Tiles taller than max(16, 2M) rows are skipped (mostly padding)."""
+    for name, k, n in shapes:
+        w = _fp8_weight(n, k, 128)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            want = fp8_linear_torch(x, w)
+            best = None
+            for c in cands:
+                cfg = {key: v for key, v in c.items() if key != "mma"}
+                mma = c.get("mma")
+                if cfg and cfg["BM"] > max(16, 2 * m):
+                    continue
+
+                def row(cfg=cfg, mma=mma, c=c):
+                    nonlocal best
+                    rel = _rel(fp8_linear(x, w, config=cfg or None, mma=mma), want)
+                    tg = _graph_ms(lambda: fp8_linear(x, w, config=cfg or None, mma=mma))
+                    if best is None or tg < best[0]:
+                        best = (tg, c)
+                    return (f"{tag} {name:12s} K={k:5d} N={n:5d} M={m:3d} {str(c or 'default'):105s} | graph "
+                            f"{tg * 1e3:6.1f} us {n * k / tg / 1e6:5.0f} GB/s {2 * m * n * k / tg / 1e9:6.1f} TFLOP/s"
+                            f" | rel_err {rel:.1e}")
+                _row(rows, f"{tag} {name} M={m} {c}", row)
+            rows.append(f"BEST {tag} {name} M={m}: {best[0] * 1e3:.1f} us {n * k / best[0] / 1e6:.0f} GB/s {best[1]}")
 
 
 def sweep_decode_fp8(rows: list[str]) -> None:
@@ -202,30 +232,7 @@ def sweep_decode_fp8(rows: list[str]) -> None:
             for fused in (True, False):
                 cands.append(dict(mma=mma, BM=16, BN=bn, GROUP_M=1, num_warps=warps, num_stages=stages,
                                   FUSED_ACT=fused))
-    for name, k, n in DECODE_SHAPES:
-        w = _fp8_weight(n, k, 128)
-        for m in (1, 8):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            want = fp8_linear_torch(x, w)
-            best = None
-            for c in cands:
-                cfg = {key: v for key, v in c.items() if key != "mma"}
-                mma = c.get("mma")
-
-                def row(cfg=cfg, mma=mma):
-                    nonlocal best
-                    rel = _rel(fp8_linear(x, w, config=cfg or None, mma=mma), want)
-                    tg = _graph_ms(lambda: fp8_linear(x, w, config=cfg or None, mma=mma))
-                    gbs = n * k / tg / 1e6
-                    if best is None or tg < best[0]:
-                        best = (tg, c)
-                    return (f"decode {name:12s} K={k:5d} N={n:5d} M={m} {str(c or 'default'):105s} | graph "
-                            f"{tg * 1e3:6.1f} us {gbs:5.0f} GB/s | rel_err {rel:.1e}")
-                _row(rows, f"decode {name} M={m} {c}", row)
-            rows.append(f"BEST decode {name} M={m}: {best[0] * 1e3:.1f} us {n * k / best[0] / 1e6:.0f} GB/s {best[1]}")
-
-
-BATCH_SHAPES = DECODE_SHAPES + (("wkv", 4096, 512), ("shared w2", 2048, 4096), ("index wq_b", 1024, 8192))
+    _sweep_plans(rows, "decode", DECODE_SHAPES, (1, 8), cands)
 
 
 def sweep_batch_fp8(rows: list[str]) -> None:
@@ -241,29 +248,7 @@ def sweep_batch_fp8(rows: list[str]) -> None:
                 if split:
                     c["SPLIT_K"] = split
                 cands.append(c)
-    for name, k, n in BATCH_SHAPES:
-        w = _fp8_weight(n, k, 128)
-        for m in (32, 128):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            want = fp8_linear_torch(x, w)
-            best = None
-            for c in cands:
-                cfg = {key: v for key, v in c.items() if key != "mma"}
-                mma = c.get("mma")
-                if cfg and cfg["BM"] > 2 * m:
-                    continue
-
-                def row(cfg=cfg, mma=mma, c=c):
-                    nonlocal best
-                    rel = _rel(fp8_linear(x, w, config=cfg or None, mma=mma), want)
-                    tg = _graph_ms(lambda: fp8_linear(x, w, config=cfg or None, mma=mma))
-                    if best is None or tg < best[0]:
-                        best = (tg, c)
-                    return (f"batch {name:12s} K={k:5d} N={n:5d} M={m:3d} {str(c or 'default'):100s} | graph "
-                            f"{tg * 1e3:6.1f} us {n * k / tg / 1e6:5.0f} GB/s {2 * m * n * k / tg / 1e9:6.1f} TFLOP/s"
-                            f" | rel_err {rel:.1e}")
-                _row(rows, f"batch {name} M={m} {c}", row)
-            rows.append(f"BEST batch {name} M={m}: {best[0] * 1e3:.1f} us {best[1]}")
+    _sweep_plans(rows, "batch", BATCH_SHAPES, (32, 128), cands)
 
 
 def main() -> None:

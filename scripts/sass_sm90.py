@@ -27,7 +27,6 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_sm90(fn, params: dict, divisible: set[str] = frozenset(), num_warps: int = 4, num_stages: int = 3):
-    jit_fn = getattr(fn, "fn", fn)
     names = list(fn.arg_names)
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(names):
@@ -39,24 +38,35 @@ def compile_sm90(fn, params: dict, divisible: set[str] = frozenset(), num_warps:
         else:
             signature[name] = "constexpr"
             constexprs[name] = value
-    del jit_fn
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def sass(compiled) -> str:
+def _cuobjdump(compiled, flag: str) -> str:
+    """Triton's bundled cuobjdump with `flag` on the kernel's cubin (written to a temporary file)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
         path = f.name
     try:
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(path)
 
 
+def sass(compiled) -> str:
+    return _cuobjdump(compiled, "-sass")
+
+
+def resources(compiled) -> str:
+    """cuobjdump's resource line (REG, SHARED, LOCAL = spill stack) of the kernel."""
+    return " ".join(line.strip() for line in _cuobjdump(compiled, "-res-usage").splitlines() if "REG" in line)
+
+
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
-_BRANCH = re.compile(r"BRA\s+(?:`?\(?\.L_x_\d+\)?`?|0x([0-9a-f]+))")
+
+
+_TARGET = re.compile(r"0x([0-9a-f]+)")  # a branch's target address
 
 
 def instructions(text: str) -> list[tuple[int, str, str]]:
@@ -74,7 +84,7 @@ def hottest_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
     best = []
     for addr, op, line in ins:
         if op.startswith("BRA"):
-            m = re.search(r"0x([0-9a-f]+)", line.split("BRA", 1)[1])
+            m = _TARGET.search(line.split("BRA", 1)[1])
             if m:
                 target = int(m.group(1), 16)
                 if target < addr:
@@ -90,25 +100,10 @@ def report(compiled, label: str) -> dict:
     loop = hottest_loop(ins)
     mix = collections.Counter(op.split(".")[0] for _, op, _ in loop)
     meta = compiled.metadata
-    n_regs = getattr(compiled, "n_regs", None)
     res = dict(label=label, total=len(ins), loop=len(loop), shared=meta.shared, mix=dict(mix.most_common()))
     print(f"{label}: {len(ins)} instructions, hot loop {len(loop)}, shared {meta.shared} B; {resources(compiled)}")
     print("  " + ", ".join(f"{k} {v}" for k, v in mix.most_common(24)))
-    del n_regs
     return res
-
-
-def resources(compiled) -> str:
-    """cuobjdump's resource line (REG, SHARED, LOCAL = spill stack) of the kernel."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-        path = f.name
-    try:
-        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-    return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
 
 
 def _case_fp4_v2(bm, bn, expand, gated=True, num_stages=4):

@@ -4,8 +4,8 @@ official fp4_gemm math on the FP8 tensor cores, the weights as the dot's left op
 
 CPU: perm32 is a permutation of every 32-block and puts stored code 8t + 4h + c at 16h + 4t + c; under
 TRITON_INTERPRET=1 (fresh process, the interpreter's numeric bugs patched as in tests/test_kernels_fp8_linear.py)
-the tl form of the conversion gives every E2M1 code of every 16-bit half its exact E4M3 value, the permuted
-act_quant stores act_quant's codes and scales, and the whole op matches the torch twin at tiny shapes (E=8,
+the tl form of the conversion gives every E2M1 code of every 16-bit half its exact E4M3 value, act_quant(perm32=
+True) stores act_quant's codes and scales, and the whole op matches the torch twin at tiny shapes (E=8,
 D=512, I=256; act blocks 128 and 32; T 1, 3, 40; split and unsplit; limits 10 and 0). Measured when written:
 rel_err 0 .. 1.1e-6, at most 0.016 row ulps (|diff| over the bf16 ulp of the row's largest |y|); asserted
 rel_err <= 1e-3 and <= 4 row ulps.
@@ -30,7 +30,7 @@ BOUND = 5e-3  # on the GPU: Hopper's reduced-precision FP8 accumulation within a
 
 def test_perm32_is_the_k32_register_order():
     pytest.importorskip("triton")
-    from deepinfer.kernels.triton.fp4_fp8_gemm import perm32
+    from deepinfer.kernels.triton.act_quant import perm32
 
     cols = torch.arange(4096)
     dest = perm32(cols)
@@ -47,10 +47,11 @@ from test_kernels_fp8_linear import _INTERPRETER_FIXES
 exec(_INTERPRETER_FIXES)
 import torch, triton, triton.language as tl
 from deepinfer import formats
-from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
-from deepinfer.kernels.triton.act_quant import act_quant
-from deepinfer.kernels.triton.fp4_fp8_gemm import _fp4_e4m3_halves, act_quant_k32perm, perm32
+from deepinfer.kernels.quant_weights import fp4_moe_torch
+from deepinfer.kernels.triton.act_quant import act_quant, perm32
+from deepinfer.kernels.triton.fp4_fp8_gemm import _fp4_e4m3_halves
 from deepinfer.kernels.triton.fp4_moe import fp4_moe
+from test_kernels_gemm import _random_bank
 
 @triton.jit
 def conv(p, lo_ptr, hi_ptr, R: tl.constexpr):
@@ -74,19 +75,15 @@ g = torch.Generator().manual_seed(3)
 for block in (128, 32):
     x = (torch.randn(5, 512, generator=g) * 4).to(torch.bfloat16)
     q, s = act_quant(x, block)
-    qp, sp = act_quant_k32perm(x, block)
+    qp, sp = act_quant(x, block, perm32=True)
     assert torch.equal(sp, s)
     assert torch.equal(qp[:, perm32(torch.arange(512))].view(torch.uint8), q.view(torch.uint8)), block
 
-def bank(e, d, i, ab):
-    sc = lambda *s: torch.randint(119, 129, s, dtype=torch.uint8, generator=g)
-    return FP4ExpertBank(torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, generator=g), sc(e, 2 * i, d // 32),
-                         torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, generator=g), sc(e, d, i // 32), ab)
-
 E, D, I = 8, 512, 256
 worst = 0.0
+torch.manual_seed(5)  # _random_bank draws from the global generator
 for ab in (128, 32):
-    bk = bank(E, D, I, ab)
+    bk = _random_bank(E, D, I, ab, "cpu")
     for t, limits in ((1, (10.0,)), (3, (10.0, 0.0)), (40, (0.0,))):
         x = (torch.randn(t, D, generator=g) * torch.exp(torch.randn(t, 1, generator=g))).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(t)])

@@ -274,22 +274,6 @@ def test_triton_fp4_moe_real_dims():
         assert rel <= 1e-3
 
 
-@pytest.mark.gpu
-def test_small_routing_kernel_equals_align_by_expert():
-    """The one-launch decode routing gives align_by_expert's outputs exactly, on fresh random routings."""
-    dev = _cuda()
-    from deepinfer.kernels.triton.fp4_moe import SMALL_ROUTING_SLOTS, align_by_expert, align_by_expert_small
-
-    for _ in range(20):
-        e = int(torch.randint(2, 300, ()))
-        k = int(torch.randint(1, min(e, 8) + 1, ()))
-        t = int(torch.randint(1, SMALL_ROUTING_SLOTS // k + 1, ()))
-        bm = (16, 32)[int(torch.randint(0, 2, ()))]
-        ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
-        want, got = align_by_expert(ids, e, bm), align_by_expert_small(ids, e, bm)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, e, bm)
-
-
 _CHUNKED_ROUTING_CHECK = r"""
 import torch
 from deepinfer.kernels.triton.fp4_moe import ROUTING_KERNEL_SLOTS, align_by_expert, align_by_expert_chunked
@@ -316,18 +300,23 @@ def test_chunked_routing_kernel_equals_align_by_expert_under_the_interpreter():
 
 
 @pytest.mark.gpu
-def test_chunked_routing_kernel_equals_align_by_expert():
+@pytest.mark.parametrize("kernel,limit,blocks", [("align_by_expert_small", "SMALL_ROUTING_SLOTS", (16, 32)),
+                                                 ("align_by_expert_chunked", "ROUTING_KERNEL_SLOTS", (16, 32, 64))])
+def test_routing_kernels_equal_align_by_expert(kernel, limit, blocks):
+    """The one-launch decode routings (one chunk up to 64 slots; chunks of 64 up to 384) give
+    align_by_expert's outputs exactly, on fresh random routings."""
     dev = _cuda()
-    from deepinfer.kernels.triton.fp4_moe import ROUTING_KERNEL_SLOTS, align_by_expert, align_by_expert_chunked
+    from deepinfer.kernels.triton import fp4_moe
 
+    route, max_slots = getattr(fp4_moe, kernel), getattr(fp4_moe, limit)
     for _ in range(20):
         e = int(torch.randint(2, 300, ()))
         k = int(torch.randint(1, min(e, 8) + 1, ()))
-        t = int(torch.randint(1, ROUTING_KERNEL_SLOTS // k + 1, ()))
-        bm = (16, 32, 64)[int(torch.randint(0, 3, ()))]
+        t = int(torch.randint(1, max_slots // k + 1, ()))
+        bm = blocks[int(torch.randint(0, len(blocks), ()))]
         ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
-        want, got = align_by_expert(ids, e, bm), align_by_expert_chunked(ids, e, bm)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, e, bm)
+        want, got = fp4_moe.align_by_expert(ids, e, bm), route(ids, e, bm)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (kernel, t, k, e, bm)
 
 
 @pytest.mark.gpu

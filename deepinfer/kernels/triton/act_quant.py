@@ -2,8 +2,10 @@
 power-of-two ue8m0 scales): per group of `block` elements of a row, amax floored at 1e-4,
 s = 2**ceil(log2(amax * fp32(1/448))) by the exponent-bit trick, q = E4M3_rne(clamp(x / s, +-448)).
 
-Owns: the jit helpers `pow2_scale` / `quantise_rows` (also used inline by the fused FP8 GEMM) and the
-stand-alone kernel: `act_quant(x, block) -> (q fp8 [M, K], s fp32 [M, K/block])` (the MoE) and
+Owns: the jit helpers `pow2_scale` / `quantise_rows` (also used inline by the fused FP8 GEMM), `e8m0_to_f32`
+(the FP4 expert GEMMs' weight scales) and the
+stand-alone kernel: `act_quant(x, block[, perm32]) -> (q fp8 [M, K], s fp32 [M, K/block])` (the MoE; perm32:
+the FP8 expert form's column order, `perm32`) and
 `act_quant_dequant_bf16(x, block)` -> q * s exactly in bf16 (the large-M FP8 linear).
 Must not: be imported without triton (only `kernels.triton` CUDA paths import it).
 """
@@ -37,6 +39,12 @@ def pow2_scale(amax):
 
 
 @triton.jit
+def e8m0_to_f32(byte):
+    """E8M0 scale bytes -> their fp32 value 2**(byte-127) (the exponent field; bytes 1..254 are normal)."""
+    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def quantise_rows(x):
     """x fp32 [R, C] (one quantisation group per row) -> (E4M3 [R, C], fp32 scales [R])."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
@@ -45,10 +53,24 @@ def quantise_rows(x):
     return q, scale
 
 
+def perm32(cols: torch.Tensor) -> torch.Tensor:
+    """Stored position of natural column P within its 32-block in the FP8 expert form's operand order
+    (kernels/triton/fp4_fp8_gemm.py): L = 16h + 4t + c for P = 8t + 4h + c."""
+    return (cols & ~31) | (((cols >> 2) & 1) << 4) | (((cols >> 3) & 3) << 2) | (cols & 3)
+
+
+@triton.jit
+def _perm32(cols):
+    """`perm32` in a kernel."""
+    return (cols & ~31) | (((cols >> 2) & 1) << 4) | (((cols >> 3) & 3) << 2) | (cols & 3)
+
+
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, stride_sm,
-                      BLOCK: tl.constexpr, GROUPS: tl.constexpr, DEQUANT: tl.constexpr):
-    """DEQUANT: write q * s as bf16 (exact: E4M3 x pow2) to q_ptr and no scales; else q (E4M3) and s."""
+                      BLOCK: tl.constexpr, GROUPS: tl.constexpr, DEQUANT: tl.constexpr,
+                      PERM32: tl.constexpr = False):
+    """DEQUANT: write q * s as bf16 (exact: E4M3 x pow2) to q_ptr and no scales; else q (E4M3) and s, the
+    code of column P at column perm32(P) when PERM32."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -58,13 +80,18 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, st
     if DEQUANT:
         tl.store(q_ptr + row * stride_qm + cols, (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16), mask=mask)
     else:
-        tl.store(q_ptr + row * stride_qm + cols, q, mask=mask)
+        dest = cols
+        if PERM32:
+            dest = _perm32(cols)
+        tl.store(q_ptr + row * stride_qm + dest, q, mask=mask)
         tl.store(s_ptr + row * stride_sm + g, scale, mask=g < n_groups)
 
 
-def _launch(x: torch.Tensor, block: int, dequant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x: torch.Tensor, block: int, dequant: bool, perm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.shape[1] % block:
         raise ValueError(f"act_quant: x must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
+    if perm and block % 32:
+        raise ValueError(f"act_quant(perm32=True): block {block} must be a multiple of 32")
     x = x.contiguous()
     m, k = x.shape
     n_groups = k // block
@@ -75,13 +102,14 @@ def _launch(x: torch.Tensor, block: int, dequant: bool) -> tuple[torch.Tensor, t
     groups = max(1, min(triton.next_power_of_2(n_groups), 4096 // block))
     grid = (m, triton.cdiv(n_groups, groups))
     _act_quant_kernel[grid](x, q, s, n_groups, k, x.stride(0), q.stride(0), max(1, s.stride(0)), BLOCK=block,
-                            GROUPS=groups, DEQUANT=dequant)
+                            GROUPS=groups, DEQUANT=dequant, PERM32=perm)
     return q, s
 
 
-def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (bf16/fp32, CUDA) -> (q float8_e4m3fn [M, K], s fp32 [M, K/block])."""
-    return _launch(x, block, dequant=False)
+def act_quant(x: torch.Tensor, block: int, perm32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp32, CUDA) -> (q float8_e4m3fn [M, K], s fp32 [M, K/block]). perm32: the same codes
+    and scales, column P's code stored at column `perm32(P)` (the FP8 expert form's operand order)."""
+    return _launch(x, block, dequant=False, perm=perm32)
 
 
 def act_quant_dequant_bf16(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The official fp4_gemm math on Hopper's FP8 tensor cores, for the routed experts (`fp4_moe`'s "fp8" form).
 
 Owns: `_fp4_fp8_gemm_kernel` (one block of BT routed slots of one expert x BW weight rows) and its launcher
-`fp4_fp8_grouped_gemm`, and `act_quant_k32perm` (act_quant with the columns stored in `perm32` order).
+`fp4_fp8_grouped_gemm`. Its activations come from `act_quant(x, block, perm32=True)` (act_quant.py owns the
+`perm32` column order).
 Math (spec §6.4): per 32-wide K block, the E4M3 activation codes and the weight's E2M1 values as E4M3 (exact)
 enter one FP8 tensor-core dot (a fresh fp32 partial), promoted into the fp32 accumulator with the activation
 row scale x the weight's per-32 E8M0 scale: C = sum_k32 sa[m, k32 // 4] * sb[n, k32] * dot. With act_block 128
@@ -13,7 +14,7 @@ Each thread of an FP8 MMA holds, per row, K groups {4t..4t+3} and {16+4t..16+4t+
 register each; one 32-bit word of the checkpoint's packed FP4 (8 codes, low nibble first) feeds exactly
 those two registers if logical K position L = 16h + 4t + c carries stored code 8t + 4h + c (`perm32`). The
 weights stay in the checkpoint's bytes; the ACTIVATIONS are stored in that permuted column order instead
-(`act_quant_k32perm`: a different store address, the same codes and scales), so both operands agree and
+(act_quant's `perm32` option: a different store address, the same codes and scales), so both operands agree and
 the dot is unchanged. A word becomes its two E4M3 registers by byte permutes (PTX prmt) on a constant
 8-entry table of the E2M1 magnitudes, plus the sign bits: ~15 integer instructions per 8 weights in the SASS
 (expand 6's bf16 form: ~24).
@@ -36,32 +37,20 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.triton.act_quant import interpreting, quantise_rows
+from deepinfer.kernels.triton.act_quant import e8m0_to_f32, interpreting
 
 _ASM = tl.constexpr(not interpreting())  # PTX prmt only on the GPU; the interpreter takes the tl twin below
-# E4M3 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (low word) and 2, 3, 4, 6 (high word), byte i = magnitude i
-E2M1_E4M3_LO = 0x3C383000
-E2M1_E4M3_HI = 0x4C484440
 K_STEP = 128  # K per loop step: four 32-K dots (one per E8M0 weight scale)
 KSTEP = tl.constexpr(K_STEP)
-
-
-def perm32(cols: torch.Tensor) -> torch.Tensor:
-    """Stored (logical) position of natural column P within its 32-block: L = 16h + 4t + c for P = 8t + 4h + c."""
-    return (cols & ~31) | (((cols >> 2) & 1) << 4) | (((cols >> 3) & 3) << 2) | (cols & 3)
-
-
-@triton.jit
-def _perm32(cols):
-    return (cols & ~31) | (((cols >> 2) & 1) << 4) | (((cols >> 3) & 3) << 2) | (cols & 3)
 
 
 @triton.jit
 def _fp4_e4m3_halves(packed, ASM: tl.constexpr):
     """uint8 [R, C] (C % 4 == 0: each 4 bytes one word of 8 E2M1 codes, low nibble first) -> two E4M3 [R, C]:
     lo[.., 4i + c] = code c of word i, hi[.., 4i + c] = code 4 + c (c = 0..3), the E2M1 values exactly.
-    GPU: per word, prmt selects each 3-bit magnitude's byte from the table, the sign bits are moved to
-    bit 7 of their bytes (the half's two bytes spread by prmt, then a 4-bit shift for the even codes)."""
+    GPU: per word, prmt selects each 3-bit magnitude's byte from the table (0x3C383000: the E4M3 bytes of
+    0, 0.5, 1, 1.5; 0x4C484440: of 2, 3, 4, 6), the sign bits are moved to bit 7 of their bytes (the half's
+    two bytes spread by prmt, then a 4-bit shift for the even codes)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             """{
@@ -106,17 +95,12 @@ def _k32_tile(packed, ASM: tl.constexpr):
 
 
 @triton.jit
-def _e8m0(byte):
-    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _k32_dot(w_ptrs, ws_ptrs, a_ptrs, k, n_ok, valid, ASM: tl.constexpr):
     """One 32-K block: (fresh fp32 partial [BW, BT] of the E4M3 dot, the rows' weight scales fp32 [BW])."""
     w = _k32_tile(tl.load(w_ptrs + k // 2, mask=n_ok[:, None], other=0), ASM)
     a = tl.load(a_ptrs + k, mask=valid[None, :], other=0.0)
     part = tl.dot(w, a)
-    sw = _e8m0(tl.load(ws_ptrs + k // 32, mask=n_ok, other=0))
+    sw = e8m0_to_f32(tl.load(ws_ptrs + k // 32, mask=n_ok, other=0))
     return part, sw
 
 
@@ -225,34 +209,3 @@ def fp4_fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor
         K_SPLIT=k // split, A_ROW_DIV=a_row_div, ACT_BLOCK=act_block, GATED=gated, SPLIT_OUT=split > 1,
         BT=cfg["BT"], BW=bw, STEP_SUM=cfg.get("STEP_SUM", step_sum(bw, cfg["BT"], cfg["num_warps"])), ASM=_ASM,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
-@triton.jit
-def _act_quant_perm_kernel(x_ptr, q_ptr, s_ptr, n_groups, stride_xm, stride_qm, stride_sm,
-                           BLOCK: tl.constexpr, GROUPS: tl.constexpr):
-    """act_quant (bit-identical codes and scales) with code of column P stored at column perm32(P)."""
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = (g < n_groups)[:, None]
-    q, scale = quantise_rows(tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32))
-    tl.store(q_ptr + row * stride_qm + _perm32(cols), q, mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, scale, mask=g < n_groups)
-
-
-def act_quant_k32perm(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (E4M3 [M, K] with column P's code at perm32(P), fp32 scales [M, K/block]): act_quant's
-    codes and scales, stored for `_fp4_fp8_gemm_kernel`. block: 32 or 128 (a multiple of 32)."""
-    if x.dim() != 2 or x.shape[1] % block or block % 32:
-        raise ValueError(f"act_quant_k32perm: x must be [M, K] with K a multiple of block {block} (itself a "
-                         f"multiple of 32), got {tuple(x.shape)}")
-    x = x.contiguous()
-    m, k = x.shape
-    n_groups = k // block
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
-    if m:
-        groups = max(1, min(triton.next_power_of_2(n_groups), 4096 // block))
-        _act_quant_perm_kernel[(m, triton.cdiv(n_groups, groups))](x, q, s, n_groups, x.stride(0), q.stride(0),
-                                                                    s.stride(0), BLOCK=block, GROUPS=groups)
-    return q, s

@@ -58,8 +58,9 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
-from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
-from deepinfer.kernels.triton.fp4_fp8_gemm import _perm32, act_quant_k32perm, fp4_fp8_grouped_gemm
+from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, e8m0_to_f32, interpreting,
+                                               quantise_rows)
+from deepinfer.kernels.triton.fp4_fp8_gemm import fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
 
 _ASM = tl.constexpr(not interpreting())  # inline PTX (expand 6) only on the GPU: the interpreter runs no asm
@@ -77,6 +78,12 @@ EXPAND6_SCALE_MAX = 128  # expand 6's multiplier 2**(S-1) must be a normal bf16:
 # ----------------------------------------------------------------------------------------------
 # routing
 # ----------------------------------------------------------------------------------------------
+def n_routing_blocks(n_slots: int, n_experts: int, block_m: int) -> int:
+    """The routing's block count from the shapes alone (no device read): sum_e ceil(c_e / BM) <= S // BM +
+    min(E, S), and <= S."""
+    return max(1, min(n_slots, n_slots // block_m + min(n_experts, n_slots)))
+
+
 def align_by_expert(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots (t*k + j) grouped by expert into blocks of `block_m` rows (vLLM's moe_align_block_size).
 
@@ -87,7 +94,7 @@ def align_by_expert(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     host launch cost is most of this function's time."""
     flat = topk_ids.reshape(-1)
     n_slots = flat.numel()
-    n_blocks = max(1, min(n_slots, n_slots // block_m + min(n_experts, n_slots)))
+    n_blocks = n_routing_blocks(n_slots, n_experts, block_m)
     sorted_expert, order = torch.sort(flat, stable=True)
     # count_start[e] = first sorted position of expert e; count_start[E] = S
     count_start = torch.searchsorted(sorted_expert, torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype))
@@ -183,7 +190,7 @@ def align_by_expert_chunked(topk_ids: torch.Tensor, n_experts: int, block_m: int
     n_slots = flat.numel()
     if n_slots > ROUTING_KERNEL_SLOTS or n_slots == 0:
         raise ValueError(f"align_by_expert_chunked: 1..{ROUTING_KERNEL_SLOTS} slots, got {n_slots}")
-    n_blocks = max(1, min(n_slots, n_slots // block_m + min(n_experts, n_slots)))
+    n_blocks = n_routing_blocks(n_slots, n_experts, block_m)
     sorted_slots = torch.empty(n_blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
     pb = 64
@@ -213,7 +220,7 @@ def align_by_expert_small(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
     n_slots = flat.numel()
     if n_slots > SMALL_ROUTING_SLOTS or n_slots == 0:
         raise ValueError(f"align_by_expert_small: 1..{SMALL_ROUTING_SLOTS} slots, got {n_slots}")
-    n_blocks = max(1, min(n_slots, n_slots // block_m + min(n_experts, n_slots)))
+    n_blocks = n_routing_blocks(n_slots, n_experts, block_m)
     sorted_slots = torch.empty(n_blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
     _align_small_kernel[(1,)](flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m,
@@ -237,11 +244,6 @@ def _e2m1_bytes_to_f32(packed):
     m = mag & 1
     bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000) | ((codes & 8) << 28)
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_to_f32(byte):
-    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -314,7 +316,7 @@ def _fp4_rows(w_ptrs, ws_ptrs, n_ok, BN: tl.constexpr, KB: tl.constexpr, EXPAND:
         scale = ((byte.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     else:
         vals = _e2m1_bytes_to_f32(packed)
-        scale = _e8m0_to_f32(byte)
+        scale = e8m0_to_f32(byte)
     vals = tl.reshape(tl.reshape(vals, (BN, KB // FP4_BLOCK, FP4_BLOCK)) * scale[:, :, None], (BN, KB))
     return vals.to(tl.bfloat16)
 
@@ -682,11 +684,17 @@ def plan_v2(n_slots: int, n_experts: int, n_blocks: int, d: int, inter: int, sms
     epilogue)."""
     cfg = dict(_config(n_slots, n_experts))
     cfg.update(config)
+    return _plan_splits(cfg, n_blocks, cfg["BN"], d, inter, sms)
+
+
+def _plan_splits(cfg: dict, n_blocks: int, tile_n: int, d: int, inter: int, sms: int) -> dict:
+    """cfg's S13 / S2: SPLIT_K13 / SPLIT_K2, else SPLIT_K, applied as given; None/0: `split_k` for the grid of
+    n_blocks x (output columns / tile_n) programs over 128-wide K steps."""
     kb = 128
     waves = cfg.get("WAVES", SPLIT_WAVES)
     for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
         want = cfg.get("SPLIT_K" + name[1:], cfg.get("SPLIT_K"))
-        s = split_k(n_blocks * triton.cdiv(n, cfg["BN"]), k, kb, sms, waves) if not want else int(want)
+        s = split_k(n_blocks * triton.cdiv(n, tile_n), k, kb, sms, waves) if not want else int(want)
         if s < 1 or (k // kb) % s:
             raise ValueError(f"fp4_moe: SPLIT_K {s} must divide the {k // kb} K steps of {kb}")
         cfg[name] = s
@@ -709,6 +717,39 @@ def _v2_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+def _reduce_split_w13(part, route_w, act_block, limit, a_bf16, perm32=False):
+    """The split w13's fp32 partials [S, slots, 2I] -> the w2 GEMM's activation: `_swiglu_split_reduce_kernel`
+    (fixed-order split sum, SwiGLU, act_quant(h)); (bf16 q*s, None) for A_BF16, else (E4M3 codes, in perm32
+    order for the FP8 form, fp32 scales)."""
+    s13, n_slots, inter = part.shape[0], part.shape[1], part.shape[2] // 2
+    ha = torch.empty((n_slots, inter), dtype=torch.bfloat16 if a_bf16 else torch.float8_e4m3fn, device=part.device)
+    hs = None if a_bf16 else torch.empty((n_slots, inter // act_block), dtype=torch.float32, device=part.device)
+    block = 512 if inter % 512 == 0 else 128
+    _swiglu_split_reduce_kernel[(n_slots, inter // block)](
+        part, route_w, ha, hs if hs is not None else ha, inter, float(limit), part.stride(0), part.stride(1),
+        ha.stride(0), hs.stride(0) if hs is not None else 0, S=s13, ACT_BLOCK=act_block, BLOCK=block, A_BF16=a_bf16,
+        PERM32=perm32, num_warps=4)
+    return ha, hs
+
+
+def _w2_rows(s2, n_slots, d, device):
+    """The w2 GEMM's output: fp32 split partials [S2, slots, D] when split, else the bf16 rows [slots, D]."""
+    if s2 > 1:
+        return torch.empty((s2, n_slots, d), dtype=torch.float32, device=device)
+    return torch.empty((n_slots, d), dtype=torch.bfloat16, device=device)
+
+
+def _combine_rows(y, rows, topk_ids, s2):
+    """y[t] = the ordered fp32 sum of token t's k w2 rows (`_combine_kernel`, the split sum fused when S2 > 1)."""
+    t, topk = topk_ids.shape
+    d = y.shape[1]
+    bd = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if s2 > 1 else 0,
+                                             S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
+                                             PARTIAL=s2 > 1, num_warps=4)
+    return y
+
+
 def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y):
     """The v2 path (variants under measurement, same function as the default path): pre-dequantised bf16
     activations (A_BF16), one gate+up tile per program, split-K with fixed-order reduce kernels (the w13
@@ -716,12 +757,12 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     ordering computed in its kernel (no argsort launch). No host sync: CUDA-graph capturable."""
     if expand not in (0, 1, 5, 6):
         raise ValueError(f"fp4_moe v2 path: expand must be 0, 1, 5 or 6, got {expand}")
-    t, topk = topk_ids.shape
+    topk = topk_ids.shape[1]
     d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
     bm = {**_config(n_slots, bank.plan_experts), **config}["BM"]
     # the split-K plan from the plan geometry (an expert-parallel shard plans as its whole bank: same bits);
     # the routing below bounds its blocks with the bank's own count
-    n_blocks = max(1, min(n_slots, n_slots // bm + min(bank.plan_experts, n_slots)))
+    n_blocks = n_routing_blocks(n_slots, bank.plan_experts, bm)
     cfg = plan_v2(n_slots, bank.plan_experts, n_blocks, d, inter, sm_count(x.device), config)
     a_bf16 = bool(cfg.get("A_BF16", False))
     sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bm)
@@ -735,13 +776,7 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
         part = torch.empty((s13, n_slots, 2 * inter), dtype=torch.float32, device=x.device)
         _v2_gemm(xa, xs, bank.w13, bank.w13_scale, part, route_w, sorted_slots, block_expert, n_slots, 2 * inter,
                  d, 0.0, topk, ab, a_bf16, False, s13, cfg, expand)
-        ha = torch.empty((n_slots, inter), dtype=torch.bfloat16 if a_bf16 else torch.float8_e4m3fn, device=x.device)
-        hs = None if a_bf16 else torch.empty((n_slots, inter // ab), dtype=torch.float32, device=x.device)
-        block = 512 if inter % 512 == 0 else 128
-        _swiglu_split_reduce_kernel[(n_slots, inter // block)](
-            part, route_w, ha, hs if hs is not None else ha, inter, float(swiglu_limit), part.stride(0),
-            part.stride(1), ha.stride(0), hs.stride(0) if hs is not None else 0, S=s13, ACT_BLOCK=ab, BLOCK=block,
-            A_BF16=a_bf16, num_warps=4)
+        ha, hs = _reduce_split_w13(part, route_w, ab, swiglu_limit, a_bf16)
     else:
         h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
         _v2_gemm(xa, xs, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots, inter, d,
@@ -750,36 +785,22 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
             ha, hs = act_quant_dequant_bf16(h, ab), None
         else:
             ha, hs = act_quant(h, ab)
-    if s2 > 1:
-        rows = torch.empty((s2, n_slots, d), dtype=torch.float32, device=x.device)
-    else:
-        rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
+    rows = _w2_rows(s2, n_slots, d, x.device)
     _v2_gemm(ha, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter, 0.0, 1,
              ab, a_bf16, False, s2, cfg, expand)
-    bd = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if s2 > 1 else 0,
-                                             S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
-                                             PARTIAL=s2 > 1, num_warps=4)
-    return y
+    return _combine_rows(y, rows, topk_ids, s2)
 
 
 FP8_KEYS = ("FP8",)  # a config with any of these takes the FP8 form (`_fp4_moe_fp8`)
 
 
-def plan_fp8(n_slots: int, n_experts: int, n_blocks: int, d: int, inter: int, sms: int, config: dict) -> dict:
+def plan_fp8(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config: dict) -> dict:
     """The FP8 form's launch plan: BT (tokens per routing block) from `_config`'s BM, BW weight rows per
-    program, then `config` on top; S13 / S2 split-K counts as `plan_v2` (SPLIT_K None/0: auto)."""
-    base = _config(n_slots, n_experts)
-    cfg = dict(BT=base["BM"], BW=128, num_warps=4, num_stages=3)
+    program, then `config` on top; S13 / S2 split-K counts as `plan_v2` (SPLIT_K None/0: auto) over the
+    routing's `n_routing_blocks` of BT."""
+    cfg = dict(BT=_config(n_slots, n_experts)["BM"], BW=128, num_warps=4, num_stages=3)
     cfg.update({key: v for key, v in config.items() if key != "FP8"})
-    waves = cfg.get("WAVES", SPLIT_WAVES)
-    for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
-        want = cfg.get("SPLIT_K" + name[1:], cfg.get("SPLIT_K"))
-        s = split_k(n_blocks * triton.cdiv(n, cfg["BW"]), k, 128, sms, waves) if not want else int(want)
-        if s < 1 or (k // 128) % s:
-            raise ValueError(f"fp4_moe: SPLIT_K {s} must divide the {k // 128} K steps of 128")
-        cfg[name] = s
-    return cfg
+    return _plan_splits(cfg, n_routing_blocks(n_slots, n_experts, cfg["BT"]), cfg["BW"], d, inter, sms)
 
 
 def _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
@@ -787,43 +808,29 @@ def _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     the dot's left operand): activations quantised once into perm32 column order, w13 with the SwiGLU
     epilogue (or split-K partials + the split reduce, which quantises h into perm32 order), act_quant(h),
     w2, the ordered k-row sum. No host sync: CUDA-graph capturable."""
-    t, topk = topk_ids.shape
+    topk = topk_ids.shape[1]
     d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
     if ab % 32 or 128 % ab:
         raise ValueError(f"fp4_moe FP8 form: act_block {ab} must be 32, 64 or 128")
-    bt = {**dict(BT=_config(n_slots, bank.plan_experts)["BM"]), **config}["BT"]
-    n_blocks = max(1, min(n_slots, n_slots // bt + min(bank.plan_experts, n_slots)))
-    cfg = plan_fp8(n_slots, bank.plan_experts, n_blocks, d, inter, sm_count(x.device), config)
-    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bt)
+    cfg = plan_fp8(n_slots, bank.plan_experts, d, inter, sm_count(x.device), config)
+    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, cfg["BT"])
     route_w = topk_weights.contiguous().view(-1)
-    xq, xs = act_quant_k32perm(x, ab)
+    xq, xs = act_quant(x, ab, perm32=True)
     s13, s2 = cfg["S13"], cfg["S2"]
     if s13 > 1:
         part = torch.empty((s13, n_slots, 2 * inter), dtype=torch.float32, device=x.device)
         fp4_fp8_grouped_gemm(xq, xs, bank.w13, bank.w13_scale, part, route_w, sorted_slots, block_expert, n_slots,
                              2 * inter, 0.0, topk, ab, False, s13, cfg)
-        hq = torch.empty((n_slots, inter), dtype=torch.float8_e4m3fn, device=x.device)
-        hs = torch.empty((n_slots, inter // ab), dtype=torch.float32, device=x.device)
-        block = 512 if inter % 512 == 0 else 128
-        _swiglu_split_reduce_kernel[(n_slots, inter // block)](
-            part, route_w, hq, hs, inter, float(swiglu_limit), part.stride(0), part.stride(1), hq.stride(0),
-            hs.stride(0), S=s13, ACT_BLOCK=ab, BLOCK=block, A_BF16=False, PERM32=True, num_warps=4)
+        hq, hs = _reduce_split_w13(part, route_w, ab, swiglu_limit, False, perm32=True)
     else:
         h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
         fp4_fp8_grouped_gemm(xq, xs, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots,
                              inter, swiglu_limit, topk, ab, True, 1, cfg)
-        hq, hs = act_quant_k32perm(h, ab)
-    if s2 > 1:
-        rows = torch.empty((s2, n_slots, d), dtype=torch.float32, device=x.device)
-    else:
-        rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
+        hq, hs = act_quant(h, ab, perm32=True)
+    rows = _w2_rows(s2, n_slots, d, x.device)
     fp4_fp8_grouped_gemm(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d,
                          0.0, 1, ab, False, s2, cfg)
-    bd = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if s2 > 1 else 0,
-                                             S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
-                                             PARTIAL=s2 > 1, num_warps=4)
-    return y
+    return _combine_rows(y, rows, topk_ids, s2)
 
 
 PREFILL_V2 = dict(A_BF16=True)  # the default plan above 16 slots per expert (`_config`'s tiles), expand 6

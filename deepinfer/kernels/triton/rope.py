@@ -110,7 +110,7 @@ def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, invers
         _rope_kernel[(triton.cdiv(T, block_t), triton.cdiv(R, block_r))](
             x3, table[0], table[1], out, T, R, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
             D=d, HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
-            BLOCK_D=min(max(1, 4096 // (block_t * block_r)), triton.next_power_of_2(max(1, d - 2 * half))),
+            BLOCK_D=min(max(1, ROPE_ELEMENTS // (block_t * block_r)), triton.next_power_of_2(max(1, d - 2 * half))),
             INVERSE=bool(inverse), COPY_NOPE=not inplace, num_warps=4)
     return x if inplace else out.view(x.shape)
 
