@@ -7,7 +7,7 @@ CPU (needs triton, no GPU):
   a fresh process against the torch twin. Triton 3.6's interpreter has three numeric bugs that the
   subprocess patches (test-only, `_INTERPRETER_FIXES`): a dot of bf16 operands multiplies their raw uint16
   bit patterns; fp32 -> bf16 casts truncate; fp32 -> E4M3 "rtne" rounds ties up and drops the mantissa
-  carry (31.0 -> 16.0). With the GPU's rounding restored, every case equals the twin bit for bit (measured
+  carry (31.0 -> 16.0); and (with numpy 2) a loop bound that is a runtime int fails to convert. With the GPU's rounding restored, every case equals the twin bit for bit (measured
   0 bf16 ulps at these shapes: K <= 1024, the fp32 summation-order differences vanish in the bf16
   rounding); asserted: <= 2 ulps on any element. The interpreter does FP8 dots exactly (E4M3 -> fp16 ->
   fp32 products), so it checks the fp8 form's indexing and scale promotion, not Hopper's reduced-precision
@@ -121,8 +121,17 @@ def _convert_float(data, src, dst, rounding_mode):
     return _convert(data, src, dst, rounding_mode)
 
 
+_patch_tensor = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):  # a runtime int is a 1-element array there; numpy 2 refuses int() of it
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
 _interp.InterpreterBuilder.create_dot = _create_dot
 _interp._convert_float = _convert_float
+_interp._patch_lang_tensor = _patch_lang_tensor
 '''
 
 _INTERPRET_CHECK = _INTERPRETER_FIXES + '''
