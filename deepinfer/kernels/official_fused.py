@@ -7,7 +7,9 @@ steps `V4Block._hc_official` runs before a sublayer), `hc_post_fused` (hc_post r
 `moe_gate_sqrtsoftplus` (the V4 gate after its logits GEMM: sqrt-softplus, bias-only selection, top-k,
 renormalise, scale: exactly `V4MoE.route`'s ops), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
 `compress_decode_step` (one decode token per row through a compressor: state scatter, block pooling, overlap
-shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention._compress_step` ran).
+shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention._compress_step` ran),
+`sparse_attn_sink_paged` (the official sparse attention over rows read straight from the stored window ring
+and compressed cache: gather, the layout's decode, `official.sparse_attn_sink_official`).
 Must not: hold state or import the model or the reference oracle; change a rounding point of the
 unfused sequence (the engine may call either and must get the same bits on CPU).
 """
@@ -16,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from deepinfer import formats
-from deepinfer.kernels import torch_ops
+from deepinfer.kernels import official, torch_ops
 
 __all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
-           "compress_decode_step"]
+           "compress_decode_step", "sparse_attn_sink_paged"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -116,3 +118,36 @@ def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     pooled = torch_ops.compress_pool(kv_p, sc_p, False).to(BF16).to(F32)  # [B, w]
     entries = torch_ops.rms_norm(pooled, norm_weight, eps).to(BF16)
     return torch.where(complete.unsqueeze(1), entries, 0)
+
+
+def paged_rows(ring: torch.Tensor, comp: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
+    """The stored rows `idx` [T, K] names (-1 reads row 0; the attention masks it): row r < ring rows is
+    ring row r (the ring [slots, window, w] flattened), row r >= that is compressed row r - ring rows."""
+    flat = ring.flatten(0, -2)
+    n_ring = flat.shape[0]
+    rows = idx.clamp(min=0).long()
+    if comp is None or comp.shape[0] == 0:  # a window-only layer: (index values are not checked: no sync)
+        return flat[rows]
+    if comp.shape[1:] != flat.shape[1:] or comp.dtype != flat.dtype:
+        raise ValueError(f"sparse_attn_sink_paged: ring rows {tuple(flat.shape[1:])} {flat.dtype} and compressed "
+                         f"rows {tuple(comp.shape[1:])} {comp.dtype} differ")
+    in_ring = (rows < n_ring).unsqueeze(-1)
+    return torch.where(in_ring, flat[rows.clamp(max=n_ring - 1)], comp[(rows - n_ring).clamp(min=0)])
+
+
+def sparse_attn_sink_paged(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
+                           sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                           initial_max: float = float("-inf")) -> torch.Tensor:
+    """`official.sparse_attn_sink_official` over stored cache rows: q [T, H, d] bf16; ring [slots, window, w]
+    and comp [rows, w] hold `layout`'s packed bytes (or bf16 values when layout is None); idx [T, K] names
+    rows of the two (`paged_rows`), -1 = skip. The same rows in the same index order as attending over a
+    decoded pool, so the same bits."""
+    if idx.dim() != 2 or q.dim() != 3 or idx.shape[0] != q.shape[0]:
+        raise ValueError(f"sparse_attn_sink_paged: want q [T, H, d] and idx [T, K], got {tuple(q.shape)}, "
+                         f"{tuple(idx.shape)}")
+    stored = paged_rows(ring, comp, idx)  # [T, K, w]
+    kv = stored if layout is None else layout.load(stored)
+    T, K = idx.shape
+    pool_idx = torch.arange(T * K, device=idx.device).view(T, K)
+    return official.sparse_attn_sink_official(q, kv.reshape(T * K, -1), sink, torch.where(idx >= 0, pool_idx, -1),
+                                              scale, initial_max)

@@ -16,9 +16,10 @@ KERNEL_MODULES: tuple[str, ...] = (
     "fp8_gemm",   # fp8_linear: fused act_quant + block-scaled FP8 GEMM
     "fp4_moe",    # fp4_moe: routing + grouped FP4 expert GEMMs
     "sparse_attn",  # sparse_attn_sink_official(_v41): window + compressed sparse attention with the sink
+    "sparse_attn_paged",  # sparse_attn_sink_paged: the same over the stored FP8 ring / compressed rows (decode)
     "norm_hc",    # rms_norm, rms_norm_bf16, head_rms_norm, hc_pre_fused, hc_post, hc_post_fused
     "rope",       # rope32, rope_table32
-    "indexer",    # indexer_scores_bf16
+    "indexer",    # indexer_scores_bf16, indexer_scores_paged_bf16 (decode: straight from the packed key cache)
     "compress_pool",  # compress_pool: the compressor's gated softmax pooling
     "compress_decode",  # compress_decode_step: a decode token through one compressor (scatter..RMSNorm), 1 launch
     "kv_pack",    # kv_encode, kv_decode: the FP8 KV layouts' codec, and the FP4 index keys' (fp4_quant's kernels)

@@ -57,6 +57,14 @@ def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT,
 
 
 @triton.jit
+def e8m0_value(byte):
+    """E8M0 bytes -> fp32 2**(byte-127), every byte as the layout codec reads it: the fp32 exponent field,
+    except 0 (2**-127, a subnormal) and 0xFF (NaN)."""
+    b = byte.to(tl.int32)
+    return tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode_kernel(in8_ptr, in16_ptr, out_ptr, BPT,
                    QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
                    ROPE: tl.constexpr, ROPE_P2: tl.constexpr):
@@ -68,10 +76,7 @@ def _decode_kernel(in8_ptr, in16_ptr, out_ptr, BPT,
     m = bmask[:, None] & (j[None, :] < BLOCK)
     base = row * BPT
     v = tl.load(in8_ptr + base + ch, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    b = tl.load(in8_ptr + base + QDIM + 2 * ROPE + nb, mask=bmask, other=127).to(tl.int32)
-    # E8M0 byte b = 2**(b-127): the fp32 exponent field, except b=0 (2**-127, a subnormal) and 0xFF (NaN)
-    sbits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
-    s = sbits.to(tl.float32, bitcast=True)
+    s = e8m0_value(tl.load(in8_ptr + base + QDIM + 2 * ROPE + nb, mask=bmask, other=127))
     dim: tl.constexpr = QDIM + ROPE
     tl.store(out_ptr + row * dim + ch, (v * s[:, None]).to(tl.bfloat16), mask=m)
     if ROPE > 0:

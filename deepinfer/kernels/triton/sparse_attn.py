@@ -26,51 +26,66 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def head_block(q_ptr, H, stride_qt, stride_qh, initial_max, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A program's token and block of heads (axis 0 = head block, fastest: the programs of one token read the
+    same kv rows back to back, L2 reuse), its q tile, and the online softmax's initial state."""
+    t = tl.program_id(1).to(tl.int64)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=hmask[:, None], other=0.0)
+    run_max = tl.full((BLOCK_H,), initial_max, tl.float32)
+    return t, heads, hmask, dims, q, run_max, tl.zeros((BLOCK_H,), tl.float32), tl.zeros((BLOCK_H, D), tl.float32)
+
+
+@triton.jit
+def attend_block(q, kv, valid, run_max, run_sum, acc, scale, INTERPRET: tl.constexpr):
+    """One online-softmax step over a block of kv rows [BLOCK_K, D] in index order: scores = bf16 q.k in
+    fp32 times scale, invalid rows -inf; P rounded to bf16 before P.V. Returns (run_max, run_sum, acc)."""
+    if INTERPRET:  # the CPU interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+        s = tl.dot(q.to(tl.float32), tl.trans(kv).to(tl.float32))
+    else:
+        s = tl.dot(q, tl.trans(kv))  # bf16 operands, fp32 accumulation
+    s = s * scale  # [BLOCK_H, BLOCK_K]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(s, axis=1))
+    rescale = tl.exp(run_max - new_max)
+    p = tl.exp(s - new_max[:, None])
+    run_sum = run_sum * rescale + tl.sum(p, axis=1)
+    p16 = p.to(tl.bfloat16)  # the official kernel rounds P to bf16 before P.V
+    if INTERPRET:
+        pv = tl.dot(p16.to(tl.float32), kv.to(tl.float32))
+    else:
+        pv = tl.dot(p16, kv)
+    return new_max, run_sum, acc * rescale[:, None] + pv
+
+
+@triton.jit
+def finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh):
+    """The sink joins the denominator only; out = acc / sum in bf16."""
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    out = acc / (run_sum + tl.exp(sink - run_max))[:, None]
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(tl.bfloat16),
+             mask=hmask[:, None])
+
+
+@triton.jit
 def _sparse_attn_sink_kernel(
     q_ptr, kv_ptr, sink_ptr, idx_ptr, out_ptr,
     H, K, scale, initial_max,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    # axis 0 = head block (fastest): the programs of one token read the same kv rows back to back (L2 reuse)
-    hb = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    dims = tl.arange(0, D)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=hmask[:, None], other=0.0)
-
-    run_max = tl.full((BLOCK_H,), initial_max, tl.float32)
-    run_sum = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    t, heads, hmask, dims, q, run_max, run_sum, acc = head_block(q_ptr, H, stride_qt, stride_qh, initial_max, D,
+                                                                  BLOCK_H)
     for start in range(0, K, BLOCK_K):
         offs = start + tl.arange(0, BLOCK_K)
         rows = tl.load(idx_ptr + t * stride_it + offs, mask=offs < K, other=-1)
         valid = rows >= 0
         # invalid rows load zeros: P is 0 there anyway, and a -1 must never read outside the pool
         kv = tl.load(kv_ptr + rows.to(tl.int64)[:, None] * stride_kvn + dims[None, :], mask=valid[:, None], other=0.0)
-        if INTERPRET:  # the CPU interpreter's bf16 dot is wrong; fp32 operands give the same exact products
-            s = tl.dot(q.to(tl.float32), tl.trans(kv).to(tl.float32))
-        else:
-            s = tl.dot(q, tl.trans(kv))  # bf16 operands, fp32 accumulation
-        s = s * scale  # [BLOCK_H, BLOCK_K]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(s, axis=1))
-        rescale = tl.exp(run_max - new_max)
-        p = tl.exp(s - new_max[:, None])
-        run_sum = run_sum * rescale + tl.sum(p, axis=1)
-        p16 = p.to(tl.bfloat16)  # the official kernel rounds P to bf16 before P.V
-        if INTERPRET:
-            pv = tl.dot(p16.to(tl.float32), kv.to(tl.float32))
-        else:
-            pv = tl.dot(p16, kv)
-        acc = acc * rescale[:, None] + pv
-        run_max = new_max
-    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
-    run_sum = run_sum + tl.exp(sink - run_max)
-    out = acc / run_sum[:, None]
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(tl.bfloat16),
-             mask=hmask[:, None])
+        run_max, run_sum, acc = attend_block(q, kv, valid, run_max, run_sum, acc, scale, INTERPRET)
+    finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor) -> None:

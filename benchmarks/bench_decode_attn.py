@@ -1,0 +1,85 @@
+"""The batched decode step's sparse attention at V4-Flash dims (64 heads, d=512, v4_fp8_ds_mla entries of
+584 B, a 128-entry window ring per sequence plus K selected compressed entries): the paged op
+(`sparse_attn_sink_paged`: one kernel reading the packed entries) against what the step ran before it
+(gather the ring rows, decode, gather the compressed rows, decode, concatenate, the pool kernel), both
+replayed from CUDA graphs; plus the paged kernel's launch knobs. Bytes = the packed entries the index rows
+name (what the attention must read at least), against the copy rate measured in the same run.
+
+    PYTHONPATH=$PWD python benchmarks/bench_decode_attn.py     # writes $OUT/decode_attn.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deepinfer.cache.layouts import get_layout  # noqa: E402
+from deepinfer.kernels.triton.kv_pack import kv_decode  # noqa: E402
+from deepinfer.kernels.triton.sparse_attn import sparse_attn_sink_triton  # noqa: E402
+from deepinfer.kernels.triton.sparse_attn_paged import sparse_attn_sink_paged_triton  # noqa: E402
+import ceilings  # noqa: E402
+from timing import graph_replay_ms  # noqa: E402
+
+H, D, WIN = 64, 512, 128
+KNOBS = [dict(block_h=16, num_warps=8, num_stages=1), dict(block_h=16, num_warps=8, num_stages=2),
+         dict(block_h=64, num_warps=8, num_stages=1), dict(block_h=64, num_warps=8, num_stages=2)]
+
+
+def case(B: int, k_sel: int, g: torch.Generator):
+    layout = get_layout("v4_fp8_ds_mla", SimpleNamespace(head_dim=D, rope_head_dim=64, index_head_dim=128))
+    slots, n_comp = B + 1, max(4 * k_sel * B, 1024)
+    ring = layout.store((torch.randn(slots * WIN, D, device="cuda", generator=g) * 2).bfloat16()).view(slots, WIN, -1)
+    comp = layout.store((torch.randn(n_comp, D, device="cuda", generator=g) * 2).bfloat16())
+    slot = torch.randperm(slots, device="cuda", generator=g)[:B]
+    chosen = torch.randint(0, n_comp, (B, k_sel), device="cuda", generator=g)
+    win_rows = slot.unsqueeze(1) * WIN + torch.arange(WIN, device="cuda")
+    idx = torch.cat([win_rows, slots * WIN + chosen], dim=1).int()
+    pool_idx = torch.arange(B * (WIN + k_sel), device="cuda", dtype=torch.int32).view(B, -1)
+    q = torch.randn(B, H, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+
+    def before():  # the decode step up to 2026-12-02: gathers, two decode passes, the concatenation, the pool
+        pool = torch.cat([kv_decode(layout, ring[slot]).flatten(0, 1), kv_decode(layout, comp[chosen]).flatten(0, 1)])
+        return sparse_attn_sink_triton(q, pool, sink, pool_idx, D**-0.5)
+
+    def paged(**knobs):
+        return sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, D**-0.5, **knobs)
+
+    nbytes = B * (WIN + k_sel) * layout.bytes_per_token + 2 * q.numel() * 2
+    return before, paged, nbytes
+
+
+def main() -> None:
+    ceiling = ceilings.copy_bandwidth_gbs()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, lines = [], [f"copy ceiling {ceiling:.0f} GB/s"]
+    for B in (1, 8, 32, 128):
+        for k_sel in (64, 512):
+            before, paged, nbytes = case(B, k_sel, g)
+            ref = before()
+            entries = [("before: gather+decode+cat+pool", graph_replay_ms(before), True)]
+            for knobs in KNOBS:
+                try:
+                    same = torch.equal(paged(**knobs), ref)
+                except Exception as err:  # e.g. out of shared memory for a knob set: print, keep going
+                    lines.append(f"B={B} K={k_sel} {knobs}: {type(err).__name__}: {str(err)[:120]}")
+                    continue
+                entries.append((f"paged {knobs}", graph_replay_ms(lambda: paged(**knobs)), same))
+            for label, ms, same in entries:
+                gbs = nbytes / ms / 1e6
+                lines.append(f"B={B:4d} K={k_sel:4d} {label:60s} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
+                             f"{100 * gbs / ceiling:5.1f}% bits==before {same}")
+                rows.append(dict(B=B, K=k_sel, label=label, us=ms * 1e3, gbs=gbs, same=same))
+    print("\n".join(lines))
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "decode_attn.json"), "w") as f:
+            json.dump(dict(ceiling_gbs=ceiling, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
