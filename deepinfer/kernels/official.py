@@ -20,7 +20,7 @@ from deepinfer.kernels import torch_ops
 __all__ = ["qlinear", "blinear", "swiglu_bf16", "rope_freqs32", "rope_table32", "rope32", "rms_norm_bf16",
            "hadamard32",
            "indexer_scores_bf16",
-           "indexer_scores_batched_bf16",
+           "indexer_scores_batched_bf16", "indexer_scores_paged_bf16",
            "sparse_attn_sink_official", "sparse_attn_sink_official_v41"]
 
 ACT_BLOCK = 128
@@ -149,6 +149,38 @@ def indexer_scores_batched_bf16(q: torch.Tensor, weights: torch.Tensor, keys: to
     s = torch.einsum("bhd,bed->bhe", q.to(F32), keys.to(F32)).to(BF16)
     s = (s.relu() * weights.unsqueeze(-1)).to(BF16)
     return s.to(F32).sum(dim=1).to(BF16)
+
+
+def _check_indexer_paged(q: torch.Tensor, weights: torch.Tensor, store: torch.Tensor, entry_rows: torch.Tensor,
+                         hidden: torch.Tensor, layout) -> None:
+    """The argument contract of `indexer_scores_paged_bf16` (shared with its Triton twin): ValueError naming
+    what is wrong. A mismatched `hidden` would otherwise broadcast silently in masked_fill."""
+    if q.dim() != 3 or weights.shape != q.shape[:2]:
+        raise ValueError(f"indexer_scores_paged_bf16: want q [B, h, d] and weights [B, h]; got q {tuple(q.shape)}, "
+                         f"weights {tuple(weights.shape)}")
+    if entry_rows.dim() != 2 or entry_rows.shape[0] != q.shape[0] or hidden.shape != entry_rows.shape:
+        raise ValueError(f"indexer_scores_paged_bf16: want entry_rows and hidden [B={q.shape[0]}, E]; got entry_rows "
+                         f"{tuple(entry_rows.shape)}, hidden {tuple(hidden.shape)}")
+    if entry_rows.dtype not in (torch.int32, torch.int64) or hidden.dtype != torch.bool:
+        raise ValueError(f"indexer_scores_paged_bf16: entry_rows must be int32/int64 and hidden bool; got "
+                         f"{entry_rows.dtype}, {hidden.dtype}")
+    if store.dtype != torch.uint8 or store.dim() != 2 or store.shape[1] != layout.bytes_per_token:
+        raise ValueError(f"indexer_scores_paged_bf16: store must be uint8 [rows, {layout.bytes_per_token}] "
+                         f"({layout.name}); got {store.dtype} {tuple(store.shape)}")
+    if q.shape[2] != layout.dim:
+        raise ValueError(f"indexer_scores_paged_bf16: q head dim {q.shape[2]} != {layout.name} key dim {layout.dim}")
+
+
+def indexer_scores_paged_bf16(q: torch.Tensor, weights: torch.Tensor, store: torch.Tensor, entry_rows: torch.Tensor,
+                              hidden: torch.Tensor, layout) -> torch.Tensor:
+    """`indexer_scores_batched_bf16` on keys still packed in a paged cache: q [B, h, d] bf16, weights [B, h] bf16,
+    store uint8 [rows, layout.bytes_per_token] (one layer's packed index keys), entry_rows [B, E] (the cache row
+    of each sequence's entry j, every one a valid row), hidden [B, E] bool -> [B, E] bf16, -inf where hidden.
+    The gather, `layout.load` (the layout object is passed in: kernels never import cache), the batched scores
+    and the mask, as the batched decode step composes them; the reference of the fused Triton kernel."""
+    _check_indexer_paged(q, weights, store, entry_rows, hidden, layout)
+    keys = layout.load(store[entry_rows])  # [B, E, d] bf16
+    return indexer_scores_batched_bf16(q, weights, keys).masked_fill(hidden, float("-inf"))
 
 
 def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,

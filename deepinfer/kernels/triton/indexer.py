@@ -5,11 +5,18 @@ Owns:
   (query token, block of 64 entries): all heads' q.k in one MMA (fp32 accumulation), rounded to bf16, relu,
   times the bf16 head weight rounded to bf16, summed over heads in fp32, rounded to bf16. The [T, h, E]
   per-head scores never reach memory (the torch version writes them twice).
+* `indexer_scores_paged_bf16(q, weights, store, entry_rows, hidden, layout)`: the batched decode step's
+  scores straight from the packed FP4 index-key cache (the CUDA twin of `official.indexer_scores_paged_bf16`).
+  One program per (sequence, block of 64 entries) gathers its entries' 68-byte rows, decodes E2M1 x E8M0 to
+  bf16 in registers (exact) and runs `_indexer_scores_kernel`'s MMA and epilogue: the packed bytes are read
+  once, where gather + kv_decode + the torch scores move many times them (a gathered copy, a bf16 copy 4x
+  its size, that copy's fp32 upcast). Hidden entries are not read at all.
 The top-k after it stays `torch_ops.stable_topk` on CUDA too: `torch.sort(stable=True)` is stable there (a
 radix sort; tested with heavy ties in tests/test_kernels_attn.py), and measured on the H200 it beat a top-k
 over packed (score, position) int64 keys 4-10x (T=1, E=65536: 40 us vs 393 us; T=8192, E=2048: 345 us vs
 1684 us), so no kernel is registered for it.
-Must not: be imported off CUDA (imports triton); mask visibility (the caller sets invisible entries to -inf).
+Must not: be imported off CUDA (imports triton); import `cache` (the layout object is passed in);
+mask visibility in `indexer_scores_bf16` (the caller sets invisible entries to -inf there).
 """
 from __future__ import annotations
 
@@ -20,10 +27,25 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import official
+from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported
+from deepinfer.kernels.triton.kv_pack import e8m0_value
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def head_sum(q, keys, w, INTERPRET: tl.constexpr):
+    """q [BLOCK_H, D] bf16, keys [BLOCK_E, D] bf16, w [BLOCK_H] fp32 -> [BLOCK_E] fp32: all heads' q.k in one MMA
+    (fp32 accumulation), rounded to bf16, relu, times the head weight, rounded to bf16, summed over heads in fp32
+    (padded heads: weight 0, score 0). One function for both kernels: the same tile math, the same bits."""
+    if INTERPRET:  # the CPU interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+        s = tl.dot(q.to(tl.float32), tl.trans(keys).to(tl.float32))
+    else:
+        s = tl.dot(q, tl.trans(keys))  # [BLOCK_H, BLOCK_E] fp32
+    s = tl.maximum(s.to(tl.bfloat16).to(tl.float32), 0.0)
+    return tl.sum((s * w[:, None]).to(tl.bfloat16).to(tl.float32), axis=0)
 
 
 @triton.jit
@@ -38,15 +60,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, NH, E, stride_qt, strid
     dims = tl.arange(0, D)
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=hmask[:, None], other=0.0)
     keys = tl.load(k_ptr + ents.to(tl.int64)[:, None] * stride_ke + dims[None, :], mask=emask[:, None], other=0.0)
-    if INTERPRET:  # the CPU interpreter's bf16 dot is wrong; fp32 operands give the same exact products
-        s = tl.dot(q.to(tl.float32), tl.trans(keys).to(tl.float32))
-    else:
-        s = tl.dot(q, tl.trans(keys))  # [BLOCK_H, BLOCK_E] fp32
-    s = tl.maximum(s.to(tl.bfloat16).to(tl.float32), 0.0)
     w = tl.load(w_ptr + t * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
-    s = (s * w[:, None]).to(tl.bfloat16).to(tl.float32)  # padded heads: weight 0, score 0
-    total = tl.sum(s, axis=0)
-    tl.store(out_ptr + t * stride_ot + ents, total.to(tl.bfloat16), mask=emask)
+    tl.store(out_ptr + t * stride_ot + ents, head_sum(q, keys, w, INTERPRET).to(tl.bfloat16), mask=emask)
 
 
 def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -74,6 +89,95 @@ def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     return out
 
 
+@triton.jit
+def _e2m1_pair(byte):
+    """Packed E2M1 bytes (int32 0..255) -> (even value, odd value) in fp32, exact: the two codes become one word of
+    two fp16 bit patterns by two multiplies and masks (fp4_moe's expand 5: magnitude bits e1 e0 m to 11..9 /
+    27..25, signs to 15 / 31), i.e. 2**(e-15) * (1 + m/2) for e > 0 and the subnormal m * 2**-15: the E2M1
+    value times 2**-14, widened exactly to fp32 and times 2**14 (code 8 gives -0.0, as the layout codec)."""
+    b = byte.to(tl.uint32)
+    word = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & 0x80008000)
+    lo = (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    hi = (word >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return lo, hi
+
+
+@triton.jit
+def _indexer_scores_paged_kernel(q_ptr, w_ptr, store_ptr, rows_ptr, hidden_ptr, out_ptr, NH, E, stride_qb, stride_qh,
+                                 stride_wb, stride_rb, stride_hb, stride_ob, STRIDE_S: tl.constexpr,
+                                 D: tl.constexpr, NB: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                                 BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
+    # STRIDE_S, the cache's row stride (68 bytes for V4's keys), is a constexpr (one compile per layout) so the
+    # compiler knows every row starts 4-byte aligned and loads a row's value bytes as words, not byte by byte
+    b = tl.program_id(1).to(tl.int64)
+    ents = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = ents < E
+    hid = tl.load(hidden_ptr + b * stride_hb + ents, mask=emask, other=1) != 0
+    live = emask & ~hid  # hidden entries never touch the cache: a short sequence in a long bucket reads its own
+    if tl.max(live.to(tl.int32), axis=0) == 0:  # the whole block hidden: no q load, no decode, no MMA
+        tl.store(out_ptr + b * stride_ob + ents, tl.full([BLOCK_E], float("-inf"), tl.float32).to(tl.bfloat16),
+                 mask=emask)
+    else:
+        rows = tl.load(rows_ptr + b * stride_rb + ents, mask=live, other=0).to(tl.int64)
+        # the layout's entry: D/2 value bytes (byte i: value 2i in the low nibble, 2i + 1 in the high one), then
+        # NB E8M0 scale bytes, one per block of 2 * HALF values; viewed here as [entry, block, byte of block]
+        nb = tl.arange(0, NB)
+        row_base = rows[:, None] * STRIDE_S
+        byte = tl.load(store_ptr + row_base[:, :, None] + nb[None, :, None] * HALF + tl.arange(0, HALF)[None, None, :],
+                       mask=live[:, None, None], other=0).to(tl.int32)
+        sb = tl.load(store_ptr + row_base + D // 2 + nb[None, :], mask=live[:, None], other=127)
+        s = e8m0_value(sb)  # 2**(sb - 127) as the layout codec reads every byte
+        lo, hi = _e2m1_pair(byte)
+        lo = (lo * s[:, :, None]).to(tl.bfloat16)  # exact products, the layout codec's fp32 multiply
+        hi = (hi * s[:, :, None]).to(tl.bfloat16)
+        keys = tl.reshape(tl.interleave(lo, hi), (BLOCK_E, D))  # values 2i, 2i + 1 side by side: the key order
+        # from here on `_indexer_scores_kernel`'s q load, dot shape and epilogue (`head_sum`), so a query's scores
+        # come from the same tile math as the per-sequence path's kernel: on the GPU they are bit-identical to it
+        # (H200, 2026-12-02, tests/test_kernels_indexer_paged.py -m gpu; masked keys are 0 and only change their
+        # own columns, which are stored as -inf or not at all)
+        heads = tl.arange(0, BLOCK_H)
+        hmask = heads < NH
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=hmask[:, None],
+                    other=0.0)
+        w = tl.load(w_ptr + b * stride_wb + heads, mask=hmask, other=0.0).to(tl.float32)
+        total = tl.where(hid, float("-inf"), head_sum(q, keys, w, INTERPRET))
+        tl.store(out_ptr + b * stride_ob + ents, total.to(tl.bfloat16), mask=emask)
+
+
+def indexer_scores_paged_bf16(q: torch.Tensor, weights: torch.Tensor, store: torch.Tensor, entry_rows: torch.Tensor,
+                              hidden: torch.Tensor, layout) -> torch.Tensor:
+    """Same contract as `official.indexer_scores_paged_bf16`: q [B, h, d] bf16, weights [B, h] bf16, store uint8
+    [rows, bytes_per_token] (fp4_e8m0 packed index keys), entry_rows [B, E] int32/int64 (valid rows, hidden
+    entries included: they are not read), hidden [B, E] bool -> [B, E] bf16, -inf where hidden.
+    Other layouts (bf16 keys, the seed's FP8) and non-bf16 q / weights go to the torch twin."""
+    official._check_indexer_paged(q, weights, store, entry_rows, hidden, layout)
+    d = q.shape[2]
+    if (not fp4_codec_supported(layout) or d & (d - 1) or d < 16
+            or not (q.dtype == weights.dtype == torch.bfloat16)):
+        return official.indexer_scores_paged_bf16(q, weights, store, entry_rows, hidden, layout)
+    if store.stride(1) != 1:  # copying a whole layer's cache to fix this would cost more than the op saves
+        raise ValueError(f"indexer_scores_paged_bf16: store rows must be contiguous bytes; got strides "
+                         f"{store.stride()}")
+    B, nh, _ = q.shape
+    E = entry_rows.shape[1]
+    out = torch.empty(B, E, dtype=torch.bfloat16, device=q.device)
+    if B == 0 or E == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights.contiguous()
+    entry_rows = entry_rows if entry_rows.stride(-1) == 1 else entry_rows.contiguous()
+    hidden = (hidden if hidden.stride(-1) == 1 else hidden.contiguous()).view(torch.uint8)
+    block_h = max(16, triton.next_power_of_2(nh))
+    block_e = 64  # as indexer_scores_bf16: the same dot shape, hence the same scores
+    _indexer_scores_paged_kernel[(triton.cdiv(E, block_e), B)](
+        q, weights, store, entry_rows, hidden, out, nh, E, q.stride(0), q.stride(1), weights.stride(0),
+        entry_rows.stride(0), hidden.stride(0), out.stride(0), STRIDE_S=store.stride(0), D=d, NB=layout.n_scales,
+        HALF=layout.block // 2, BLOCK_H=block_h, BLOCK_E=block_e, INTERPRET=_interpreting(), num_warps=4)
+    return out
+
+
 REGISTRATIONS = {
     "indexer_scores_bf16": indexer_scores_bf16,
+    "indexer_scores_paged_bf16": indexer_scores_paged_bf16,
 }
