@@ -51,7 +51,7 @@ def cuda_launches(name: str, f_locals: dict) -> int:
 GROUPS = [  # (group, regex on the innermost model frame "file:function"); first match wins
     ("metadata (derive)", r"decode_metadata\.py:derive"),
     ("RoPE (tables + rotations)", r"decode_attention\.py:(rope|build_rope_table):"),
-    ("entry selection (shared per step)", r"decode_attention\.py:(build_ascending|build_pool_cols):"),
+    ("entry selection (shared per step)", r"decode_attention\.py:build_ascending:"),
     ("KV codec (cache encode/decode)", r"(decode_attention|cache)\.py:(_encode|_decode|encode|decode):"),
     ("attention q/kv norms", r"decode_attention\.py:rms:"),
     ("compressor", r"decode_attention\.py:(_compress_step|compress_decode)"),

@@ -8,15 +8,17 @@ ascending selection of non-indexer ratios, pool columns) goes through `step_memo
 (launches per step, not per layer).
 Same math and official rounding points as `V4Attention._forward_official` with fast=True; the differences
 are in layout only:
-* the new token's KV is written into the window ring FIRST, then each sequence's whole ring row is gathered
-  (in stored form) and decoded: the window keys are read straight from the ring by slot;
-* compressed entries are gathered for every sequence at once over `max_context // r` padded columns; ratio-4
-  layers with an indexer score them per sequence (`indexer_scores_batched_bf16`), hide invisible columns
-  with -inf and take the stable top-k (ties to the lower entry), then only the selected entries are decoded;
+* the new token's KV is written into the window ring FIRST; the attention then reads every key straight
+  from the stored caches (op `sparse_attn_sink_paged`: index rows name ring rows, then compressed rows; on
+  cuda one kernel decodes the packed FP8 entries in registers, no gathered or decoded copy);
+* compressed entries are addressed for every sequence at once over `max_context // r` padded columns;
+  ratio-4 layers with an indexer score them per sequence straight from the packed key cache
+  (`indexer_scores_paged_bf16`: invisible columns -inf) and take the stable top-k (ties to the lower entry);
 * compressor state is updated by a per-slot scatter; every row pools its state, and the entry is stored only
   where the completion mask says this token completed it (elsewhere the row's old bytes are written back).
 The sparse-attention index rows have the per-sequence path's order (window ascending, then the selection)
-with more -1 padding, so only summation order differs (GEMM shapes, batched dot products).
+with more -1 padding, so only summation order differs (GEMM shapes, batched dot products). The window ring
+and the compressed cache must share one layout (they do in every V4 revision: `cache/layouts.layouts_for`).
 Must not: import the oracle; allocate per-sequence state; read anything that lives on the host.
 """
 from __future__ import annotations
@@ -35,12 +37,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 def _encode(attn: V4Attention, lc: LayerCache, role: str, x: torch.Tensor) -> torch.Tensor:
     """`lc.encode` through the registry's `kv_encode`: one Triton kernel on cuda for the FP8 layouts (the
     torch codec is ~25 kernels), the layout's own codec elsewhere: the same bytes either way."""
-    return x if lc.layouts is None else kernels.get("kv_encode", attn.kdev)(lc.layouts[role], x)
-
-
-def _decode(attn: V4Attention, lc: LayerCache, role: str, stored: torch.Tensor) -> torch.Tensor:
-    """`lc.decode` through the registry's `kv_decode` (see `_encode`)."""
-    return stored if lc.layouts is None else kernels.get("kv_decode", attn.kdev)(lc.layouts[role], stored)
+    return kernels.get("kv_encode", attn.kdev)(lc.layouts[role], x)
 
 
 def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: DecodeRows) -> None:
@@ -102,41 +99,38 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
     q = rope(k("head_rms_norm")(q, attn.eps))
     kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]))  # [B, hd]
-    lc.ring[rows.window_slots, rows.ring_cols] = _encode(attn, lc, "window", kv)  # write first, read by slot
-    pool = _decode(attn, lc, "window", lc.ring[rows.window_slots]).flatten(0, 1)  # [B * win, hd]
-    idx = rows.window_idx  # a window-only layer attends over these alone (no cat: it would be a copy)
+    lc.ring[rows.window_slots, rows.ring_cols] = _encode(attn, lc, "window", kv)  # write first: the query sees it
+    idx = rows.window_rows  # a window-only layer attends over these alone (no cat: it would be a copy)
+    comp = None
     if r:
         compress_decode(attn, lc, x, rows)  # entries this token completes are visible to it
         rr = rows.ratios[r]
         E = rr.entry_rows.shape[1]
+        n_ring = lc.ring.shape[0] * lc.ring.shape[1]  # compressed row c is attention row n_ring + c
         if E:
+            comp = lc.comp
             if attn.has_indexer:
                 ihd, nh = cfg.index_head_dim, cfg.index_n_heads
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
                 q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
-                keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])  # [B, E, ihd]
-                scores = k("indexer_scores_batched_bf16")(q_idx, w_idx, keys).masked_fill(rr.hidden, float("-inf"))
+                # straight from the packed key cache (cuda: one kernel; hidden entries -inf, never read)
+                scores = k("indexer_scores_paged_bf16")(q_idx, w_idx, lc.index_keys, rr.entry_rows, rr.hidden,
+                                                        lc.layouts["index"])
                 top = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K], every pick in [0, E)
-                K = top.shape[1]
                 hid = top >= rr.visible.unsqueeze(1)  # picks past the visible entries
-                # = gather(sel.clamp(0)) and where(sel >= 0, cols, -1) of sel = where(hid, -1, top)
+                # = where(sel >= 0, row of sel, -1) of the official sel = where(hid, -1, top)
                 chosen = rr.entry_rows.gather(1, torch.where(hid, 0, top))  # [B, K] cache rows of the selection
-                def build_pool_cols() -> torch.Tensor:  # [B, K] pool rows after the B * win window rows
-                    return torch.arange(B * win, B * (win + K), device=x.device).view(B, K)
-
-                cols = step_memo(rows, ("pool cols", K), build_pool_cols)
-                idx = torch.cat([idx, torch.where(hid, -1, cols)], dim=1)
+                idx = torch.cat([idx, torch.where(hid, -1, chosen + n_ring)], dim=1)
             else:  # every entry ascending: the same rows for every layer of this ratio in the step
-                def build_ascending() -> tuple[torch.Tensor, torch.Tensor]:
-                    cols = torch.arange(B * win, B * (win + E), device=x.device).view(B, E)
-                    # hidden entries read entry 0's row (sel.clamp(min=0) of sel = -1), never attended
-                    return (torch.where(rr.hidden, rr.entry_rows[:, :1], rr.entry_rows),
-                            torch.cat([idx, torch.where(rr.hidden, -1, cols)], dim=1))
-                chosen, idx = step_memo(rows, ("ascending", r), build_ascending)
-            comp = _decode(attn, lc, "compressed", lc.comp[chosen]).flatten(0, 1)  # [B * K, hd]
-            pool = torch.cat([pool, comp])
-    o = k("sparse_attn_sink_official")(q, pool, p["attn_sink"], idx, attn.hd**-0.5)
+                def build_ascending() -> torch.Tensor:
+                    return torch.cat([idx, torch.where(rr.hidden, -1, rr.entry_rows + n_ring)], dim=1)
+                idx = step_memo(rows, ("ascending", r), build_ascending)
+    layout = lc.layouts["window"]  # fast numerics stores the packed layouts (model/cache.py: cache_layouts)
+    if comp is not None and layout != lc.layouts["compressed"]:
+        raise ValueError(f"decode attention reads the ring and the compressed cache as one layout; got "
+                         f"{layout.name} and {lc.layouts['compressed'].name}")
+    o = k("sparse_attn_sink_paged")(q, lc.ring, comp, layout, p["attn_sink"], idx, attn.hd**-0.5)
     o = rope(o, inverse=True)
     G = attn.G
     wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)

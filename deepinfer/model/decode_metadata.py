@@ -45,7 +45,7 @@ class DecodeRows:
     window_slots: torch.Tensor  # [B] ring rows
     state_slots: torch.Tensor  # [B] compressor-state rows
     ring_cols: torch.Tensor  # [B] p % window: where the new token's KV goes in the ring
-    window_idx: torch.Tensor  # [B, window] rows of the batch's gathered window pool [B * window], -1 = none
+    window_rows: torch.Tensor  # [B, window] flat ring rows (slot * window + column) of the window, -1 = none
     ratios: dict[int, RatioRows]
     # what the layers derive from these rows and share within the step (RoPE tables per frequency table,
     # the ascending selection of non-indexer ratios, pool columns), built by the first layer that needs it
@@ -73,7 +73,6 @@ class DecodeMetadata:
         # step-invariant index tensors of `derive`, built once per bucket (each would be a kernel per step)
         dev = self.device
         self._win_cols = torch.arange(window, device=dev)
-        self._ring_base = torch.arange(batch, device=dev).unsqueeze(1) * window
         self._entry_cols = {}  # ratio -> (j // entries_per_block, j % entries_per_block, j as [1, E])
         for r in self.ratios:
             epb = block_size // r
@@ -120,7 +119,7 @@ class DecodeMetadata:
         tables = b[:, _TABLE:]
         qlo = (pos - win + 1).clamp(min=0)
         wpos = qlo.unsqueeze(1) + self._win_cols  # ascending from the oldest visible position
-        window_idx = torch.where(wpos <= pos.unsqueeze(1), self._ring_base + wpos % win, -1)
+        window_rows = torch.where(wpos <= pos.unsqueeze(1), b[:, _WIN:_WIN + 1] * win + wpos % win, -1)
         ratios = {}
         for r in self.ratios:
             epb = self.block_size // r
@@ -131,4 +130,4 @@ class DecodeMetadata:
             new_row = tables.gather(1, (cur // epb).unsqueeze(1)).squeeze(1) * epb + cur % epb
             ratios[r] = RatioRows(entry_rows, visible, cols >= visible.unsqueeze(1),
                                   (pos + 1) % r == 0, new_row, cur * r)
-        return DecodeRows(pos, b[:, _WIN], b[:, _STATE], pos % win, window_idx, ratios)
+        return DecodeRows(pos, b[:, _WIN], b[:, _STATE], pos % win, window_rows, ratios)
