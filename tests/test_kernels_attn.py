@@ -6,6 +6,8 @@ tiny and real head counts and dims. Bounds (rel_err = |out - ref| / |ref|, Frobe
 twins' rounding points, so they differ only by fp32 summation order, which flips a bf16 rounding now and then:
 bf16 outputs <= 2e-3 (one bf16 ulp is 3.9e-3 relative at worst), fp32 outputs <= 1e-5. The sparse attention
 is also held against float64 math (torch_ops.sparse_attn_sink) at the bf16 level, 1e-2.
+hc_pre_fused also runs on the CPU under TRITON_INTERPRET (a fresh process) at small shapes, and its mix
+kernel's products are checked exact (one-hot rows) there and on the GPU.
 Also: the stable top-k (torch_ops.stable_topk, a stable sort) keeps ties toward the lower index on CUDA,
 where no Triton kernel replaces it (measured slower alternatives; see kernels/triton/indexer.py).
 """
@@ -133,30 +135,126 @@ def test_rms_norm_matches_torch(rows, D):
     assert torch.equal(norm_hc.rms_norm(x64, w.double(), 1e-6), torch_ops.rms_norm(x64, w.double(), 1e-6))
 
 
-def _hc_inputs(g, T, D, hc=4):
+def _hc_inputs(g, T, D, hc=4, device="cuda"):
     n = (2 + hc) * hc
-    x = (torch.randn(T, hc, D, generator=g, device="cuda") * 2).bfloat16()
-    fn = torch.randn(n, hc * D, generator=g, device="cuda") * (hc * D) ** -0.5
-    scale = torch.rand(3, generator=g, device="cuda") + 0.5
-    base = torch.randn(n, generator=g, device="cuda")
-    nw = torch.rand(D, generator=g, device="cuda") + 0.5
+    x = (torch.randn(T, hc, D, generator=g, device=device) * 2).bfloat16()
+    fn = torch.randn(n, hc * D, generator=g, device=device) * (hc * D) ** -0.5
+    scale = torch.rand(3, generator=g, device=device) + 0.5
+    base = torch.randn(n, generator=g, device=device)
+    nw = torch.rand(D, generator=g, device=device) + 0.5
     return x, fn, scale, base, nw
+
+
+def _hc_pre_errors(T, D, config=None, device="cuda"):
+    """rel_err of norm_hc.hc_pre_fused (launch `config`) against its torch twin: (y, post, comb)."""
+    from deepinfer.kernels.triton import norm_hc
+
+    g = torch.Generator(device=device).manual_seed(T + D)
+    args = _hc_inputs(g, T, D, device=device)
+    y, post, comb = norm_hc.hc_pre_fused(*args, 4, 20, 1e-6, 1e-6, config=config)
+    ry, rpost, rcomb = official_fused.hc_pre_fused(*args, 4, 20, 1e-6, 1e-6)
+    assert y.dtype == torch.bfloat16 and post.dtype == comb.dtype == torch.float32
+    return rel_err(y, ry), rel_err(post, rpost), rel_err(comb, rcomb)
+
+
+def _check_hc_mix_exact(device):
+    """The mix kernel's fp32 products are exact (fn split into three bf16 parts in the kernel): token t is a
+    one-hot row x[t] = 2^e_t at column k_t, so its partials must sum to exactly 2^e_t * fn[:, k_t] and its
+    ssq to 4^e_t, for fn values of full 24-bit significands from 2^-90 to 2^90. A dropped or wrong part
+    shows in the last bits here (dropping lo moves post / comb only ~1e-6 from the twin, inside the bounds
+    of the comparisons). Several launch plans: one split, ragged K (KD = 200 is no multiple of BLOCK_K),
+    ragged splits, small tiles."""
+    from deepinfer.kernels.triton import norm_hc
+
+    g = torch.Generator().manual_seed(3)
+    T, KD, n_out = 40, 200, 24
+    sign = torch.randint(0, 2, (n_out, KD), generator=g) * 2.0 - 1
+    fn = sign * (1 + torch.rand(n_out, KD, generator=g)) * 2.0 ** torch.randint(-90, 91, (n_out, KD), generator=g)
+    cols = torch.randperm(KD, generator=g)[:T]
+    pow2 = 2.0 ** torch.randint(-4, 5, (T,), generator=g)
+    x = torch.zeros(T, KD)
+    x[torch.arange(T), cols] = pow2
+    x, fn = x.bfloat16().to(device), fn.to(device)
+    want = (fn.double()[:, cols].T * pow2.double().to(device)[:, None])
+    for config in (None, dict(BLOCK_T=16, BLOCK_K=32, SPLITS=5), dict(BLOCK_T=32, BLOCK_K=64, SPLITS=2)):
+        plan = norm_hc.mix_plan(T, KD, config)
+        part, ssq = norm_hc.hc_mix_partials(x, fn, plan)
+        assert part.shape == (plan["SPLITS"], T, n_out) and ssq.shape == (plan["SPLITS"], T), plan
+        got = part.double().sum(0)  # one nonzero split per token: the double sum is exact
+        bad = (got != want).sum().item()
+        assert bad == 0, f"{plan}: {bad} of {got.numel()} partial sums are not the exact product"
+        assert torch.equal(ssq.double().sum(0), pow2.double().to(device) ** 2), plan
+
+
+_HC_PRE_INTERPRET = """
+# the interpreter patched as in test_kernels_fp8_linear: fp32 -> bf16 rounds to nearest even as on the GPU
+# (y's bf16 roundings), and a runtime loop bound works under numpy 2
+exec(__import__("test_kernels_fp8_linear")._INTERPRETER_FIXES)
+import test_kernels_attn as t
+
+t._check_hc_mix_exact("cpu")
+for T, D, config in [(5, 64, None), (70, 256, None), (5, 48, None),
+                     (70, 256, dict(BLOCK_T=32, BLOCK_K=32, SPLITS=3))]:
+    e = t._hc_pre_errors(T, D, config, device="cpu")
+    print(f"hc_pre T={T} D={D} {config}: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
+    assert e[0] <= t.BF16_BOUND and e[1] <= t.F32_BOUND and e[2] <= t.F32_BOUND, (T, D, config, e)
+print("ok")
+"""
+
+
+def test_hc_pre_fused_matches_twin_under_the_interpreter():
+    """norm_hc.hc_pre_fused on CPU tensors through Triton's interpreter (a fresh process: the flag is read at
+    import): the mix kernel's products exact, and y / post / comb against the torch twin at small shapes
+    (ragged K, several token blocks, a non-default launch plan)."""
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    res = run_interpreted(_HC_PRE_INTERPRET, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_hc_mix_plan():
+    """Default launch plans (decode, batched decode, prefill) tile K without an empty split; a config
+    overrides; bad configs and an x that is not bf16 name what was wrong."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.norm_hc import hc_pre_fused, mix_plan
+
+    KD = 4 * 4096
+    for T in (1, 7, 128, 1500, 8192):
+        p = mix_plan(T, KD)
+        assert p["K_CHUNK"] % p["BLOCK_K"] == 0 and (p["SPLITS"] - 1) * p["K_CHUNK"] < KD <= p["SPLITS"] * p["K_CHUNK"]
+    assert mix_plan(1, KD)["SPLITS"] == 32  # a decode token spreads the fn read (the sweep's best whole op)
+    p = mix_plan(8192, KD, dict(BLOCK_T=64, SPLITS=3, num_stages=2))
+    assert (p["BLOCK_T"], p["SPLITS"], p["num_stages"], p["K_CHUNK"]) == (64, 3, 2, 5504)
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        mix_plan(1, KD, dict(BLOCK_N=64))
+    with pytest.raises(ValueError, match="BLOCK_K=48"):
+        mix_plan(1, KD, dict(BLOCK_K=48))
+    with pytest.raises(ValueError, match="SPLITS=0"):
+        mix_plan(1, KD, dict(SPLITS=0))
+    x, *rest = _hc_inputs(torch.Generator().manual_seed(0), 2, 64, device="cpu")
+    with pytest.raises(ValueError, match="torch.float32"):
+        hc_pre_fused(x.float(), *rest, 4, 20, 1e-6, 1e-6)
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("T,D", [(1, 256), (7, 256), (32, 4096), (1500, 4096)])
-def test_hc_pre_fused_matches_twin(T, D):
-    _, norm_hc, *_ = _cuda_kernels()
-    g = torch.Generator(device="cuda").manual_seed(T + D)
-    args = _hc_inputs(g, T, D)
-    y, post, comb = norm_hc.hc_pre_fused(*args, 4, 20, 1e-6, 1e-6)
-    ry, rpost, rcomb = official_fused.hc_pre_fused(*args, 4, 20, 1e-6, 1e-6)
-    e = (rel_err(y, ry), rel_err(post, rpost), rel_err(comb, rcomb))
-    print(f"hc_pre T={T} D={D}: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
+@pytest.mark.parametrize("T,D,config", [
+    (1, 256, None), (7, 256, None), (32, 4096, None), (1500, 4096, None), (8192, 4096, None),
+    (1, 4096, dict(SPLITS=128, BLOCK_K=64, num_stages=3)),
+    (1500, 4096, dict(BLOCK_T=64, BLOCK_K=128, SPLITS=5, num_warps=4, num_stages=3)),
+])
+def test_hc_pre_fused_matches_twin(T, D, config):
+    e = _hc_pre_errors(T, D, config)
+    print(f"hc_pre T={T} D={D} {config}: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
     # the mix GEMM sums 4D products in another order than cuBLAS: fp32-level, amplified a little by Sinkhorn
     assert e[0] <= BF16_BOUND and e[1] <= 1e-4 and e[2] <= 1e-4
-    assert y.dtype == torch.bfloat16 and post.dtype == comb.dtype == torch.float32
+
+
+@gpu
+@needs_cuda
+def test_hc_mix_products_exact_on_tensor_cores():
+    _check_hc_mix_exact("cuda")
 
 
 @gpu

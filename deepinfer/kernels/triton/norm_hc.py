@@ -9,7 +9,9 @@ Owns:
   `V4Block._hc_official` does before the sublayer, in two launches (split-K partials of the mix GEMM over
   blocks of tokens, then per token: partial sums, r-normalisation, Sinkhorn, collapse, bf16 round, RMSNorm,
   bf16 round). Its torch twin is
-  `kernels.official_fused.hc_pre_fused`: exactly the sequence of torch ops the engine runs today.
+  `kernels.official_fused.hc_pre_fused`: exactly the sequence of torch ops the engine runs today. The mix
+  GEMM runs on bf16 tensor cores with exact products (fn split in three bf16 parts); `mix_plan` is its
+  launch geometry, which `hc_pre_fused(..., config=)` overrides (the benchmark's sweep).
 * `hc_post(f, residual, post, comb)`: registered under the torch op's name (fp32 result);
   `hc_post_fused(...)` writes the bf16 residual directly (the official path rounds right after).
 float64 inputs (exact numerics on a GPU) fall back to the torch ops: these kernels compute in fp32.
@@ -137,12 +139,30 @@ def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- hc_pre
 @triton.jit
+def _bf16_split3(w):
+    """fp32 w -> bf16 (hi, mid, lo) with hi + mid + lo == w exactly, so three bf16 MMAs give fp32 products.
+    Why exact: hi = bf16(w) keeps w's top 8 significand bits (rounded); r = w - hi, a rounding error, is a
+    multiple of ulp(w) no larger than half an ulp of hi: at most 16 significant bits, exact in fp32. mid =
+    bf16(r) takes its top 8 and r - mid (exact again) keeps at most the last 8, which bf16 holds: 24 = 3 x 8.
+    Needs |w| below bf16's max (3.39e38, else hi is inf) and >= 2^-103 (ulp(w) >= 2^-126: no part subnormal,
+    which the GPU would flush); fn's weights (~1e-2) are far from both."""
+    hi = w.to(tl.bfloat16)
+    r = w - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chunk,
                            BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
                            INTERPRET: tl.constexpr):
     """Split-K partials of x[t] @ fn.T and of sum(x[t]^2) over the columns [split*k_chunk, +k_chunk) of the
-    flattened hc streams x [T, KD]: part [splits, T, n_out], ssq [splits, T]. A decode token alone still
-    spreads the 1.5 MB fn read over many programs."""
+    flattened hc streams x [T, KD] bf16 (fn [n_out, KD] fp32): part [splits, T, n_out], ssq [splits, T].
+    fp32-matmul accuracy from bf16 tensor cores: x is bf16 already and fn goes in as three bf16 parts
+    (`_bf16_split3`), so every product x*part is exact (8 x 8 significand bits) and x*hi + x*mid + x*lo is
+    x*fn; only the fp32 accumulation's order and rounding differ from an fp32 GEMM. Replaces an fp32 upcast
+    of x and tf32x3 dots (H200, T=8192, D=4096: ~380 us, latency-bound, where the HBM read of x is ~64 us)."""
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -150,25 +170,28 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
     outs = tl.arange(0, BLOCK_O)
     omask = outs < n_out
     acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
-    ssq = tl.zeros((BLOCK_T,), tl.float32)
+    sq = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)  # x^2 per column slot: one cross-thread sum, after the loop
     k_lo = split * k_chunk
-    for k0 in range(k_lo, k_lo + k_chunk, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_chunk, BLOCK_K):
+        ks = k_lo + k0 + tl.arange(0, BLOCK_K)
         kmask = ks < KD
         x = tl.load(x_ptr + toks.to(tl.int64)[:, None] * KD + ks[None, :], mask=tmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(fn_ptr + outs[:, None] * KD + ks[None, :], mask=omask[:, None] & kmask[None, :], other=0.0)
-        ssq += tl.sum(x * x, axis=1)
-        if INTERPRET:
-            acc += tl.dot(x, tl.trans(w))
+                    other=0.0)
+        w = tl.load(fn_ptr + outs[None, :] * KD + ks[:, None], mask=kmask[:, None] & omask[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+        hi, mid, lo = _bf16_split3(w)  # [BLOCK_K, BLOCK_O]: fn's tile transposed
+        if INTERPRET:  # the CPU interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+            acc = tl.dot(xf, hi.to(tl.float32), acc)
+            acc = tl.dot(xf, mid.to(tl.float32), acc)
+            acc = tl.dot(xf, lo.to(tl.float32), acc)
         else:
-            # three tf32 MMAs per product (hi*hi + hi*lo + lo*hi): fp32-level accuracy at tensor-core speed
-            # (H200: post/comb within 3e-7 of the cuBLAS fp32 twin; T=8192, D=4096 in 0.53 ms where fp32 FMA
-            # dots without split-K took 2.5 ms, and T=1 in 0.12 ms instead of 0.62)
-            acc += tl.dot(x, tl.trans(w), input_precision="tf32x3")
+            acc = tl.dot(x, hi, acc)
+            acc = tl.dot(x, mid, acc)
+            acc = tl.dot(x, lo, acc)
     base = split.to(tl.int64) * T
     tl.store(part_ptr + (base + toks)[:, None] * n_out + outs[None, :], acc, mask=tmask[:, None] & omask[None, :])
-    tl.store(ssq_ptr + base + toks, ssq, mask=tmask)
+    tl.store(ssq_ptr + base + toks, tl.sum(sq, axis=1), mask=tmask)
 
 
 @triton.jit
@@ -176,7 +199,9 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
                                  T, D, splits, iters, hc_eps, norm_eps,
                                  HC: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token: the r-normalised mixes from the split-K partials (summed in split order: deterministic),
-    Sinkhorn split, collapse of its hc streams, bf16 round, RMSNorm, bf16 round."""
+    Sinkhorn split, collapse of its hc streams, bf16 round, RMSNorm, bf16 round. (Tried 2026-12-02: loading
+    the streams first, to overlap their latency with the Sinkhorn chain: H200 8k prefill 152 -> 197 us per
+    call, decode b1 8.1 -> 9.2 us, b128 10.9 -> 9.5 us; reverted.)"""
     t = tl.program_id(0).to(tl.int64)
     n_mix = (2 + HC) * HC
     j = tl.arange(0, HC)
@@ -228,16 +253,76 @@ def _check_hc_pre(x, fn, scale, base, norm_weight, hc):
     _need(tuple(norm_weight.shape) == (D,), f"hc_pre: norm weight must be [{D}], got {tuple(norm_weight.shape)}")
 
 
+_MIX_PROGRAMS = 264  # 2 programs per SM of the H200 (132 SMs)
+_MIX_KEYS = ("BLOCK_T", "BLOCK_K", "SPLITS", "num_warps", "num_stages")
+
+
+def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
+    """Launch geometry of `_hc_mix_partial_kernel` for T tokens of KD = hc*D columns: BLOCK_T tokens per
+    program, BLOCK_K columns per step, SPLITS programs along K (each K_CHUNK columns, a multiple of BLOCK_K;
+    SPLITS is lowered so no split is empty), num_warps, num_stages; `config`'s keys on top (the GPU sweep in
+    benchmarks/bench_attn_kernels.py). Defaults from that sweep on the H200 (2026-12-02, D=4096, timed as
+    the whole hc_pre_fused op, results/hc_indexer_h200_2026-12-02_s3.log):
+    * T <= 16 (decode): one block of 16 tokens (the smallest MMA), so the work is reading fn (24 x KD fp32,
+      1.5 MB at D=4096) and split-K spreads it: 32 splits of 512 columns, 4 steps of 128, 4 loads in flight
+      (num_stages 5; Triton keeps num_stages - 1 buffers). T=1: 15.4 us; 64 splits 16.4, 128 splits 21.7:
+      the collapse kernel sums a token's splits one after the other, so more splits cost it more than they
+      save the mix.
+    * T <= 1024: 64 tokens (one warpgroup's MMA: M=64), 4 warps, BLOCK_K 128, 2 stages, 32 splits: T=128
+      21.1 us (64 splits of 64-column steps 22.2, 128 splits 32.2).
+    * larger: 128 tokens over 8 warps (two warpgroups), num_stages 4: three 24 KB buffers (x 128x64 bf16,
+      fn 64x32 fp32), 84 KB of shared memory with the bf16 parts and 109 registers (sm_90 compile), two
+      programs per SM; splits until ~2 programs per SM (T=8192: 64 token blocks x 4 splits). T=8192: mix
+      103 us (2.65 TB/s of x; the tf32x3 kernel before it took ~380 us), the whole op 255 us; 2 or 8 splits,
+      BLOCK_K 128 or 256 tokens per program measured no better.
+    At least 512 columns per split."""
+    if T <= 16:
+        cfg = dict(BLOCK_T=16, BLOCK_K=128, num_warps=4, num_stages=5)
+    elif T <= 1024:
+        cfg = dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=2)
+    else:
+        cfg = dict(BLOCK_T=128, BLOCK_K=64, num_warps=8, num_stages=4)
+    cfg["SPLITS"] = max(1, min(round(_MIX_PROGRAMS / triton.cdiv(T, cfg["BLOCK_T"])), KD // 512))
+    bad = sorted(set(config or {}) - set(_MIX_KEYS))
+    _need(not bad, f"hc_pre: unknown config keys {bad}; known: {_MIX_KEYS}")
+    cfg.update(config or {})
+    for key in ("BLOCK_T", "BLOCK_K"):
+        v = cfg[key]
+        _need(v >= 16 and v & (v - 1) == 0, f"hc_pre: {key}={v} must be a power of two >= 16 (the MMA's minimum)")
+    _need(cfg["SPLITS"] >= 1 and cfg["num_stages"] >= 1, f"hc_pre: SPLITS={cfg['SPLITS']} and "
+          f"num_stages={cfg['num_stages']} must be >= 1")
+    block_k = cfg["BLOCK_K"]
+    cfg["K_CHUNK"] = triton.cdiv(triton.cdiv(KD, cfg["SPLITS"]), block_k) * block_k
+    cfg["SPLITS"] = triton.cdiv(KD, cfg["K_CHUNK"])
+    return cfg
+
+
+def hc_mix_partials(x2: torch.Tensor, fn: torch.Tensor, plan: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_hc_mix_partial_kernel` under `plan` (`mix_plan`): x2 [T, KD] bf16, fn [n_out, KD] ->
+    part [splits, T, n_out], ssq [splits, T] fp32."""
+    T, KD = x2.shape
+    n_out = fn.shape[0]
+    splits = plan["SPLITS"]
+    part = torch.empty(splits, T, n_out, dtype=F32, device=x2.device)
+    ssq = torch.empty(splits, T, dtype=F32, device=x2.device)
+    _hc_mix_partial_kernel[(triton.cdiv(T, plan["BLOCK_T"]), splits)](
+        x2, fn.to(F32).contiguous(), part, ssq, T, KD, n_out, plan["K_CHUNK"],
+        BLOCK_T=plan["BLOCK_T"], BLOCK_O=triton.next_power_of_2(n_out), BLOCK_K=plan["BLOCK_K"],
+        INTERPRET=_interpreting(), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    return part, ssq
+
+
 def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                  norm_weight: torch.Tensor, hc: int, iters: int, hc_eps: float,
-                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 norm_eps: float, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, hc, D] bf16 residual streams -> y [T, D] bf16 (collapsed, normed sublayer input),
-    post [T, hc] fp32, comb [T, hc, hc] fp32 (Sinkhorn-normalised; hc_post contracts its first index)."""
+    post [T, hc] fp32, comb [T, hc, hc] fp32 (Sinkhorn-normalised; hc_post contracts its first index).
+    config: the mix kernel's launch override (`mix_plan`)."""
     _check_hc_pre(x, fn, scale, base, norm_weight, hc)
     if _fallback(x, fn):
         return official_fused.hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps)
+    _need(x.dtype == BF16, f"hc_pre: x must be bf16 (an MMA operand as it is) or float64 (the twin), got {x.dtype}")
     T, _, D = x.shape
-    n_mix = (2 + hc) * hc
     x = x.contiguous()
     dev = x.device
     y = torch.empty(T, D, dtype=BF16, device=dev)
@@ -245,22 +330,12 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     comb = torch.empty(T, hc, hc, dtype=F32, device=dev)
     if T == 0:
         return y, post, comb
-    KD, block_t, block_k = hc * D, 64 if T >= 1024 else 16, 64
-    t_blocks = triton.cdiv(T, block_t)
-    # split the 4D reduction until ~2 programs per SM (132 on the H200); at least 512 columns per split
-    splits = max(1, min(triton.cdiv(264, t_blocks), triton.cdiv(KD, 512)))
-    k_chunk = triton.cdiv(triton.cdiv(KD, splits), block_k) * block_k
-    splits = triton.cdiv(KD, k_chunk)
-    part = torch.empty(splits, T, n_mix, dtype=F32, device=dev)
-    ssq = torch.empty(splits, T, dtype=F32, device=dev)
-    _hc_mix_partial_kernel[(t_blocks, splits)](
-        x, fn.to(F32).contiguous(), part, ssq, T, KD, n_mix, k_chunk,
-        BLOCK_T=block_t, BLOCK_O=triton.next_power_of_2(n_mix), BLOCK_K=block_k, INTERPRET=_interpreting(),
-        num_warps=4)
+    plan = mix_plan(T, hc * D, config)
+    part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
     block_d = triton.next_power_of_2(D)
     _hc_sinkhorn_collapse_kernel[(T,)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
-        y, post, comb, T, D, splits, int(iters), float(hc_eps), float(norm_eps),
+        y, post, comb, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
         HC=hc, BLOCK_D=block_d, num_warps=max(1, min(16, block_d * hc // 1024)))
     return y, post, comb
 
