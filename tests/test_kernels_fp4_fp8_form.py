@@ -11,7 +11,7 @@ rel_err 0 .. 1.1e-6, at most 0.016 row ulps (|diff| over the bf16 ulp of the row
 rel_err <= 1e-3 and <= 4 row ulps.
 GPU (`-m gpu`): the PTX conversion equals the tl form bit for bit for all 65 536 values of each half of a
 word; the op against the twin at V4-Flash dims (T 1, 8, 32, 128, 512) and at small dims with act block 32,
-rel_err <= 5e-3 (expand 3's bound, for the same reason: the products are exact, but Hopper's FP8 MMA sums the
+rel_err <= 5e-3 (the bound of the removed expand 3, for the same reason: the products are exact, but Hopper's FP8 MMA sums the
 32 products of a dot with reduced precision, so gate/up round to bf16 the other way now and then; measured on
 the H200 2026-12-02: 1.4e-3 at V4-Flash dims T >= 8, under 1e-3 at T = 1 and at the small dims); CUDA-graph
 replay == eager bit for bit (the captured output poisoned before the replay).

@@ -22,12 +22,12 @@ the twin); H200 2026-11-29, one run, V4-Flash dims, decode T=1 as CUDA-graph rep
   TFLOP/s; variant 0 measured 5.2 / 20.1 ms in the run of 190d767); 2 tl.dot_scaled 143 us (T=128 4.1 ms,
   T=8192 19.2 ms).
   Default: 1. Narrower decode tiles (BN=32) were slower (227-239 us).
-  3 (H200, 2026-12-01, benchmarks/bench_fp4_moe.py): E4M3 codes by byte ops and FP8 tensor-core dots of 32 K,
-  each promoted into fp32 with scale_a x scale_w = the official fp4_gemm's own Hopper math. Slower than 1
-  everywhere: T=1 127 vs 113 us, T=128 3.6 vs 2.9 ms, T=8192 68 vs 16 ms (every 32 of K the dot must finish
-  before `acc +=`, which serialises the wgmma pipeline; Triton 3.6 has no warp-specialised ping-pong to
-  hide it). Its error: 0 vs the twin with BM=16 (mma.sync), ~1.4e-3 with BM >= 64 (wgmma's reduced-precision
-  accumulation within 32 products). Kept as a tested variant, not the default.
+  3 (H200, 2026-12-01, benchmarks/bench_fp4_moe.py; removed 2026-12-02): E4M3 codes by byte ops and FP8
+  tensor-core dots of 32 K, each promoted into fp32 with scale_a x scale_w = the official fp4_gemm's own
+  Hopper math. Slower than 1 everywhere: T=1 127 vs 113 us, T=128 3.6 vs 2.9 ms, T=8192 68 vs 16 ms (every
+  32 of K the dot must finish before `acc +=`, which serialises the wgmma pipeline; Triton 3.6 has no
+  warp-specialised ping-pong to hide it). Superseded by the FP8 form (`kernels/triton/fp4_fp8_gemm.py`,
+  config FP8: the same math, faster) and removed with its tests (git history: 659a7a8).
   Also tried and dropped the same day: expanding the packed tile where it was loaded (low / high nibbles
   into two bf16 tiles, even- and odd-K activation columns, two dots per step, no interleave): 1.3x slower
   at T=1 and 5x at T=8192 (the strided activation loads and doubled dots cost more than the interleave).
@@ -68,7 +68,6 @@ FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotio
 # FP4 -> bf16 expansion inside the GEMM (the same exact operand values; only the instruction count differs)
 EXPANSIONS = {0: "fp32 bit assembly per code", 1: "fp16 bit trick (4 int ops per byte)",
               2: "tl.dot_scaled (Triton's microscaling dot, upcast to bf16 on Hopper)",
-              3: "E4M3 codes by byte ops, FP8 tensor-core dots per 32 of K (the official fp4_gemm on SM90)",
               5: "fp16 bit trick, both codes of a byte in one 32-bit word by two multiplies (fewer int ops)",
               6: "bf16 bit patterns of both codes in one word, times the scale by one bf16x2 multiply"}
 DEFAULT_EXPAND = 1
@@ -405,65 +404,6 @@ def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
 
 
 @triton.jit
-def _e2m1_bytes_to_e4m3(packed):
-    """uint8 [R, C] (two E2M1 codes per byte, low nibble = even K) -> E4M3 [R, 2C] holding each value TIMES
-    2**-6, by byte ops alone: the magnitude bits e1 e0 m go to E4M3 bits 4..2 (exponent field e, top mantissa
-    bit m) and the sign to bit 7, so the code reads 2**(e-7) * (1 + m/2) for e > 0 and m * 2**-7 for e == 0
-    (an E4M3 subnormal): exactly the E2M1 value times 2**-6. The caller folds 2**6 into the block scale."""
-    lo = ((packed & 0x7) << 2) | ((packed & 0x8) << 4)
-    hi = ((packed >> 2) & 0x1C) | (packed & 0x80)
-    return tl.interleave(lo, hi).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def _fp4_fp8mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sorted_slots_ptr,
-                       block_expert_ptr, n_slots, N, limit,
-                       stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                       K: tl.constexpr, A_ROW_DIV: tl.constexpr, ACT_BLOCK: tl.constexpr, GATED: tl.constexpr,
-                       KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """`_fp4_grouped_gemm_kernel`'s contract with the official fp4_gemm's own Hopper math: the E4M3 activation
-    codes and the weights' E2M1 values as E4M3 (exact) enter FP8 tensor-core dots of 32 K each (one per
-    E8M0 weight scale); each dot's fresh fp32 partial is scaled by scale_a x scale_w and added to the fp32
-    accumulator (promotion every 32 of K). KB: K loaded per loop step (whole 32-blocks; the 32-wide loads
-    of one step are issued together so each weight row is read in KB/2-byte runs)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    slots = tl.load(sorted_slots_ptr + pid_m * BM + tl.arange(0, BM))
-    valid = slots < n_slots
-    rows = (slots // A_ROW_DIV).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
-    a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, FP4_BLOCK)[None, :]
-    as_ptrs = as_ptr + rows * stride_asm
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
-        + tl.arange(0, FP4_BLOCK // 2)[None, :]
-    ws_ptrs = ws_ptr + expert.to(tl.int64) * stride_wse + offs_n.to(tl.int64) * stride_wsn
-    up_w = N * stride_wn
-    up_s = N * stride_wsn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, KB):
-        for c in tl.static_range(KB // FP4_BLOCK):
-            k = k0 + c * FP4_BLOCK
-            a = tl.load(a_ptrs + k, mask=valid[:, None], other=0.0)  # E4M3 codes [BM, 32]
-            a_scale = tl.load(as_ptrs + k // ACT_BLOCK, mask=valid, other=0.0)
-            w = _e2m1_bytes_to_e4m3(tl.load(w_ptrs + k // 2, mask=n_ok[:, None], other=0))  # [BN, 32]
-            # E8M0 scale times the 2**6 the E4M3 form left out: exponent + 6 (exact below E8M0 249 = 2**122)
-            w_scale = ((tl.load(ws_ptrs + k // FP4_BLOCK, mask=n_ok, other=0).to(tl.int32) + 6) << 23).to(
-                tl.float32, bitcast=True)
-            acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
-            if GATED:
-                w_up = _e2m1_bytes_to_e4m3(tl.load(w_ptrs + up_w + k // 2, mask=n_ok[:, None], other=0))
-                up_scale = ((tl.load(ws_ptrs + up_s + k // FP4_BLOCK, mask=n_ok, other=0).to(tl.int32) + 6)
-                            << 23).to(tl.float32, bitcast=True)
-                acc_up += tl.dot(a, tl.trans(w_up)) * (a_scale[:, None] * up_scale[None, :])
-    _store_expert_rows(acc, acc_up, out_ptr, route_w_ptr, slots, valid, offs_n, n_ok, stride_om, limit, GATED)
-
-
-@triton.jit
 def _sum_expert_rows_kernel(y_ptr, rows_ptr, order_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr):
     """y[t] = fp32 sum of rows[t*k + order[t, j]] for j = 0..k-1, sequentially from 0 (the twin's order)."""
     t = tl.program_id(0)
@@ -647,13 +587,6 @@ def _grouped_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expe
                   a_row_div, act_block, gated, cfg, expand):
     bn = cfg["BN"] // 2 if gated else cfg["BN"]  # two accumulators when gated
     grid = (block_expert.numel(), triton.cdiv(n, bn))
-    if expand == 3:
-        _fp4_fp8mma_kernel[grid](
-            a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, float(limit),
-            a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-            out.stride(0), K=k, A_ROW_DIV=a_row_div, ACT_BLOCK=act_block, GATED=gated, KB=cfg.get("KB", 128),
-            BM=cfg["BM"], BN=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        return
     _fp4_grouped_gemm_kernel[grid](
         a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, float(limit),
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
