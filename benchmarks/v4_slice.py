@@ -12,7 +12,7 @@ import torch
 
 from deepinfer.model.context import ForwardContext, SeqContext, forward_context
 from deepinfer.model.factory import build_v4_model
-from timing import cuda_time_ms
+from timing import cuda_time_ms, graph_replay_ms
 
 BLOCK = 128
 
@@ -93,11 +93,12 @@ class SliceRunner:
         return cuda_time_ms(step, reps=reps, warmup=3)
 
     @torch.no_grad()
-    def head_ms(self, batch: int, reps: int = 20) -> float:
-        """Median ms of the head alone (collapse, norm, vocab GEMM) on `batch` rows: subtracted from a decode
-        step to get the blocks' time."""
+    def head_ms(self, batch: int) -> float:
+        """Median ms of the head alone (collapse, norm, vocab GEMM) on `batch` rows, replayed from a CUDA graph
+        as the decode step is: subtracted from a step to get the blocks' time. (Until 2026-12-02 it was timed
+        eagerly, host launch gaps included: b1 0.61 ms, which made the blocks' share look smaller.)"""
         x = torch.randn(batch, self.cfg.hc_mult, self.cfg.dim, device="cuda", generator=self.g).to(torch.bfloat16)
-        return cuda_time_ms(lambda: self.model.logits(x), reps=reps, warmup=3)
+        return graph_replay_ms(lambda: self.model.logits(x))
 
     @torch.no_grad()
     def decode_kernel_breakdown(self, batch: int, context: int, top: int = 14) -> list[tuple[str, int, float]]:
