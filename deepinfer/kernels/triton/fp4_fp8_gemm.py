@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.act_quant import e8m0_to_f32, interpreting
+from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 
 _ASM = tl.constexpr(not interpreting())  # PTX prmt only on the GPU; the interpreter takes the tl twin below
 K_STEP = 128  # K per loop step: four 32-K dots (one per E8M0 weight scale)
@@ -123,21 +124,8 @@ def _fp4_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sor
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    slots = tl.load(sorted_slots_ptr + pid_m * BT + tl.arange(0, BT))
-    valid = slots < n_slots
-    rows = (slots // A_ROW_DIV).to(tl.int64)
-    r = tl.arange(0, BW)
-    if GATED:
-        col = pid_n * (BW // 2) + r % (BW // 2)
-        w_row = col + (r // (BW // 2)) * N
-    else:
-        col = pid_n * BW + r
-        w_row = col
-    n_ok = col < N
-    if SPLIT_OUT:
-        k_lo = tl.program_id(2) * K_SPLIT
-    else:
-        k_lo = 0
+    slots, valid, rows, col, w_row, n_ok, k_lo = expert_rows(sorted_slots_ptr, n_slots, N, pid_m, pid_n, A_ROW_DIV,
+                                                             GATED, SPLIT_OUT, K_SPLIT, BT, BW)
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_row[:, None].to(tl.int64) * stride_wn \
         + tl.arange(0, 16)[None, :]
     ws_ptrs = ws_ptr + expert.to(tl.int64) * stride_wse + w_row.to(tl.int64) * stride_wsn
@@ -166,13 +154,9 @@ def _fp4_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sor
         tl.store(ptrs, acc, mask=n_ok[:, None] & valid[None, :])
     elif GATED:
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BW // 2, BT)), (1, 2, 0)))
-        gate = gate.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
-        up = up.to(tl.bfloat16).to(tl.float32)
-        if limit > 0:
-            up = tl.clamp(up, -limit, limit)
-            gate = tl.minimum(gate, limit)
+        h = swiglu_bf16(gate, up, limit)
         route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0)
-        h = route_w[None, :] * (gate / (1.0 + tl.exp(-gate)) * up)
+        h = route_w[None, :] * h
         cols = pid_n * (BW // 2) + tl.arange(0, BW // 2)
         ptrs = out_ptr + slots[None, :].to(tl.int64) * stride_om + cols[:, None]
         tl.store(ptrs, h.to(tl.bfloat16), mask=(cols < N)[:, None] & valid[None, :])

@@ -60,6 +60,7 @@ import triton.language as tl
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, e8m0_to_f32, interpreting,
                                                quantise_rows)
+from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 from deepinfer.kernels.triton.fp4_fp8_gemm import fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
 
@@ -183,15 +184,23 @@ def _align_chunked_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_bloc
         tl.store(block_expert_ptr + b, tl.where(owner >= E, -1, owner), mask=b < n_blocks)
 
 
-def align_by_expert_chunked(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_by_expert`'s exact outputs in one launch, for 1..ROUTING_KERNEL_SLOTS slots."""
+def _routing_outputs(name: str, topk_ids: torch.Tensor, n_experts: int, block_m: int, max_slots: int):
+    """A one-program routing kernel's flat ids, slot and block counts and empty outputs (sorted_slots,
+    block_expert) sized as `align_by_expert`'s; 1..max_slots slots, else ValueError."""
     flat = topk_ids.reshape(-1).contiguous()
     n_slots = flat.numel()
-    if n_slots > ROUTING_KERNEL_SLOTS or n_slots == 0:
-        raise ValueError(f"align_by_expert_chunked: 1..{ROUTING_KERNEL_SLOTS} slots, got {n_slots}")
+    if n_slots > max_slots or n_slots == 0:
+        raise ValueError(f"{name}: 1..{max_slots} slots, got {n_slots}")
     n_blocks = n_routing_blocks(n_slots, n_experts, block_m)
     sorted_slots = torch.empty(n_blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
+    return flat, n_slots, n_blocks, sorted_slots, block_expert
+
+
+def align_by_expert_chunked(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s exact outputs in one launch, for 1..ROUTING_KERNEL_SLOTS slots."""
+    flat, n_slots, n_blocks, sorted_slots, block_expert = _routing_outputs(
+        "align_by_expert_chunked", topk_ids, n_experts, block_m, ROUTING_KERNEL_SLOTS)
     pb = 64
     _align_chunked_kernel[(1,)](flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m,
                                 CH=ROUTING_CHUNK, EP=triton.next_power_of_2(n_experts), PB=pb,
@@ -215,13 +224,8 @@ def route_slots(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[t
 
 def align_by_expert_small(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_by_expert`'s exact outputs in one launch, for at most SMALL_ROUTING_SLOTS slots on CUDA."""
-    flat = topk_ids.reshape(-1).contiguous()
-    n_slots = flat.numel()
-    if n_slots > SMALL_ROUTING_SLOTS or n_slots == 0:
-        raise ValueError(f"align_by_expert_small: 1..{SMALL_ROUTING_SLOTS} slots, got {n_slots}")
-    n_blocks = n_routing_blocks(n_slots, n_experts, block_m)
-    sorted_slots = torch.empty(n_blocks * block_m, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
+    flat, n_slots, n_blocks, sorted_slots, block_expert = _routing_outputs(
+        "align_by_expert_small", topk_ids, n_experts, block_m, SMALL_ROUTING_SLOTS)
     _align_small_kernel[(1,)](flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m,
                               SP=max(16, triton.next_power_of_2(n_slots)), EP=triton.next_power_of_2(n_experts),
                               NBP=max(16, triton.next_power_of_2(n_blocks)),
@@ -344,13 +348,9 @@ def _store_expert_rows(acc, acc_up, out_ptr, route_w_ptr, slots, valid, offs_n, 
     """The grouped GEMMs' epilogue: GATED, out = bf16(w_slot * silu(g) * u) from the bf16-rounded gate and up
     (the official rounding points; the clamp when limit > 0); else out = bf16(acc)."""
     if GATED:
-        gate = acc.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
-        up = acc_up.to(tl.bfloat16).to(tl.float32)
-        if limit > 0:
-            up = tl.clamp(up, -limit, limit)
-            gate = tl.minimum(gate, limit)
+        h = swiglu_bf16(acc, acc_up, limit)
         route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0)
-        result = route_w[:, None] * (gate / (1.0 + tl.exp(-gate)) * up)
+        result = route_w[:, None] * h
     else:
         result = acc
     out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -441,21 +441,8 @@ def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sort
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    slots = tl.load(sorted_slots_ptr + pid_m * BM + tl.arange(0, BM))
-    valid = slots < n_slots
-    rows = (slots // A_ROW_DIV).to(tl.int64)
-    r = tl.arange(0, BN)
-    if GATED:
-        col = pid_n * (BN // 2) + r % (BN // 2)
-        w_row = col + (r // (BN // 2)) * N
-    else:
-        col = pid_n * BN + r
-        w_row = col
-    n_ok = col < N
-    if SPLIT_OUT:
-        k_lo = tl.program_id(2) * K_SPLIT
-    else:
-        k_lo = 0
+    slots, valid, rows, col, w_row, n_ok, k_lo = expert_rows(sorted_slots_ptr, n_slots, N, pid_m, pid_n, A_ROW_DIV,
+                                                             GATED, SPLIT_OUT, K_SPLIT, BM, BN)
     a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, KB)[None, :]
     as_ptrs = as_ptr + rows[:, None] * stride_asm + tl.arange(0, KB // ACT_BLOCK)[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_row[:, None].to(tl.int64) * stride_wn \
@@ -479,13 +466,9 @@ def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sort
         tl.store(ptrs, acc, mask=valid[:, None] & n_ok[None, :])
     elif GATED:
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-        gate = gate.to(tl.bfloat16).to(tl.float32)  # the GEMMs' bf16 outputs, as official
-        up = up.to(tl.bfloat16).to(tl.float32)
-        if limit > 0:
-            up = tl.clamp(up, -limit, limit)
-            gate = tl.minimum(gate, limit)
+        h = swiglu_bf16(gate, up, limit)
         route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0)
-        result = route_w[:, None] * (gate / (1.0 + tl.exp(-gate)) * up)
+        result = route_w[:, None] * h
         cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
         ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(ptrs, result.to(tl.bfloat16), mask=valid[:, None] & (cols < N)[None, :])
@@ -512,13 +495,9 @@ def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, st
     for s in tl.static_range(1, S):
         gate += tl.load(base + s * stride_ps, mask=ok, other=0.0)
         up += tl.load(base + s * stride_ps + N, mask=ok, other=0.0)
-    gate = gate.to(tl.bfloat16).to(tl.float32)
-    up = up.to(tl.bfloat16).to(tl.float32)
-    if limit > 0:
-        up = tl.clamp(up, -limit, limit)
-        gate = tl.minimum(gate, limit)
+    h = swiglu_bf16(gate, up, limit)
     route_w = tl.load(route_w_ptr + slot)
-    h = (route_w * (gate / (1.0 + tl.exp(-gate)) * up)).to(tl.bfloat16).to(tl.float32)
+    h = (route_w * h).to(tl.bfloat16).to(tl.float32)
     q, scale = quantise_rows(tl.reshape(h, (BLOCK // ACT_BLOCK, ACT_BLOCK)))
     if A_BF16:
         tl.store(hq_ptr + slot * stride_hq + c, tl.reshape(q.to(tl.float32) * scale[:, None], (BLOCK,)).to(tl.bfloat16),
