@@ -88,22 +88,25 @@ def _sparse_attn_sink_kernel(
     finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
 
 
-def _check(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor) -> None:
-    if q.dim() != 3 or kv.dim() != 2 or idx.dim() != 2 or sink.dim() != 1:
+def _check(q: torch.Tensor, kv: torch.Tensor | None, sink: torch.Tensor, idx: torch.Tensor) -> None:
+    """The kernels' argument contract (ValueError naming what is wrong). kv None: the caller's keys are not a
+    bf16 pool (the paged op checks its stored entries itself)."""
+    kv_shape = None if kv is None else tuple(kv.shape)
+    if q.dim() != 3 or (kv is not None and kv.dim() != 2) or idx.dim() != 2 or sink.dim() != 1:
         raise ValueError(f"sparse_attn_sink: want q [T,H,d], kv [N,d], sink [H], idx [T,K]; got q {tuple(q.shape)}, "
-                         f"kv {tuple(kv.shape)}, sink {tuple(sink.shape)}, idx {tuple(idx.shape)}")
+                         f"kv {kv_shape}, sink {tuple(sink.shape)}, idx {tuple(idx.shape)}")
     T, H, d = q.shape
-    if kv.shape[1] != d or idx.shape[0] != T or sink.shape[0] != H:
-        raise ValueError(f"sparse_attn_sink: shape mismatch q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
+    if (kv is not None and kv.shape[1] != d) or idx.shape[0] != T or sink.shape[0] != H:
+        raise ValueError(f"sparse_attn_sink: shape mismatch q {tuple(q.shape)}, kv {kv_shape}, "
                          f"sink {tuple(sink.shape)}, idx {tuple(idx.shape)}")
     if d & (d - 1) or d < 16:
         raise ValueError(f"sparse_attn_sink: head dim {d} must be a power of two >= 16")
-    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
-        raise ValueError(f"sparse_attn_sink: q and kv must be bf16, got {q.dtype}, {kv.dtype}")
+    if q.dtype != torch.bfloat16 or (kv is not None and kv.dtype != torch.bfloat16):
+        raise ValueError(f"sparse_attn_sink: q and kv must be bf16, got {q.dtype}, {None if kv is None else kv.dtype}")
     if idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_attn_sink: idx must be int32/int64, got {idx.dtype}")
     for name, x in (("q", q), ("kv", kv), ("sink", sink), ("idx", idx)):
-        if not x.is_cuda and not _interpreting():  # the interpreter runs on CPU tensors
+        if x is not None and not x.is_cuda and not _interpreting():  # the interpreter runs on CPU tensors
             raise ValueError(f"sparse_attn_sink: {name} is on {x.device}, the Triton kernel needs CUDA tensors")
 
 

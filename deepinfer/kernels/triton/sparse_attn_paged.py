@@ -90,6 +90,8 @@ def _check_stores(ring: torch.Tensor, comp: torch.Tensor | None, layout) -> None
         if x.dtype != torch.uint8 or x.shape[-1] != width or not x.is_contiguous():
             raise ValueError(f"sparse_attn_sink_paged: {name} must be contiguous uint8 [..., {width}] "
                              f"({layout.name}), got {x.dtype} {tuple(x.shape)}")
+        if not x.is_cuda and not _interpreting():
+            raise ValueError(f"sparse_attn_sink_paged: {name} is on {x.device}, the Triton kernel needs CUDA tensors")
 
 
 def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
@@ -115,7 +117,7 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
         return sparse_attn_sink_triton(q, kv.reshape(-1, d), sink, torch.where(idx >= 0, pool_idx, -1), scale,
                                        initial_max)
     _check_stores(ring, comp, layout)
-    _check(q, q.new_empty(0, d), sink, idx)
+    _check(q, None, sink, idx)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
