@@ -47,10 +47,9 @@ from test_kernels_fp8_linear import _INTERPRETER_FIXES
 exec(_INTERPRETER_FIXES)
 import torch, triton, triton.language as tl
 from deepinfer import formats
-from deepinfer.kernels.quant_weights import fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import act_quant, perm32
 from deepinfer.kernels.triton.fp4_fp8_gemm import _fp4_e4m3_halves
-from deepinfer.kernels.triton.fp4_moe import fp4_moe
+from test_kernels_fp4_moe_split import sweep_against_twin
 from test_kernels_gemm import _random_bank
 
 @triton.jit
@@ -79,27 +78,12 @@ for block in (128, 32):
     assert torch.equal(sp, s)
     assert torch.equal(qp[:, perm32(torch.arange(512))].view(torch.uint8), q.view(torch.uint8)), block
 
-E, D, I = 8, 512, 256
-worst = 0.0
 torch.manual_seed(5)  # _random_bank draws from the global generator
-for ab in (128, 32):
-    bk = _random_bank(E, D, I, ab, "cpu")
-    for t, limits in ((1, (10.0,)), (3, (10.0, 0.0)), (40, (0.0,))):
-        x = (torch.randn(t, D, generator=g) * torch.exp(torch.randn(t, 1, generator=g))).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(t)])
-        w = torch.rand(t, 6, generator=g) * 0.5
-        for limit in limits:
-            want = fp4_moe_torch(x, ids, w, bk, limit)
-            ulp = 2.0 ** (torch.floor(torch.log2(want.abs().amax(1, keepdim=True).clamp(min=1e-30))) - 7)
-            for cfg in (dict(FP8=True, SPLIT_K=1), dict(FP8=True, SPLIT_K=2), dict(FP8=True, BW=64, SPLIT_K13=4, SPLIT_K2=2),
-                        dict(FP8=True, BT=32, BW=128, SPLIT_K=1, STEP_SUM=False)):
-                got = fp4_moe(x, ids, w, bk, limit, config=cfg)
-                rel = float((got.double() - want.double()).norm() / want.double().norm())
-                ulps = float(((got - want).abs() / ulp).max())
-                worst = max(worst, ulps)
-                print(f"act_block={ab} T={t} limit={limit} {cfg}: rel_err {rel:.2e}, {ulps:.3f} row ulps", flush=True)
-                assert bool(torch.isfinite(got).all()) and rel <= 1e-3 and ulps <= 4, (ab, t, limit, cfg, rel, ulps)
-print(f"worst {worst:.3f} row ulps")
+FP8_VARIANTS = [(dict(FP8=True, SPLIT_K=1), None), (dict(FP8=True, SPLIT_K=2), None),
+                (dict(FP8=True, BW=64, SPLIT_K13=4, SPLIT_K2=2), None),
+                (dict(FP8=True, BT=32, BW=128, SPLIT_K=1, STEP_SUM=False), None)]
+sweep_against_twin(lambda e, d, i, ab: _random_bank(e, d, i, ab, "cpu"), lambda t: FP8_VARIANTS, g, rel_bound=1e-3,
+                   ulp_bound=4)
 print("ok")
 '''
 
@@ -114,7 +98,7 @@ def test_fp8_form_matches_the_twin_under_the_interpreter():
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
-from test_kernels_gemm import _cuda as _cuda_device, _random_bank as _bank, _rel  # noqa: E402 (shared helpers)
+from test_kernels_gemm import _cuda as _cuda_device, _random_bank as _bank, _rel, assert_replay_is_eager  # noqa: E402
 
 
 def _cuda():
@@ -207,14 +191,4 @@ def test_fp8_form_graph_replay_is_eager_bit_for_bit(flash_bank):
     for t, cfg in ((1, dict(FP8=True)), (8, dict(FP8=True, SPLIT_K=2)), (128, dict(FP8=True))):
         x, ids, weights = _inputs(t, dev)
         run = lambda: fp4_moe(x, ids, weights, flash_bank, 10.0, config=cfg)  # noqa: E731
-        eager = run()
-        again = run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run()
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(eager, again), f"T={t} {cfg}: two eager runs differ"
-        assert torch.equal(captured, eager), f"T={t} {cfg}: graph replay differs from eager"
+        assert_replay_is_eager(run, f"T={t} {cfg}")

@@ -30,6 +30,36 @@ TINY_VARIANTS = [(dict(SPLIT_K=2), 1), (dict(SPLIT_K13=4, SPLIT_K2=2, A_BF16=Tru
                  (dict(SPLIT_K=0, A_BF16=True), 1), (dict(SPLIT_K13=4, SPLIT_K2=2, A_BF16=True), 6)]
 
 
+def sweep_against_twin(make_bank, variants, g: torch.Generator, rel_bound: float, ulp_bound: float) -> None:
+    """The interpreter checks' sweep (also the FP8 form's, tests/test_kernels_fp4_fp8_form.py): E=8, D=512,
+    I=256, act blocks 128 and 32 (`make_bank(E, D, I, act_block)`), T 1 / 3 / 40 with heavy-tailed rows
+    and limits 10 and 0; each `variants(t)` (config, expand) against the torch twin: rel_err <= rel_bound
+    and at most ulp_bound row ulps (|diff| over the bf16 ulp of the row's largest |y|), every value finite."""
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+
+    E, D, I = 8, 512, 256
+    worst = 0.0
+    for ab in (128, 32):
+        b = make_bank(E, D, I, ab)
+        for t, limits in ((1, (10.0,)), (3, (10.0, 0.0)), (40, (0.0,))):
+            x = (torch.randn(t, D, generator=g) * torch.exp(torch.randn(t, 1, generator=g))).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(t)])
+            w = torch.rand(t, 6, generator=g) * 0.5
+            for limit in limits:
+                want = fp4_moe_torch(x, ids, w, b, limit)
+                ulp = 2.0 ** (torch.floor(torch.log2(want.abs().amax(1, keepdim=True).clamp(min=1e-30))) - 7)
+                for cfg, expand in variants(t):
+                    got = fp4_moe(x, ids, w, b, limit, expand=expand, config=cfg)
+                    rel = float((got.double() - want.double()).norm() / want.double().norm())
+                    ulps = float(((got - want).abs() / ulp).max())
+                    worst = max(worst, ulps)
+                    print(f"act_block={ab} T={t} limit={limit} cfg={cfg} expand={expand}: rel_err {rel:.2e}, "
+                          f"{ulps:.3f} row ulps", flush=True)
+                    assert bool(torch.isfinite(got).all()) and ulps <= ulp_bound and rel <= rel_bound, \
+                        (ab, t, limit, cfg, expand, rel, ulps)
+    print(f"worst {worst:.3f} row ulps")
+
+
 def test_split_rule_on_v4_flash_shapes():
     pytest.importorskip("triton")
     from deepinfer.kernels.triton.fp4_moe import plan_v2, split_k
@@ -138,9 +168,8 @@ from test_kernels_fp8_linear import _INTERPRETER_FIXES
 exec(_INTERPRETER_FIXES)
 import torch
 
-from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
-from deepinfer.kernels.triton.fp4_moe import fp4_moe
-from test_kernels_fp4_moe_split import TINY_VARIANTS
+from deepinfer.kernels.quant_weights import FP4ExpertBank
+from test_kernels_fp4_moe_split import TINY_VARIANTS, sweep_against_twin
 
 g = torch.Generator().manual_seed(5)
 
@@ -151,25 +180,7 @@ def bank(e, d, i, ab):
                          torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, generator=g), sc(e, d, i // 32), ab)
 
 
-E, D, I = 8, 512, 256
-worst = 0.0
-for ab in (128, 32):
-    b = bank(E, D, I, ab)
-    for t, limits in ((1, (10.0,)), (3, (10.0, 0.0)), (40, (0.0,))):
-        x = (torch.randn(t, D, generator=g) * torch.exp(torch.randn(t, 1, generator=g))).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(t)])
-        w = torch.rand(t, 6, generator=g) * 0.5
-        for limit in limits:
-            want = fp4_moe_torch(x, ids, w, b, limit)
-            ulp = 2.0 ** (torch.floor(torch.log2(want.abs().amax(1, keepdim=True).clamp(min=1e-30))) - 7)
-            for cfg, expand in TINY_VARIANTS if t != 40 else TINY_VARIANTS[:4]:
-                got = fp4_moe(x, ids, w, b, limit, expand=expand, config=cfg)
-                rel = float((got.double() - want.double()).norm() / want.double().norm())
-                ulps = float(((got - want).abs() / ulp).max())
-                worst = max(worst, ulps)
-                print(f"act_block={ab} T={t} limit={limit} cfg={cfg} expand={expand}: rel_err {rel:.2e}, {ulps:.3f} row ulps", flush=True)
-                assert bool(torch.isfinite(got).all()) and ulps <= 2 and rel <= 1e-4, (ab, t, limit, cfg, expand, rel, ulps)
-print(f"worst {worst:.3f} row ulps")
+sweep_against_twin(bank, lambda t: TINY_VARIANTS if t != 40 else TINY_VARIANTS[:4], g, rel_bound=1e-4, ulp_bound=2)
 print("ok")
 '''
 
@@ -190,7 +201,7 @@ GPU_VARIANTS = [(dict(SPLIT_K=0), 1), (dict(SPLIT_K=0, A_BF16=True), 5), (dict(A
                 (dict(SPLIT_K=2, A_BF16=True), 6), (None, 6)]
 
 
-from test_kernels_gemm import _cuda as _cuda_device, _random_bank as _bank, _rel  # noqa: E402 (shared helpers)
+from test_kernels_gemm import _cuda as _cuda_device, _random_bank as _bank, _rel, assert_replay_is_eager  # noqa: E402
 
 
 def _cuda():
@@ -252,14 +263,4 @@ def test_fp4_moe_split_graph_replay_is_eager_bit_for_bit(flash_bank):
                    (128, dict(SPLIT_K=2, A_BF16=True, BN=128))):
         x, ids, weights = _inputs(t, dev)
         run = lambda: fp4_moe(x, ids, weights, flash_bank, 10.0, expand=5, config=cfg)  # noqa: E731
-        eager = run()
-        again = run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run()
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(eager, again), f"T={t} {cfg}: two eager runs differ"
-        assert torch.equal(captured, eager), f"T={t} {cfg}: graph replay differs from eager"
+        assert_replay_is_eager(run, f"T={t} {cfg}")

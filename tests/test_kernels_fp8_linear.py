@@ -27,6 +27,7 @@ import torch
 from interpreted import run_interpreted
 from deepinfer import formats
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch
+from test_kernels_gemm import assert_replay_is_eager
 
 BF16 = torch.bfloat16
 BOUND = {"bf16": 3e-4, "fp8": 2e-3}
@@ -263,14 +264,4 @@ def test_fp8_linear_graph_replay_is_eager_bit_for_bit(mma, block):
         x = _activation(m, 4096, dev)
         cfg = plan(m, 4096, 4096, block, block, mma, sm_count(dev), config)
         assert m == 128 or cfg["SPLIT_K"] > 1, cfg
-        eager = fp8_linear(x, w, config=config, mma=mma)
-        again = fp8_linear(x, w, config=config, mma=mma)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = fp8_linear(x, w, config=config, mma=mma)
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(eager, again), f"M={m}: two eager runs differ"
-        assert torch.equal(captured, eager), f"M={m} S={cfg['SPLIT_K']}: graph replay differs from eager"
+        assert_replay_is_eager(lambda: fp8_linear(x, w, config=config, mma=mma), f"M={m} S={cfg['SPLIT_K']}")

@@ -193,6 +193,22 @@ def _random_fp8_weight(n: int, k: int, block: int, act_block: int, dev) -> Quant
     return QuantLinearWeight(q, formats.e8m0_to_float(s), block, act_block)
 
 
+def assert_replay_is_eager(run, label: str) -> None:
+    """`run()` twice eagerly, then captured in a CUDA graph whose output is poisoned with NaN before the
+    replay: both eager runs and the replay must be bit-identical (shared by the GEMM ops' graph tests)."""
+    eager = run()
+    again = run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager, again), f"{label}: two eager runs differ"
+    assert torch.equal(captured, eager), f"{label}: graph replay differs from eager"
+
+
 def _random_bank(e: int, d: int, i: int, act_block: int, dev) -> FP4ExpertBank:
     """Any byte is a valid pair of E2M1 codes; scales 2**-8..2**1 around the real checkpoints' range."""
     def scales(*shape):
