@@ -1,0 +1,125 @@
+"""Where a batched decode step's milliseconds go, on the V4-Flash slice: the host's preparation of the step
+(`DecodeRunner.prepare`: metadata rows, the host-to-device copy), the replay of its CUDA graph alone, the
+whole step as run_slice.py times it (events around prepare + replay), and the kernels inside the replayed
+graph (their summed device time against the replay's span: the rest is launch gaps between graph nodes).
+
+    PYTHONPATH=$PWD python benchmarks/decode_anatomy.py --layers 4 [--batches 1 32 128] [--top 12]
+
+Needs CUDA and triton. Prints one block per batch; writes `$OUT/decode_anatomy.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from slice_config import slice_config  # noqa: E402
+from timing import cuda_time_ms  # noqa: E402
+
+
+def graph_kernels(replay, top: int) -> dict:
+    """Kernels the profiler records inside one graph replay: (name, launches, us) largest first, their
+    summed device time and the span from the first kernel's start to the last one's end."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    if not kernels:
+        return {"kernels": 0}
+    starts = [e.time_range.start for e in kernels]
+    ends = [e.time_range.end for e in kernels]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:70], []).append(e.time_range.elapsed_us())
+    rows = sorted(((n, len(v), sum(v)) for n, v in by_name.items()), key=lambda r: -r[2])
+    return {"kernels": len(kernels), "kernel_us": sum(e.time_range.elapsed_us() for e in kernels),
+            "span_us": max(ends) - min(starts), "top": rows[:top]}
+
+
+@torch.no_grad()
+def anatomy(runner, batch: int, context: int, top: int) -> dict:
+    from deepinfer.model.context import SeqContext
+    from deepinfer.model.decode_step import DecodeRunner
+
+    runner.prefill(list(range(batch)), context)
+    dec = DecodeRunner(runner.model, batch, context + 64, *runner.scratch, cuda_graphs=True, buckets=(batch,),
+                       contexts=(context + 64,))
+    pos = [context]
+
+    def seqs():
+        return [SeqContext(pos[0], 1, i, i, runner._table(i)) for i in range(batch)]
+
+    ids = runner._ids(batch)
+
+    def step():
+        dec(ids, seqs())
+        pos[0] += 1
+
+    step_ms = cuda_time_ms(step, reps=20, warmup=3)
+    # the host's part alone: prepare() with the device idle (synchronised before and after)
+    prep = []
+    for _ in range(20):
+        s = seqs()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dec.prepare(ids, s)
+        prep.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        pos[0] += 1
+    graph, _ = dec._graphs[dec.last_bucket]
+    replay_ms = cuda_time_ms(graph.replay, reps=50, warmup=5)
+    out = {"step_ms": step_ms, "prepare_host_ms": statistics.median(prep), "replay_ms": replay_ms}
+    out.update(graph_kernels(graph.replay, top))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    from deepinfer.kernels.triton import register_cuda_kernels
+    from deepinfer.tiny import make_tensors
+    from v4_slice import SliceRunner
+
+    register_cuda_kernels()
+    cfg = slice_config(args.layers)
+    raw = make_tensors(cfg, seed=0, device="cuda")
+    runner = SliceRunner(cfg, raw, max(args.batches), args.context + 64)
+    del raw
+    torch.cuda.empty_cache()
+    res = {"device": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
+           "command": " ".join(sys.argv)}
+    for b in args.batches:
+        r = res[f"b{b}"] = anatomy(runner, b, args.context, args.top)
+        line = (f"b{b:<4} step {r['step_ms']:.3f} ms = prepare (host) {r['prepare_host_ms']:.3f} + graph replay "
+                f"{r['replay_ms']:.3f} ms")
+        if r.get("kernels"):
+            gaps = r["span_us"] - r["kernel_us"]
+            line += (f"; inside the replay {r['kernels']} kernels, {r['kernel_us']:.0f} us of kernels over a "
+                     f"{r['span_us']:.0f} us span ({gaps:.0f} us between kernels, "
+                     f"{gaps / max(1, r['kernels'] - 1):.2f} us per gap)")
+        else:
+            line += "; the profiler recorded no kernels inside the replay"
+        print(line, flush=True)
+        for name, n, us in r.get("top", []):
+            print(f"   {us:9.1f} us {n:5d}x  {name}")
+    with open(os.path.join(os.environ.get("OUT", "."), "decode_anatomy.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
