@@ -292,22 +292,31 @@ def test_triton_fp4_moe_real_dims():
 
 _CHUNKED_ROUTING_CHECK = r"""
 import torch
-from deepinfer.kernels.triton.fp4_moe import ROUTING_KERNEL_SLOTS, align_by_expert, align_by_expert_chunked
+from deepinfer.kernels.triton.fp4_moe import (ROUTING_KERNEL_SLOTS, align_by_expert, align_by_expert_chunked,
+                                             align_by_expert_parallel)
 
 g = torch.Generator().manual_seed(11)
 cases = [(256, 6, 64, 16), (256, 6, 32, 16), (256, 6, 11, 16), (300, 8, 48, 64), (7, 2, 100, 32), (256, 6, 1, 16)]
 for e, k, t, bm in cases:
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     assert t * k <= ROUTING_KERNEL_SLOTS
-    want, got = align_by_expert(ids, e, bm), align_by_expert_chunked(ids, e, bm)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (e, k, t, bm)
+    want = align_by_expert(ids, e, bm)
+    for got in (align_by_expert_chunked(ids, e, bm), align_by_expert_parallel(ids, e, bm)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (e, k, t, bm)
+# the per-expert kernel past one chunk of slots (1024), a prefill block size, and a skewed routing (3 of 64
+# experts: long runs of one expert, many empty experts, a long tail of unused blocks)
+for ids, e, bm in ((torch.stack([torch.randperm(256, generator=g)[:6] for _ in range(400)]), 256, 128),
+                   (torch.randint(0, 3, (700, 2), generator=g), 64, 16)):
+    want, got = align_by_expert(ids, e, bm), align_by_expert_parallel(ids, e, bm)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (e, bm)
 print("ok")
 """
 
 
-def test_chunked_routing_kernel_equals_align_by_expert_under_the_interpreter():
-    """The batched-decode routing kernel (chunks of 64 slots, one program) gives align_by_expert's outputs
-    exactly: E=256 k=6 at T=32 and 64 (192 and 384 slots), odd expert counts, block sizes 16/32/64."""
+def test_routing_kernels_equal_align_by_expert_under_the_interpreter():
+    """The one-launch routing kernels (chunks of 64 slots in one program; one program per expert) give
+    align_by_expert's outputs exactly: E=256 k=6 at T=32 and 64 (192 and 384 slots), odd expert counts, block
+    sizes 16/32/64/128, 2400 slots (several chunks), a skewed routing."""
     pytest.importorskip("triton")
     from interpreted import run_interpreted
 
@@ -317,10 +326,12 @@ def test_chunked_routing_kernel_equals_align_by_expert_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel,limit,blocks", [("align_by_expert_small", "SMALL_ROUTING_SLOTS", (16, 32)),
-                                                 ("align_by_expert_chunked", "ROUTING_KERNEL_SLOTS", (16, 32, 64))])
+                                                 ("align_by_expert_chunked", "ROUTING_KERNEL_SLOTS", (16, 32, 64)),
+                                                 ("align_by_expert_parallel", "PARALLEL_ROUTING_SLOTS",
+                                                  (16, 32, 64, 128))])
 def test_routing_kernels_equal_align_by_expert(kernel, limit, blocks):
-    """The one-launch decode routings (one chunk up to 64 slots; chunks of 64 up to 384) give
-    align_by_expert's outputs exactly, on fresh random routings."""
+    """The one-launch routings (one chunk up to 64 slots; chunks of 64 up to 384; one program per expert up
+    to PARALLEL_ROUTING_SLOTS) give align_by_expert's outputs exactly, on fresh random routings."""
     dev = _cuda()
     from deepinfer.kernels.triton import fp4_moe
 
@@ -330,7 +341,7 @@ def test_routing_kernels_equal_align_by_expert(kernel, limit, blocks):
         k = int(torch.randint(1, min(e, 8) + 1, ()))
         t = int(torch.randint(1, max_slots // k + 1, ()))
         bm = blocks[int(torch.randint(0, len(blocks), ()))]
-        ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+        ids = torch.rand(t, e, device=dev).argsort(dim=1)[:, :k].contiguous()  # k distinct experts per token
         want, got = fp4_moe.align_by_expert(ids, e, bm), route(ids, e, bm)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (kernel, t, k, e, bm)
 

@@ -184,6 +184,79 @@ def _align_chunked_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_bloc
         tl.store(block_expert_ptr + b, tl.where(owner >= E, -1, owner), mask=b < n_blocks)
 
 
+PARALLEL_ROUTING_SLOTS = 1 << 16  # up to this many slots the one-program-per-expert kernel below
+PARALLEL_CHUNK = 1024  # slots per pass of each program
+
+
+@triton.jit
+def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
+                             BM: tl.constexpr, CH: tl.constexpr, EB: tl.constexpr, PB: tl.constexpr,
+                             N_CH: tl.constexpr, N_BL: tl.constexpr, N_TAIL_BL: tl.constexpr,
+                             N_TAIL: tl.constexpr):
+    """`align_by_expert` with one program per expert e (grid (E,)), no sort and no atomics: every output
+    position is written by exactly one program. Each program histograms all slots (the padded starts of
+    every expert come from the counts alone), then walks the slots in order and places its own expert's at
+    start[e] + (earlier slots of e): the stable sort's order. It pads its last block with n_slots and names
+    its blocks; the last program also fills the blocks past the last expert's (-1) and their slots.
+    EB: histogram bins (> E: bin E takes the masked tail). N_CH, N_BL, N_TAIL_BL, N_TAIL: compile-time loop
+    counts (powers of two covering the slots in chunks of CH, an expert's blocks and the tail's blocks in
+    chunks of PB, the tail's slots in chunks of CH; masked past the end: the interpreter's range() over a
+    run-time bound fails with numpy >= 2.4). The tail is at most min(E, S) blocks: every expert's padded
+    total is >= S, and n_blocks <= S // BM + min(E, S)."""
+    e = tl.program_id(0)
+    j = tl.arange(0, CH)
+    bins = tl.arange(0, EB)
+    counts = tl.zeros((EB,), tl.int32)
+    for c in range(0, N_CH):
+        i = c * CH + j
+        ids = tl.load(ids_ptr + i, mask=i < n_slots, other=E).to(tl.int32)  # bin E: past the slots
+        counts += tl.histogram(ids, EB)
+    counts = tl.where(bins < E, counts, 0)
+    padded = (counts + (BM - 1)) // BM * BM
+    padded_end = tl.cumsum(padded, axis=0)
+    start = tl.sum(tl.where(bins == e, padded_end - padded, 0), axis=0)
+    count = tl.sum(tl.where(bins == e, counts, 0), axis=0)
+    end = tl.sum(tl.where(bins == e, padded_end, 0), axis=0)
+    seen = count * 0
+    for c in range(0, N_CH):
+        i = c * CH + j
+        mine = tl.load(ids_ptr + i, mask=i < n_slots, other=E).to(tl.int32) == e
+        rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        tl.store(sorted_ptr + start + seen + rank, i, mask=mine)
+        seen += tl.sum(mine.to(tl.int32), axis=0)
+    r = tl.arange(0, BM)
+    tl.store(sorted_ptr + start + count + r, tl.full((BM,), 0, tl.int32) + n_slots, mask=start + count + r < end)
+    pb = tl.arange(0, PB)
+    for c in range(0, N_BL):
+        b = start // BM + c * PB + pb
+        tl.store(block_expert_ptr + b, tl.full((PB,), 0, tl.int32) + e, mask=b < end // BM)
+    if e == E - 1:  # past the last expert's blocks (end = every expert's padded total): -1, slots n_slots
+        for c in range(0, N_TAIL_BL):
+            b = end // BM + c * PB + pb
+            tl.store(block_expert_ptr + b, tl.full((PB,), -1, tl.int32), mask=b < n_blocks)
+        for c in range(0, N_TAIL):
+            p = end + c * CH + j
+            tl.store(sorted_ptr + p, tl.full((CH,), 0, tl.int32) + n_slots, mask=p < n_blocks * BM)
+
+
+def align_by_expert_parallel(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s exact outputs in one launch of one program per expert, for 1..PARALLEL_ROUTING_SLOTS
+    slots."""
+    flat, n_slots, n_blocks, sorted_slots, block_expert = _routing_outputs(
+        "align_by_expert_parallel", topk_ids, n_experts, block_m, PARALLEL_ROUTING_SLOTS)
+    pb = 64
+    ch = min(PARALLEL_CHUNK, max(16, triton.next_power_of_2(n_slots)))
+    # an expert owns at most ceil(S / BM) blocks; the tail past the last expert's at most min(E, S)
+    tail = min(n_experts, n_slots)
+    _align_per_expert_kernel[(n_experts,)](
+        flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m, CH=ch,
+        EB=triton.next_power_of_2(n_experts + 1), PB=pb, N_CH=triton.next_power_of_2(triton.cdiv(n_slots, ch)),
+        N_BL=triton.next_power_of_2(triton.cdiv(triton.cdiv(n_slots, block_m), pb)),
+        N_TAIL_BL=triton.next_power_of_2(triton.cdiv(tail, pb)),
+        N_TAIL=triton.next_power_of_2(triton.cdiv(tail * block_m, ch)), num_warps=4)
+    return sorted_slots, block_expert
+
+
 def _routing_outputs(name: str, topk_ids: torch.Tensor, n_experts: int, block_m: int, max_slots: int):
     """A one-program routing kernel's flat ids, slot and block counts and empty outputs (sorted_slots,
     block_expert) sized as `align_by_expert`'s; 1..max_slots slots, else ValueError."""
@@ -211,14 +284,14 @@ def align_by_expert_chunked(topk_ids: torch.Tensor, n_experts: int, block_m: int
 
 
 def route_slots(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_by_expert`'s outputs by the cheapest path: one Triton program on CUDA up to
-    ROUTING_KERNEL_SLOTS slots (`align_by_expert_small` up to SMALL_ROUTING_SLOTS, else the chunked one),
-    torch above (prefill: its sort scales; the one-program kernels do not)."""
+    """`align_by_expert`'s outputs by the cheapest path on CUDA: one Triton program up to
+    SMALL_ROUTING_SLOTS slots (`align_by_expert_small`), one program per expert up to PARALLEL_ROUTING_SLOTS
+    (`align_by_expert_parallel`), the torch sort path above and off CUDA."""
     n = topk_ids.numel()
     if topk_ids.is_cuda and 0 < n <= SMALL_ROUTING_SLOTS:
         return align_by_expert_small(topk_ids, n_experts, block_m)
-    if topk_ids.is_cuda and 0 < n <= ROUTING_KERNEL_SLOTS:
-        return align_by_expert_chunked(topk_ids, n_experts, block_m)
+    if topk_ids.is_cuda and 0 < n <= PARALLEL_ROUTING_SLOTS:
+        return align_by_expert_parallel(topk_ids, n_experts, block_m)
     return align_by_expert(topk_ids, n_experts, block_m)
 
 
