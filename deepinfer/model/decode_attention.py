@@ -67,7 +67,10 @@ def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.
     gate = lin(x, p["wgate.weight"])  # ape[p % r] is added inside the op
     entries = k("compress_decode_step")(kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions,
                                         rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
-    entries = k("rope32")(entries, rr.block_pos, attn.inv_freq)
+    # the block positions' table once per step and ratio (both compressors of every layer of the ratio rotate
+    # the same positions by the same frequencies): 4 launches per call otherwise
+    table = rope_table(attn, rows, rr.block_pos, of=("blocks", attn.ratio))
+    entries = k("rope32")(entries, rr.block_pos, attn.inv_freq, table=table)
     return k("hadamard32")(entries) if rotate else entries
 
 

@@ -25,10 +25,12 @@ def step_memo(rows, key, make: Callable[[], T]) -> T:
     return v
 
 
-def rope_table(attn, rows, pos: torch.Tensor) -> torch.Tensor:
-    """The step's `rope_table32` of `pos` (the step's positions) for attn's frequencies: one per step and
-    frequency table (`attn.rope_key`: window-only and compressed layers differ), not one per rope32 call."""
+def rope_table(attn, rows, pos: torch.Tensor, of: object = "tokens") -> torch.Tensor:
+    """The step's `rope_table32` of `pos` for attn's frequencies: one per step, frequency table
+    (`attn.rope_key`: window-only and compressed layers differ) and kind of position `of` ("tokens": the
+    step's positions; ("blocks", r): the first positions of the ratio-r blocks the compressors rotate), not
+    one per rope32 call."""
     def build_rope_table() -> torch.Tensor:
         return kernels.get("rope_table32", attn.kdev)(pos, attn.inv_freq)
 
-    return step_memo(rows, ("rope", attn.rope_key), build_rope_table)
+    return step_memo(rows, ("rope", attn.rope_key, of), build_rope_table)
