@@ -52,7 +52,7 @@ GROUPS = [  # (group, regex on the innermost model frame "file:function"); first
     ("metadata (derive)", r"decode_metadata\.py:derive"),
     ("RoPE (tables + rotations)", r"decode_attention\.py:(rope|build_rope_table):"),
     ("entry selection (shared per step)", r"decode_attention\.py:build_ascending:"),
-    ("KV codec (cache encode/decode)", r"(decode_attention|cache)\.py:(_encode|_decode|encode|decode):"),
+    ("KV codec (cache encode/decode)", r"(decode_attention|cache)\.py:(_store|_encode|_decode|encode|decode):"),
     ("attention q/kv norms", r"decode_attention\.py:rms:"),
     ("compressor", r"decode_attention\.py:(_compress_step|compress_decode)"),
     ("head", r"v4\.py:logits"),
@@ -95,8 +95,8 @@ class _OpCounter(TorchDispatchMode):
             path = f.f_code.co_filename
             if "deepinfer/kernels/" in path:
                 if f.f_code.co_name.removesuffix("_torch") in self.fused_ops:
-                    layout = f.f_locals.get("layout")  # kv_pack: only the fp8_e8m0 codec is a Triton kernel
-                    if layout is None or getattr(layout, "codec", None) == "fp8_e8m0":
+                    layout = f.f_locals.get("layout")  # kv_pack: the FP8 and FP4-key codecs are Triton kernels
+                    if layout is None or getattr(layout, "codec", None) in ("fp8_e8m0", "fp4_e8m0"):
                         fused = f  # keep the outermost fused call
                 outer = f
             elif "deepinfer/model/" in path:

@@ -149,3 +149,83 @@ def test_fp4_fake_quant_triton_is_its_twin_bit_for_bit(shape, scale):
 @pytest.mark.gpu
 def test_fp4_index_codec_triton_is_the_layout_codec():
     _check_fp4_codec("cuda")
+
+
+# ------------------------------------------------------------------------------------- cache writes
+def _check_encode_into(device: str) -> None:
+    """kv_pack.kv_encode_into == the twin (`store[rows] = where(keep, layout.store(x), store[rows])`) byte for
+    byte, for the FP8 layouts (V4's with the bf16 rope tail, V4.1's window) and both FP4 index-key layouts:
+    rows in random order over a store of random bytes, keep masks with some rows off, keep None, and the
+    bytes of rows not written untouched. Under the interpreter (device "cpu") the reference encodes with
+    `kv_pack.kv_encode` (the same kernel without the row indirection): the interpreter's E4M3 cast is not the
+    GPU's RNE, so the layout codec is matched on the GPU only (test_kernels_attn.py's codec test)."""
+    from types import SimpleNamespace
+
+    from deepinfer.cache.layouts import get_layout
+    from deepinfer.kernels.official_fused import kv_encode_into as twin
+    from deepinfer.kernels.triton.kv_pack import kv_encode, kv_encode_into
+
+    if device == "cpu":
+        def twin(lay, x, store, rows, keep):  # noqa: F811 (the interpreter's reference, see above)
+            enc = kv_encode(lay, x)
+            store[rows] = enc if keep is None else torch.where(keep.unsqueeze(1), enc, store[rows])
+
+    cfg = SimpleNamespace(head_dim=512, rope_head_dim=64, index_head_dim=128)
+    g = torch.Generator().manual_seed(21)
+    for name in ("v4_fp8_ds_mla", "v41_window_fp8", "v4_index_fp4", "v41_index_fp4"):
+        lay = get_layout(name, cfg)
+        for t, keep_p in ((7, 0.5), (1, 1.0), (33, None)):
+            x = (torch.randn(t, lay.dim, generator=g) * 3).to(torch.bfloat16).to(device)
+            store = torch.randint(0, 256, (64, lay.bytes_per_token), generator=g, dtype=torch.uint8).to(device)
+            rows = torch.randperm(64, generator=g)[:t].to(device)
+            keep = None if keep_p is None else (torch.rand(t, generator=g) < keep_p).to(device)
+            want, got = store.clone(), store.clone()
+            twin(lay, x, want, rows, keep)
+            kv_encode_into(lay, x, got, rows, keep)
+            assert torch.equal(got, want), (name, t, keep_p)
+    lay = get_layout("v4_fp8_ds_mla", cfg)
+    x = torch.zeros(2, lay.dim, dtype=torch.bfloat16, device=device)
+    store = torch.zeros(4, lay.bytes_per_token, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="keep must be bool"):
+        kv_encode_into(lay, x, store, rows[:2], torch.ones(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="store must be uint8"):
+        kv_encode_into(lay, x, store[:, :10], rows[:2])
+
+
+def test_encode_into_twin_is_encode_then_masked_scatter():
+    """The CPU op is the twin itself; its checks name what was wrong."""
+    _check_encode_into_twin_only()
+
+
+def _check_encode_into_twin_only() -> None:
+    from types import SimpleNamespace
+
+    from deepinfer.cache.layouts import get_layout
+    from deepinfer.kernels.official_fused import kv_encode_into as twin
+
+    lay = get_layout("v4_fp8_ds_mla", SimpleNamespace(head_dim=512, rope_head_dim=64, index_head_dim=128))
+    x = torch.randn(3, lay.dim).to(torch.bfloat16)
+    store = torch.zeros(8, lay.bytes_per_token, dtype=torch.uint8)
+    twin(lay, x, store, torch.tensor([5, 1, 2]), torch.tensor([True, False, True]))
+    enc = lay.store(x)
+    assert torch.equal(store[5], enc[0]) and torch.equal(store[2], enc[2])
+    assert not store[1].any() and not store[[0, 3, 4, 6, 7]].any()
+    with pytest.raises(ValueError, match="rows must be int"):
+        twin(lay, x, store, torch.tensor([5.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"takes x \[T, 512\]"):
+        twin(lay, x[:, :100], store, torch.tensor([5, 1, 2]))
+
+
+def test_encode_into_triton_is_its_twin_under_the_interpreter():
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    res = run_interpreted("import test_kernels_decode as t\nt._check_encode_into('cpu')\nprint('ok')", timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_encode_into_triton_is_its_twin():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _check_encode_into("cuda")

@@ -20,7 +20,7 @@ import torch
 from deepinfer import formats
 from deepinfer.kernels import official, torch_ops
 
-__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
+__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged"]
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -49,6 +49,30 @@ def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
     """`layout.store(x)`: values [..., dim] -> the layout's packed bytes (the layout object is passed in, so
     kernels never import cache)."""
     return layout.store(x)
+
+
+def kv_encode_into(layout, x: torch.Tensor, store: torch.Tensor, rows: torch.Tensor,
+                   keep: torch.Tensor | None = None) -> None:
+    """Encode x [T, dim] and write row t's bytes into store [n_rows, bytes_per_token] at row rows[t], only
+    where keep[t] (bool [T]; None: every row): `store[rows] = where(keep, layout.store(x), store[rows])`.
+    The cache writes of the batched decode step (window ring, compressed entries) as one op a device can fuse
+    (on cuda the encode kernel stores straight into the cache: no encoded copy, gather or scatter)."""
+    _check_encode_into(layout, x, store, rows, keep)
+    enc = layout.store(x)
+    store[rows] = enc if keep is None else torch.where(keep.unsqueeze(1), enc, store[rows])
+
+
+def _check_encode_into(layout, x, store, rows, keep) -> None:
+    t = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != layout.dim:
+        raise ValueError(f"kv_encode_into: {layout.name} takes x [T, {layout.dim}], got {tuple(x.shape)}")
+    if store.dtype != torch.uint8 or store.dim() != 2 or store.shape[1] != layout.bytes_per_token:
+        raise ValueError(f"kv_encode_into: store must be uint8 [rows, {layout.bytes_per_token}], got "
+                         f"{store.dtype} {tuple(store.shape)}")
+    if rows.shape != (t,) or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_encode_into: rows must be int [{t}], got {rows.dtype} {tuple(rows.shape)}")
+    if keep is not None and (keep.shape != (t,) or keep.dtype != torch.bool):
+        raise ValueError(f"kv_encode_into: keep must be bool [{t}], got {keep.dtype} {tuple(keep.shape)}")
 
 
 def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:

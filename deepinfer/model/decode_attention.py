@@ -34,10 +34,12 @@ from deepinfer.model.step_memo import rope_table, step_memo
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def _encode(attn: V4Attention, lc: LayerCache, role: str, x: torch.Tensor) -> torch.Tensor:
-    """`lc.encode` through the registry's `kv_encode`: one Triton kernel on cuda for the FP8 layouts (the
-    torch codec is ~25 kernels), the layout's own codec elsewhere: the same bytes either way."""
-    return kernels.get("kv_encode", attn.kdev)(lc.layouts[role], x)
+def _store(attn: V4Attention, lc: LayerCache, role: str, x: torch.Tensor, store: torch.Tensor, rows: torch.Tensor,
+           keep: torch.Tensor | None = None) -> None:
+    """store[rows] = the layout's bytes of x, where keep (None: every row), through the registry's
+    `kv_encode_into`: on cuda one Triton kernel encodes and writes the cache rows (the torch codec is ~25
+    kernels, and the gather / select / scatter 3 more); the layout's own codec elsewhere: the same bytes."""
+    kernels.get("kv_encode_into", attn.kdev)(lc.layouts[role], x, store, rows, keep)
 
 
 def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: DecodeRows) -> None:
@@ -48,8 +50,7 @@ def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: De
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
     for p, state, store, rotate, role in jobs:
         entries = _compress_step(attn, p, state, x, rows, rr, rotate)
-        old = store[rr.new_row]
-        store[rr.new_row] = torch.where(rr.complete.unsqueeze(1), _encode(attn, lc, role, entries), old)
+        _store(attn, lc, role, entries, store, rr.new_row, rr.complete)  # only rows this token completes
 
 
 def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.Tensor, rows: DecodeRows,
@@ -102,7 +103,7 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
     q = rope(k("head_rms_norm")(q, attn.eps))
     kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]))  # [B, hd]
-    lc.ring[rows.window_slots, rows.ring_cols] = _encode(attn, lc, "window", kv)  # write first: the query sees it
+    _store(attn, lc, "window", kv, lc.ring.flatten(0, 1), rows.ring_row)  # write first: the query sees it
     idx = rows.window_rows  # a window-only layer attends over these alone (no cat: it would be a copy)
     comp = None
     if r:

@@ -44,7 +44,7 @@ class DecodeRows:
     positions: torch.Tensor  # [B] int64
     window_slots: torch.Tensor  # [B] ring rows
     state_slots: torch.Tensor  # [B] compressor-state rows
-    ring_cols: torch.Tensor  # [B] p % window: where the new token's KV goes in the ring
+    ring_row: torch.Tensor  # [B] flat ring row (slot * window + p % window) the new token's KV goes to
     window_rows: torch.Tensor  # [B, window] flat ring rows (slot * window + column) of the window, -1 = none
     ratios: dict[int, RatioRows]
     # what the layers derive from these rows and share within the step (RoPE tables per frequency table,
@@ -130,4 +130,4 @@ class DecodeMetadata:
             new_row = tables.gather(1, (cur // epb).unsqueeze(1)).squeeze(1) * epb + cur % epb
             ratios[r] = RatioRows(entry_rows, visible, cols >= visible.unsqueeze(1),
                                   (pos + 1) % r == 0, new_row, cur * r)
-        return DecodeRows(pos, b[:, _WIN], b[:, _STATE], pos % win, window_rows, ratios)
+        return DecodeRows(pos, b[:, _WIN], b[:, _STATE], b[:, _WIN] * win + pos % win, window_rows, ratios)

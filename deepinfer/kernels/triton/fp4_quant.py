@@ -69,9 +69,14 @@ def _fp4_value(code):
 
 
 @triton.jit
-def _fp4_encode_kernel(x_ptr, out_ptr, stride_x, BPT, NB: tl.constexpr, NB_P2: tl.constexpr,
-                       HALF: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr):
+def _fp4_encode_kernel(x_ptr, out_ptr, stride_x, BPT, dst_ptr, keep_ptr, NB: tl.constexpr, NB_P2: tl.constexpr,
+                       HALF: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr, INTO: tl.constexpr,
+                       KEEP: tl.constexpr):
+    """Program = x's row; its bytes go to output row dst[row] (INTO) or row, and only where keep[row] (KEEP)."""
     row = tl.program_id(0).to(tl.int64)
+    if KEEP:
+        if tl.load(keep_ptr + row) == 0:
+            return
     nb = tl.arange(0, NB_P2)
     j = tl.arange(0, HALF)  # byte j of a block holds values 2j (low nibble) and 2j + 1 (high nibble)
     m = (nb < NB)[:, None] & (j[None, :] < HALF)
@@ -84,11 +89,15 @@ def _fp4_encode_kernel(x_ptr, out_ptr, stride_x, BPT, NB: tl.constexpr, NB_P2: t
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)
     byte = _fp4_codes(xe, inv_s[:, None]) | (_fp4_codes(xo, inv_s[:, None]) << 4)
-    tl.store(out_ptr + row * BPT + nb[:, None] * HALF + j[None, :], byte.to(tl.uint8), mask=m)
-    tl.store(out_ptr + row * BPT + NB * HALF + nb, e.to(tl.uint8), mask=nb < NB)
+    if INTO:
+        base = tl.load(dst_ptr + row).to(tl.int64) * BPT
+    else:
+        base = row * BPT
+    tl.store(out_ptr + base + nb[:, None] * HALF + j[None, :], byte.to(tl.uint8), mask=m)
+    tl.store(out_ptr + base + NB * HALF + nb, e.to(tl.uint8), mask=nb < NB)
     if PAD > 0:
         p = tl.arange(0, PAD_P2)
-        tl.store(out_ptr + row * BPT + NB * HALF + NB + p, tl.zeros([PAD_P2], dtype=tl.uint8), mask=p < PAD)
+        tl.store(out_ptr + base + NB * HALF + NB + p, tl.zeros([PAD_P2], dtype=tl.uint8), mask=p < PAD)
 
 
 @triton.jit
@@ -116,8 +125,10 @@ def fp4_codec_supported(layout) -> bool:
             and layout.block & (layout.block - 1) == 0)
 
 
-def fp4_kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
-    """Same contract as `layout.store(x)` for `fp4_codec_supported` layouts: [..., dim] -> uint8 [..., bpt]."""
+def fp4_kv_encode(layout, x: torch.Tensor, into: tuple | None = None) -> torch.Tensor | None:
+    """Same contract as `layout.store(x)` for `fp4_codec_supported` layouts: [..., dim] -> uint8 [..., bpt].
+    into=(store, rows, keep): x [T, dim]'s bytes written straight into store's rows[t] where keep[t] (keep None:
+    every row; `kv_pack.kv_encode_into` checks the arguments), nothing returned."""
     if not fp4_codec_supported(layout):
         raise ValueError(f"fp4_kv_encode: layout {layout.name} ({layout.codec}, raw {layout.raw_dim}) not supported")
     if x.shape[-1] != layout.dim:
@@ -127,14 +138,19 @@ def fp4_kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, layout.dim).to(torch.bfloat16)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], bpt, dtype=torch.uint8, device=x.device)
+    if into is None:
+        out = torch.empty(x2.shape[0], bpt, dtype=torch.uint8, device=x.device)
+        dst = keep = out
+    else:
+        out, dst, keep = into
     if x2.shape[0]:
         nb = layout.n_scales
         pad = bpt - layout.value_bytes - layout.scale_bytes
-        _fp4_encode_kernel[(x2.shape[0],)](x2, out, x2.stride(0), bpt, NB=nb, NB_P2=triton.next_power_of_2(nb),
-                                           HALF=layout.block // 2, PAD=pad, PAD_P2=triton.next_power_of_2(max(pad, 1)),
-                                           num_warps=1)
-    return out.reshape(*lead, bpt)
+        _fp4_encode_kernel[(x2.shape[0],)](x2, out, x2.stride(0), bpt, dst, keep if keep is not None else dst,
+                                           NB=nb, NB_P2=triton.next_power_of_2(nb), HALF=layout.block // 2, PAD=pad,
+                                           PAD_P2=triton.next_power_of_2(max(pad, 1)), INTO=into is not None,
+                                           KEEP=into is not None and keep is not None, num_warps=1)
+    return out.reshape(*lead, bpt) if into is None else None
 
 
 def fp4_kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Triton codec of the FP8 KV layouts of `cache/layouts.py` (codec "fp8_e8m0": v4_fp8_ds_mla, v41_window_fp8).
 
-Owns: `kv_encode(layout, x)` and `kv_decode(layout, packed)`, meant as the CUDA twins of `KVLayout.store` /
+Owns: `kv_encode(layout, x)`, `kv_encode_into(layout, x, store, rows, keep)` (the same bytes stored
+straight into cache rows, where keep) and `kv_decode(layout, packed)`, meant as the CUDA twins of `KVLayout.store` /
 `.load` bit for bit (tests/test_kernels_attn.py `-m gpu`, and under TRITON_INTERPRET); registered in
 kernels.triton.KERNEL_MODULES, so fast numerics' cache encode/decode on cuda goes through it. x rounded to bf16, per block of `layout.block` channels
 amax (floored at 1e-4) -> the official pow2 scale 2**ceil(log2(amax * fp32(1/448))) by the exponent-bit
@@ -27,10 +28,15 @@ FP8_AMAX_FLOOR = tl.constexpr(1e-4)
 
 
 @triton.jit
-def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT,
+def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT, dst_ptr, keep_ptr,
                    QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
-                   ROPE: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr):
+                   ROPE: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr, INTO: tl.constexpr,
+                   KEEP: tl.constexpr):
+    """Program = x's row; its bytes go to output row dst[row] (INTO) or row, and only where keep[row] (KEEP)."""
     row = tl.program_id(0).to(tl.int64)
+    if KEEP:
+        if tl.load(keep_ptr + row) == 0:
+            return
     nb = tl.arange(0, NB_P2)
     j = tl.arange(0, BLOCK)
     bmask = nb < NB
@@ -43,7 +49,10 @@ def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT,
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the pow2 ceiling
     s = (e << 23).to(tl.float32, bitcast=True)
     q = tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-    base = row * BPT
+    if INTO:
+        base = tl.load(dst_ptr + row).to(tl.int64) * BPT
+    else:
+        base = row * BPT
     tl.store(out8_ptr + base + ch, q.to(tl.uint8, bitcast=True), mask=m)
     if ROPE > 0:  # raw bf16 tail, written through the int16 view of the same bytes (offsets are even)
         r = tl.arange(0, ROPE_P2)
@@ -119,9 +128,34 @@ def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], bpt, dtype=torch.uint8, device=x.device)
     if x2.shape[0]:
         pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
-        _encode_kernel[(x2.shape[0],)](x2, out, out.view(torch.int16), x2.stride(0), bpt, PAD=pad,
-                                       num_warps=4, **_fp8_geometry(layout))
+        _encode_kernel[(x2.shape[0],)](x2, out, out.view(torch.int16), x2.stride(0), bpt, out, out, PAD=pad,
+                                       INTO=False, KEEP=False, num_warps=4, **_fp8_geometry(layout))
     return out.reshape(*lead, bpt)
+
+
+def kv_encode_into(layout, x: torch.Tensor, store: torch.Tensor, rows: torch.Tensor,
+                   keep: torch.Tensor | None = None) -> None:
+    """`official_fused.kv_encode_into` (store[rows] = where(keep, encode(x), store[rows])) with the encode
+    kernel storing each kept row's bytes straight into the cache row: one launch instead of the encode, the
+    gather of the old rows, the select and the scatter. Rows must be distinct where kept (the decode step's
+    are: one token per sequence; its padding rows all write the scratch slot, whichever lands last)."""
+    from deepinfer.kernels.official_fused import _check_encode_into, kv_encode_into as twin
+
+    fp4 = fp4_codec_supported(layout)
+    if not (fp4 or _supported(layout)) or not _on_device(x):
+        return twin(layout, x, store, rows, keep)
+    _check_encode_into(layout, x, store, rows, keep)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not x.shape[0]:
+        return
+    keep_arg = keep if keep is not None else rows
+    bpt = layout.bytes_per_token
+    if fp4:
+        return fp4_kv_encode(layout, x, into=(store, rows, keep))
+    pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
+    _encode_kernel[(x.shape[0],)](x, store, store.view(torch.int16), x.stride(0), bpt, rows, keep_arg, PAD=pad,
+                                  INTO=True, KEEP=keep is not None, num_warps=4, **_fp8_geometry(layout))
 
 
 def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
@@ -141,4 +175,4 @@ def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, layout.dim)
 
 
-REGISTRATIONS = {"kv_encode": kv_encode, "kv_decode": kv_decode}
+REGISTRATIONS = {"kv_encode": kv_encode, "kv_encode_into": kv_encode_into, "kv_decode": kv_decode}
