@@ -50,7 +50,7 @@ import triton.language as tl
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch, _check_activation
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 
-MMA_MODES = ("bf16", "fp8", "fma")
+MMA_MODES = ("bf16", "fp8")
 MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below
 FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096).
 # 2026-12-02 (scripts/bench_gemm_kernels.py --batch-fp8, results/fp8_linear_batch_sweep_h200_2026-12-02.log): with
@@ -182,36 +182,6 @@ def _fp8_linear_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N,
 
 
 @triton.jit
-def _fp8_linear_fma_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_wsn, stride_om,
-                           K: tl.constexpr, WBLOCK: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr,
-                           MP: tl.constexpr, BN: tl.constexpr):
-    """mma "fma" (few rows: a GEMV on the CUDA cores, no tensor cores, no split-K): program = BN weight rows x
-    all M (<= MP) activation rows over the whole K; exact products (weight codes x pow2 block scales, the
-    activation's act_quant q * s) accumulated per K lane in fp32 FMAs, one tree sum at the end."""
-    pid = tl.program_id(0)
-    offs_n = pid * BN + tl.arange(0, BN)
-    offs_m = tl.arange(0, MP)
-    offs_k = tl.arange(0, KB)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    ws_ptrs = ws_ptr + (offs_n // WBLOCK)[:, None] * stride_wsn + tl.arange(0, KB // WBLOCK)[None, :]
-    acc = tl.zeros((MP, BN, KB), dtype=tl.float32)
-    for k0 in range(0, K, KB):
-        a = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        a_q, a_scale = quantise_rows(tl.reshape(a, (MP * (KB // CHUNK), CHUNK)))
-        a_val = tl.reshape(a_q.to(tl.float32) * a_scale[:, None], (MP, KB))
-        b = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        b_scale = tl.load(ws_ptrs + k0 // WBLOCK, mask=n_ok[:, None], other=0.0)
-        b_val = tl.reshape(tl.reshape(b, (BN, KB // WBLOCK, WBLOCK)) * b_scale[:, :, None], (BN, KB))
-        acc += a_val[:, None, :] * b_val[None, :, :]
-    out = tl.sum(acc, axis=2)
-    ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(ptrs, out.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def _split_sum_kernel(ws_ptr, out_ptr, N, MN, stride_om, S: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = bf16(sum over s = 0, 1, ..., S-1 of ws[s, m, n]) in that fixed order (fp32)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -280,11 +250,6 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
     quantise the activation inside the GEMM (default: M <= FUSED_ACT_MAX_M) or in one pass before it)."""
     if mma not in MMA_MODES:
         raise ValueError(f"fp8_linear: mma must be one of {MMA_MODES}, got {mma!r}")
-    if mma == "fma":
-        cfg = dict(BN=4 if n <= 8192 else 8, KB=512 if m <= 2 else 256, num_warps=4, num_stages=3)
-        cfg.update({key: v for key, v in (config or {}).items() if key in ("BN", "KB", "num_warps", "num_stages")})
-        cfg["SPLIT_K"] = 1
-        return cfg
     if mma == "fp8":
         cfg = _tiles(m, mma, act_block, n, k)
         cfg.update(config or {})
@@ -338,13 +303,6 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     if mma == "auto":
         mma = auto_form(m)
     cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)
-    if mma == "fma":
-        cfg.pop("SPLIT_K")
-        bn = cfg.pop("BN")
-        _fp8_linear_fma_kernel[(triton.cdiv(n, bn),)](
-            x, w.data, w.scale, out, m, n, x.stride(0), w.data.stride(0), w.scale.stride(0), out.stride(0), K=k,
-            WBLOCK=w.block, CHUNK=w.act_block, MP=triton.next_power_of_2(m), BN=bn, **cfg)
-        return out
     split, kb = cfg.pop("SPLIT_K"), cfg.pop("KB")
     dest = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     stride_os = dest.stride(0) if split > 1 else 0
