@@ -1,8 +1,9 @@
 """fp4_moe's routing (slots grouped by expert into blocks of the GEMM's BM rows) from decode to prefill sizes:
-the torch path (`align_by_expert`: sort + ~19 small kernels), the one-program Triton kernels
-(`align_by_expert_small` up to 64 slots, `align_by_expert_chunked` up to 384) and the one-program-per-expert
-kernel (`align_by_expert_parallel`), CUDA-graph replay, V4-Flash routing (E=256, k=6, BM as `fp4_moe`
-picks it), uniform random experts. Every form's outputs are checked against the torch path's.
+the torch path (`align_by_expert`: sort + ~19 small kernels), the one-program Triton kernel
+(`align_by_expert_small`, up to 64 slots) and the one-program-per-expert kernel (`align_by_expert_parallel`;
+results/routing_h200_2026-12-02_s4.log also times the one-program chunked kernel it replaced), CUDA-graph
+replay, V4-Flash routing (E=256, k=6, BM as `fp4_moe` picks it), uniform random experts. Every form's
+outputs are checked against the torch path's.
 
     PYTHONPATH=$PWD python benchmarks/bench_routing.py
 """
@@ -14,10 +15,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from deepinfer.kernels.triton.fp4_moe import (PARALLEL_ROUTING_SLOTS, ROUTING_KERNEL_SLOTS,  # noqa: E402
-                                             SMALL_ROUTING_SLOTS, _config, align_by_expert,
-                                             align_by_expert_chunked, align_by_expert_parallel,
-                                             align_by_expert_small)
+from deepinfer.kernels.triton.fp4_moe import (PARALLEL_ROUTING_SLOTS, SMALL_ROUTING_SLOTS, _config,  # noqa: E402
+                                             align_by_expert, align_by_expert_parallel, align_by_expert_small)
 from timing import graph_replay_ms  # noqa: E402
 
 
@@ -30,8 +29,6 @@ def main() -> None:
         forms = [("torch", align_by_expert)]
         if n <= SMALL_ROUTING_SLOTS:
             forms.append(("small kernel", align_by_expert_small))
-        if n <= ROUTING_KERNEL_SLOTS:
-            forms.append(("chunked kernel", align_by_expert_chunked))
         if n <= PARALLEL_ROUTING_SLOTS:
             forms.append(("per-expert kernel", align_by_expert_parallel))
         want = align_by_expert(ids, 256, bm)

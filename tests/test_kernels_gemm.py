@@ -292,17 +292,18 @@ def test_triton_fp4_moe_real_dims():
 
 _CHUNKED_ROUTING_CHECK = r"""
 import torch
-from deepinfer.kernels.triton.fp4_moe import (ROUTING_KERNEL_SLOTS, align_by_expert, align_by_expert_chunked,
-                                             align_by_expert_parallel)
+from deepinfer.kernels.triton.fp4_moe import SMALL_ROUTING_SLOTS, align_by_expert, align_by_expert_parallel, align_by_expert_small
 
 g = torch.Generator().manual_seed(11)
-cases = [(256, 6, 64, 16), (256, 6, 32, 16), (256, 6, 11, 16), (300, 8, 48, 64), (7, 2, 100, 32), (256, 6, 1, 16)]
+cases = [(256, 6, 64, 16), (256, 6, 32, 16), (256, 6, 11, 16), (300, 8, 48, 64), (7, 2, 100, 32), (256, 6, 1, 16),
+         (256, 6, 8, 16), (5, 3, 20, 32)]
 for e, k, t, bm in cases:
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    assert t * k <= ROUTING_KERNEL_SLOTS
     want = align_by_expert(ids, e, bm)
-    for got in (align_by_expert_chunked(ids, e, bm), align_by_expert_parallel(ids, e, bm)):
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (e, k, t, bm)
+    forms = [align_by_expert_parallel] + ([align_by_expert_small] if t * k <= SMALL_ROUTING_SLOTS else [])
+    for route in forms:
+        got = route(ids, e, bm)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (route.__name__, e, k, t, bm)
 # the per-expert kernel past one chunk of slots (1024), a prefill block size, and a skewed routing (3 of 64
 # experts: long runs of one expert, many empty experts, a long tail of unused blocks)
 for ids, e, bm in ((torch.stack([torch.randperm(256, generator=g)[:6] for _ in range(400)]), 256, 128),
@@ -314,9 +315,9 @@ print("ok")
 
 
 def test_routing_kernels_equal_align_by_expert_under_the_interpreter():
-    """The one-launch routing kernels (chunks of 64 slots in one program; one program per expert) give
-    align_by_expert's outputs exactly: E=256 k=6 at T=32 and 64 (192 and 384 slots), odd expert counts, block
-    sizes 16/32/64/128, 2400 slots (several chunks), a skewed routing."""
+    """The one-launch routing kernels (one program up to 64 slots; one program per expert) give
+    align_by_expert's outputs exactly: E=256 k=6 at T=1..64 (6..384 slots), odd expert counts, block sizes
+    16/32/64/128, 2400 slots (several chunks of the per-expert kernel), a skewed routing."""
     pytest.importorskip("triton")
     from interpreted import run_interpreted
 
@@ -326,12 +327,11 @@ def test_routing_kernels_equal_align_by_expert_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel,limit,blocks", [("align_by_expert_small", "SMALL_ROUTING_SLOTS", (16, 32)),
-                                                 ("align_by_expert_chunked", "ROUTING_KERNEL_SLOTS", (16, 32, 64)),
                                                  ("align_by_expert_parallel", "PARALLEL_ROUTING_SLOTS",
                                                   (16, 32, 64, 128))])
 def test_routing_kernels_equal_align_by_expert(kernel, limit, blocks):
-    """The one-launch routings (one chunk up to 64 slots; chunks of 64 up to 384; one program per expert up
-    to PARALLEL_ROUTING_SLOTS) give align_by_expert's outputs exactly, on fresh random routings."""
+    """The one-launch routings (one program up to 64 slots; one program per expert up to
+    PARALLEL_ROUTING_SLOTS) give align_by_expert's outputs exactly, on fresh random routings."""
     dev = _cuda()
     from deepinfer.kernels.triton import fp4_moe
 

@@ -5,9 +5,10 @@ fp4_moe(x bf16 [T, D], topk_ids [T, k], topk_weights fp32 [T, k], bank: FP4Exper
 official expert: gate/up = fp4_gemm(act_quant(x)) -> bf16; fp32 clamp, silu(gate) * up * routing weight
 -> bf16 -> act_quant -> w2 fp4_gemm -> bf16. Stages:
 1. routing: slots (t*k + j) sorted by expert into blocks of BM rows, each block one expert
-   (`route_slots`: `align_by_expert`, torch on the device, no host sync; on CUDA up to ROUTING_KERNEL_SLOTS
-   slots one Triton program with the same outputs, `align_by_expert_small` / `align_by_expert_chunked`:
-   19 us eager on the H200 against 220-400 us of launches at decode);
+   (`route_slots`: `align_by_expert`, torch on the device, no host sync; on CUDA up to
+   PARALLEL_ROUTING_SLOTS slots one launch with the same outputs: `align_by_expert_small` (one program,
+   up to 8 slots), else `align_by_expert_parallel` (one program per expert): 6-9 us per call from b1 to
+   b128 on the H200, where the torch path's sort and ~19 launches take 48-75 us);
 2. act_quant(x) once (a token's row is shared by its k experts);
 3. grouped GEMM w13 with the SwiGLU epilogue -> h bf16 [T*k, I];
 4. act_quant(h); grouped GEMM w2 -> bf16 [T*k, D];
@@ -110,7 +111,9 @@ def align_by_expert(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     return sorted_slots, block_expert.masked_fill_(block_expert >= n_experts, -1).to(torch.int32)
 
 
-SMALL_ROUTING_SLOTS = 64  # up to this many slots (T * k) one Triton program does the routing
+SMALL_ROUTING_SLOTS = 64  # up to this many slots (T * k) `align_by_expert_small` can route (one program)
+ONE_PROGRAM_ROUTING_SLOTS = 8  # and route_slots takes it up to this many: 6 slots 6.3 us vs the per-expert
+# kernel's 6.9; 48 slots 10.1 vs 7.0 (H200, results/routing_h200_2026-12-02_s4.log)
 
 
 @triton.jit
@@ -137,54 +140,11 @@ def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks
     tl.store(block_expert_ptr + b, tl.where(owner >= E, -1, owner), mask=b < n_blocks)
 
 
-ROUTING_KERNEL_SLOTS = 384  # up to this many slots the chunked one-program kernel below (batched decode): H200
-# 2026-12-02 (benchmarks/bench_routing.py, graph replay): 192 slots 31 vs 71 us, 384 57 vs 74; 768 91 vs 76 (slower)
-ROUTING_CHUNK = 64
-
-
-@triton.jit
-def _align_chunked_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
-                          BM: tl.constexpr, CH: tl.constexpr, EP: tl.constexpr, PB: tl.constexpr,
-                          N_CH: tl.constexpr, N_PAD: tl.constexpr, N_BL: tl.constexpr):
-    """`_align_small_kernel` over chunks of CH slots (one program, no sort): pass 1 counts each expert's slots,
-    pass 2 places chunk by chunk, slot i at padded_start[e_i] + (slots of e_i in earlier chunks) + (earlier
-    slots of e_i in its chunk): the stable sort's order. Batched decode (65..ROUTING_KERNEL_SLOTS slots): the
-    torch path's sort and ~19 launches take 70-76 us per call there (graph replay); this one program's time
-    grows with the chunks (one SM), so above ROUTING_KERNEL_SLOTS the torch path is faster.
-    N_CH / N_PAD / N_BL: loop counts (powers of two covering the slots, the padded slots and the blocks in
-    chunks of CH / PB / PB; masked past the end): compile-time, so few variants, and the interpreter runs them
-    (its range() over a run-time bound fails with numpy >= 2.4)."""
-    e = tl.arange(0, EP)
-    j = tl.arange(0, CH)
-    counts = tl.zeros((EP,), tl.int32)
-    for c in range(0, N_CH):
-        i = c * CH + j
-        ids = tl.load(ids_ptr + i, mask=i < n_slots, other=EP).to(tl.int32)  # EP: matches no expert
-        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
-    padded = (counts + (BM - 1)) // BM * BM
-    padded_end = tl.cumsum(padded, axis=0)
-    start = padded_end - padded
-    for c in range(0, N_PAD):
-        p = c * PB + tl.arange(0, PB)
-        tl.store(sorted_ptr + p, tl.full((PB,), 0, tl.int32) + n_slots, mask=p < n_blocks * BM)  # padding
-    tl.debug_barrier()  # the padding lands before the slots overwrite their places
-    seen = tl.zeros((EP,), tl.int32)
-    for c in range(0, N_CH):
-        i = c * CH + j
-        ok = i < n_slots
-        ids = tl.load(ids_ptr + i, mask=ok, other=EP).to(tl.int32)
-        onehot = ids[:, None] == e[None, :]  # [CH, EP]
-        base = tl.sum(tl.where(onehot, (start + seen)[None, :], 0), axis=1)
-        earlier = (ids[:, None] == ids[None, :]) & (j[None, :] < j[:, None])
-        tl.store(sorted_ptr + base + tl.sum(earlier.to(tl.int32), axis=1), i, mask=ok)
-        seen += tl.sum(onehot.to(tl.int32), axis=0)
-    for c in range(0, N_BL):
-        b = c * PB + tl.arange(0, PB)
-        owner = tl.sum((padded_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)  # searchsorted, right
-        tl.store(block_expert_ptr + b, tl.where(owner >= E, -1, owner), mask=b < n_blocks)
-
-
-PARALLEL_ROUTING_SLOTS = 1 << 16  # up to this many slots the one-program-per-expert kernel below
+PARALLEL_ROUTING_SLOTS = 24576  # up to this many slots the one-program-per-expert kernel below: H200 2026-12-02
+# (benchmarks/bench_routing.py, graph replay, E=256; results/routing_h200_2026-12-02_s4.log): 48 slots 7.0 us
+# (the one-program kernel 10.1), 192 7.5 (the chunked one-program kernel it replaced: 30.8, torch 69.4), 768 8.9
+# (torch 75.1), 12288 62 (torch 126); at 49152 (an 8k prefill) 252 against torch's 122: each program reads
+# every slot twice
 PARALLEL_CHUNK = 1024  # slots per pass of each program
 
 
@@ -270,25 +230,12 @@ def _routing_outputs(name: str, topk_ids: torch.Tensor, n_experts: int, block_m:
     return flat, n_slots, n_blocks, sorted_slots, block_expert
 
 
-def align_by_expert_chunked(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_by_expert`'s exact outputs in one launch, for 1..ROUTING_KERNEL_SLOTS slots."""
-    flat, n_slots, n_blocks, sorted_slots, block_expert = _routing_outputs(
-        "align_by_expert_chunked", topk_ids, n_experts, block_m, ROUTING_KERNEL_SLOTS)
-    pb = 64
-    _align_chunked_kernel[(1,)](flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m,
-                                CH=ROUTING_CHUNK, EP=triton.next_power_of_2(n_experts), PB=pb,
-                                N_CH=triton.next_power_of_2(triton.cdiv(n_slots, ROUTING_CHUNK)),
-                                N_PAD=triton.next_power_of_2(triton.cdiv(n_blocks * block_m, pb)),
-                                N_BL=triton.next_power_of_2(triton.cdiv(n_blocks, pb)), num_warps=8)
-    return sorted_slots, block_expert
-
-
 def route_slots(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_by_expert`'s outputs by the cheapest path on CUDA: one Triton program up to
-    SMALL_ROUTING_SLOTS slots (`align_by_expert_small`), one program per expert up to PARALLEL_ROUTING_SLOTS
-    (`align_by_expert_parallel`), the torch sort path above and off CUDA."""
+    ONE_PROGRAM_ROUTING_SLOTS slots (`align_by_expert_small`), one program per expert up to
+    PARALLEL_ROUTING_SLOTS (`align_by_expert_parallel`), the torch sort path above and off CUDA."""
     n = topk_ids.numel()
-    if topk_ids.is_cuda and 0 < n <= SMALL_ROUTING_SLOTS:
+    if topk_ids.is_cuda and 0 < n <= ONE_PROGRAM_ROUTING_SLOTS:
         return align_by_expert_small(topk_ids, n_experts, block_m)
     if topk_ids.is_cuda and 0 < n <= PARALLEL_ROUTING_SLOTS:
         return align_by_expert_parallel(topk_ids, n_experts, block_m)
