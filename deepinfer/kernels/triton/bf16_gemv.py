@@ -1,0 +1,136 @@
+"""Triton GEMV for the bf16-weight fp32 matmuls at batched decode: ops "linear_f32" and "blinear" in ONE launch.
+
+Owns: `linear_f32(x, w)` (x bf16 [M, K] @ w bf16 [N, K]^T -> fp32 [M, N]) and `blinear(x, w)` (the same, one
+rounding to bf16) for small M x N on cuda: the MoE gate, the compressors' wkv / wgate and the indexer's
+weights_proj at decode (the LM head stays on cuBLAS). cuBLAS (`bf16_gemm.linear_f32_cublas` / `blinear_cublas`)
+runs these at M = 1 as a split-K GEMM plus a separate `splitKreduce` kernel, ~6 us per call for weights of
+0.5-16 MB; here one program owns BN consecutive weight rows for all M rows of x and streams the FULL K (no
+split-K: one launch, a fixed summation order), so the call is bound by reading the weight once.
+Numerics: x and w chunks are upcast to fp32 and multiplied elementwise (never `tl.dot`: no TF32 / bf16 MMA
+rounding can enter); a product of two bf16 values is exact in fp32 (8 + 8 significant bits <= 24), so
+fused multiply-adds change nothing. Each of the BK lanes of a program accumulates the products of its
+k = j, j + BK, j + 2 BK, ... in fp32 in that order, then the BK lane sums are added in Triton's reduction
+tree: the official fp32 matmul of the bf16 values (`bf16_gemm.linear_f32_torch`, `official.blinear`) up to
+the fp32 summation order, as cuBLAS is. The order is fixed for a given tile (`_gemv_tiles(m, n, k)`: it
+depends on M, so a row's bits can change with the batch size, as cuBLAS's can); runs are deterministic.
+Registration: `kernels/__init__` registers the cuBLAS versions for "cuda" when `deepinfer.kernels` is
+imported, which happens before `kernels.triton.register_cuda_kernels()` can run (it lives in a subpackage
+and imports `register` from it), so these entries replace them; every call they do not take (M >
+GEMV_MAX_ROWS or M x N > GEMV_MAX_WORK, an fp32 weight, a weight that is not contiguous, CPU tensors off the
+interpreter) goes to the cuBLAS versions (which send CPU tensors to the torch twins).
+Must not: be imported off CUDA (imports triton); sync with the host (calls are captured in CUDA graphs);
+copy or upcast the weight.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels import bf16_gemm
+from deepinfer.kernels.triton.act_quant import interpreting
+
+BF16, F32 = torch.bfloat16, torch.float32
+GEMV_MAX_ROWS = 8  # rows of x one program holds (its [M_PAD, BN, BK] fp32 accumulator lives in registers)
+# Which calls take the GEMV (H200, results/gemv_h200_2026-12-02_s4.log, per call with L2-cold weights, K=4096):
+# it beats cuBLAS (split-K + splitKreduce, ~6-10 us) while M x N is small: M=1 N=64..2048 2.6-8.1 vs
+# 5.8-10.1 us; M=2 to N=1024 (7.0 vs 7.9); M=4 to N=512 (5.5 vs 7.3); M=8 only N<=256, barely; from M=16 and
+# for the LM head (N=129280: 266 vs 243 us, cuBLAS streams it at the copy rate) cuBLAS is faster.
+
+GEMV_MAX_WORK = 2048  # M x N up to this (and M <= 8) take the GEMV; above, cuBLAS is as fast or faster
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_om,
+                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] * w[n, k] for n in this program's BN columns and all m < M <= M_PAD.
+    x [M, K] with strides (stride_xm, stride_xk); w [N, K] with unit column stride; out [M, N] with unit
+    column stride, its dtype (fp32 or bf16) the one output rounding."""
+    cols = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # weight rows = output columns
+    rows = tl.arange(0, M_PAD)
+    cmask = cols < N
+    rmask = rows < M
+    lanes = tl.arange(0, BK)
+    acc = tl.zeros((M_PAD, BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + lanes
+        kmask = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [M_PAD, BK]
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                    mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [BN, BK]
+        acc += x[:, None, :] * w[None, :, :]  # exact products, one fp32 sum per lane and k-step
+    y = tl.sum(acc, axis=2)  # [M_PAD, BN]: the BK lane sums, in the reduction tree's order
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+def _gemv_tiles(m: int, n: int, k: int) -> dict:
+    """{BN, BK, num_warps, num_stages} for x [m, K] and w [n, K], from the H200 sweep of 2026-12-02
+    (benchmarks/bench_gemv.py, results/gemv_h200_2026-12-02_s4.log: K = 4096, M = 1 and 4): the best tiles
+    hold BN x BK = 4096 weight elements per step with about 512 programs at one or two rows (256 from four):
+    M=1 N=256 BN 1 (3.1 us), N=1024 BN 2 (5.6 us), N=2048 BN 4 (8.1 us); M=4 N=512 BN 2 (5.5 us), N=2048 BN 8
+    (12.6 us). num_warps 4 (8 only helped one case by 8%), 2 stages."""
+    mp = triton.next_power_of_2(max(m, 1))
+    bn = min(16, max(1, n // (512 if mp <= 2 else 256)))
+    bn = 1 << (bn.bit_length() - 1)  # a power of two
+    bk = max(16, min(triton.next_power_of_2(max(k, 1)), 4096 // bn))
+    return dict(BN=bn, BK=bk, num_warps=4, num_stages=2)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: dict | None = None,
+            max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+    """The kernel on x's device (cuda, or CPU under TRITON_INTERPRET=1), no checks beyond the layout:
+    x bf16 [M <= max_rows, K] (any strides), w bf16 [N, K] with unit column stride -> out_dtype [M, N].
+    tiles: {BN, BK, num_warps, num_stages} overriding `_gemv_tiles` (benchmark sweeps, tests); max_rows is
+    raised past GEMV_MAX_ROWS only by the benchmark (to see where the limit should sit)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M > max_rows or w.stride(1) != 1:
+        raise ValueError(f"bf16 gemv: wants x [<= {max_rows}, K] and w with unit column stride; got x "
+                         f"{tuple(x.shape)}, w strides {tuple(w.stride())}")
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    t = dict(_gemv_tiles(M, N, K), **(tiles or {}))
+    _gemv_kernel[(triton.cdiv(N, t["BN"]),)](
+        x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), out.stride(0),
+        M_PAD=triton.next_power_of_2(M), BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
+        num_stages=t["num_stages"])
+    return out
+
+
+def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the kernel runs a checked call with a bf16 weight (else cuBLAS, or the twin on CPU)."""
+    return ((x.is_cuda or interpreting()) and takes_shape(x.shape[0], w.shape[0])
+            and w.stride(1) == 1 and w.stride(0) == w.shape[1])
+
+
+def takes_shape(m: int, n: int) -> bool:
+    """Whether M rows times an N-row weight take the GEMV (GEMV_MAX_ROWS, GEMV_MAX_WORK: the H200 measurement)."""
+    return m <= GEMV_MAX_ROWS and m * n <= GEMV_MAX_WORK
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Same contract as `bf16_gemm.linear_f32_cublas`: x bf16 [M, K], w bf16 or fp32 [N, K] -> fp32 [M, N].
+    A bf16 weight's arguments are checked on every device (ValueError naming the op); an fp32 weight (the
+    official numerics' copy) goes to cuBLAS's fp32 path / the twin unchanged."""
+    if w.dtype == BF16:
+        bf16_gemm._check("linear_f32", x, w, 2, 2, (BF16, F32))
+        if _takes(x, w):
+            return _launch(x, w, F32)
+    return bf16_gemm.linear_f32_cublas(x, w)
+
+
+def blinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Same contract as `bf16_gemm.blinear_cublas`: x bf16 [M, K], w bf16 or fp32 [N, K] -> bf16 [M, N]
+    (fp32 sums rounded to bf16 once). Checks as `linear_f32` (stricter than `blinear_cublas` on CPU only,
+    whose twin `official.blinear` takes any float activation)."""
+    if w.dtype == BF16:
+        bf16_gemm._check("blinear", x, w, 2, 2, (BF16, F32))
+        if _takes(x, w):
+            return _launch(x, w, BF16)
+    return bf16_gemm.blinear_cublas(x, w)
+
+
+REGISTRATIONS = {"linear_f32": linear_f32, "blinear": blinear}
