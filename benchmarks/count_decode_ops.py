@@ -45,6 +45,8 @@ def cuda_launches(name: str, f_locals: dict) -> int:
         return 1 if f_locals.get("table") is not None else 5
     if name == "rope_table32":
         return 4
+    if name == "decode_rows":  # one launch per ratio (the window rows ride on the first)
+        return max(1, len(f_locals.get("ratios") or ()))
     return 1
 
 

@@ -229,3 +229,52 @@ def test_encode_into_triton_is_its_twin():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     _check_encode_into("cuda")
+
+
+# ------------------------------------------------------------------------------------- decode rows
+def _check_decode_rows(device: str) -> None:
+    """kernels/triton/decode_rows.py == the twin (`kernels.decode_rows.decode_rows_torch`), every output equal
+    (int64 rows, bool masks): random positions (0, block edges, the last one), random block tables, V4's
+    ratios {4, 128} with the 128-token window, odd sizes (a 7-token window, 16-token blocks, one ratio, no
+    ratio: window-only), entry counts past one program step (E = 2048)."""
+    from deepinfer.kernels.decode_rows import decode_rows_torch
+    from deepinfer.kernels.triton.decode_rows import decode_rows
+
+    g = torch.Generator().manual_seed(5)
+    for bsz, window, block, ctx, ratios in ((5, 128, 128, 1024, (4, 128)), (1, 128, 128, 8192, (4, 128)),
+                                            (33, 7, 16, 256, (4,)), (3, 128, 128, 512, ())):
+        blocks = -(-ctx // block)
+        buf = torch.zeros(bsz, 3 + blocks, dtype=torch.long)
+        buf[:, 0] = torch.randint(0, ctx, (bsz,), generator=g)
+        buf[0, 0] = 0
+        buf[-1, 0] = ctx - 1
+        if bsz > 2:
+            buf[1, 0] = block - 1
+        buf[:, 1] = torch.randint(0, 9, (bsz,), generator=g)
+        buf[:, 2] = torch.randint(0, 9, (bsz,), generator=g)
+        buf[:, 3:] = torch.randint(0, 500, (bsz, blocks), generator=g)
+        buf = buf.to(device)
+        want = decode_rows_torch(buf, window, block, ctx, ratios)
+        got = decode_rows(buf, window, block, ctx, ratios)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (bsz, window, ratios)
+        assert len(got[2]) == len(want[2]) == len(ratios)
+        for r, a, b in zip(ratios, got[2], want[2]):
+            for name, x, y in zip(("entry", "visible", "hidden", "complete", "new_row", "block_pos"), a, b):
+                assert x.dtype == y.dtype and torch.equal(x, y), (r, name, bsz, window)
+    with pytest.raises(ValueError, match="table columns"):
+        decode_rows(torch.zeros(2, 4, dtype=torch.long, device=device), 128, 128, 1024, (4,))
+
+
+def test_decode_rows_triton_is_its_twin_under_the_interpreter():
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    res = run_interpreted("import test_kernels_decode as t\nt._check_decode_rows('cpu')\nprint('ok')", timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_decode_rows_triton_is_its_twin():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _check_decode_rows("cuda")

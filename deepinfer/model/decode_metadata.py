@@ -20,9 +20,9 @@ from typing import Sequence
 
 import torch
 
+from deepinfer import kernels
+from deepinfer.kernels.decode_rows import POS as _POS, STATE as _STATE, TABLE as _TABLE, WIN as _WIN
 from deepinfer.model.context import SeqContext
-
-_POS, _WIN, _STATE, _TABLE = 0, 1, 2, 3  # columns of the packed buffer; block table from column 3 on
 
 
 @dataclass
@@ -70,14 +70,6 @@ class DecodeMetadata:
         self.host = torch.zeros(batch, cols, dtype=torch.long, pin_memory=pin)
         self.buf = torch.zeros(batch, cols, dtype=torch.long, device=self.device)  # the static device copy
         self.num_real = 0
-        # step-invariant index tensors of `derive`, built once per bucket (each would be a kernel per step)
-        dev = self.device
-        self._win_cols = torch.arange(window, device=dev)
-        self._entry_cols = {}  # ratio -> (j // entries_per_block, j % entries_per_block, j as [1, E])
-        for r in self.ratios:
-            epb = block_size // r
-            j = torch.arange(max_context // r, device=dev)
-            self._entry_cols[r] = (j // epb, j % epb, j.unsqueeze(0))
         # the previous step's host-to-device copy: the host buffer is rewritten only once it has been read
         self._copied = torch.cuda.Event() if pin else None
 
@@ -113,21 +105,10 @@ class DecodeMetadata:
         self.num_real = n
 
     def derive(self) -> DecodeRows:
-        """The per-layer rows from the device buffers (device ops only: graph-capturable)."""
+        """The per-layer rows from the device buffers (op "decode_rows": device ops only, graph-capturable; one
+        Triton launch per ratio on cuda)."""
         b = self.buf
-        pos, win = b[:, _POS], self.window
-        tables = b[:, _TABLE:]
-        qlo = (pos - win + 1).clamp(min=0)
-        wpos = qlo.unsqueeze(1) + self._win_cols  # ascending from the oldest visible position
-        window_rows = torch.where(wpos <= pos.unsqueeze(1), b[:, _WIN:_WIN + 1] * win + wpos % win, -1)
-        ratios = {}
-        for r in self.ratios:
-            epb = self.block_size // r
-            block_of, in_block, cols = self._entry_cols[r]
-            entry_rows = tables[:, block_of] * epb + in_block  # [B, E]
-            visible = (pos + 1) // r
-            cur = pos // r
-            new_row = tables.gather(1, (cur // epb).unsqueeze(1)).squeeze(1) * epb + cur % epb
-            ratios[r] = RatioRows(entry_rows, visible, cols >= visible.unsqueeze(1),
-                                  (pos + 1) % r == 0, new_row, cur * r)
-        return DecodeRows(pos, b[:, _WIN], b[:, _STATE], b[:, _WIN] * win + pos % win, window_rows, ratios)
+        ring_row, window_rows, per_ratio = kernels.get("decode_rows", self.device.type)(
+            b, self.window, self.block_size, self.max_context, self.ratios)
+        ratios = {r: RatioRows(*rows) for r, rows in zip(self.ratios, per_ratio)}
+        return DecodeRows(b[:, _POS], b[:, _WIN], b[:, _STATE], ring_row, window_rows, ratios)

@@ -27,6 +27,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "moe_gate",   # moe_gate_sqrtsoftplus: sqrt-softplus scores, biased top-k, renormalised weights in one kernel
     "hadamard",   # hadamard32: the indexer's rotation as one bf16 MMA kernel (fp32 accumulation, one rounding)
     "swiglu",     # swiglu_bf16: the shared experts' upcast, clamps, silu * up and bf16 rounding in one kernel
+    "decode_rows",  # decode_rows: a batched decode step's window / entry / write rows, one launch per ratio
     "bf16_gemv",  # linear_f32, blinear at M <= 16: one GEMV launch (overrides kernels/__init__'s cuBLAS entries)
 )
 

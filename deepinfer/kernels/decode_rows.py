@@ -1,0 +1,43 @@
+"""Op "decode_rows": the rows every layer of a batched decode step reads and writes, from the step's packed
+metadata buffer (`model/decode_metadata.py`: per row its position, window-ring slot, compressor-state slot and
+block table).
+
+Owns: `decode_rows_torch(buf, window, block_size, max_context, ratios)`, the torch version (the twin of
+`kernels/triton/decode_rows.py`, one or two launches on cuda where these ~43 small torch ops were as many
+kernels per step). Returns (ring_row [B], window_rows [B, window], one tuple per ratio r in `ratios`' order:
+(entry_rows [B, E], visible [B], hidden [B, E] bool, complete [B] bool, new_row [B], block_pos [B]) with
+E = max_context // r), every index int64:
+* ring_row: the flat ring row (slot * window + p % window) the new token's KV goes to;
+* window_rows: the flat ring rows of positions max(0, p - window + 1) .. p ascending, -1 past p;
+* entry_rows: the flat compressed-cache row of entry j (block table[j // epb] * epb + j % epb, epb = entries
+  per block); visible = (p + 1) // r entries the query may see, hidden = j >= visible; complete: this token
+  completes entry p // r, new_row its flat row, block_pos = r * (p // r) its first position.
+Must not: know about layers, caches or sequences (plain index arithmetic on the buffer).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+POS, WIN, STATE, TABLE = 0, 1, 2, 3  # columns of the packed buffer; block table from column 3 on
+
+
+def decode_rows_torch(buf: torch.Tensor, window: int, block_size: int, max_context: int,
+                      ratios: Sequence[int]) -> tuple:
+    pos, dev = buf[:, POS], buf.device
+    tables = buf[:, TABLE:]
+    qlo = (pos - window + 1).clamp(min=0)
+    wpos = qlo.unsqueeze(1) + torch.arange(window, device=dev)  # ascending from the oldest visible position
+    window_rows = torch.where(wpos <= pos.unsqueeze(1), buf[:, WIN:WIN + 1] * window + wpos % window, -1)
+    per_ratio = []
+    for r in ratios:
+        epb = block_size // r
+        j = torch.arange(max_context // r, device=dev)
+        entry_rows = tables[:, j // epb] * epb + j % epb  # [B, E]
+        visible = (pos + 1) // r
+        cur = pos // r
+        new_row = tables.gather(1, (cur // epb).unsqueeze(1)).squeeze(1) * epb + cur % epb
+        per_ratio.append((entry_rows, visible, j.unsqueeze(0) >= visible.unsqueeze(1), (pos + 1) % r == 0, new_row,
+                          cur * r))
+    return buf[:, WIN] * window + pos % window, window_rows, tuple(per_ratio)

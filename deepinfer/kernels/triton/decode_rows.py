@@ -1,0 +1,94 @@
+"""Triton op "decode_rows" (the twin and the meaning of every output: `kernels/decode_rows.py`): one launch per
+compression ratio, one program per batch row, instead of ~16 small torch kernels per ratio (and 8 for the
+window rows, folded into the first launch). Plain int64 index arithmetic: bit-identical to the twin
+(positions are non-negative, so floor and truncating division agree).
+Must not: be imported without triton.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels.decode_rows import TABLE
+
+ENTRY_BLOCK = 1024  # entry columns per loop step of a program
+
+
+@triton.jit
+def _decode_rows_kernel(buf_ptr, ring_ptr, win_ptr, entry_ptr, vis_ptr, hidden_ptr, complete_ptr, new_ptr, bpos_ptr,
+                        COLS: tl.constexpr, T0: tl.constexpr, WINDOW: tl.constexpr, WIN_P2: tl.constexpr, DO_WINDOW: tl.constexpr,
+                        R: tl.constexpr, EPB: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, N_E: tl.constexpr):
+    """Program b: DO_WINDOW -> ring_row[b], window_rows[b, :]; R > 0 -> ratio R's rows of b (E entry columns
+    in N_E steps of EB). Columns of a buf row: position, window slot (POS, WIN = 0, 1), block table from T0."""
+    b = tl.program_id(0).to(tl.int64)
+    row = buf_ptr + b * COLS
+    pos = tl.load(row + 0)
+    if DO_WINDOW:
+        slot = tl.load(row + 1)
+        w = tl.arange(0, WIN_P2)
+        wpos = tl.maximum(pos - WINDOW + 1, 0) + w
+        rows = tl.where(wpos <= pos, slot * WINDOW + wpos % WINDOW, -1)
+        tl.store(win_ptr + b * WINDOW + w, rows, mask=w < WINDOW)
+        tl.store(ring_ptr + b, slot * WINDOW + pos % WINDOW)
+    if R > 0:
+        visible = (pos + 1) // R
+        cur = pos // R
+        tl.store(vis_ptr + b, visible)
+        tl.store(complete_ptr + b, (pos + 1) % R == 0)
+        tl.store(new_ptr + b, tl.load(row + T0 + cur // EPB) * EPB + cur % EPB)
+        tl.store(bpos_ptr + b, cur * R)
+        for c in range(0, N_E):
+            j = c * EB + tl.arange(0, EB)
+            ok = j < E
+            blk = tl.load(row + T0 + j // EPB, mask=ok, other=0)
+            tl.store(entry_ptr + b * E + j, blk * EPB + j % EPB, mask=ok)
+            tl.store(hidden_ptr + b * E + j, j >= visible, mask=ok)
+
+
+def decode_rows(buf: torch.Tensor, window: int, block_size: int, max_context: int, ratios: Sequence[int]) -> tuple:
+    """Same contract as `kernels.decode_rows.decode_rows_torch` (buf int64 [B, 3 + blocks], contiguous)."""
+    from deepinfer.kernels.decode_rows import decode_rows_torch
+
+    if not buf.is_cuda and not _interpreting():
+        return decode_rows_torch(buf, window, block_size, max_context, ratios)
+    if buf.dtype != torch.int64 or buf.dim() != 2 or buf.shape[1] <= TABLE or not buf.is_contiguous():
+        raise ValueError(f"decode_rows: buf must be contiguous int64 [B, {TABLE} + blocks], got {buf.dtype} "
+                         f"{tuple(buf.shape)}")
+    bsz, cols = buf.shape
+    dev = buf.device
+    i64 = dict(dtype=torch.int64, device=dev)
+    ring_row, window_rows = torch.empty(bsz, **i64), torch.empty(bsz, window, **i64)
+    per_ratio = []
+    launches = [(r, i == 0) for i, r in enumerate(ratios)] or [(0, True)]
+    for r, do_window in launches:
+        if r:
+            epb, e = block_size // r, max_context // r
+            if epb < 1 or -(-e // epb) > cols - TABLE:
+                raise ValueError(f"decode_rows: ratio {r} with block_size {block_size} and max_context {max_context} "
+                                 f"needs {-(-e // max(epb, 1))} table columns, buf has {cols - TABLE}")
+            outs = (torch.empty(bsz, e, **i64), torch.empty(bsz, **i64), torch.empty(bsz, e, dtype=torch.bool, device=dev),
+                    torch.empty(bsz, dtype=torch.bool, device=dev), torch.empty(bsz, **i64), torch.empty(bsz, **i64))
+            per_ratio.append(outs)
+        else:
+            epb, e = 1, 0
+            outs = (ring_row,) * 6  # not written (R = 0)
+        entry, vis, hidden, complete, new_row, bpos = outs
+        eb = min(ENTRY_BLOCK, triton.next_power_of_2(max(e, 16)))
+        if bsz:
+            _decode_rows_kernel[(bsz,)](buf, ring_row, window_rows, entry, vis, hidden, complete, new_row, bpos,
+                                        COLS=cols, T0=TABLE, WINDOW=window, WIN_P2=triton.next_power_of_2(window),
+                                        DO_WINDOW=do_window, R=r, EPB=epb, E=e, EB=eb, N_E=triton.cdiv(e, eb),
+                                        num_warps=4)
+    return ring_row, window_rows, tuple(per_ratio)
+
+
+def _interpreting() -> bool:
+    from deepinfer.kernels.triton.act_quant import interpreting
+
+    return interpreting()
+
+
+REGISTRATIONS = {"decode_rows": decode_rows}
