@@ -38,13 +38,11 @@ def cuda_kernel_ops(extra: tuple[str, ...] = ()) -> set[str]:
 
 
 # kernels a fused op's cuda wrapper launches beyond its one kernel, from the twin frame's locals: rope32
-# without a precomputed table builds its cos/sin table first (positions to fp32, outer, cos, sin), and
-# rope_table32 is exactly those 4
+# without a precomputed table builds its cos/sin table first (one kernel since 2026-12-02's fourth session,
+# 4 torch ops before)
 def cuda_launches(name: str, f_locals: dict) -> int:
     if name == "rope32":
-        return 1 if f_locals.get("table") is not None else 5
-    if name == "rope_table32":
-        return 4
+        return 1 if f_locals.get("table") is not None else 2
     if name == "decode_rows":  # one launch per ratio (the window rows ride on the first)
         return max(1, len(f_locals.get("ratios") or ()))
     return 1

@@ -194,6 +194,22 @@ def test_triton_rope32_with_table(shape, inverse, fi):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("fi", range(len(FREQS)))
+def test_triton_rope_table_is_torchs_bit_for_bit(fi):
+    """The one-launch table == torch's cast, outer, cos and sin (`rope_table32_torch`) bit for bit, positions
+    0 .. 2**20 (libdevice's accurate cosf / sinf are the CUDA math library's, which torch calls)."""
+    rope, _ = _triton()
+    freqs = official.rope_freqs32(*FREQS[fi]).cuda()
+    g = torch.Generator().manual_seed(fi)
+    pos = torch.cat([torch.arange(300), torch.randint(0, 1 << 20, (5000,), generator=g), torch.tensor([1 << 20])])
+    pos = pos.cuda()
+    got, want = rope.rope_table32(pos, freqs), rope.rope_table32_torch(pos, freqs)
+    assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32)), \
+        int((got != want).sum())
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("shape", [(8192, 64, 512), (1, 64, 512), (37, 64, 512), (5, 3, 128)])
 def test_triton_head_rms_norm_is_the_bf16_torch_ops(shape):
     """The V4 q head norm in one kernel against the official bf16 torch ops on cuda (what model.py runs)."""

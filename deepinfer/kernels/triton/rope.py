@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from deepinfer.kernels import official
 
@@ -63,14 +64,48 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, R, stride_xt, stride_xr, s
 ROPE_ELEMENTS = 4096  # rope channels per program (tokens x rows x 2*HALF): 8 KB of bf16 in, 8 KB out
 
 
-def rope_table32(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """This kernel's table for positions [T]: fp32 [2, T, rd/2] = (cos, sin) of the fp32 angles, by torch's
-    cos/sin written into one buffer (4 kernels). A step builds it once per frequency table and passes it to
-    every `rope32(..., table=)` of those positions; without one, `rope32` builds it itself (the same bits)."""
+@triton.jit
+def _rope_table_kernel(pos_ptr, freq_ptr, table_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """table[0, t] = cos(fp32(p_t) * f), table[1, t] = sin(...): the fp32 angles as torch.outer forms them (one
+    rounding of the product), then libdevice's accurate cosf / sinf (CUDA's math library, which torch's
+    cos / sin call: NOT tl.cos / tl.sin, which lower to the approximate hardware instructions)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    i = tl.arange(0, HALF)
+    ok = (t < T)[:, None]
+    p = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
+    angles = p[:, None] * tl.load(freq_ptr + i)[None, :]
+    off = t.to(tl.int64)[:, None] * HALF + i[None, :]
+    tl.store(table_ptr + off, libdevice.cos(angles), mask=ok)
+    tl.store(table_ptr + T * HALF + off, libdevice.sin(angles), mask=ok)
+
+
+def rope_table32_torch(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """`rope_table32` by torch ops (4 kernels: cast, outer, cos, sin): the reference its kernel must equal."""
     angles = torch.outer(positions.to(torch.float32), freqs.to(positions.device, torch.float32))
     table = torch.empty((2,) + tuple(angles.shape), dtype=torch.float32, device=angles.device)
     torch.cos(angles, out=table[0])
     torch.sin(angles, out=table[1])
+    return table
+
+
+def rope_table32(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """This kernel's table for positions [T]: fp32 [2, T, rd/2] = (cos, sin) of the fp32 angles, in one launch
+    (`_rope_table_kernel`; the torch ops of `rope_table32_torch` were 4). A step builds it once per frequency
+    table and passes it to every `rope32(..., table=)` of those positions; without one, `rope32` builds it
+    itself (the same bits)."""
+    half = freqs.shape[0]
+    if positions.dim() != 1 or freqs.dim() != 1 or half & (half - 1):
+        raise ValueError(f"rope_table32: positions [T] and a power-of-two count of frequencies, got "
+                         f"{tuple(positions.shape)} and {tuple(freqs.shape)}")
+    if not positions.is_cuda:  # the interpreter has no libdevice cos / sin: torch's, the bits the kernel must give
+        return rope_table32_torch(positions, freqs)
+    f = freqs.to(positions.device, torch.float32).contiguous()
+    T = positions.shape[0]
+    table = torch.empty((2, T, half), dtype=torch.float32, device=positions.device)
+    if T:
+        block_t = max(1, min(64, 4096 // half))
+        _rope_table_kernel[(triton.cdiv(T, block_t),)](positions.contiguous(), f, table, T, HALF=half,
+                                                       BLOCK_T=block_t, num_warps=4)
     return table
 
 
