@@ -67,15 +67,22 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn
 
 def _gemv_tiles(m: int, n: int, k: int) -> dict:
     """{BN, BK, num_warps, num_stages} for x [m, K] and w [n, K], from the H200 sweep of 2026-12-02
-    (benchmarks/bench_gemv.py, results/gemv_h200_2026-12-02_s4.log: K = 4096, M = 1 and 4): the best tiles
-    hold BN x BK = 4096 weight elements per step with about 512 programs at one or two rows (256 from four):
-    M=1 N=256 BN 1 (3.1 us), N=1024 BN 2 (5.6 us), N=2048 BN 4 (8.1 us); M=4 N=512 BN 2 (5.5 us), N=2048 BN 8
-    (12.6 us). num_warps 4 (8 only helped one case by 8%), 2 stages."""
+    (benchmarks/bench_gemv.py, results/gemv_h200_2026-12-02_s4.log: K = 4096):
+    * up to 4 rows the best tiles hold BN x BK = 4096 weight elements per step (an fp32 accumulator of up to
+      128 per thread at 4 warps) with about 512 programs at one or two rows, 256 from four: M=1 N=256 BN 1
+      (3.1 us), N=1024 BN 2 (5.6 us), N=2048 BN 4 (8.2 us); M=4 N=256 BN 1 (4.2 us), N=512 BN 2 (5.5 us);
+    * 5..8 rows: 8 warps and 64 accumulator elements per thread (M=8 N=64 6.5 us, N=256 6.9 us). The
+      4-row rule carried to 8 rows (256 fp32 per thread) spills: 88 us per call in the slice's b8 step
+      (results/decode_anatomy_h200_2026-12-02_s4.log), which is how this branch came to be."""
     mp = triton.next_power_of_2(max(m, 1))
+    kp = triton.next_power_of_2(max(k, 1))
+    if mp >= 8:
+        bn = min(16, max(2, n // 256))
+        bn = 1 << (bn.bit_length() - 1)
+        return dict(BN=bn, BK=max(16, min(kp, 16384 // (mp * bn))), num_warps=8, num_stages=2)
     bn = min(16, max(1, n // (512 if mp <= 2 else 256)))
     bn = 1 << (bn.bit_length() - 1)  # a power of two
-    bk = max(16, min(triton.next_power_of_2(max(k, 1)), 4096 // bn))
-    return dict(BN=bn, BK=bk, num_warps=4, num_stages=2)
+    return dict(BN=bn, BK=max(16, min(kp, 4096 // bn)), num_warps=4, num_stages=2)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: dict | None = None,
