@@ -8,7 +8,7 @@ decode shapes, and sweep the GEMV's tiles to set `_gemv_tiles` (provisional unti
 Shapes (K = 4096 = dim, V4-Flash config): N = 64 (indexer weights_proj, blinear), 256 (MoE gate; the indexer's
 compressor wkv / wgate: ratio 4 -> 2 x index_head_dim 128), 512 (main compressor wkv / wgate at ratio 128:
 head_dim 512), 1024 (main compressor at ratio 4: 2 x 512), 2048; --head adds the LM head (N = 129280, 1 GB).
-M in 1, 2, 4, 8, 16, 32 (32 > GEMV_MAX_ROWS: the GEMV is launched directly, to see where the limit should sit).
+M in 1, 2, 4, 8, 16, 32 (16 and 32 > GEMV_MAX_ROWS: the GEMV is launched directly, to see where the limit should sit).
 Time: a CUDA graph of back-to-back calls over copies of the weight (>= 4x the L2 size in all, so each call
 reads its weight from HBM as in a decode step), replayed (`timing.graph_replay_ms`), divided by the number of
 calls: device time per call including the in-graph launch gaps. GB/s: the weight's bytes (N K 2) per call time
