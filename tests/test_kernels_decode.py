@@ -194,10 +194,6 @@ def _check_encode_into(device: str) -> None:
 
 def test_encode_into_twin_is_encode_then_masked_scatter():
     """The CPU op is the twin itself; its checks name what was wrong."""
-    _check_encode_into_twin_only()
-
-
-def _check_encode_into_twin_only() -> None:
     from types import SimpleNamespace
 
     from deepinfer.cache.layouts import get_layout
@@ -214,21 +210,6 @@ def _check_encode_into_twin_only() -> None:
         twin(lay, x, store, torch.tensor([5.0, 1.0, 2.0]))
     with pytest.raises(ValueError, match=r"takes x \[T, 512\]"):
         twin(lay, x[:, :100], store, torch.tensor([5, 1, 2]))
-
-
-def test_encode_into_triton_is_its_twin_under_the_interpreter():
-    pytest.importorskip("triton")
-    from interpreted import run_interpreted
-
-    res = run_interpreted("import test_kernels_decode as t\nt._check_encode_into('cpu')\nprint('ok')", timeout=300)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
-
-
-@pytest.mark.gpu
-def test_encode_into_triton_is_its_twin():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    _check_encode_into("cuda")
 
 
 # ------------------------------------------------------------------------------------- decode rows
@@ -265,16 +246,23 @@ def _check_decode_rows(device: str) -> None:
         decode_rows(torch.zeros(2, 4, dtype=torch.long, device=device), 128, 128, 1024, (4,))
 
 
-def test_decode_rows_triton_is_its_twin_under_the_interpreter():
+# the decode step's Triton ops against their twins: under the interpreter (a fresh process: the flag is read at
+# import) and on the GPU, by the same checks
+DECODE_STEP_CHECKS = ["_check_encode_into", "_check_decode_rows"]
+
+
+@pytest.mark.parametrize("check", DECODE_STEP_CHECKS)
+def test_decode_step_triton_ops_are_their_twins_under_the_interpreter(check):
     pytest.importorskip("triton")
     from interpreted import run_interpreted
 
-    res = run_interpreted("import test_kernels_decode as t\nt._check_decode_rows('cpu')\nprint('ok')", timeout=300)
+    res = run_interpreted(f"import test_kernels_decode as t\nt.{check}('cpu')\nprint('ok')", timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
 
 
 @pytest.mark.gpu
-def test_decode_rows_triton_is_its_twin():
+@pytest.mark.parametrize("check", DECODE_STEP_CHECKS)
+def test_decode_step_triton_ops_are_their_twins(check):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _check_decode_rows("cuda")
+    globals()[check]("cuda")

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.decode_rows import TABLE
+from deepinfer.kernels.decode_rows import TABLE, decode_rows_torch
+from deepinfer.kernels.triton.act_quant import interpreting
 
 ENTRY_BLOCK = 1024  # entry columns per loop step of a program
 
@@ -50,9 +51,7 @@ def _decode_rows_kernel(buf_ptr, ring_ptr, win_ptr, entry_ptr, vis_ptr, hidden_p
 
 def decode_rows(buf: torch.Tensor, window: int, block_size: int, max_context: int, ratios: Sequence[int]) -> tuple:
     """Same contract as `kernels.decode_rows.decode_rows_torch` (buf int64 [B, 3 + blocks], contiguous)."""
-    from deepinfer.kernels.decode_rows import decode_rows_torch
-
-    if not buf.is_cuda and not _interpreting():
+    if not buf.is_cuda and not interpreting():
         return decode_rows_torch(buf, window, block_size, max_context, ratios)
     if buf.dtype != torch.int64 or buf.dim() != 2 or buf.shape[1] <= TABLE or not buf.is_contiguous():
         raise ValueError(f"decode_rows: buf must be contiguous int64 [B, {TABLE} + blocks], got {buf.dtype} "
@@ -83,12 +82,6 @@ def decode_rows(buf: torch.Tensor, window: int, block_size: int, max_context: in
                                         DO_WINDOW=do_window, R=r, EPB=epb, E=e, EB=eb, N_E=triton.cdiv(e, eb),
                                         num_warps=4)
     return ring_row, window_rows, tuple(per_ratio)
-
-
-def _interpreting() -> bool:
-    from deepinfer.kernels.triton.act_quant import interpreting
-
-    return interpreting()
 
 
 REGISTRATIONS = {"decode_rows": decode_rows}
