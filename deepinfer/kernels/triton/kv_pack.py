@@ -124,13 +124,23 @@ def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, layout.dim)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], layout.bytes_per_token, dtype=torch.uint8, device=x.device)
+    _fp8_encode(layout, x2, out)
+    return out.reshape(*lead, layout.bytes_per_token)
+
+
+def _fp8_encode(layout, x2: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None) -> None:
+    """`_encode_kernel` over x2 [T, dim] (unit channel stride): row t's bytes to out[t], or with `rows` to
+    out[rows[t]] where keep[t] (keep None: every row)."""
+    if not x2.shape[0]:
+        return
     bpt = layout.bytes_per_token
-    out = torch.empty(x2.shape[0], bpt, dtype=torch.uint8, device=x.device)
-    if x2.shape[0]:
-        pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
-        _encode_kernel[(x2.shape[0],)](x2, out, out.view(torch.int16), x2.stride(0), bpt, out, out, PAD=pad,
-                                       INTO=False, KEEP=False, num_warps=4, **_fp8_geometry(layout))
-    return out.reshape(*lead, bpt)
+    pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
+    dst = out if rows is None else rows
+    _encode_kernel[(x2.shape[0],)](x2, out, out.view(torch.int16), x2.stride(0), bpt, dst,
+                                   dst if keep is None else keep, PAD=pad, INTO=rows is not None,
+                                   KEEP=keep is not None, num_warps=4, **_fp8_geometry(layout))
 
 
 def kv_encode_into(layout, x: torch.Tensor, store: torch.Tensor, rows: torch.Tensor,
@@ -145,17 +155,9 @@ def kv_encode_into(layout, x: torch.Tensor, store: torch.Tensor, rows: torch.Ten
     if not (fp4 or _supported(layout)) or not _on_device(x):
         return twin(layout, x, store, rows, keep)
     _check_encode_into(layout, x, store, rows, keep)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if not x.shape[0]:
-        return
-    keep_arg = keep if keep is not None else rows
-    bpt = layout.bytes_per_token
     if fp4:
         return fp4_kv_encode(layout, x, into=(store, rows, keep))
-    pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
-    _encode_kernel[(x.shape[0],)](x, store, store.view(torch.int16), x.stride(0), bpt, rows, keep_arg, PAD=pad,
-                                  INTO=True, KEEP=keep is not None, num_warps=4, **_fp8_geometry(layout))
+    _fp8_encode(layout, x if x.stride(-1) == 1 else x.contiguous(), store, rows, keep)
 
 
 def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
