@@ -4,8 +4,10 @@ tile sweep per regime, V4-Flash dims (E=256, k=6, D=4096, I=2048), uniform rando
 
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py [--ts 1,8,32,128,512,2048,8192] [--quick]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --variants [--ts 1,8,32,128,512]
+    PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --mma [--ts 1,8,32,128]
 
 --fp8: the current default (expand and plan chosen by the op) against the FP8 form's variants (`FP8_VARIANTS`);
+--mma: the current default against the mma.sync CUDA kernel's variants (`MMA_VARIANTS`, kernels/cuda/fp4_moe_mma);
 --variants: the default against the v2 path's variants (`fp4_moe(config=...)` with `V2_KEYS`: split-K with
 fixed-order reduces, pre-dequantised bf16 activations, one gate+up tile; `VARIANTS` below), each row with
 its speedup over the default at that T; writes $OUT/fp4_moe_variants.json.
@@ -96,8 +98,24 @@ FP8_VARIANTS = [  # (name, config, expand, max T)
 ]
 
 
+# the mma.sync form (`fp4_moe(config={"MMA_SYNC": True, ...})`, kernels/cuda/fp4_moe_mma.cu) against the default
+MMA_VARIANTS = [  # (name, config, expand, max T)
+    ("triton v2 decode plan, expand 6", dict(SPLIT_K=0, A_BF16=True, BN=128), 6, 10 ** 9),
+    ("mma MT2 w4 s2", dict(MMA_SYNC=True), None, 10 ** 9),
+    ("mma MT1 w4 s2", dict(MMA_SYNC=True, MT=1), None, 10 ** 9),
+    ("mma MT2 w4 s4", dict(MMA_SYNC=True, STAGES=4), None, 10 ** 9),
+    ("mma MT4 w4 s2", dict(MMA_SYNC=True, MT=4), None, 10 ** 9),
+    ("mma MT1 w8 s2", dict(MMA_SYNC=True, MT=1, WARPS=8), None, 10 ** 9),
+    ("mma MT2 w2 s2", dict(MMA_SYNC=True, WARPS=2), None, 10 ** 9),
+    ("mma MT1 w4 s4", dict(MMA_SYNC=True, MT=1, STAGES=4), None, 10 ** 9),
+    ("mma MT2 w4 s2 waves 8", dict(MMA_SYNC=True, WAVES=8), None, 10 ** 9),
+    ("mma MT2 w4 s2 waves 2", dict(MMA_SYNC=True, WAVES=2), None, 10 ** 9),
+    ("mma MT2 w4 s2 no split", dict(MMA_SYNC=True, SPLIT_K=1), None, 10 ** 9),
+]
+
+
 def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
-    from deepinfer.kernels.triton.fp4_moe import n_routing_blocks, plan_fp8, plan_v2
+    from deepinfer.kernels.triton.fp4_moe import n_routing_blocks, plan_fp8, plan_mma, plan_v2
 
     dev = b.w13.device
     rows, res = [], []
@@ -116,6 +134,9 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
             n_slots = t * K_TOP
             if cfg is None:
                 desc = str(_config(n_slots, E))
+            elif "MMA_SYNC" in cfg:
+                pl = plan_mma(n_slots, E, D, I, sms, cfg)
+                desc = f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} w={pl['WARPS']} st={pl['STAGES']}"
             elif "FP8" in cfg:
                 pl = plan_fp8(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BT={pl['BT']} BW={pl['BW']} w={pl['num_warps']}"
@@ -149,14 +170,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="defaults only, no tile sweep")
     ap.add_argument("--variants", action="store_true", help="the default against the v2 path's VARIANTS")
     ap.add_argument("--fp8", action="store_true", help="the current default against FP8_VARIANTS (the FP8 form)")
+    ap.add_argument("--mma", action="store_true", help="the current default against MMA_VARIANTS (mma.sync kernel)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     b = bank(dev)
     per_expert_bytes = (b.w13[0].numel() + b.w13_scale[0].numel() + b.w2[0].numel() + b.w2_scale[0].numel())
-    if args.variants or args.fp8:
+    if args.variants or args.fp8 or args.mma:
         run_variants(b, [int(v) for v in (args.ts or "1,8,32,128,512").split(",")], per_expert_bytes,
-                     FP8_VARIANTS if args.fp8 else None)
+                     FP8_VARIANTS if args.fp8 else MMA_VARIANTS if args.mma else None)
         return
     rows, res = [], []
     for t in (int(v) for v in (args.ts or "1,8,32,128,512,2048,8192").split(",")):

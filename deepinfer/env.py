@@ -20,3 +20,17 @@ def cuda_graphs_enabled() -> bool:
     """DEEPINFER_CUDA_GRAPHS=0 turns the fast engine's decode CUDA graphs off (EngineConfig(cuda_graphs=False)
     does the same per engine); default on."""
     return os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+
+
+MOE_DECODE_KERNELS = ("auto", "mma", "triton")
+
+
+def moe_decode_kernel() -> str:
+    """DEEPINFER_MOE_DECODE_KERNEL: which kernels run the routed experts' GEMMs at decode (up to 16 slots per
+    expert) on CUDA: "mma" (the mma.sync CUDA kernel, kernels/cuda/fp4_moe_mma.cu, where it can run),
+    "triton" (the Triton v2 kernels), "auto" (the default: the measured faster one, see
+    kernels/triton/fp4_moe.py DECODE_FORM). Anything else is a ValueError naming the choices."""
+    value = os.environ.get("DEEPINFER_MOE_DECODE_KERNEL", "auto").strip().lower() or "auto"
+    if value not in MOE_DECODE_KERNELS:
+        raise ValueError(f"DEEPINFER_MOE_DECODE_KERNEL={value!r}: expected one of {MOE_DECODE_KERNELS}")
+    return value

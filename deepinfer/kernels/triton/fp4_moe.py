@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, e8m0_to_f32, interpreting,
                                                quantise_rows)
@@ -672,13 +673,15 @@ def _w2_rows(s2, n_slots, d, device):
 
 
 def _combine_rows(y, rows, topk_ids, s2):
-    """y[t] = the ordered fp32 sum of token t's k w2 rows (`_combine_kernel`, the split sum fused when S2 > 1)."""
+    """y[t] = the ordered fp32 sum of token t's k w2 rows (`_combine_kernel`): rows fp32 split partials
+    [S2, slots, D] (3-D, any S2 >= 1: their fixed-order sum rounded to bf16 per row, fused) or bf16 [slots, D]."""
     t, topk = topk_ids.shape
     d = y.shape[1]
+    partial = rows.dim() == 3
     bd = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if s2 > 1 else 0,
+    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if partial else 0,
                                              S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
-                                             PARTIAL=s2 > 1, num_warps=4)
+                                             PARTIAL=partial, num_warps=4)
     return y
 
 
@@ -721,6 +724,71 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     _v2_gemm(ha, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter, 0.0, 1,
              ab, a_bf16, False, s2, cfg, expand)
     return _combine_rows(y, rows, topk_ids, s2)
+
+
+MMA_KEYS = ("MMA_SYNC",)  # a config with any of these takes the mma.sync kernels (`_fp4_moe_mma`)
+MMA_WAVES = 4  # auto split-K of the mma.sync form: programs per SM the split aims for
+
+
+def plan_mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config: dict) -> dict:
+    """The mma.sync form's plan: `fp4_moe_mma.tiles(config)` (MT, WARPS, STAGES), then S13 / S2 split-K counts:
+    SPLIT_K13 / SPLIT_K2, else SPLIT_K, as given; None/0: doubled while the grid of routing blocks (of
+    fp4_moe_mma.TOKENS slots) x weight-row tiles x S stays under WAVES (default MMA_WAVES) programs per SM
+    and each split keeps whole pipeline rounds (STAGES x 128 K). ValueError for a split that cannot run."""
+    from deepinfer.kernels.cuda import fp4_moe_mma as mma
+
+    cfg = mma.tiles(config)
+    n_blocks = n_routing_blocks(n_slots, n_experts, mma.TOKENS)
+    waves = config.get("WAVES", MMA_WAVES)
+    for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
+        want = config.get("SPLIT_K" + name[1:], config.get("SPLIT_K"))
+        if want:
+            s = int(want)
+        else:
+            grid, steps, s = n_blocks * triton.cdiv(n, mma.rows_per_cta(cfg)), k // mma.K_STEP, 1
+            while s * 2 <= 16 and grid * s < waves * sms and steps % (2 * s * cfg["STAGES"]) == 0:
+                s *= 2
+        why = mma.check_shapes(k, s, cfg)
+        if why:
+            raise ValueError(f"fp4_moe mma.sync form: {why}")
+        cfg[name] = s
+    return cfg
+
+
+def mma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
+    """The mma.sync form can run this bank here: a CUDA device with NVRTC and the driver, the weights' scale
+    bytes in the exact expansion's range, and D and I whole pipeline rounds."""
+    from deepinfer.kernels.cuda import fp4_moe_mma as mma
+    from deepinfer.kernels.cuda import runtime
+
+    cfg = mma.tiles(None)
+    return (device.type == "cuda" and bank.scale_max <= mma.SCALE_MAX and runtime.available()
+            and mma.check_shapes(bank.dim, 1, cfg) is None and mma.check_shapes(bank.inter_dim, 1, cfg) is None)
+
+
+def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
+    """The mma.sync form (kernels/cuda/fp4_moe_mma.cu, decode regime): routing in blocks of 8 slots, bf16
+    activations (act_quant's exact q * s), both GEMMs as fp32 split partials (S >= 1) on mma.sync with the
+    FP4 expansion in the MMA's registers, the w13 partials through the SwiGLU + act_quant reduce and the w2
+    partials through the ordered k-row sum (the v2 path's reduce kernels). Official fp4_gemm math up to fp32
+    summation order, like the Triton kernels. No host sync: CUDA-graph capturable (compiled on first use)."""
+    from deepinfer.kernels.cuda import fp4_moe_mma as mma
+
+    if bank.scale_max > mma.SCALE_MAX:
+        raise ValueError(f"fp4_moe mma.sync form: exact for E8M0 scale bytes up to {mma.SCALE_MAX}; this bank has "
+                         f"{bank.scale_max}")
+    topk = topk_ids.shape[1]
+    d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
+    cfg = plan_mma(n_slots, bank.plan_experts, d, inter, sm_count(x.device), config)
+    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, mma.TOKENS)
+    route_w = topk_weights.contiguous().view(-1)
+    xa = act_quant_dequant_bf16(x, ab)
+    part = torch.empty((cfg["S13"], n_slots, 2 * inter), dtype=torch.float32, device=x.device)
+    mma.expert_gemm_partials(xa, bank.w13, bank.w13_scale, part, sorted_slots, block_expert, n_slots, topk, cfg)
+    ha, _ = _reduce_split_w13(part, route_w, ab, swiglu_limit, True)
+    rows = torch.empty((cfg["S2"], n_slots, d), dtype=torch.float32, device=x.device)
+    mma.expert_gemm_partials(ha, bank.w2, bank.w2_scale, rows, sorted_slots, block_expert, n_slots, 1, cfg)
+    return _combine_rows(y, rows, topk_ids, cfg["S2"])
 
 
 FP8_KEYS = ("FP8",)  # a config with any of these takes the FP8 form (`_fp4_moe_fp8`)
@@ -776,6 +844,15 @@ DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 sl
 # T=128 1931 vs 2710 us = 1.72 TB/s; results/fp4_moe_variants_h200.json). Not measured above 16 per expert.
 
 
+DECODE_FORM = "triton"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma" or "triton"
+DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
+
+
+def _decode_form() -> str:
+    choice = env.moe_decode_kernel()
+    return DECODE_FORM if choice == "auto" else choice
+
+
 def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
             swiglu_limit: float, expand: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
@@ -789,6 +866,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         few = topk_ids.numel() / max(1, bank.plan_experts) <= DECODE_SLOTS_PER_EXPERT
         config = DECODE_V2 if few else PREFILL_V2
         expand = 6 if bank.scale_max <= EXPAND6_SCALE_MAX else 5
+        if few and _decode_form() == "mma" and mma_form_usable(bank, x.device):
+            config = DECODE_MMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
         raise ValueError(f"fp4_moe: expand must be one of {sorted(EXPANSIONS)}, got {expand!r}")
@@ -808,6 +887,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     y = torch.empty((t, d), dtype=torch.float32, device=x.device)
     if t == 0:
         return y
+    if config and any(key in config for key in MMA_KEYS):
+        return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if config and any(key in config for key in FP8_KEYS):
         return _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if config and any(key in config for key in V2_KEYS):

@@ -1,0 +1,203 @@
+// Routed-expert GEMM at decode: packed FP4 (E2M1 + per-32 E8M0) weights x bf16 activations on mma.sync.
+//
+// out[split, slot, n] = sum over k in the split's K range of a[row(slot), k] * W[e, n, k]   (fp32)
+// for the <= 8 slots of one routing block (all of expert e), every weight row n of the CTA's tile.
+// The products are exact (bf16 activation = act_quant's q * s; the weight E2M1 x 2^(S-127) is exact in
+// bf16) and the tensor cores add them in fp32: the official fp4_gemm math up to fp32 summation order,
+// the same as the Triton kernels (fp4_moe.py). A reduce kernel adds the splits in a fixed order.
+//
+// Fragments (mma.m16n8k16, A = 16 weight rows "row", B = 8 tokens "col"): lane = 4g + t holds A rows g and
+// g + 8 at logical K pairs (2t, 2t+1) and (2t+8, 2t+9), B token g at the same K pairs. A dot product does
+// not care in which order K is visited, so each lane feeds the MMA its OWN K positions, the same for A
+// and B: per step of 128 K the lane owns K [32t, 32t + 32) of it (one uint4 of packed codes per weight
+// row, one E8M0 scale byte: exactly one scale block), as four words of 8 codes. A word's code c (nibble
+// c, K offset c) and code c + 4 (nibble c + 4) form one bf16x2 register: nibbles c and c + 4 sit 16 bits
+// apart, so ONE shift-mask-multiply places both (`pair`), no per-byte unpacking. Word q's registers:
+// pair 0 / 1 feed MMA step (q, 0) as its (2t, 2t+1) / (2t+8, 2t+9) pairs, pair 2 / 3 step (q, 1). The
+// activations' bf16 pairs are regrouped to match with one byte permute each (`x_pair`).
+// E2M1 -> bf16: magnitude bits e1 e0 m to bf16 bits 8..6, sign to bit 15 gives 2^(e-127) (1 + m/2) for
+// e > 0 and the subnormal m * 2^-127 for e = 0: E2M1 x 2^-126. One bf16x2 multiply by 2^(S-1) (exponent
+// field S + 126) makes it E2M1 x 2^(S-127), exact for S <= 128 (the caller checks the bank's scale_max).
+// Same trick and bound as fp4_moe._e2m1_bytes_bf16x2_scaled (Triton "expand 6").
+//
+// Compile-time constants (-D): MT m16 tiles per warp, WARPS warps per CTA, STAGES register pipeline depth.
+// Launch: grid (routing blocks, ceil(N / (16 MT WARPS)), splits), block 32 WARPS.
+// Requires: K_split % (128 STAGES) == 0; row strides of W / a multiples of 16 bytes; a bf16 [rows, >= K].
+
+typedef unsigned int u32;
+typedef unsigned char u8;
+typedef long long i64;
+
+#ifndef MT
+#define MT 2
+#endif
+#ifndef WARPS
+#define WARPS 4
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+#define TOKENS 8
+
+struct Stage {
+    uint4 w[MT][2];  // packed codes of rows g and g + 8 of each m16 tile: 32 K each
+    u32 s[MT][2];    // their E8M0 scale bytes
+    uint4 x[4];      // token g's bf16 activations over the lane's 32 K
+};
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    // weights are read once: do not keep them in L1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint4 ld_shared_by_ctas(const void* p) {
+    // activations are read by every CTA of the block's expert: keep them cached
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// codes c and c + 4 of word w (c = 0..3) as bf16 bit patterns E2M1 x 2^-126: low half code c, high half c + 4
+template <int C>
+__device__ __forceinline__ u32 pair(u32 w) {
+    // nibbles c and c + 4 at bits 4c.. and 16 + 4c..; for c = 0 / 1 masked in place, for 2 / 3 shifted down by 8
+    const u32 v = (C >= 2) ? (w >> 8) : w;
+    const u32 nib = (C & 1) ? (v & 0x00F000F0u) : (v & 0x000F000Fu);
+    // magnitude (nibble bits 0..2) to bits 6..8 and sign (bit 3) to bit 15 of each half: (nib << 6) + (nib << 12)
+    // (the two copies never overlap), or (nib << 2) + (nib << 8) for the upper nibble of a byte
+    const u32 spread = (C & 1) ? nib * 0x104u : nib * 0x1040u;
+    return spread & 0x81C081C0u;
+}
+
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 x_pair(u32 lo, u32 hi, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int q) {
+    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
+                    const u8* __restrict__ w, i64 stride_we, i64 stride_wn,
+                    const u8* __restrict__ ws, i64 stride_wse, i64 stride_wsn,
+                    float* __restrict__ out, i64 stride_os, i64 stride_om,
+                    const int* __restrict__ sorted_slots, const int* __restrict__ block_expert,
+                    int n_slots, int N, int k_split, int a_row_div) {
+    const int blk = blockIdx.x;
+    const int expert = block_expert[blk];
+    if (expert < 0) return;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int k_lo = blockIdx.z * k_split;
+    const int steps = k_split / 128;
+
+    // this lane's token (B column g) and its activation row; padding slots read row 0 (their column is never stored)
+    const int my_slot = sorted_slots[blk * TOKENS + g];
+    const i64 a_row = my_slot < n_slots ? (i64)(my_slot / a_row_div) : 0;
+    const unsigned short* a_ptr = a + a_row * stride_am + k_lo + 32 * t;
+
+    // the lane's weight rows: row g and g + 8 of each m16 tile (clamped to N - 1; their outputs are not stored)
+    const int row0 = blockIdx.y * (16 * MT * WARPS) + warp * (16 * MT);
+    const u8* w_ptr[MT][2];
+    const u8* s_ptr[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int r = row0 + 16 * m + g + 8 * h;
+            r = r < N ? r : N - 1;
+            w_ptr[m][h] = w + (i64)expert * stride_we + (i64)r * stride_wn + k_lo / 2 + 16 * t;
+            s_ptr[m][h] = ws + (i64)expert * stride_wse + (i64)r * stride_wsn + k_lo / 32 + t;
+        }
+    }
+
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+        acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+
+    Stage buf[STAGES];
+    auto load = [&](Stage& st, int step) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                st.w[m][h] = ld_stream(w_ptr[m][h] + step * 64);
+                st.s[m][h] = s_ptr[m][h][step * 4];
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) st.x[q] = ld_shared_by_ctas(a_ptr + step * 128 + 8 * q);
+    };
+    auto compute = [&](const Stage& st) {
+        u32 mult[MT][2];  // bf16x2 2^(S-1): exponent field S + 126 in both halves
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            mult[m][0] = (st.s[m][0] + 126u) * 0x00800080u;
+            mult[m][1] = (st.s[m][1] + 126u) * 0x00800080u;
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            // token g's K (8q + c, 8q + c + 4) pairs, matching `pair<c>`: bf16 x[0..7] = words (0,1) (2,3) (4,5) (6,7)
+            const uint4 xv = st.x[q];
+            const u32 b00 = x_pair(xv.x, xv.z, 0x5410u), b01 = x_pair(xv.x, xv.z, 0x7632u);  // c = 0, 1
+            const u32 b10 = x_pair(xv.y, xv.w, 0x5410u), b11 = x_pair(xv.y, xv.w, 0x7632u);  // c = 2, 3
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const u32 wg = word_of(st.w[m][0], q), wg8 = word_of(st.w[m][1], q);
+                mma_bf16(acc[m], bmul2(pair<0>(wg), mult[m][0]), bmul2(pair<0>(wg8), mult[m][1]),
+                         bmul2(pair<1>(wg), mult[m][0]), bmul2(pair<1>(wg8), mult[m][1]), b00, b01);
+                mma_bf16(acc[m], bmul2(pair<2>(wg), mult[m][0]), bmul2(pair<2>(wg8), mult[m][1]),
+                         bmul2(pair<3>(wg), mult[m][0]), bmul2(pair<3>(wg8), mult[m][1]), b10, b11);
+            }
+        }
+    };
+
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) load(buf[j], j);
+    for (int i = 0; i < steps; i += STAGES) {
+#pragma unroll
+        for (int j = 0; j < STAGES; ++j) {
+            const int nxt = i + j + STAGES - 1;
+            if (nxt < steps) load(buf[(j + STAGES - 1) % STAGES], nxt);
+            compute(buf[j]);
+        }
+    }
+
+    // C fragment: c0 / c1 = row g, tokens 2t / 2t + 1; c2 / c3 = row g + 8
+    const int slot0 = sorted_slots[blk * TOKENS + 2 * t];
+    const int slot1 = sorted_slots[blk * TOKENS + 2 * t + 1];
+    float* o = out + (i64)blockIdx.z * stride_os;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + 16 * m + g + 8 * h;
+            if (r >= N) continue;
+            if (slot0 < n_slots) o[(i64)slot0 * stride_om + r] = acc[m][2 * h];
+            if (slot1 < n_slots) o[(i64)slot1 * stride_om + r] = acc[m][2 * h + 1];
+        }
+    }
+}

@@ -1,0 +1,225 @@
+"""Compile CUDA C++ with NVRTC and launch it through the CUDA driver API, on torch's current stream.
+
+`CudaKernel(source_name, function, signature)`: the function `function` of the package's file
+`source_name` (a .cu next to this module), compiled for the device's own architecture (sm_XY, e.g. sm_90)
+on its first launch on that device, the cubin cached in memory and on disk
+(`$DEEPINFER_CACHE_DIR/cuda`, default `~/.cache/deepinfer/cuda`, keyed by the source, the options and the
+NVRTC version). `kernel.launch(grid, block, args, shared=0)` launches it with `cuLaunchKernel` on
+`torch.cuda.current_stream()`: inside a CUDA-graph capture the launch is captured like any other.
+`available()` says whether NVRTC and the driver could be loaded (False on a machine without them: the
+callers then keep their Triton kernels).
+
+signature: one code per kernel argument: "p" pointer (a torch tensor, its data_ptr), "i" int32, "l" int64,
+"f" float32. The launch checks the count and turns each argument into its C type.
+Must not: import triton; compile at import time.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "l": ctypes.c_int64, "f": ctypes.c_float}
+
+
+class CudaRuntimeError(RuntimeError):
+    """NVRTC or the driver failed (the message carries their own error text and, for a compile, its log)."""
+
+
+def _candidates_nvrtc() -> list[str]:
+    """libnvrtc paths, most specific first: the NVIDIA wheels torch depends on (nvidia/cuda_nvrtc, nvidia/cu13),
+    torch's lib directory, $CUDA_HOME / /usr/local/cuda, then the loader's own search."""
+    found: list[str] = []
+    try:
+        import nvidia  # the namespace package of the CUDA wheels
+
+        for root in list(nvidia.__path__):
+            found += sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so*")), reverse=True)
+    except ImportError:
+        pass
+    found += sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libnvrtc*.so*")), reverse=True)
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")), reverse=True)
+    # skip the builtins / alt libraries: they are loaded by libnvrtc itself
+    keep = [p for p in found if "builtins" not in os.path.basename(p) and ".alt." not in os.path.basename(p)]
+    return keep + ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+
+
+@lru_cache(maxsize=1)
+def _nvrtc() -> ctypes.CDLL:
+    errors = []
+    for path in _candidates_nvrtc():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as err:
+            errors.append(f"{path}: {err}")
+            continue
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        return lib
+    raise CudaRuntimeError("NVRTC (libnvrtc) not found; tried: " + "; ".join(errors[-4:]))
+
+
+@lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as err:
+        raise CudaRuntimeError(f"the CUDA driver (libcuda.so.1) could not be loaded: {err}") from err
+    return lib
+
+
+def available() -> bool:
+    """NVRTC and the CUDA driver load, and torch sees a CUDA device."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _nvrtc()
+        _driver()
+    except CudaRuntimeError:
+        return False
+    return True
+
+
+def _check_nvrtc(result: int, what: str) -> None:
+    if result != 0:
+        msg = _nvrtc().nvrtcGetErrorString(result)
+        raise CudaRuntimeError(f"NVRTC {what} failed: {msg.decode() if msg else result}")
+
+
+def _check_cu(result: int, what: str) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(text))
+        raise CudaRuntimeError(f"CUDA driver {what} failed ({result}): {text.value.decode() if text.value else '?'}")
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check_nvrtc(_nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> bytes:
+    """NVRTC: CUDA C++ `source` -> cubin bytes for `arch` (e.g. "sm_90"). No device is needed (tests compile
+    on the CPU machine when NVRTC is installed). Raises CudaRuntimeError with NVRTC's log on a compile error."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
+                 "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        result = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        log_size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(log_size))
+        log = ctypes.create_string_buffer(log_size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if result != 0:
+            raise CudaRuntimeError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _check_nvrtc(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _cache_dir() -> Path:
+    from deepinfer import env
+
+    return env.cache_dir() / "cuda"
+
+
+def cached_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> bytes:
+    """`compile_cubin` through the on-disk cache (a failed write leaves the cache alone)."""
+    key = hashlib.sha256("\0".join((source, name, arch, *options, str(nvrtc_version()))).encode()).hexdigest()[:24]
+    path = _cache_dir() / f"{Path(name).stem}-{arch}-{key}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    cubin = compile_cubin(source, name, arch, options)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)
+    except OSError:
+        pass
+    return cubin
+
+
+def read_source(source_name: str) -> str:
+    return (Path(__file__).parent / source_name).read_text()
+
+
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+class CudaKernel:
+    """One `extern "C" __global__` function of a .cu file in this package; compiled and loaded per device on
+    first use. `defines`: -D options (compile-time constants: each distinct set is its own cubin)."""
+
+    def __init__(self, source_name: str, function: str, signature: str, defines: dict[str, int] | None = None):
+        bad = set(signature) - set(_CTYPES)
+        if bad:
+            raise ValueError(f"CudaKernel {function}: unknown signature codes {sorted(bad)}; known {sorted(_CTYPES)}")
+        self.source_name = source_name
+        self.function = function
+        self.signature = signature
+        self.options = tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
+        self._functions: dict[int, ctypes.c_void_p] = {}
+        self._modules: dict[int, ctypes.c_void_p] = {}
+        self._lock = threading.Lock()
+
+    def cubin(self, arch: str) -> bytes:
+        return cached_cubin(read_source(self.source_name), self.source_name, arch, self.options)
+
+    def _function(self, device: torch.device) -> ctypes.c_void_p:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        fn = self._functions.get(index)
+        if fn is not None:
+            return fn
+        with self._lock:
+            if index in self._functions:
+                return self._functions[index]
+            image = self.cubin(device_arch(torch.device("cuda", index)))
+            drv = _driver()
+            with torch.cuda.device(index):
+                torch.cuda.current_stream().cuda_stream  # torch makes the device's primary context current
+                module = ctypes.c_void_p()
+                _check_cu(drv.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image)), "cuModuleLoadData")
+                fn = ctypes.c_void_p()
+                _check_cu(drv.cuModuleGetFunction(ctypes.byref(fn), module, self.function.encode()),
+                          f"cuModuleGetFunction({self.function})")
+            self._modules[index] = module
+            self._functions[index] = fn
+            return fn
+
+    def prepare(self, device: torch.device) -> None:
+        """Compile and load for `device` now (before a CUDA-graph capture: loading a module inside one fails)."""
+        self._function(device)
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, device: torch.device,
+               shared: int = 0) -> None:
+        if len(args) != len(self.signature):
+            raise ValueError(f"{self.function}: {len(self.signature)} arguments expected, got {len(args)}")
+        fn = self._function(device)
+        values = []
+        for code, arg in zip(self.signature, args):
+            if code == "p":
+                values.append(ctypes.c_void_p(arg.data_ptr() if isinstance(arg, torch.Tensor) else int(arg)))
+            else:
+                values.append(_CTYPES[code](arg))
+        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        _check_cu(_driver().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared,
+                                           stream, params, None), f"cuLaunchKernel({self.function})")
