@@ -20,9 +20,13 @@
 // field S + 126) makes it E2M1 x 2^(S-127), exact for S <= 128 (the caller checks the bank's scale_max).
 // Same trick and bound as fp4_moe._e2m1_bytes_bf16x2_scaled (Triton "expand 6").
 //
-// Compile-time constants (-D): MT m16 tiles per warp, WARPS warps per CTA, STAGES register pipeline depth.
+// Compile-time constants (-D): MT m16 tiles per warp, WARPS warps per CTA, STAGES register pipeline depth,
+// KSTEP K per pipeline stage (128: a lane reads 16 bytes of a weight row per stage, the quad 64; 256: 32
+// bytes, the quad a whole 128-byte line; the lane then owns two 32-K scale blocks per stage).
 // Launch: grid (routing blocks, ceil(N / (16 MT WARPS)), splits), block 32 WARPS.
-// Requires: K_split % (128 STAGES) == 0; row strides of W / a multiples of 16 bytes; a bf16 [rows, >= K].
+// Requires: K_split % (KSTEP STAGES) == 0; row strides of W / a multiples of 16 bytes; a bf16 [rows, >= K].
+// Padding slots of a routing block (at decode most of its 8: b1 has one token per expert) load no
+// activations: their B columns are zeros and are never stored.
 
 typedef unsigned int u32;
 typedef unsigned char u8;
@@ -37,12 +41,17 @@ typedef long long i64;
 #ifndef STAGES
 #define STAGES 2
 #endif
+#ifndef KSTEP
+#define KSTEP 128
+#endif
 #define TOKENS 8
+#define WV (KSTEP / 128)     // uint4 of packed codes per weight row per lane and stage (32 K each)
+#define LANE_K (KSTEP / 4)   // K a lane owns per stage
 
 struct Stage {
-    uint4 w[MT][2];  // packed codes of rows g and g + 8 of each m16 tile: 32 K each
-    u32 s[MT][2];    // their E8M0 scale bytes
-    uint4 x[4];      // token g's bf16 activations over the lane's 32 K
+    uint4 w[MT][2][WV];  // packed codes of rows g and g + 8 of each m16 tile: 32 K per uint4
+    u32 s[MT][2][WV];    // their E8M0 scale bytes (one per 32 K)
+    uint4 x[4 * WV];     // token g's bf16 activations over the lane's K (8 per uint4)
 };
 
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
@@ -111,12 +120,13 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
     const int g = lane >> 2;
     const int t = lane & 3;
     const int k_lo = blockIdx.z * k_split;
-    const int steps = k_split / 128;
+    const int steps = k_split / KSTEP;
 
-    // this lane's token (B column g) and its activation row; padding slots read row 0 (their column is never stored)
+    // this lane's token (B column g) and its activation row; a padding slot loads nothing (zeros, never stored)
     const int my_slot = sorted_slots[blk * TOKENS + g];
-    const i64 a_row = my_slot < n_slots ? (i64)(my_slot / a_row_div) : 0;
-    const unsigned short* a_ptr = a + a_row * stride_am + k_lo + 32 * t;
+    const bool tok_ok = my_slot < n_slots;
+    const i64 a_row = tok_ok ? (i64)(my_slot / a_row_div) : 0;
+    const unsigned short* a_ptr = a + a_row * stride_am + k_lo + LANE_K * t;
 
     // the lane's weight rows: row g and g + 8 of each m16 tile (clamped to N - 1; their outputs are not stored)
     const int row0 = blockIdx.y * (16 * MT * WARPS) + warp * (16 * MT);
@@ -128,8 +138,8 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
         for (int h = 0; h < 2; ++h) {
             int r = row0 + 16 * m + g + 8 * h;
             r = r < N ? r : N - 1;
-            w_ptr[m][h] = w + (i64)expert * stride_we + (i64)r * stride_wn + k_lo / 2 + 16 * t;
-            s_ptr[m][h] = ws + (i64)expert * stride_wse + (i64)r * stride_wsn + k_lo / 32 + t;
+            w_ptr[m][h] = w + (i64)expert * stride_we + (i64)r * stride_wn + k_lo / 2 + (LANE_K / 2) * t;
+            s_ptr[m][h] = ws + (i64)expert * stride_wse + (i64)r * stride_wsn + k_lo / 32 + WV * t;
         }
     }
 
@@ -144,33 +154,45 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
         for (int m = 0; m < MT; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                st.w[m][h] = ld_stream(w_ptr[m][h] + step * 64);
-                st.s[m][h] = s_ptr[m][h][step * 4];
+#pragma unroll
+                for (int v = 0; v < WV; ++v) {
+                    st.w[m][h][v] = ld_stream(w_ptr[m][h] + step * (KSTEP / 2) + 16 * v);
+                    st.s[m][h][v] = s_ptr[m][h][step * (KSTEP / 32) + v];
+                }
             }
         }
 #pragma unroll
-        for (int q = 0; q < 4; ++q) st.x[q] = ld_shared_by_ctas(a_ptr + step * 128 + 8 * q);
+        for (int q = 0; q < 4 * WV; ++q) {
+            if (tok_ok) {
+                st.x[q] = ld_shared_by_ctas(a_ptr + step * KSTEP + 8 * q);
+            } else {
+                st.x[q].x = st.x[q].y = st.x[q].z = st.x[q].w = 0u;
+            }
+        }
     };
     auto compute = [&](const Stage& st) {
-        u32 mult[MT][2];  // bf16x2 2^(S-1): exponent field S + 126 in both halves
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            mult[m][0] = (st.s[m][0] + 126u) * 0x00800080u;
-            mult[m][1] = (st.s[m][1] + 126u) * 0x00800080u;
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            // token g's K (8q + c, 8q + c + 4) pairs, matching `pair<c>`: bf16 x[0..7] = words (0,1) (2,3) (4,5) (6,7)
-            const uint4 xv = st.x[q];
-            const u32 b00 = x_pair(xv.x, xv.z, 0x5410u), b01 = x_pair(xv.x, xv.z, 0x7632u);  // c = 0, 1
-            const u32 b10 = x_pair(xv.y, xv.w, 0x5410u), b11 = x_pair(xv.y, xv.w, 0x7632u);  // c = 2, 3
+        for (int v = 0; v < WV; ++v) {
+            u32 mult[MT][2];  // bf16x2 2^(S-1): exponent field S + 126 in both halves
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                const u32 wg = word_of(st.w[m][0], q), wg8 = word_of(st.w[m][1], q);
-                mma_bf16(acc[m], bmul2(pair<0>(wg), mult[m][0]), bmul2(pair<0>(wg8), mult[m][1]),
-                         bmul2(pair<1>(wg), mult[m][0]), bmul2(pair<1>(wg8), mult[m][1]), b00, b01);
-                mma_bf16(acc[m], bmul2(pair<2>(wg), mult[m][0]), bmul2(pair<2>(wg8), mult[m][1]),
-                         bmul2(pair<3>(wg), mult[m][0]), bmul2(pair<3>(wg8), mult[m][1]), b10, b11);
+                mult[m][0] = (st.s[m][0][v] + 126u) * 0x00800080u;
+                mult[m][1] = (st.s[m][1][v] + 126u) * 0x00800080u;
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                // token g's K (8q + c, 8q + c + 4) pairs, matching `pair<c>`: bf16 x[0..7] = words (0,1) (2,3) (4,5) (6,7)
+                const uint4 xv = st.x[4 * v + q];
+                const u32 b00 = x_pair(xv.x, xv.z, 0x5410u), b01 = x_pair(xv.x, xv.z, 0x7632u);  // c = 0, 1
+                const u32 b10 = x_pair(xv.y, xv.w, 0x5410u), b11 = x_pair(xv.y, xv.w, 0x7632u);  // c = 2, 3
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const u32 wg = word_of(st.w[m][0][v], q), wg8 = word_of(st.w[m][1][v], q);
+                    mma_bf16(acc[m], bmul2(pair<0>(wg), mult[m][0]), bmul2(pair<0>(wg8), mult[m][1]),
+                             bmul2(pair<1>(wg), mult[m][0]), bmul2(pair<1>(wg8), mult[m][1]), b00, b01);
+                    mma_bf16(acc[m], bmul2(pair<2>(wg), mult[m][0]), bmul2(pair<2>(wg8), mult[m][1]),
+                             bmul2(pair<3>(wg), mult[m][0]), bmul2(pair<3>(wg8), mult[m][1]), b10, b11);
+                }
             }
         }
     };

@@ -7,7 +7,7 @@ with W the exact FP4 x E8M0 weights. a: bf16 [rows, K] (act_quant's exact q * s)
 w_scale uint8 [E, N, K/32] (FP4ExpertBank's layout); out fp32 [S, n_slots, N] (S = the split count).
 The caller adds the S partials in a fixed order (fp4_moe's reduce kernels). The weights' E8M0 bytes
 must be <= 128 (the expansion's exact range; FP4ExpertBank.scale_max).
-config: MT, WARPS, STAGES (compile-time; `DEFAULT_TILES`), each distinct triple its own cubin.
+config: MT, WARPS, STAGES, KSTEP (compile-time; `DEFAULT_TILES`), each distinct set its own cubin.
 Must not: import triton; know about SwiGLU, routing weights or the k-row sum (the Triton op's).
 """
 from __future__ import annotations
@@ -18,23 +18,24 @@ from deepinfer.kernels.cuda.runtime import CudaKernel
 
 SOURCE = "fp4_moe_mma.cu"
 TOKENS = 8  # slots per routing block: the MMA's n8
-K_STEP = 128  # K per pipeline stage (each lane: 32 K of 2 weight rows per m16 tile)
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
-DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2)
+DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=128)  # KSTEP: K per pipeline stage (128 or 256)
 _SIGNATURE = "plpllpllpllppiiii"  # the kernel parameters in order: p pointer, l int64, i int32
-_KERNELS: dict[tuple[int, int, int], CudaKernel] = {}
+_KERNELS: dict[tuple, CudaKernel] = {}
 
 
-def kernel(mt: int, warps: int, stages: int) -> CudaKernel:
-    key = (mt, warps, stages)
+def kernel(cfg: dict) -> CudaKernel:
+    key = tuple(sorted((k, cfg[k]) for k in DEFAULT_TILES))
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(SOURCE, "fp4_expert_gemm_mma", _SIGNATURE, dict(MT=mt, WARPS=warps, STAGES=stages))
+        _KERNELS[key] = CudaKernel(SOURCE, "fp4_expert_gemm_mma", _SIGNATURE, dict(key))
     return _KERNELS[key]
 
 
 def tiles(config: dict | None = None) -> dict:
     cfg = dict(DEFAULT_TILES)
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
+    if cfg["KSTEP"] not in (128, 256) or cfg["STAGES"] < 2 or cfg["MT"] < 1 or cfg["WARPS"] < 1:
+        raise ValueError(f"fp4_moe_mma tiles: KSTEP 128 or 256, STAGES >= 2, MT and WARPS >= 1, got {cfg}")
     return cfg
 
 
@@ -43,11 +44,11 @@ def rows_per_cta(cfg: dict) -> int:
 
 
 def check_shapes(k: int, split: int, cfg: dict) -> str | None:
-    """Why this K and split cannot run (None: they can): each split must be whole pipeline rounds of 128 K."""
+    """Why this K and split cannot run (None: they can): each split must be whole pipeline rounds of KSTEP K."""
     if split < 1 or k % split:
         return f"split {split} must divide K={k}"
-    if (k // split) % (K_STEP * cfg["STAGES"]):
-        return f"K per split {k // split} must be a multiple of {K_STEP} x STAGES {cfg['STAGES']}"
+    if (k // split) % (cfg["KSTEP"] * cfg["STAGES"]):
+        return f"K per split {k // split} must be a multiple of KSTEP {cfg['KSTEP']} x STAGES {cfg['STAGES']}"
     return None
 
 
@@ -80,7 +81,7 @@ def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     if n_slots == 0 or block_expert.numel() == 0:
         return out
     grid = (block_expert.numel(), -(-n // rows_per_cta(cfg)), split)
-    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"]).launch(
+    kernel(cfg).launch(
         grid, (32 * cfg["WARPS"], 1, 1),
         (a, a.stride(0), w, w.stride(0), w.stride(1), w_scale, w_scale.stride(0), w_scale.stride(1),
          out, out.stride(0), out.stride(1), sorted_slots, block_expert, n_slots, n, k // split, a_row_div),

@@ -734,7 +734,7 @@ def plan_mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config:
     """The mma.sync form's plan: `fp4_moe_mma.tiles(config)` (MT, WARPS, STAGES), then S13 / S2 split-K counts:
     SPLIT_K13 / SPLIT_K2, else SPLIT_K, as given; None/0: doubled while the grid of routing blocks (of
     fp4_moe_mma.TOKENS slots) x weight-row tiles x S stays under WAVES (default MMA_WAVES) programs per SM
-    and each split keeps whole pipeline rounds (STAGES x 128 K). ValueError for a split that cannot run."""
+    and each split keeps whole pipeline rounds (STAGES x KSTEP K). ValueError for a split that cannot run."""
     from deepinfer.kernels.cuda import fp4_moe_mma as mma
 
     cfg = mma.tiles(config)
@@ -745,7 +745,7 @@ def plan_mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config:
         if want:
             s = int(want)
         else:
-            grid, steps, s = n_blocks * triton.cdiv(n, mma.rows_per_cta(cfg)), k // mma.K_STEP, 1
+            grid, steps, s = n_blocks * triton.cdiv(n, mma.rows_per_cta(cfg)), k // cfg["KSTEP"], 1
             while s * 2 <= 16 and grid * s < waves * sms and steps % (2 * s * cfg["STAGES"]) == 0:
                 s *= 2
         why = mma.check_shapes(k, s, cfg)
@@ -844,7 +844,11 @@ DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 sl
 # T=128 1931 vs 2710 us = 1.72 TB/s; results/fp4_moe_variants_h200.json). Not measured above 16 per expert.
 
 
-DECODE_FORM = "triton"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma" or "triton"
+DECODE_FORM = "mma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma" or "triton".
+# H200 2026-12-02 (benchmarks/bench_fp4_moe.py --mma, whole op, CUDA-graph replay, V4-Flash dims;
+# results/fp4_moe_mma_h200_2026-12-02.log): the mma.sync form against the Triton v2 decode plan (expand 6):
+# T=1 59 vs 75 us, T=8 259 vs 350, T=32 707 vs 835, T=128 1254 vs 1490 us (2.65 TB/s of expert bytes); where
+# it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
 
 
