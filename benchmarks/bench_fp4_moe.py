@@ -102,15 +102,17 @@ FP8_VARIANTS = [  # (name, config, expand, max T)
 MMA_VARIANTS = [  # (name, config, expand, max T)
     ("triton v2 decode plan, expand 6", dict(SPLIT_K=0, A_BF16=True, BN=128), 6, 10 ** 9),
     ("mma MT2 w4 s2", dict(MMA_SYNC=True), None, 10 ** 9),
-    ("mma MT1 w4 s2", dict(MMA_SYNC=True, MT=1), None, 10 ** 9),
     ("mma MT2 w4 s4", dict(MMA_SYNC=True, STAGES=4), None, 10 ** 9),
-    ("mma MT4 w4 s2", dict(MMA_SYNC=True, MT=4), None, 10 ** 9),
-    ("mma MT1 w8 s2", dict(MMA_SYNC=True, MT=1, WARPS=8), None, 10 ** 9),
     ("mma MT2 w2 s2", dict(MMA_SYNC=True, WARPS=2), None, 10 ** 9),
-    ("mma MT1 w4 s4", dict(MMA_SYNC=True, MT=1, STAGES=4), None, 10 ** 9),
-    ("mma MT2 w4 s2 waves 8", dict(MMA_SYNC=True, WAVES=8), None, 10 ** 9),
-    ("mma MT2 w4 s2 waves 2", dict(MMA_SYNC=True, WAVES=2), None, 10 ** 9),
-    ("mma MT2 w4 s2 no split", dict(MMA_SYNC=True, SPLIT_K=1), None, 10 ** 9),
+    ("mma MT1 w4 s2 k256", dict(MMA_SYNC=True, MT=1, KSTEP=256), None, 10 ** 9),
+    ("mma MT2 w4 s2 k256", dict(MMA_SYNC=True, KSTEP=256), None, 10 ** 9),
+    ("mma async MT2 w4 s4", dict(MMA_SYNC=True, ASYNC=1, STAGES=4), None, 10 ** 9),
+    ("mma async MT2 w4 s6", dict(MMA_SYNC=True, ASYNC=1, STAGES=6), None, 10 ** 9),
+    ("mma async MT1 w4 s6", dict(MMA_SYNC=True, ASYNC=1, MT=1, STAGES=6), None, 10 ** 9),
+    ("mma async MT1 w4 s4 k256", dict(MMA_SYNC=True, ASYNC=1, MT=1, STAGES=4, KSTEP=256), None, 10 ** 9),
+    ("mma async MT4 w4 s4", dict(MMA_SYNC=True, ASYNC=1, MT=4, STAGES=4), None, 10 ** 9),
+    ("mma async MT2 w2 s4", dict(MMA_SYNC=True, ASYNC=1, WARPS=2, STAGES=4), None, 10 ** 9),
+    ("mma async MT2 w4 s4 waves 8", dict(MMA_SYNC=True, ASYNC=1, STAGES=4, WAVES=8), None, 10 ** 9),
 ]
 
 
@@ -136,7 +138,8 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
                 desc = str(_config(n_slots, E))
             elif "MMA_SYNC" in cfg:
                 pl = plan_mma(n_slots, E, D, I, sms, cfg)
-                desc = f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} w={pl['WARPS']} st={pl['STAGES']}"
+                desc = (f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} w={pl['WARPS']} st={pl['STAGES']} "
+                        f"k={pl['KSTEP']}{' async' if pl['ASYNC'] else ''}")
             elif "FP8" in cfg:
                 pl = plan_fp8(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BT={pl['BT']} BW={pl['BW']} w={pl['num_warps']}"

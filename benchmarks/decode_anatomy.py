@@ -4,6 +4,7 @@ whole step as run_slice.py times it (events around prepare + replay), and the ke
 graph (their summed device time against the replay's span: the rest is launch gaps between graph nodes).
 
     PYTHONPATH=$PWD python benchmarks/decode_anatomy.py --layers 4 [--batches 1 32 128] [--top 12]
+        [--moe-kernels triton mma]   # each batch once per DEEPINFER_MOE_DECODE_KERNEL choice, same model
 
 Needs CUDA and triton. Prints one block per batch; writes `$OUT/decode_anatomy.json`.
 """
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--moe-kernels", nargs="+", default=None,
+                    help="DEEPINFER_MOE_DECODE_KERNEL values to run each batch with (default: the environment's)")
     args = ap.parse_args()
     from deepinfer.kernels.triton import register_cuda_kernels
     from deepinfer.tiny import make_tensors
@@ -104,19 +107,23 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
            "command": " ".join(sys.argv)}
     for b in args.batches:
-        r = res[f"b{b}"] = anatomy(runner, b, args.context, args.top)
-        line = (f"b{b:<4} step {r['step_ms']:.3f} ms = prepare (host) {r['prepare_host_ms']:.3f} + graph replay "
-                f"{r['replay_ms']:.3f} ms")
-        if r.get("kernels"):
-            gaps = r["span_us"] - r["kernel_us"]
-            line += (f"; inside the replay {r['kernels']} kernels, {r['kernel_us']:.0f} us of kernels over a "
-                     f"{r['span_us']:.0f} us span ({gaps:.0f} us between kernels, "
-                     f"{gaps / max(1, r['kernels'] - 1):.2f} us per gap)")
-        else:
-            line += "; the profiler recorded no kernels inside the replay"
-        print(line, flush=True)
-        for name, n, us in r.get("top", []):
-            print(f"   {us:9.1f} us {n:5d}x  {name}")
+        for choice in args.moe_kernels or [None]:
+            if choice is not None:
+                os.environ["DEEPINFER_MOE_DECODE_KERNEL"] = choice  # read by fp4_moe at each call (at capture)
+            tag = f"b{b}" + (f" moe={choice}" if choice else "")
+            r = res[tag] = anatomy(runner, b, args.context, args.top)
+            line = (f"{tag:<5} step {r['step_ms']:.3f} ms = prepare (host) {r['prepare_host_ms']:.3f} + graph replay "
+                    f"{r['replay_ms']:.3f} ms")
+            if r.get("kernels"):
+                gaps = r["span_us"] - r["kernel_us"]
+                line += (f"; inside the replay {r['kernels']} kernels, {r['kernel_us']:.0f} us of kernels over a "
+                         f"{r['span_us']:.0f} us span ({gaps:.0f} us between kernels, "
+                         f"{gaps / max(1, r['kernels'] - 1):.2f} us per gap)")
+            else:
+                line += "; the profiler recorded no kernels inside the replay"
+            print(line, flush=True)
+            for name, n, us in r.get("top", []):
+                print(f"   {us:9.1f} us {n:5d}x  {name}")
     with open(os.path.join(os.environ.get("OUT", "."), "decode_anatomy.json"), "w") as f:
         json.dump(res, f, indent=1)
 

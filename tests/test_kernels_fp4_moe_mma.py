@@ -22,9 +22,14 @@ from deepinfer import formats
 from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
 
 BF16 = torch.bfloat16
-TILE_CONFIGS = [dict(MT=2, WARPS=4, STAGES=2), dict(MT=1, WARPS=4, STAGES=2, KSTEP=256), dict(MT=2, WARPS=4, STAGES=4),
-                dict(MT=1, WARPS=4, STAGES=4, KSTEP=256), dict(MT=4, WARPS=4, STAGES=2), dict(MT=1, WARPS=8, STAGES=2),
-                dict(MT=2, WARPS=2, STAGES=2), dict(MT=2, WARPS=4, STAGES=2, KSTEP=256)]
+TILE_CONFIGS = [dict(MT=2, WARPS=4, STAGES=2), dict(MT=1, WARPS=4, STAGES=2, KSTEP=256),
+                dict(MT=2, WARPS=4, STAGES=4, ASYNC=1), dict(MT=1, WARPS=4, STAGES=4, KSTEP=256, ASYNC=1),
+                dict(MT=2, WARPS=4, STAGES=4), dict(MT=4, WARPS=4, STAGES=2), dict(MT=1, WARPS=8, STAGES=2),
+                dict(MT=2, WARPS=2, STAGES=2), dict(MT=2, WARPS=4, STAGES=2, KSTEP=256), dict(MT=1, WARPS=4, STAGES=6, ASYNC=1)]
+
+
+def _tag(c: dict) -> str:
+    return f"MT{c['MT']}w{c['WARPS']}s{c['STAGES']}k{c.get('KSTEP', 128)}" + ("a" if c.get("ASYNC") else "")
 
 
 def _kstep(cfg: dict) -> int:
@@ -126,7 +131,7 @@ def _cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=lambda c: f"MT{c['MT']}w{c['WARPS']}s{c['STAGES']}k{c.get('KSTEP', 128)}")
+@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=_tag)
 def test_one_hot_rows_give_every_weight_exactly(cfg):
     """K = 1024 one-hot activation rows (a token per K position, all routed to expert 0 of 2): output [slot k,
     row n] must be W[0, n, k] exactly (as values: a -0 weight sums to +0); rows cycle through all 256 bytes,
@@ -156,7 +161,7 @@ def test_one_hot_rows_give_every_weight_exactly(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", TILE_CONFIGS[:4], ids=lambda c: f"MT{c['MT']}w{c['WARPS']}s{c['STAGES']}k{c.get('KSTEP', 128)}")
+@pytest.mark.parametrize("cfg", TILE_CONFIGS[:4], ids=_tag)
 def test_partials_match_float64(cfg):
     from deepinfer.kernels.cuda.fp4_moe_mma import expert_gemm_partials
 

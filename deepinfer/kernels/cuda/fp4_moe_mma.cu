@@ -44,8 +44,13 @@ typedef long long i64;
 #ifndef KSTEP
 #define KSTEP 128
 #endif
+#ifndef ASYNC
+#define ASYNC 0              // 1: stages land in a shared-memory ring by cp.async (registers hold one stage)
+#endif
 #define TOKENS 8
 #define WV (KSTEP / 128)     // uint4 of packed codes per weight row per lane and stage (32 K each)
+#define W_CHUNKS (MT * 2 * WV)  // ASYNC: 16-byte weight chunks per lane and stage
+#define X_CHUNKS (4 * WV)       // ASYNC: 16-byte activation chunks per lane and stage
 #define LANE_K (KSTEP / 4)   // K a lane owns per stage
 
 struct Stage {
@@ -105,6 +110,27 @@ __device__ __forceinline__ u32 word_of(const uint4& v, int q) {
     return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 }
 
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+template <int BYTES>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src) {
+    // 16 bytes bypass L1 (.cg: the weights are read once); 4 / 8 (scale words) go through it (.ca)
+    if (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
+    }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
                     const u8* __restrict__ w, i64 stride_we, i64 stride_wn,
@@ -148,7 +174,7 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
     for (int m = 0; m < MT; ++m)
         acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
 
-    Stage buf[STAGES];
+    Stage buf[ASYNC ? 1 : STAGES];
     auto load = [&](Stage& st, int step) {
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
@@ -197,6 +223,76 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
         }
     };
 
+#if ASYNC
+    // Each lane copies its own chunks into its own slots and reads back only those, so a lane's
+    // cp.async.wait_group is the only synchronisation (no barrier). Slot layout [stage][warp][chunk][lane]:
+    // a warp's 16-byte reads of one chunk are 512 contiguous bytes (no bank conflicts). Scale words: the
+    // aligned 4 (KSTEP 128) or 8 (256) bytes holding the lane's scale bytes, [stage][warp][row][lane].
+    extern __shared__ uint4 ring[];
+    uint4* my_chunks = ring + (size_t)warp * (W_CHUNKS + X_CHUNKS) * 32 + lane;
+    const int stage_chunks = WARPS * (W_CHUNKS + X_CHUNKS) * 32;  // uint4 per stage
+    unsigned char* scale_base = (unsigned char*)(ring + (size_t)STAGES * stage_chunks);
+    const int scale_bytes = 4 * WV;  // per lane and weight row
+    unsigned char* my_scales = scale_base + ((size_t)warp * MT * 2 * 32 + lane) * scale_bytes;
+    const int stage_scale_bytes = WARPS * MT * 2 * 32 * scale_bytes;
+    auto issue = [&](int slot, int step) {
+        uint4* c = my_chunks + (size_t)slot * stage_chunks;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int v = 0; v < WV; ++v)
+                    cp_async<16>(smem_addr(c + ((m * 2 + h) * WV + v) * 32), w_ptr[m][h] + step * (KSTEP / 2) + 16 * v);
+                // the scale word: this row's bytes of the stage for all four lanes of the quad, aligned
+                cp_async<4 * WV>(smem_addr(my_scales + (size_t)slot * stage_scale_bytes + (m * 2 + h) * 32 * scale_bytes),
+                                 s_ptr[m][h] - WV * t + step * (KSTEP / 32));
+            }
+        if (tok_ok) {
+#pragma unroll
+            for (int q = 0; q < X_CHUNKS; ++q)
+                cp_async<16>(smem_addr(c + (W_CHUNKS + q) * 32), a_ptr + step * KSTEP + 8 * q);
+        }
+    };
+    auto fetch = [&](Stage& st, int slot) {
+        const uint4* c = my_chunks + (size_t)slot * stage_chunks;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned char* sc = my_scales + (size_t)slot * stage_scale_bytes + (m * 2 + h) * 32 * scale_bytes;
+#pragma unroll
+                for (int v = 0; v < WV; ++v) {
+                    st.w[m][h][v] = c[((m * 2 + h) * WV + v) * 32];
+                    st.s[m][h][v] = sc[WV * t + v];
+                }
+            }
+#pragma unroll
+        for (int q = 0; q < X_CHUNKS; ++q) {
+            if (tok_ok) {
+                st.x[q] = c[(W_CHUNKS + q) * 32];
+            } else {
+                st.x[q].x = st.x[q].y = st.x[q].z = st.x[q].w = 0u;
+            }
+        }
+    };
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) {
+        if (j < steps) issue(j, j);
+        cp_async_commit();
+    }
+    for (int i = 0; i < steps; i += STAGES) {
+#pragma unroll
+        for (int j = 0; j < STAGES; ++j) {
+            cp_async_wait<STAGES - 2>();  // this lane's copies of step i + j have landed
+            const int nxt = i + j + STAGES - 1;
+            if (nxt < steps) issue((j + STAGES - 1) % STAGES, nxt);
+            cp_async_commit();  // an empty group past the end keeps the count uniform
+            fetch(buf[0], j);
+            compute(buf[0]);
+        }
+    }
+#else
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) load(buf[j], j);
     for (int i = 0; i < steps; i += STAGES) {
@@ -207,6 +303,7 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
             compute(buf[j]);
         }
     }
+#endif
 
     // C fragment: c0 / c1 = row g, tokens 2t / 2t + 1; c2 / c3 = row g + 8
     const int slot0 = sorted_slots[blk * TOKENS + 2 * t];

@@ -7,7 +7,7 @@ with W the exact FP4 x E8M0 weights. a: bf16 [rows, K] (act_quant's exact q * s)
 w_scale uint8 [E, N, K/32] (FP4ExpertBank's layout); out fp32 [S, n_slots, N] (S = the split count).
 The caller adds the S partials in a fixed order (fp4_moe's reduce kernels). The weights' E8M0 bytes
 must be <= 128 (the expansion's exact range; FP4ExpertBank.scale_max).
-config: MT, WARPS, STAGES, KSTEP (compile-time; `DEFAULT_TILES`), each distinct set its own cubin.
+config: MT, WARPS, STAGES, KSTEP, ASYNC (compile-time; `DEFAULT_TILES`), each distinct set its own cubin.
 Must not: import triton; know about SwiGLU, routing weights or the k-row sum (the Triton op's).
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from deepinfer.kernels.cuda.runtime import CudaKernel
 SOURCE = "fp4_moe_mma.cu"
 TOKENS = 8  # slots per routing block: the MMA's n8
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
-DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=128)  # KSTEP: K per pipeline stage (128 or 256)
+DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=128, ASYNC=0)  # KSTEP: K per pipeline stage (128 or 256);
+# ASYNC 1: the stages go through a shared-memory ring by cp.async (`ring_bytes`) instead of registers
 _SIGNATURE = "plpllpllpllppiiii"  # the kernel parameters in order: p pointer, l int64, i int32
 _KERNELS: dict[tuple, CudaKernel] = {}
 
@@ -37,6 +38,16 @@ def tiles(config: dict | None = None) -> dict:
     if cfg["KSTEP"] not in (128, 256) or cfg["STAGES"] < 2 or cfg["MT"] < 1 or cfg["WARPS"] < 1:
         raise ValueError(f"fp4_moe_mma tiles: KSTEP 128 or 256, STAGES >= 2, MT and WARPS >= 1, got {cfg}")
     return cfg
+
+
+def ring_bytes(cfg: dict) -> int:
+    """Dynamic shared memory of an ASYNC launch: per stage and lane, the weight and activation 16-byte chunks
+    and a scale word (4 bytes per 128 K) per weight row."""
+    if not cfg["ASYNC"]:
+        return 0
+    wv = cfg["KSTEP"] // 128
+    per_lane = (cfg["MT"] * 2 * wv + 4 * wv) * 16 + cfg["MT"] * 2 * 4 * wv
+    return cfg["STAGES"] * cfg["WARPS"] * 32 * per_lane
 
 
 def rows_per_cta(cfg: dict) -> int:
@@ -85,5 +96,5 @@ def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
         grid, (32 * cfg["WARPS"], 1, 1),
         (a, a.stride(0), w, w.stride(0), w.stride(1), w_scale, w_scale.stride(0), w_scale.stride(1),
          out, out.stride(0), out.stride(1), sorted_slots, block_expert, n_slots, n, k // split, a_row_div),
-        a.device)
+        a.device, shared=ring_bytes(cfg))
     return out

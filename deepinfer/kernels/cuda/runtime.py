@@ -177,6 +177,7 @@ class CudaKernel:
         self.signature = signature
         self.options = tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
         self._functions: dict[int, ctypes.c_void_p] = {}
+        self._shared_limit: dict[int, int] = {}  # dynamic shared memory allowed per device (48 KB until raised)
         self._modules: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
 
@@ -213,6 +214,12 @@ class CudaKernel:
         if len(args) != len(self.signature):
             raise ValueError(f"{self.function}: {len(self.signature)} arguments expected, got {len(args)}")
         fn = self._function(device)
+        if shared > 48 * 1024:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if self._shared_limit.get(index, 48 * 1024) < shared:
+                # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above 48 KB a launch needs it raised first
+                _check_cu(_driver().cuFuncSetAttribute(fn, 8, int(shared)), f"cuFuncSetAttribute({self.function})")
+                self._shared_limit[index] = shared
         values = []
         for code, arg in zip(self.signature, args):
             if code == "p":

@@ -1,0 +1,271 @@
+// FP8 linear at decode: E4M3 weights with fp32 pow2 block scales x the official act_quant of bf16 x, on mma.sync.
+//
+// out[m, n] = sum over k of act(x)[m, k] * W[n, k]      (S == 1: bf16, rounded once; S > 1: fp32 partial of
+// split blockIdx.z's K range into out[z, m, n], added in a fixed order by the caller)
+// act(x) = act_quant's exact q * s (E4M3 code x pow2 scale per act_block group of a row), computed here from
+// the raw bf16 x, bit-identical to kernels/triton/act_quant.py; W = E4M3 code x scale[n / block, k / block].
+// Both are exact in bf16 (4 significant bits x a power of two), so the bf16 MMA's products are exact and it
+// adds them in fp32: fp8_gemm's "bf16" form, up to fp32 summation order (the torch twin fp8_linear_torch).
+//
+// CTA = 8 rows of x (the MMA's n8: decode M <= 8; more rows are more CTAs along grid.x) x 16 MT WARPS weight
+// rows x one split's K range. Two phases per chunk of <= 1024 K:
+// 1. quantise: all threads turn the chunk of the 8 rows into bf16 q * s in SHARED memory (each element is
+//    read by every warp: quantising it once per CTA, not per warp, and reading it as ready-made fragments);
+// 2. stream: each warp streams its 16 MT rows' weights from global memory straight into MMA A fragments.
+// Fragments (mma.m16n8k16, A = 16 weight rows "row", B = 8 tokens "col"): lane = 4g + t holds A rows g and
+// g + 8 at logical K pairs (2t, 2t+1) and (2t+8, 2t+9), B token g at the same pairs. A dot product does not
+// care in which order K is visited, so each lane feeds the MMA its OWN K positions, the same for A and B:
+// per step of 128 K the lane owns K [32t, 32t + 32) of it: two uint4 (32 E4M3 bytes) per weight row and
+// exactly one weight scale block (128 x 128 in V4, 32 x 32 in V4.1: an m16 tile is 16-row aligned, so rows
+// g and g + 8 share it too). A word of 4 codes K0..K3 gives two bf16x2 registers: P0 = (K0, K2) = bytes 0
+// and 2, P1 = (K1, K3) = bytes 1 and 3: the two bytes of a pair sit 16 bits apart, so one shift-mask places
+// both (`pair_lo`, `pair_hi`). One MMA per word: a0 / a1 = P0 of rows g / g + 8, a2 / a3 = P1, and the
+// activations regrouped to match with one byte permute each: b0 = (x0, x2), b1 = (x1, x3) of token g.
+// E4M3 -> bf16: magnitude bits (e3..e0 m2..m0) to bf16 bits 10..4 and the sign to bit 15 give exactly
+// E4M3 x 2^-120 (E4M3 exponent field e becomes the bf16 exponent field e; e = 0 the matching subnormal).
+// One bf16x2 multiply by 2^120 x scale (a bf16: exponent field = scale's + 120, so scale <= 2^7; the
+// launcher checks) makes it E4M3 x scale, exact while that is >= 2^-133 (bf16's smallest subnormal): every
+// nonzero E4M3 x scale for scales >= 2^-124. (NaN codes 0x7F / 0xFF become finite values: checkpoints have none.)
+// Activation in shared memory, fragment order: uint4 index ((step * 4 + q) * 8 + g) * 4 + t holds token g's
+// bf16 at K step*128 + 32t + 8q .. + 8, so the warp's read of one q is 512 contiguous bytes (no bank conflict).
+//
+// Compile-time constants (-D): MT m16 tiles per warp, WARPS warps per CTA, STAGES register pipeline depth,
+// SPLIT_OUT (1: fp32 partials out[z, m, n]; 0: bf16 out[m, n]).
+// Launch: grid (ceil(M / 8), ceil(N / (16 MT WARPS)), S), block 32 WARPS.
+// Requires: k_split % (128 STAGES) == 0; block in (32, 128); act_block in (32, 128) dividing K steps' groups
+// (block % act_block == 0 or equal, checked by the launcher); rows of x and W 16-byte aligned.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+
+#ifndef MT
+#define MT 2
+#endif
+#ifndef WARPS
+#define WARPS 4
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+#ifndef SPLIT_OUT
+#define SPLIT_OUT 1
+#endif
+#define TOKENS 8
+// steps of 128 K quantised into shared memory at once: <= 1024 K (16 KB for 8 rows), whole pipeline rounds
+#define CHUNK_STEPS ((8 / STAGES) * STAGES)
+
+static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
+
+struct Stage {
+    uint4 w[MT][2][2];  // E4M3 codes of rows g and g + 8 of each m16 tile: 32 K each, as two uint4
+    float s[MT];        // the tile's weight block scale at this step
+};
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    // weights are read once: do not keep them in L1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint4 ld_cached(const void* p) {
+    // activations are read by every CTA of the same rows: keep them cached
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// bytes 0 and 2 of w (K0, K2) as bf16 bit patterns E4M3 x 2^-120: magnitude to bits 4..10, sign to bit 15
+__device__ __forceinline__ u32 pair_lo(u32 w) { return ((w << 4) & 0x07F007F0u) | ((w << 8) & 0x80008000u); }
+
+// bytes 1 and 3 of w (K1, K3), the same: their magnitudes shift down, their signs are already at bits 15 / 31
+__device__ __forceinline__ u32 pair_hi(u32 w) { return ((w >> 4) & 0x07F007F0u) | (w & 0x80008000u); }
+
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int q) {
+    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+
+// act_quant of two values of one group (inv = 1 / scale, both powers of two) -> bf16x2 of q * scale (lo low)
+__device__ __forceinline__ u32 quant_pair(float lo, float hi, float inv, float scale) {
+    lo = fminf(fmaxf(lo * inv, -448.f), 448.f);
+    hi = fminf(fmaxf(hi * inv, -448.f), 448.f);
+    u16 q;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(q) : "f"(hi), "f"(lo));  // E4M3, round to nearest even
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(q));  // exact: every E4M3 value is an f16
+    float qlo, qhi;
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
+        : "=f"(qlo), "=f"(qhi) : "r"(h2));
+    u32 d;  // q * scale is exact in fp32 and, 4 significant bits, in bf16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(qhi * scale), "f"(qlo * scale));
+    return d;
+}
+
+// Phase 1: rows m0..m0+7 of x (zeros from row M), K [k0, k0 + 8 cells_per_row), quantised into xs (fragment order).
+// A thread takes 8 consecutive K (one uint4 of x, one uint4 of xs); a group's act_block / 8 threads are
+// consecutive lanes (cells_per_row is a multiple of 16), so its amax is a butterfly of shuffles.
+__device__ __forceinline__ void quantise_chunk(uint4* xs, const u16* __restrict__ x, i64 stride_xm, int M, int m0,
+                                               int k0, int cells_per_row, int act_block) {
+    const int total = TOKENS * cells_per_row;
+    for (int base = 0; base < total; base += 32 * WARPS) {  // uniform trip count: every lane reaches the shuffles
+        const int c = base + (int)threadIdx.x;
+        const bool live = c < total;
+        const int r = live ? c / cells_per_row : 0;
+        const int kc = c - r * cells_per_row;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (live && m0 + r < M) v = ld_cached(x + (i64)(m0 + r) * stride_xm + k0 + 8 * kc);
+        const u32 word[4] = {v.x, v.y, v.z, v.w};
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(word[i] << 16);
+            f[2 * i + 1] = __uint_as_float(word[i] & 0xFFFF0000u);
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+        for (int o = 1; o < act_block / 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+        amax = fmaxf(amax, 1e-4f);
+        // scale = 2^ceil(log2(amax * fp32(1/448))) from the product's exponent field (+1 if any mantissa bit)
+        const u32 bits = __float_as_uint(amax * 0x1.24924ap-9f);
+        const u32 e = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u);
+        const float scale = __uint_as_float(e << 23), inv = __uint_as_float((254u - e) << 23);
+        uint4 q;
+        q.x = quant_pair(f[0], f[1], inv, scale);
+        q.y = quant_pair(f[2], f[3], inv, scale);
+        q.z = quant_pair(f[4], f[5], inv, scale);
+        q.w = quant_pair(f[6], f[7], inv, scale);
+        // cell kc: step kc / 16, K offset 8 (kc % 16) = 32 t + 8 q within the step
+        const int kk = kc & 15;
+        if (live) xs[(kc >> 4) * 128 + (kk & 3) * 32 + r * 4 + (kk >> 2)] = q;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
+               const u8* __restrict__ w, i64 stride_wn, const float* __restrict__ ws, i64 stride_wsn,
+               void* __restrict__ out, i64 stride_os, i64 stride_om, int N, int k_split, int block, int act_block) {
+    __shared__ uint4 xs[CHUNK_STEPS * 128];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int m0 = blockIdx.x * TOKENS;
+    const int k_lo = blockIdx.z * k_split;
+    const int steps = k_split / 128;
+    const int s_step = 128 / block;  // scale columns per step of 128 K
+
+    // the lane's weight rows: g and g + 8 of each m16 tile (clamped to N - 1: loads stay in bounds, their
+    // outputs are not stored); the tile's scale row from its first row (a tile never straddles a block)
+    const int row0 = blockIdx.y * (16 * MT * WARPS) + warp * (16 * MT);
+    const u8* w_ptr[MT][2];
+    const float* s_ptr[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = min(row0 + 16 * m + g + 8 * h, N - 1);
+            w_ptr[m][h] = w + (i64)r * stride_wn + k_lo + 32 * t;
+        }
+        s_ptr[m] = ws + (i64)(min(row0 + 16 * m, N - 1) / block) * stride_wsn + (k_lo + 32 * t) / block;
+    }
+
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+
+    Stage buf[STAGES];
+    auto load = [&](Stage& st, int step) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                st.w[m][h][0] = ld_stream(w_ptr[m][h] + step * 128);
+                st.w[m][h][1] = ld_stream(w_ptr[m][h] + step * 128 + 16);
+            }
+            st.s[m] = __ldg(s_ptr[m] + step * s_step);
+        }
+    };
+    auto compute = [&](const Stage& st, int ls) {
+        u32 mult[MT];  // bf16x2 2^120 x scale: exact (a power of two <= 2^127), the top half of its fp32 bits
+#pragma unroll
+        for (int m = 0; m < MT; ++m) mult[m] = (__float_as_uint(st.s[m] * 0x1p120f) >> 16) * 0x00010001u;
+        uint4 xv[4];  // token g's bf16 activations over the lane's 32 K (8 per uint4)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xv[q] = xs[ls * 128 + q * 32 + lane];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // word j: K 4j .. 4j + 3 of the lane's 32
+            const u32 x01 = (j & 1) ? xv[j >> 1].z : xv[j >> 1].x, x23 = (j & 1) ? xv[j >> 1].w : xv[j >> 1].y;
+            const u32 b0 = prmt(x01, x23, 0x5410u), b1 = prmt(x01, x23, 0x7632u);  // (x0, x2), (x1, x3)
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const u32 wg = word_of(st.w[m][0][j >> 2], j & 3), wg8 = word_of(st.w[m][1][j >> 2], j & 3);
+                mma_bf16(acc[m], bmul2(pair_lo(wg), mult[m]), bmul2(pair_lo(wg8), mult[m]),
+                         bmul2(pair_hi(wg), mult[m]), bmul2(pair_hi(wg8), mult[m]), b0, b1);
+            }
+        }
+    };
+
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) load(buf[j], j);  // in flight while the first chunk is quantised
+    for (int i = 0; i < steps; i += STAGES) {
+        const int ls0 = i % CHUNK_STEPS;
+        if (ls0 == 0) {  // a new chunk of the activations (the same branch in every thread)
+            if (i) __syncthreads();  // every warp has read the previous one
+            quantise_chunk(xs, x, stride_xm, M, m0, k_lo + i * 128, 16 * min(CHUNK_STEPS, steps - i), act_block);
+            __syncthreads();
+        }
+#pragma unroll
+        for (int j = 0; j < STAGES; ++j) {
+            const int nxt = i + j + STAGES - 1;
+            if (nxt < steps) load(buf[(j + STAGES - 1) % STAGES], nxt);
+            compute(buf[j], ls0 + j);
+        }
+    }
+
+    // C fragment: c0 / c1 = row g, tokens 2t / 2t + 1; c2 / c3 = row g + 8
+    const int tok0 = m0 + 2 * t, tok1 = tok0 + 1;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + 16 * m + g + 8 * h;
+            if (r >= N) continue;
+#if SPLIT_OUT
+            float* o = (float*)out + (i64)blockIdx.z * stride_os + r;
+            if (tok0 < M) o[(i64)tok0 * stride_om] = acc[m][2 * h];
+            if (tok1 < M) o[(i64)tok1 * stride_om] = acc[m][2 * h + 1];
+#else
+            u16* o = (u16*)out + r;
+            u16 v0, v1;
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v0) : "f"(acc[m][2 * h]));
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v1) : "f"(acc[m][2 * h + 1]));
+            if (tok0 < M) o[(i64)tok0 * stride_om] = v0;
+            if (tok1 < M) o[(i64)tok1 * stride_om] = v1;
+#endif
+        }
+    }
+}
