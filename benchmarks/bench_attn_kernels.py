@@ -106,13 +106,12 @@ def bench_others(lines: list[str]) -> None:
 
 # hc_pre's mix kernel plans to sweep per T (None = mix_plan's default; keys as mix_plan's config)
 HC_MIX_CONFIGS = {
-    1: [None, dict(num_stages=2), dict(SPLITS=32, num_stages=5), dict(SPLITS=128, num_stages=2),
-        dict(SPLITS=128, BLOCK_K=64), dict(BLOCK_K=64, num_stages=5), dict(num_warps=8), dict(SPLITS=16, num_stages=8)],
-    128: [None, dict(SPLITS=32, BLOCK_K=128, num_stages=2), dict(SPLITS=128), dict(BLOCK_T=16, SPLITS=16),
-          dict(BLOCK_T=128, num_warps=8), dict(BLOCK_T=32, SPLITS=32)],
-    8192: [None, dict(SPLITS=2), dict(SPLITS=8), dict(num_stages=3), dict(BLOCK_K=128, num_stages=3, SPLITS=2),
-           dict(BLOCK_T=64, num_warps=4, SPLITS=2), dict(BLOCK_T=128, num_warps=4),
-           dict(BLOCK_T=256, num_warps=8, num_stages=3, SPLITS=8)],
+    1: [None, dict(COLLAPSE_WARPS=4), dict(COLLAPSE_WARPS=8), dict(COLLAPSE_WARPS=2), dict(num_stages=2),
+        dict(SPLITS=16, num_stages=8), dict(SPLITS=16, COLLAPSE_WARPS=4)],
+    8: [None, dict(COLLAPSE_WARPS=4), dict(COLLAPSE_WARPS=8)],
+    128: [None, dict(COLLAPSE_WARPS=4), dict(COLLAPSE_WARPS=8), dict(SPLITS=32, BLOCK_K=128, num_stages=2),
+          dict(BLOCK_T=16, SPLITS=16)],
+    8192: [None, dict(COLLAPSE_WARPS=4), dict(COLLAPSE_WARPS=8), dict(SPLITS=2), dict(num_stages=3)],
 }
 
 

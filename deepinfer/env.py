@@ -25,12 +25,23 @@ def cuda_graphs_enabled() -> bool:
 MOE_DECODE_KERNELS = ("auto", "mma", "triton")
 
 
+def _kernel_choice(name: str) -> str:
+    value = os.environ.get(name, "auto").strip().lower() or "auto"
+    if value not in MOE_DECODE_KERNELS:
+        raise ValueError(f"{name}={value!r}: expected one of {MOE_DECODE_KERNELS}")
+    return value
+
+
+def linear_decode_kernel() -> str:
+    """DEEPINFER_LINEAR_DECODE_KERNEL: which kernel runs op fp8_linear for up to 8 rows (decode) on CUDA: "mma"
+    (the mma.sync CUDA kernel, kernels/cuda/fp8_linear_mma.cu, where it can run), "triton" (the Triton bf16
+    form), "auto" (the default: kernels/triton/fp8_gemm.py DECODE_LINEAR_FORM). Else a ValueError."""
+    return _kernel_choice("DEEPINFER_LINEAR_DECODE_KERNEL")
+
+
 def moe_decode_kernel() -> str:
     """DEEPINFER_MOE_DECODE_KERNEL: which kernels run the routed experts' GEMMs at decode (up to 16 slots per
     expert) on CUDA: "mma" (the mma.sync CUDA kernel, kernels/cuda/fp4_moe_mma.cu, where it can run),
     "triton" (the Triton v2 kernels), "auto" (the default: the measured faster one, see
     kernels/triton/fp4_moe.py DECODE_FORM). Anything else is a ValueError naming the choices."""
-    value = os.environ.get("DEEPINFER_MOE_DECODE_KERNEL", "auto").strip().lower() or "auto"
-    if value not in MOE_DECODE_KERNELS:
-        raise ValueError(f"DEEPINFER_MOE_DECODE_KERNEL={value!r}: expected one of {MOE_DECODE_KERNELS}")
-    return value
+    return _kernel_choice("DEEPINFER_MOE_DECODE_KERNEL")

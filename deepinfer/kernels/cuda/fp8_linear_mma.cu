@@ -18,22 +18,23 @@
 // per step of 128 K the lane owns K [32t, 32t + 32) of it: two uint4 (32 E4M3 bytes) per weight row and
 // exactly one weight scale block (128 x 128 in V4, 32 x 32 in V4.1: an m16 tile is 16-row aligned, so rows
 // g and g + 8 share it too). A word of 4 codes K0..K3 gives two bf16x2 registers: P0 = (K0, K2) = bytes 0
-// and 2, P1 = (K1, K3) = bytes 1 and 3: the two bytes of a pair sit 16 bits apart, so one shift-mask places
-// both (`pair_lo`, `pair_hi`). One MMA per word: a0 / a1 = P0 of rows g / g + 8, a2 / a3 = P1, and the
+// and 2, P1 = (K1, K3) = bytes 1 and 3: the two bytes of a pair sit 16 bits apart, so one byte permute and
+// one shift-mask place both (`pair`). One MMA per word: a0 / a1 = P0 of rows g / g + 8, a2 / a3 = P1, and the
 // activations regrouped to match with one byte permute each: b0 = (x0, x2), b1 = (x1, x3) of token g.
 // E4M3 -> bf16: magnitude bits (e3..e0 m2..m0) to bf16 bits 10..4 and the sign to bit 15 give exactly
 // E4M3 x 2^-120 (E4M3 exponent field e becomes the bf16 exponent field e; e = 0 the matching subnormal).
-// One bf16x2 multiply by 2^120 x scale (a bf16: exponent field = scale's + 120, so scale <= 2^7; the
-// launcher checks) makes it E4M3 x scale, exact while that is >= 2^-133 (bf16's smallest subnormal): every
-// nonzero E4M3 x scale for scales >= 2^-124. (NaN codes 0x7F / 0xFF become finite values: checkpoints have none.)
+// One bf16x2 multiply by 2^120 x scale (exact in bf16 for the power-of-two scales up to 2^7: the top half of
+// its fp32 bits; the launcher checks the range once per weight) makes it E4M3 x scale, exact while that is a
+// bf16: every nonzero value for scales >= 2^-124 (>= 2^-133, the smallest bf16 subnormal; bf16 arithmetic
+// keeps subnormals). (NaN codes 0x7F / 0xFF become finite values: checkpoints have none.)
 // Activation in shared memory, fragment order: uint4 index ((step * 4 + q) * 8 + g) * 4 + t holds token g's
 // bf16 at K step*128 + 32t + 8q .. + 8, so the warp's read of one q is 512 contiguous bytes (no bank conflict).
 //
 // Compile-time constants (-D): MT m16 tiles per warp, WARPS warps per CTA, STAGES register pipeline depth,
 // SPLIT_OUT (1: fp32 partials out[z, m, n]; 0: bf16 out[m, n]).
 // Launch: grid (ceil(M / 8), ceil(N / (16 MT WARPS)), S), block 32 WARPS.
-// Requires: k_split % (128 STAGES) == 0; block in (32, 128); act_block in (32, 128) dividing K steps' groups
-// (block % act_block == 0 or equal, checked by the launcher); rows of x and W 16-byte aligned.
+// Requires (the launcher checks): k_split % (128 STAGES) == 0; block and act_block in (32, 128) (a step's
+// 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -78,11 +79,17 @@ __device__ __forceinline__ uint4 ld_cached(const void* p) {
     return v;
 }
 
-// bytes 0 and 2 of w (K0, K2) as bf16 bit patterns E4M3 x 2^-120: magnitude to bits 4..10, sign to bit 15
-__device__ __forceinline__ u32 pair_lo(u32 w) { return ((w << 4) & 0x07F007F0u) | ((w << 8) & 0x80008000u); }
-
-// bytes 1 and 3 of w (K1, K3), the same: their magnitudes shift down, their signs are already at bits 15 / 31
-__device__ __forceinline__ u32 pair_hi(u32 w) { return ((w >> 4) & 0x07F007F0u) | (w & 0x80008000u); }
+// two E4M3 bytes of w as bf16 bit patterns E4M3 x 2^-120, the byte that SEL's low nibble names in the low half:
+// one byte permute puts each byte in the low byte of its half and its sign, replicated (selector bit 3), in
+// the high byte; << 4 moves the magnitude to bits 4..10 and a sign copy to bit 15, the mask drops the rest
+// (3 instructions for 2 weights; masks and shifts alone take 4 for bytes 0 and 2). SEL 0xA280: bytes 0 and 2
+// (K0, K2) = register P0; 0xB391: bytes 1 and 3 (K1, K3) = P1.
+template <u32 SEL>
+__device__ __forceinline__ u32 pair(u32 w) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(w), "n"(SEL));
+    return (d << 4) & 0x87F087F0u;
+}
 
 __device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
     u32 d;
@@ -198,15 +205,17 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
 
     Stage buf[STAGES];
-    auto load = [&](Stage& st, int step) {
+    auto load = [&](Stage& st) {  // the next step in order: the pointers advance (no per-step address math)
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                st.w[m][h][0] = ld_stream(w_ptr[m][h] + step * 128);
-                st.w[m][h][1] = ld_stream(w_ptr[m][h] + step * 128 + 16);
+                st.w[m][h][0] = ld_stream(w_ptr[m][h]);
+                st.w[m][h][1] = ld_stream(w_ptr[m][h] + 16);
+                w_ptr[m][h] += 128;
             }
-            st.s[m] = __ldg(s_ptr[m] + step * s_step);
+            st.s[m] = __ldg(s_ptr[m]);
+            s_ptr[m] += s_step;
         }
     };
     auto compute = [&](const Stage& st, int ls) {
@@ -223,14 +232,14 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 const u32 wg = word_of(st.w[m][0][j >> 2], j & 3), wg8 = word_of(st.w[m][1][j >> 2], j & 3);
-                mma_bf16(acc[m], bmul2(pair_lo(wg), mult[m]), bmul2(pair_lo(wg8), mult[m]),
-                         bmul2(pair_hi(wg), mult[m]), bmul2(pair_hi(wg8), mult[m]), b0, b1);
+                mma_bf16(acc[m], bmul2(pair<0xA280u>(wg), mult[m]), bmul2(pair<0xA280u>(wg8), mult[m]),
+                         bmul2(pair<0xB391u>(wg), mult[m]), bmul2(pair<0xB391u>(wg8), mult[m]), b0, b1);
             }
         }
     };
 
 #pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) load(buf[j], j);  // in flight while the first chunk is quantised
+    for (int j = 0; j < STAGES - 1; ++j) load(buf[j]);  // in flight while the first chunk is quantised
     for (int i = 0; i < steps; i += STAGES) {
         const int ls0 = i % CHUNK_STEPS;
         if (ls0 == 0) {  // a new chunk of the activations (the same branch in every thread)
@@ -240,8 +249,7 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
         }
 #pragma unroll
         for (int j = 0; j < STAGES; ++j) {
-            const int nxt = i + j + STAGES - 1;
-            if (nxt < steps) load(buf[(j + STAGES - 1) % STAGES], nxt);
+            if (i + j + STAGES - 1 < steps) load(buf[(j + STAGES - 1) % STAGES]);
             compute(buf[j], ls0 + j);
         }
     }

@@ -50,8 +50,11 @@ import triton.language as tl
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch, _check_activation
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 
-MMA_MODES = ("bf16", "fp8")
-MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below
+MMA_MODES = ("bf16", "fp8", "sync")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu)
+MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below, and
+# "sync" up to SYNC_MAX_M rows where it can run and DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so
+SYNC_MAX_M = 8  # the sync kernel's CTA takes 8 rows of x (the MMA's n8): above, each 8 more re-read the weight
+DECODE_LINEAR_FORM = "mma"  # what DEEPINFER_LINEAR_DECODE_KERNEL=auto runs up to SYNC_MAX_M rows: "mma" or "triton"
 FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096).
 # 2026-12-02 (scripts/bench_gemm_kernels.py --batch-fp8, results/fp8_linear_batch_sweep_h200_2026-12-02.log): with
 # narrow tiles the fp8 form is also faster at M=32 and 128 (sum of a layer's seven decode shapes: M=32 183 -> 129
@@ -248,7 +251,7 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
     """The launch configuration for one call: `_tiles` and `_split_k`, then `config`'s keys on top
     (BM, BN, GROUP_M, num_warps, num_stages, BK (fp8), SPLIT_K, LOOP_STAGES / WARP_SPECIALIZE (fp8), FUSED_ACT:
     quantise the activation inside the GEMM (default: M <= FUSED_ACT_MAX_M) or in one pass before it)."""
-    if mma not in MMA_MODES:
+    if mma not in ("bf16", "fp8"):  # the Triton forms' plans ("sync" plans in kernels/cuda/fp8_linear_mma)
         raise ValueError(f"fp8_linear: mma must be one of {MMA_MODES}, got {mma!r}")
     if mma == "fp8":
         cfg = _tiles(m, mma, act_block, n, k)
@@ -271,6 +274,47 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
     return cfg
 
 
+def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
+    """The mma.sync kernel can run this weight here: CUDA with NVRTC, blocks of 128 or 32, K whole 128-steps,
+    power-of-two scales up to 2^7 (checked once per weight: one host sync, before any graph capture)."""
+    from deepinfer.kernels.cuda import fp8_linear_mma as sync
+    from deepinfer.kernels.cuda import runtime
+
+    if device.type != "cuda" or w.block not in (128, 32) or w.act_block not in (128, 32) \
+            or w.in_features % sync.K_STEP or not runtime.available():
+        return False
+    try:
+        return sync.scale_exponent_max(w.scale) <= sync.SCALE_EXP_MAX
+    except ValueError:
+        return False
+
+
+def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
+    """fp8_linear through the mma.sync CUDA kernel (act_quant fused, exact products, fp32 sums): one launch
+    when S = 1, else fp32 partials and `_split_sum_kernel` (the same fixed-order sum as the Triton forms)."""
+    from deepinfer.kernels.cuda import fp8_linear_mma as sync
+
+    m, k = x.shape
+    n = w.out_features
+    cfg = sync.plan(m, n, k, sm_count(x.device), config)
+    split = cfg["SPLIT_K"]
+    if split == 1:
+        return sync.fp8_linear_partials(x, w, out, cfg)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    sync.fp8_linear_partials(x, w, part, cfg)
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
+                                                   num_warps=4)
+    return out
+
+
+def _decode_linear_form() -> str:
+    from deepinfer import env
+
+    choice = env.linear_decode_kernel()
+    return DECODE_LINEAR_FORM if choice == "auto" else choice
+
+
 def auto_form(m: int) -> str:
     """The tensor-core form mma="auto" takes for M rows (`FP8_MMA_MIN_M`)."""
     return "fp8" if m >= FP8_MMA_MIN_M else "bf16"
@@ -280,8 +324,10 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Op "fp8_linear" on CUDA tensors; CPU tensors go to the torch twin (or, under TRITON_INTERPRET=1,
     through the kernels in Triton's interpreter, for tests at tiny shapes). config: launch override (the
-    benchmark's sweep; see `plan`). mma: "bf16" (exact products), "fp8" (FP8 tensor cores) or "auto" (by M,
-    `FP8_MMA_MIN_M`); None: `MMA`.
+    benchmark's sweep; see `plan`, or for "sync" kernels/cuda/fp8_linear_mma.plan). mma: "bf16" (exact
+    products), "fp8" (FP8 tensor cores), "sync" (the mma.sync CUDA kernel: exact products, act_quant fused;
+    its regime is M <= SYNC_MAX_M) or "auto" (by M: "sync" up to SYNC_MAX_M where it can run and
+    DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so, "fp8" from FP8_MMA_MIN_M); None: `MMA`.
     out: optional bf16 [M, N] destination (tests poison it to check every element is written)."""
     if not x.is_cuda and not interpreting():
         return fp8_linear_torch(x, w)
@@ -300,6 +346,9 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     if m == 0:
         return out
     mma = mma or MMA
+    if mma == "sync" or (mma == "auto" and m <= SYNC_MAX_M and _decode_linear_form() == "mma"
+                         and _sync_usable(w, x.device)):
+        return _fp8_linear_sync(x, w, config, out)
     if mma == "auto":
         mma = auto_form(m)
     cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)

@@ -254,7 +254,7 @@ def _check_hc_pre(x, fn, scale, base, norm_weight, hc):
 
 
 _MIX_PROGRAMS = 264  # 2 programs per SM of the H200 (132 SMs)
-_MIX_KEYS = ("BLOCK_T", "BLOCK_K", "SPLITS", "num_warps", "num_stages")
+_MIX_KEYS = ("BLOCK_T", "BLOCK_K", "SPLITS", "num_warps", "num_stages", "COLLAPSE_WARPS")
 
 
 def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
@@ -275,7 +275,8 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
       programs per SM; splits until ~2 programs per SM (T=8192: 64 token blocks x 4 splits). T=8192: mix
       103 us (2.65 TB/s of x; the tf32x3 kernel before it took ~380 us), the whole op 255 us; 2 or 8 splits,
       BLOCK_K 128 or 256 tokens per program measured no better.
-    At least 512 columns per split."""
+    At least 512 columns per split. COLLAPSE_WARPS: the Sinkhorn-collapse kernel's warps (None: one per 1024
+    of hc * D, up to 16: 16 at D=4096)."""
     if T <= 16:
         cfg = dict(BLOCK_T=16, BLOCK_K=128, num_warps=4, num_stages=5)
     elif T <= 1024:
@@ -294,6 +295,7 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
     block_k = cfg["BLOCK_K"]
     cfg["K_CHUNK"] = triton.cdiv(triton.cdiv(KD, cfg["SPLITS"]), block_k) * block_k
     cfg["SPLITS"] = triton.cdiv(KD, cfg["K_CHUNK"])
+    cfg.setdefault("COLLAPSE_WARPS", None)
     return cfg
 
 
@@ -336,7 +338,7 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     _hc_sinkhorn_collapse_kernel[(T,)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
         y, post, comb, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_D=block_d, num_warps=max(1, min(16, block_d * hc // 1024)))
+        HC=hc, BLOCK_D=block_d, num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
     return y, post, comb
 
 

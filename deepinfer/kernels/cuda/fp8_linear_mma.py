@@ -1,0 +1,203 @@
+"""Launcher of `fp8_linear_mma.cu`: op "fp8_linear" at decode (M <= 8 rows per CTA) on mma.sync (see the .cu's header).
+
+`fp8_linear_partials(x, w, out, config=None, scale_max_exp=None)`: x bf16 [M, K] (raw activations: the
+official act_quant per w.act_block is fused into the kernel), w a `QuantLinearWeight` (E4M3 [N, K], fp32
+pow2 block scales, block 128 or 32). `out` says the form: bf16 [M, N] -> the finished output (one launch,
+S = 1); fp32 [S, M, N] -> S partial sums over K / S each (split-K: the caller adds them in a fixed order,
+e.g. fp8_gemm._split_sum_kernel; this module does not import triton).
+`fp8_linear_mma(x, w, config=None, out=None)`: allocate, plan, launch and, for S > 1, add the partials in
+order (p[0] + p[1] + ... in fp32, the order of _split_sum_kernel) and round to bf16 once.
+`plan(m, n, k, sms, config)`: tiles (MT, WARPS, STAGES: `DEFAULT_TILES`) and the split count SPLIT_K.
+
+The weight expansion is exact for scales up to 2^7 (fp32 exponent field <= SCALE_EXP_MAX = 134) and needs
+power-of-two scales: `scale_exponent_max(w.scale)` checks both once per scale tensor (one host sync) and
+caches the answer (keyed by the tensor object and its version counter); pass `scale_max_exp` to skip it
+(e.g. inside a CUDA-graph capture: the check syncs; or call `prepare(w, device)` before capturing).
+Needs sm_90 (mul.rn.bf16x2) or newer. The ops' dispatch (fp8_gemm.py) decides when this form is used.
+Must not: import triton; allocate per-call weights.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from deepinfer.kernels.cuda.runtime import CudaKernel
+from deepinfer.kernels.quant_weights import QuantLinearWeight
+
+SOURCE = "fp8_linear_mma.cu"
+TOKENS = 8  # rows of x per CTA: the MMA's n8
+K_STEP = 128  # K per pipeline stage (each lane: 32 K of 2 weight rows per m16 tile)
+MAX_SPLIT = 16
+SCALE_EXP_MAX = 134  # fp32 exponent field of the largest exact scale (2^7): 2^120 x scale must be a finite bf16
+DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2)
+_SIGNATURE = "pliplplplliiii"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
+#                                k_split, block, act_block (p pointer, l int64, i int32)
+_KERNELS: dict[tuple[int, int, int, int], CudaKernel] = {}
+_SCALE_EXP: dict[int, tuple[weakref.ref, int, int]] = {}  # id(scale) -> (weakref, version, max exponent field)
+
+
+def kernel(mt: int, warps: int, stages: int, split_out: bool) -> CudaKernel:
+    key = (mt, warps, stages, int(split_out))
+    if key not in _KERNELS:
+        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_mma", _SIGNATURE,
+                                   dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out)))
+    return _KERNELS[key]
+
+
+def tiles(config: dict | None = None) -> dict:
+    cfg = dict(DEFAULT_TILES)
+    cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
+    return cfg
+
+
+def rows_per_cta(cfg: dict) -> int:
+    return 16 * cfg["MT"] * cfg["WARPS"]
+
+
+def check_shapes(k: int, split: int, cfg: dict) -> str | None:
+    """Why this K and split cannot run (None: they can): each split must be whole pipeline rounds of 128 K."""
+    if not 1 <= cfg["STAGES"] <= 8:
+        return f"STAGES {cfg['STAGES']} must be 1..8"
+    if split < 1 or k % split:
+        return f"split {split} must divide K={k}"
+    if (k // split) % (K_STEP * cfg["STAGES"]):
+        return f"K per split {k // split} must be a multiple of {K_STEP} x STAGES {cfg['STAGES']}"
+    return None
+
+
+def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
+    """Tiles (`tiles(config)`) and SPLIT_K: config's, else the largest power of 2 <= MAX_SPLIT reached by
+    doubling while the grid (8-row groups x row tiles) times it stays within 4 CTAs per SM and every split
+    keeps whole pipeline rounds (K / S a multiple of 128 STAGES; STAGES falls back to 1 unless configured when
+    K is not whole rounds of the default). Decode is weight-bandwidth bound: a V4-Flash
+    projection gives only 8..256 CTAs of 128 rows, too few to keep enough weight loads in flight."""
+    cfg = tiles(config)
+    if "STAGES" not in (config or {}) and k % (K_STEP * cfg["STAGES"]):
+        cfg["STAGES"] = 1  # K not whole rounds of the default depth: no register double buffering
+    grid = -(-m // TOKENS) * -(-n // rows_per_cta(cfg))
+    if config and "SPLIT_K" in config:
+        split = int(config["SPLIT_K"])
+    else:
+        split = 1
+        while (split * 2 <= MAX_SPLIT and grid * split * 2 <= 4 * sms
+               and check_shapes(k, split * 2, cfg) is None):
+            split *= 2
+    why = check_shapes(k, split, cfg)
+    if why:
+        raise ValueError(f"fp8_linear_mma: {why}")
+    cfg["SPLIT_K"] = split
+    return cfg
+
+
+def scale_exponent_max(scale: torch.Tensor) -> int:
+    """The largest fp32 exponent field of the weight's block scales (cached per tensor object and version:
+    one host sync per weight). ValueError if a scale is not a power of two (the expansion's multiplier is
+    the scale's top 16 bits) or negative / NaN."""
+    entry = _SCALE_EXP.get(id(scale))
+    if entry is not None and entry[0]() is scale and entry[1] == scale._version:
+        return entry[2]
+    if scale.numel() == 0:
+        exp = 0
+    else:
+        mant, e = torch.frexp(scale.float())
+        if not bool(((mant == 0.5) | (scale == 0)).all()):
+            raise ValueError("fp8_linear_mma: weight scales must be non-negative powers of two (decoded E8M0)")
+        exp = max(int(e.max()) - 1 + 127, 0)  # 2^p has exponent field p + 127 (0: subnormal)
+    _SCALE_EXP[id(scale)] = (weakref.ref(scale, lambda _, key=id(scale): _SCALE_EXP.pop(key, None)),
+                             scale._version, exp)
+    return exp
+
+
+def prepare(w: QuantLinearWeight, device: torch.device, config: dict | None = None) -> None:
+    """Check and cache the weight's scale range and compile + load both output forms of the kernel (before a
+    CUDA-graph capture: the check syncs and a module load fails inside one)."""
+    scale_exponent_max(w.scale)
+    cfg = tiles(config)
+    for split_out in (False, True):
+        kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], split_out).prepare(device)
+
+
+def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, config: dict | None = None,
+                        scale_max_exp: int | None = None) -> torch.Tensor:
+    """Launch the kernel into `out` (bf16 [M, N]: S = 1; fp32 [S, M, N]: S partials) and return it."""
+    cfg = tiles(config)
+    problems = []
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) % 8:
+        problems.append(f"x must be bf16 [M, K] with unit column stride and rows 16-byte aligned, got {x.dtype} "
+                        f"{tuple(x.shape)} strides {x.stride()}")
+    data, scale = w.data, w.scale
+    n, k = data.shape
+    if data.dtype != torch.float8_e4m3fn or not data.is_contiguous():
+        problems.append(f"w.data must be contiguous float8_e4m3fn [N, K], got {data.dtype} strides {data.stride()}")
+    if scale.dtype != torch.float32 or scale.dim() != 2 or scale.stride(1) != 1:
+        problems.append(f"w.scale must be fp32 [N/block, K/block] with unit column stride, got {scale.dtype} "
+                        f"strides {scale.stride()}")
+    if w.block not in (128, 32):
+        problems.append(f"w.block must be 128 or 32, got {w.block}")
+    if w.act_block not in (128, 32) or (w.act_block != w.block and w.block % w.act_block):
+        problems.append(f"w.act_block must be 128 or 32 and divide the weight block {w.block}, got {w.act_block}")
+    if x.dim() == 2 and x.shape[1] != k:
+        problems.append(f"x has K={x.shape[1]} but the weight has in_features {k}")
+    m = x.shape[0] if x.dim() == 2 else 0
+    if out.dim() == 3:
+        split = out.shape[0]
+        if out.dtype != torch.float32 or tuple(out.shape[1:]) != (m, n) or out.stride(2) != 1:
+            problems.append(f"out must be fp32 [S, {m}, {n}] (partials) or bf16 [{m}, {n}] with unit column stride, "
+                            f"got {out.dtype} {tuple(out.shape)}")
+    else:
+        split = 1
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(-1) != 1:
+            problems.append(f"out must be bf16 [{m}, {n}] or fp32 [S, {m}, {n}] (partials) with unit column stride, "
+                            f"got {out.dtype} {tuple(out.shape)}")
+    why = check_shapes(k, split, cfg)
+    if why:
+        problems.append(why)
+    if len({t.device for t in (x, data, scale, out)}) != 1:
+        problems.append(f"x, w and out must be on one device, got {x.device}, {data.device}, {scale.device}, {out.device}")
+    if x.data_ptr() % 16 or data.data_ptr() % 16:
+        problems.append("x and w.data must start 16-byte aligned")
+    if problems:
+        raise ValueError("fp8_linear_partials: " + "; ".join(problems))
+    exp = scale_exponent_max(scale) if scale_max_exp is None else scale_max_exp
+    if exp > SCALE_EXP_MAX:
+        raise ValueError(f"fp8_linear_partials: the E4M3 expansion is exact for weight scales up to 2^7 (fp32 "
+                         f"exponent field {SCALE_EXP_MAX}); this weight has a scale 2^{exp - 127}")
+    if x.device.type != "cuda":
+        raise ValueError(f"fp8_linear_partials: CUDA tensors only, got {x.device}")
+    if m == 0 or n == 0:
+        return out
+    grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
+    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3).launch(
+        grid, (32 * cfg["WARPS"], 1, 1),
+        (x, x.stride(0), m, data, data.stride(0), scale, scale.stride(0), out,
+         out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block),
+        x.device)
+    return out
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H200: the same plans off the GPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fp8_linear_mma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [M, N] = fp8_linear(x, w) through this kernel (`plan`: SPLIT_K from config or the rule). For S > 1
+    the fp32 partials are added in order p[0] + p[1] + ... and rounded to bf16 once."""
+    m, n, k = x.shape[0], w.out_features, w.in_features
+    cfg = plan(m, n, k, _sm_count(x.device), config)
+    split = cfg["SPLIT_K"]
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.device != x.device:
+        raise ValueError(f"fp8_linear_mma: out must be bf16 [{m}, {n}] on {x.device}, got {out.dtype} {tuple(out.shape)}")
+    if split == 1 or m == 0:
+        return fp8_linear_partials(x, w, out, cfg)
+    part = fp8_linear_partials(x, w, torch.empty((split, m, n), dtype=torch.float32, device=x.device), cfg)
+    acc = part[0].clone()
+    for s in range(1, split):  # fixed order: the bits do not depend on a reduction kernel's tree
+        acc += part[s]
+    out.copy_(acc)  # fp32 -> bf16, round to nearest even
+    return out
