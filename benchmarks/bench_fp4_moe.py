@@ -99,20 +99,15 @@ FP8_VARIANTS = [  # (name, config, expand, max T)
 
 
 # the mma.sync form (`fp4_moe(config={"MMA_SYNC": True, ...})`, kernels/cuda/fp4_moe_mma.cu) against the default
-MMA_VARIANTS = [  # (name, config, expand, max T)
+MMA_VARIANTS = [  # (name, config, expand, max T); "default" (the first row) is the op's own plan
     ("triton v2 decode plan, expand 6", dict(SPLIT_K=0, A_BF16=True, BN=128), 6, 10 ** 9),
-    ("mma MT2 w4 s2", dict(MMA_SYNC=True), None, 10 ** 9),
-    ("mma MT2 w4 s4", dict(MMA_SYNC=True, STAGES=4), None, 10 ** 9),
-    ("mma MT2 w2 s2", dict(MMA_SYNC=True, WARPS=2), None, 10 ** 9),
-    ("mma MT1 w4 s2 k256", dict(MMA_SYNC=True, MT=1, KSTEP=256), None, 10 ** 9),
-    ("mma MT2 w4 s2 k256", dict(MMA_SYNC=True, KSTEP=256), None, 10 ** 9),
-    ("mma async MT2 w4 s4", dict(MMA_SYNC=True, ASYNC=1, STAGES=4), None, 10 ** 9),
-    ("mma async MT2 w4 s6", dict(MMA_SYNC=True, ASYNC=1, STAGES=6), None, 10 ** 9),
-    ("mma async MT1 w4 s6", dict(MMA_SYNC=True, ASYNC=1, MT=1, STAGES=6), None, 10 ** 9),
-    ("mma async MT1 w4 s4 k256", dict(MMA_SYNC=True, ASYNC=1, MT=1, STAGES=4, KSTEP=256), None, 10 ** 9),
-    ("mma async MT4 w4 s4", dict(MMA_SYNC=True, ASYNC=1, MT=4, STAGES=4), None, 10 ** 9),
-    ("mma async MT2 w2 s4", dict(MMA_SYNC=True, ASYNC=1, WARPS=2, STAGES=4), None, 10 ** 9),
-    ("mma async MT2 w4 s4 waves 8", dict(MMA_SYNC=True, ASYNC=1, STAGES=4, WAVES=8), None, 10 ** 9),
+    ("mma MT2 w4 s2", dict(MMA_SYNC=True, MT=2, WARPS=4, STAGES=2, KSTEP=128), None, 10 ** 9),
+    ("mma MT2 w4 s4", dict(MMA_SYNC=True, MT=2, WARPS=4, STAGES=4, KSTEP=128), None, 10 ** 9),
+    ("mma MT1 w4 s2 k256", dict(MMA_SYNC=True, MT=1, WARPS=4, STAGES=2, KSTEP=256), None, 10 ** 9),
+    ("mma MT2 w4 s2 k256", dict(MMA_SYNC=True, MT=2, WARPS=4, STAGES=2, KSTEP=256), None, 10 ** 9),
+    ("mma MT1 w4 s4 k256", dict(MMA_SYNC=True, MT=1, WARPS=4, STAGES=4, KSTEP=256), None, 10 ** 9),
+    ("mma MT1 w8 s2 k256", dict(MMA_SYNC=True, MT=1, WARPS=8, STAGES=2, KSTEP=256), None, 10 ** 9),
+    ("mma async MT1 w4 s8", dict(MMA_SYNC=True, ASYNC=1, MT=1, WARPS=4, STAGES=8, KSTEP=128), None, 10 ** 9),
 ]
 
 

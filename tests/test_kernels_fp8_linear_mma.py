@@ -144,7 +144,7 @@ def test_split_rule_on_v4_flash_shapes():
     assert s(8, 4096, 4096) == 16 and s(16, 4096, 4096) == 8 and s(16, 32768, 4096) == 1  # M = 16: 2 row groups
     assert s(1, 1024, 1024, {"STAGES": 4}) == 2  # whole rounds: K / S a multiple of 128 x 4
     assert plan(1, 1024, 384, 132)["STAGES"] == 1 and s(1, 1024, 384) == 1  # K = 3 steps: no double buffering
-    assert s(1, 4096, 4096, {"SPLIT_K": 4}) == 4 and s(1, 4096, 4096, {"MT": 1}) == 8
+    assert s(1, 4096, 4096, {"SPLIT_K": 4}) == 4 and s(1, 4096, 4096, {"MT": 1, "WARPS": 4}) == 8
     with pytest.raises(ValueError, match="K per split 256 must be a multiple of 128 x STAGES 4"):
         plan(1, 4096, 4096, 132, {"SPLIT_K": 16, "STAGES": 4})
 

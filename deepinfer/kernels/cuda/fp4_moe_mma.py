@@ -35,8 +35,10 @@ def kernel(cfg: dict) -> CudaKernel:
 def tiles(config: dict | None = None) -> dict:
     cfg = dict(DEFAULT_TILES)
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
-    if cfg["KSTEP"] not in (128, 256) or cfg["STAGES"] < 2 or cfg["MT"] < 1 or cfg["WARPS"] < 1:
-        raise ValueError(f"fp4_moe_mma tiles: KSTEP 128 or 256, STAGES >= 2, MT and WARPS >= 1, got {cfg}")
+    if cfg["KSTEP"] not in (128, 256) or cfg["STAGES"] < 1 or cfg["MT"] < 1 or cfg["WARPS"] < 1 \
+            or (cfg["ASYNC"] and cfg["STAGES"] < 2):
+        raise ValueError(f"fp4_moe_mma tiles: KSTEP 128 or 256, STAGES >= 1 (ASYNC: >= 2), MT and WARPS >= 1, "
+                         f"got {cfg}")
     return cfg
 
 

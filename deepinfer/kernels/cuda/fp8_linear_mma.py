@@ -30,7 +30,9 @@ TOKENS = 8  # rows of x per CTA: the MMA's n8
 K_STEP = 128  # K per pipeline stage (each lane: 32 K of 2 weight rows per m16 tile)
 MAX_SPLIT = 16
 SCALE_EXP_MAX = 134  # fp32 exponent field of the largest exact scale (2^7): 2^120 x scale must be a finite bf16
-DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2)
+DEFAULT_TILES = dict(MT=1, WARPS=8, STAGES=2)  # H200 2026-12-02 (benchmarks/bench_linear_sync.py, HBM-cold
+# weights): the V4-Flash layer's seven decode projections 62.3 us at M=1 (MT2 w4 s2 66.1, MT1 w4 s2 66.4, MT4 w4
+# s2 69.2, MT2 w4 s4 75.5; the Triton bf16 form 75.8), 65.2 at M=8 (Triton 77.0)
 _SIGNATURE = "pliplplplliiii"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
 #                                k_split, block, act_block (p pointer, l int64, i int32)
 _KERNELS: dict[tuple[int, int, int, int], CudaKernel] = {}

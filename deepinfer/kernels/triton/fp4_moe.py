@@ -54,6 +54,8 @@ Must not: be imported without triton; know about gates, hash routing or the shar
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -728,6 +730,12 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
 
 MMA_KEYS = ("MMA_SYNC",)  # a config with any of these takes the mma.sync kernels (`_fp4_moe_mma`)
 MMA_WAVES = 4  # auto split-K of the mma.sync form: programs per SM the split aims for
+# its tiles (H200 2026-12-02, bench_fp4_moe.py --mma, whole op): up to 8 slots (b1) one m16 tile per warp over
+# 256 K per stage (a quad reads whole 128-byte lines): T=1 54.1 us against 60.1 with MT2 w4 s2; above, two m16
+# tiles per warp, four register stages: T=8 / 32 / 128 256 / 689 / 1222 us against 259 / 707 / 1254
+# (results/fp4_moe_mma_h200_2026-12-02*.log)
+MMA_TILES_FEW = dict(MT=1, WARPS=4, STAGES=2, KSTEP=256)
+MMA_TILES = dict(MT=2, WARPS=4, STAGES=4, KSTEP=128)
 
 
 def plan_mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config: dict) -> dict:
@@ -737,7 +745,11 @@ def plan_mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config:
     and each split keeps whole pipeline rounds (STAGES x KSTEP K). ValueError for a split that cannot run."""
     from deepinfer.kernels.cuda import fp4_moe_mma as mma
 
-    cfg = mma.tiles(config)
+    cfg = mma.tiles({**(MMA_TILES_FEW if n_slots <= ONE_PROGRAM_ROUTING_SLOTS else MMA_TILES), **config})
+    if "STAGES" not in config and "KSTEP" not in config and any(mma.check_shapes(k, 1, cfg) for k in (d, inter)):
+        # D or I not whole rounds of the default stages (small models): 128 K per stage, the deepest ring that fits
+        steps = math.gcd(d, inter) // 128
+        cfg.update(KSTEP=128, STAGES=next(st for st in (4, 2, 1) if steps % st == 0))
     n_blocks = n_routing_blocks(n_slots, n_experts, mma.TOKENS)
     waves = config.get("WAVES", MMA_WAVES)
     for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
@@ -757,13 +769,12 @@ def plan_mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config:
 
 def mma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
     """The mma.sync form can run this bank here: a CUDA device with NVRTC and the driver, the weights' scale
-    bytes in the exact expansion's range, and D and I whole pipeline rounds."""
+    bytes in the exact expansion's range, and D and I multiples of 128 (`plan_mma` picks stages that fit)."""
     from deepinfer.kernels.cuda import fp4_moe_mma as mma
     from deepinfer.kernels.cuda import runtime
 
-    cfg = mma.tiles(None)
-    return (device.type == "cuda" and bank.scale_max <= mma.SCALE_MAX and runtime.available()
-            and mma.check_shapes(bank.dim, 1, cfg) is None and mma.check_shapes(bank.inter_dim, 1, cfg) is None)
+    return (device.type == "cuda" and bank.scale_max <= mma.SCALE_MAX and bank.dim % 128 == 0
+            and bank.inter_dim % 128 == 0 and runtime.available())
 
 
 def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):

@@ -254,6 +254,9 @@ def _check_hc_pre(x, fn, scale, base, norm_weight, hc):
 
 
 _MIX_PROGRAMS = 264  # 2 programs per SM of the H200 (132 SMs)
+COLLAPSE_WARPS = 4  # the Sinkhorn-collapse kernel's warps: H200 2026-12-02 (bench_attn_kernels.py --hc-mix, the
+# whole hc_pre op, D=4096; results/hc_collapse_warps_h200_2026-12-02.log): T=1 13.9 us against 15.3 with one
+# warp per 1024 of hc * D (16), T=8 14.4 vs 17.7, T=128 18.2 vs 21.2, T=8192 201 vs 254 (8 warps: about the same)
 _MIX_KEYS = ("BLOCK_T", "BLOCK_K", "SPLITS", "num_warps", "num_stages", "COLLAPSE_WARPS")
 
 
@@ -275,8 +278,8 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
       programs per SM; splits until ~2 programs per SM (T=8192: 64 token blocks x 4 splits). T=8192: mix
       103 us (2.65 TB/s of x; the tf32x3 kernel before it took ~380 us), the whole op 255 us; 2 or 8 splits,
       BLOCK_K 128 or 256 tokens per program measured no better.
-    At least 512 columns per split. COLLAPSE_WARPS: the Sinkhorn-collapse kernel's warps (None: one per 1024
-    of hc * D, up to 16: 16 at D=4096)."""
+    At least 512 columns per split. COLLAPSE_WARPS: the Sinkhorn-collapse kernel's warps (default
+    `COLLAPSE_WARPS`; None: one per 1024 of hc * D, up to 16, the rule before 2026-12-02)."""
     if T <= 16:
         cfg = dict(BLOCK_T=16, BLOCK_K=128, num_warps=4, num_stages=5)
     elif T <= 1024:
@@ -295,7 +298,7 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
     block_k = cfg["BLOCK_K"]
     cfg["K_CHUNK"] = triton.cdiv(triton.cdiv(KD, cfg["SPLITS"]), block_k) * block_k
     cfg["SPLITS"] = triton.cdiv(KD, cfg["K_CHUNK"])
-    cfg.setdefault("COLLAPSE_WARPS", None)
+    cfg.setdefault("COLLAPSE_WARPS", COLLAPSE_WARPS)
     return cfg
 
 
