@@ -1,0 +1,40 @@
+"""kernels/cuda/runtime.py on the CPU machine: the launch's argument buffer follows the kernel parameter ABI
+(each parameter at a multiple of its size), bad signatures and argument counts are refused before anything
+is loaded, and NVRTC's compile errors come back with its log (where NVRTC is installed; the GPU tests of the
+kernels in tests/test_kernels_*_mma.py exercise compile, load and launch on the device)."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from deepinfer.kernels.cuda import runtime
+
+
+def test_packed_arguments_follow_the_parameter_abi():
+    k = runtime.CudaKernel("fp4_moe_mma.cu", "f", "pipfl")
+    t = torch.zeros(3)
+    packed = k._packer.pack(t.data_ptr(), 7, 5, 1.5, -2)
+    # p @0, i @8, p @16 (aligned up from 12), f @24, l @32 (aligned up from 28)
+    assert len(packed) == 40
+    assert struct.unpack_from("<Q", packed, 0)[0] == t.data_ptr() and struct.unpack_from("<i", packed, 8)[0] == 7
+    assert struct.unpack_from("<Q", packed, 16)[0] == 5 and struct.unpack_from("<f", packed, 24)[0] == 1.5
+    assert struct.unpack_from("<q", packed, 32)[0] == -2
+
+
+def test_bad_signature_and_argument_count_are_refused():
+    with pytest.raises(ValueError, match="unknown signature codes \\['x'\\]"):
+        runtime.CudaKernel("fp4_moe_mma.cu", "f", "px")
+    k = runtime.CudaKernel("fp4_moe_mma.cu", "f", "pi")
+    with pytest.raises(ValueError, match="2 arguments expected, got 1"):
+        k.launch((1, 1, 1), (32, 1, 1), (torch.zeros(1),), torch.device("cpu"))
+
+
+def test_compile_errors_carry_the_nvrtc_log():
+    try:
+        runtime.nvrtc_version()
+    except runtime.CudaRuntimeError as err:
+        pytest.skip(f"no NVRTC here: {err}")
+    with pytest.raises(runtime.CudaRuntimeError, match="could not compile bad.cu for sm_90:(.|\\n)*undefined"):
+        runtime.compile_cubin('extern "C" __global__ void f() { undefined_thing(); }', "bad.cu", "sm_90")
