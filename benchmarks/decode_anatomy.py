@@ -5,6 +5,7 @@ graph (their summed device time against the replay's span: the rest is launch ga
 
     PYTHONPATH=$PWD python benchmarks/decode_anatomy.py --layers 4 [--batches 1 32 128] [--top 12]
         [--moe-kernels triton mma]   # each batch once per DEEPINFER_MOE_DECODE_KERNEL choice, same model
+        [--env-sets "DEEPINFER_MOE_DECODE_KERNEL=triton,DEEPINFER_LINEAR_DECODE_KERNEL=triton" ""]   # or any sets
 
 Needs CUDA and triton. Prints one block per batch; writes `$OUT/decode_anatomy.json`.
 """
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--moe-kernels", nargs="+", default=None,
                     help="DEEPINFER_MOE_DECODE_KERNEL values to run each batch with (default: the environment's)")
+    ap.add_argument("--env-sets", nargs="+", default=None,
+                    help="comma-separated KEY=VALUE sets (\"\" = none); each batch runs once per set, the set's "
+                         "variables in the environment and every other set's removed")
     args = ap.parse_args()
     from deepinfer.kernels.triton import register_cuda_kernels
     from deepinfer.tiny import make_tensors
@@ -106,11 +110,17 @@ def main() -> None:
     torch.cuda.empty_cache()
     res = {"device": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
            "command": " ".join(sys.argv)}
+    sets = [dict(kv.split("=", 1) for kv in es.split(",") if kv) for es in args.env_sets] if args.env_sets else None
+    if sets is None:
+        sets = [{"DEEPINFER_MOE_DECODE_KERNEL": c} for c in args.moe_kernels] if args.moe_kernels else [None]
     for b in args.batches:
-        for choice in args.moe_kernels or [None]:
-            if choice is not None:
-                os.environ["DEEPINFER_MOE_DECODE_KERNEL"] = choice  # read by fp4_moe at each call (at capture)
-            tag = f"b{b}" + (f" moe={choice}" if choice else "")
+        for env_set in sets:
+            if env_set is not None:  # read by the ops at each call (at capture)
+                for key in {k for st in sets if st for k in st}:
+                    os.environ.pop(key, None)
+                os.environ.update(env_set)
+            tag = f"b{b}" + (" " + ",".join(f"{k.split('_')[1].lower()}={v}" for k, v in env_set.items())
+                             if env_set else "")
             r = res[tag] = anatomy(runner, b, args.context, args.top)
             line = (f"{tag:<5} step {r['step_ms']:.3f} ms = prepare (host) {r['prepare_host_ms']:.3f} + graph replay "
                     f"{r['replay_ms']:.3f} ms")

@@ -97,14 +97,14 @@ def test_split_rule_on_v4_flash_shapes():
     cfg = plan_mma(6, 256, 4096, 2048, 132, {"MMA_SYNC": True})  # T=1: MMA_TILES_FEW, 6 blocks x 64 tiles of 64 rows
     assert (cfg["MT"], cfg["KSTEP"], cfg["S13"], cfg["S2"]) == (1, 256, 2, 2), cfg  # doubled while 384 x S < 4 x 132
     cfg = plan_mma(768, 256, 4096, 2048, 132, {"MMA_SYNC": True})  # T=128: the blocks fill the machine
-    assert (cfg["MT"], cfg["STAGES"], cfg["S13"], cfg["S2"]) == (2, 4, 1, 1)  # MMA_TILES
+    assert (cfg["MT"], cfg["KSTEP"], cfg["S13"], cfg["S2"]) == (2, 256, 1, 1)  # MMA_TILES
     cfg = plan_mma(6, 256, 4096, 2048, 132, {"MMA_SYNC": True, "SPLIT_K13": 8, "STAGES": 4, "KSTEP": 128})
     assert cfg["S13"] == 8 and cfg["STAGES"] == 4
     with pytest.raises(ValueError, match="K per split 256 must be a multiple of KSTEP 256 x STAGES 4"):
         plan_mma(6, 256, 4096, 2048, 132, {"MMA_SYNC": True, "SPLIT_K": 16, "STAGES": 4})
     cfg = plan_mma(6, 8, 256, 128, 132, {"MMA_SYNC": True})  # the tiny checkpoints' D=256, I=128: one stage
     assert (cfg["KSTEP"], cfg["STAGES"], cfg["S13"], cfg["S2"]) == (128, 1, 2, 1), cfg  # w13: 2 steps, split
-    cfg = plan_mma(600, 8, 512, 256, 132, {"MMA_SYNC": True})  # MMA_TILES would need 512-K rounds
+    cfg = plan_mma(600, 8, 512, 256, 132, {"MMA_SYNC": True})  # MMA_TILES would need 512-K rounds: I=256
     assert (cfg["KSTEP"], cfg["STAGES"]) == (128, 2), cfg
 
 

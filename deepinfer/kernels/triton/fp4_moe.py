@@ -730,12 +730,13 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
 
 MMA_KEYS = ("MMA_SYNC",)  # a config with any of these takes the mma.sync kernels (`_fp4_moe_mma`)
 MMA_WAVES = 4  # auto split-K of the mma.sync form: programs per SM the split aims for
-# its tiles (H200 2026-12-02, bench_fp4_moe.py --mma, whole op): up to 8 slots (b1) one m16 tile per warp over
-# 256 K per stage (a quad reads whole 128-byte lines): T=1 54.1 us against 60.1 with MT2 w4 s2; above, two m16
-# tiles per warp, four register stages: T=8 / 32 / 128 256 / 689 / 1222 us against 259 / 707 / 1254
-# (results/fp4_moe_mma_h200_2026-12-02*.log)
+# its tiles (H200 2026-12-02, bench_fp4_moe.py --mma, whole op, results/fp4_moe_mma_h200_2026-12-02_run3.log):
+# 256 K per stage (a quad reads whole 128-byte lines of each weight row), two register stages; up to 8 slots
+# (b1) one m16 tile per warp: T=1 53.7 us (two tiles: 55.7; 128-K stages 60.1); above, two m16 tiles per
+# warp: T=8 / 32 / 128 236 / 627 / 1180 us (2.81 TB/s) against 254 / 683 / 1203 with 128-K stages x 4 and
+# 256 / 703 / 1239 x 2 (one tile: 243 / 662 / 1292; Triton v2 347 / 811 / 1425)
 MMA_TILES_FEW = dict(MT=1, WARPS=4, STAGES=2, KSTEP=256)
-MMA_TILES = dict(MT=2, WARPS=4, STAGES=4, KSTEP=128)
+MMA_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=256)
 
 
 def plan_mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config: dict) -> dict:
@@ -856,9 +857,9 @@ DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 sl
 
 
 DECODE_FORM = "mma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma" or "triton".
-# H200 2026-12-02 (benchmarks/bench_fp4_moe.py --mma, whole op, CUDA-graph replay, V4-Flash dims;
-# results/fp4_moe_mma_h200_2026-12-02.log): the mma.sync form against the Triton v2 decode plan (expand 6):
-# T=1 59 vs 75 us, T=8 259 vs 350, T=32 707 vs 835, T=128 1254 vs 1490 us (2.65 TB/s of expert bytes); where
+# H200 2026-12-02 (benchmarks/bench_fp4_moe.py --mma, whole op, CUDA-graph replay, V4-Flash dims; first run
+# results/fp4_moe_mma_h200_2026-12-02.log, tiles below from _run3): the mma.sync form against the Triton v2
+# decode plan (expand 6): T=1 54 vs 75 us, T=8 236 vs 347, T=32 627 vs 811, T=128 1180 vs 1425 us; where
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
 
