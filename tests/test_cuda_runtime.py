@@ -4,6 +4,7 @@ is loaded, and NVRTC's compile errors come back with its log (where NVRTC is ins
 kernels in tests/test_kernels_*_mma.py exercise compile, load and launch on the device)."""
 from __future__ import annotations
 
+import re
 import struct
 
 import pytest
@@ -38,3 +39,31 @@ def test_compile_errors_carry_the_nvrtc_log():
         pytest.skip(f"no NVRTC here: {err}")
     with pytest.raises(runtime.CudaRuntimeError, match="could not compile bad.cu for sm_90:(.|\\n)*undefined"):
         runtime.compile_cubin('extern "C" __global__ void f() { undefined_thing(); }', "bad.cu", "sm_90")
+
+
+def compile_configs(source: str, configs: list[dict]) -> None:
+    """Compile a package .cu for sm_90 under each set of -D defines (skip where NVRTC is not installed): the
+    kernels' CPU tests, so a source that does not compile fails before any device time is spent."""
+    try:
+        runtime.nvrtc_version()
+    except runtime.CudaRuntimeError as err:
+        pytest.skip(f"no NVRTC here: {err}")
+    text = runtime.read_source(source)
+    for cfg in configs:
+        cubin = runtime.compile_cubin(text, source, "sm_90", tuple(f"-D{k}={v}" for k, v in cfg.items()))
+        assert cubin[:4] == b"\x7fELF", cfg
+
+
+def test_local_includes_are_inlined_once():
+    text = runtime.read_source("fp4_moe_mma.cu")
+    assert not re.search(r'^#include "mma_common.cuh"', text, re.MULTILINE) and "mma_common.cuh" in text
+    assert text.count("__device__ __forceinline__ u32 bmul2(") == 1
+
+
+def cuda_with_nvrtc() -> torch.device:
+    """The CUDA device for the mma kernels' GPU tests; skips without CUDA, NVRTC or the driver library."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not runtime.available():
+        pytest.skip("NVRTC or the CUDA driver library is missing")
+    return torch.device("cuda")

@@ -109,29 +109,17 @@ def test_split_rule_on_v4_flash_shapes():
 
 
 def test_source_compiles_for_sm90_where_nvrtc_is_installed():
-    from deepinfer.kernels.cuda import runtime
-
-    try:
-        runtime.nvrtc_version()
-    except runtime.CudaRuntimeError as err:
-        pytest.skip(f"no NVRTC here: {err}")
     from deepinfer.kernels.cuda.fp4_moe_mma import SOURCE
+    from test_cuda_runtime import compile_configs
 
-    for cfg in TILE_CONFIGS:
-        cubin = runtime.compile_cubin(runtime.read_source(SOURCE), SOURCE, "sm_90",
-                                      tuple(f"-D{k}={v}" for k, v in cfg.items()))
-        assert cubin[:4] == b"\x7fELF", cfg
+    compile_configs(SOURCE, TILE_CONFIGS)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
 def _cuda():
-    from deepinfer.kernels.cuda import runtime
+    from test_cuda_runtime import cuda_with_nvrtc
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if not runtime.available():
-        pytest.skip("NVRTC or the CUDA driver library is missing")
-    return torch.device("cuda")
+    return cuda_with_nvrtc()
 
 
 @pytest.mark.gpu
@@ -199,16 +187,11 @@ def flash_bank():
     return _random_bank(256, 4096, 2048, 128, _cuda())
 
 
-def _inputs(t, dev, e=256, d=4096):
-    x = (torch.randn(t, d, device=dev) * torch.exp(torch.randn(t, 1, device=dev))).to(BF16)
-    ids = torch.stack([torch.randperm(e, device=dev)[:6] for _ in range(t)])
-    return x, ids, torch.rand(t, 6, device=dev) * 0.5
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8, 128])
 def test_op_matches_twin_and_triton_v4_flash_dims(flash_bank, t):
     from deepinfer.kernels.triton.fp4_moe import DECODE_V2, fp4_moe
+    from test_kernels_fp4_moe_split import _inputs
     from test_kernels_gemm import _rel
 
     x, ids, weights = _inputs(t, flash_bank.w13.device)
@@ -227,6 +210,7 @@ def test_op_matches_twin_and_triton_v4_flash_dims(flash_bank, t):
 @pytest.mark.gpu
 def test_op_small_bank_act_block_32_and_graph_replay():
     from deepinfer.kernels.triton.fp4_moe import fp4_moe
+    from test_kernels_fp4_moe_split import _inputs
     from test_kernels_gemm import _random_bank, _rel, assert_replay_is_eager
 
     dev = _cuda()

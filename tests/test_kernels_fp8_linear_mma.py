@@ -150,30 +150,17 @@ def test_split_rule_on_v4_flash_shapes():
 
 
 def test_source_compiles_for_sm90_where_nvrtc_is_installed():
-    from deepinfer.kernels.cuda import runtime
-
-    try:
-        runtime.nvrtc_version()
-    except runtime.CudaRuntimeError as err:
-        pytest.skip(f"no NVRTC here: {err}")
     from deepinfer.kernels.cuda.fp8_linear_mma import SOURCE
+    from test_cuda_runtime import compile_configs
 
-    for cfg in TILE_CONFIGS:
-        for split_out in (0, 1):
-            opts = tuple(f"-D{k}={v}" for k, v in {**cfg, "SPLIT_OUT": split_out}.items())
-            cubin = runtime.compile_cubin(runtime.read_source(SOURCE), SOURCE, "sm_90", opts)
-            assert cubin[:4] == b"\x7fELF", (cfg, split_out)
+    compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": split_out} for cfg in TILE_CONFIGS for split_out in (0, 1)])
 
 
 # ---------------------------------------------------------------------------------------------- GPU
 def _cuda():
-    from deepinfer.kernels.cuda import runtime
+    from test_cuda_runtime import cuda_with_nvrtc
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if not runtime.available():
-        pytest.skip("NVRTC or the CUDA driver library is missing")
-    return torch.device("cuda")
+    return cuda_with_nvrtc()
 
 
 def _one_hot_weight(n: int, k: int, block: int, dev) -> QuantLinearWeight:

@@ -14,7 +14,7 @@
 // c, K offset c) and code c + 4 (nibble c + 4) form one bf16x2 register: nibbles c and c + 4 sit 16 bits
 // apart, so ONE shift-mask-multiply places both (`pair`), no per-byte unpacking. Word q's registers:
 // pair 0 / 1 feed MMA step (q, 0) as its (2t, 2t+1) / (2t+8, 2t+9) pairs, pair 2 / 3 step (q, 1). The
-// activations' bf16 pairs are regrouped to match with one byte permute each (`x_pair`).
+// activations' bf16 pairs are regrouped to match with one byte permute each (`prmt`).
 // E2M1 -> bf16: magnitude bits e1 e0 m to bf16 bits 8..6, sign to bit 15 gives 2^(e-127) (1 + m/2) for
 // e > 0 and the subnormal m * 2^-127 for e = 0: E2M1 x 2^-126. One bf16x2 multiply by 2^(S-1) (exponent
 // field S + 126) makes it E2M1 x 2^(S-127), exact for S <= 128 (the caller checks the bank's scale_max).
@@ -28,9 +28,7 @@
 // Padding slots of a routing block (at decode most of its 8: b1 has one token per expert) load no
 // activations: their B columns are zeros and are never stored.
 
-typedef unsigned int u32;
-typedef unsigned char u8;
-typedef long long i64;
+#include "mma_common.cuh"
 
 #ifndef MT
 #define MT 2
@@ -59,21 +57,6 @@ struct Stage {
     uint4 x[4 * WV];     // token g's bf16 activations over the lane's K (8 per uint4)
 };
 
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-    // weights are read once: do not keep them in L1
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint4 ld_shared_by_ctas(const void* p) {
-    // activations are read by every CTA of the block's expert: keep them cached
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // codes c and c + 4 of word w (c = 0..3) as bf16 bit patterns E2M1 x 2^-126: low half code c, high half c + 4
 template <int C>
 __device__ __forceinline__ u32 pair(u32 w) {
@@ -84,30 +67,6 @@ __device__ __forceinline__ u32 pair(u32 w) {
     // (the two copies never overlap), or (nib << 2) + (nib << 8) for the upper nibble of a byte
     const u32 spread = (C & 1) ? nib * 0x104u : nib * 0x1040u;
     return spread & 0x81C081C0u;
-}
-
-__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-__device__ __forceinline__ u32 x_pair(u32 lo, u32 hi, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
-    return d;
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 word_of(const uint4& v, int q) {
-    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -190,7 +149,7 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
 #pragma unroll
         for (int q = 0; q < 4 * WV; ++q) {
             if (tok_ok) {
-                st.x[q] = ld_shared_by_ctas(a_ptr + step * KSTEP + 8 * q);
+                st.x[q] = ld_cached(a_ptr + step * KSTEP + 8 * q);
             } else {
                 st.x[q].x = st.x[q].y = st.x[q].z = st.x[q].w = 0u;
             }
@@ -209,8 +168,8 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
             for (int q = 0; q < 4; ++q) {
                 // token g's K (8q + c, 8q + c + 4) pairs, matching `pair<c>`: bf16 x[0..7] = words (0,1) (2,3) (4,5) (6,7)
                 const uint4 xv = st.x[4 * v + q];
-                const u32 b00 = x_pair(xv.x, xv.z, 0x5410u), b01 = x_pair(xv.x, xv.z, 0x7632u);  // c = 0, 1
-                const u32 b10 = x_pair(xv.y, xv.w, 0x5410u), b11 = x_pair(xv.y, xv.w, 0x7632u);  // c = 2, 3
+                const u32 b00 = prmt(xv.x, xv.z, 0x5410u), b01 = prmt(xv.x, xv.z, 0x7632u);  // c = 0, 1
+                const u32 b10 = prmt(xv.y, xv.w, 0x5410u), b11 = prmt(xv.y, xv.w, 0x7632u);  // c = 2, 3
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     const u32 wg = word_of(st.w[m][0][v], q), wg8 = word_of(st.w[m][1][v], q);

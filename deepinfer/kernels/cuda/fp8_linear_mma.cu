@@ -36,10 +36,7 @@
 // Requires (the launcher checks): k_split % (128 STAGES) == 0; block and act_block in (32, 128) (a step's
 // 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef long long i64;
+#include "mma_common.cuh"
 
 #ifndef MT
 #define MT 2
@@ -64,21 +61,6 @@ struct Stage {
     float s[MT];        // the tile's weight block scale at this step
 };
 
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-    // weights are read once: do not keep them in L1
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint4 ld_cached(const void* p) {
-    // activations are read by every CTA of the same rows: keep them cached
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // two E4M3 bytes of w as bf16 bit patterns E4M3 x 2^-120, the byte that SEL's low nibble names in the low half:
 // one byte permute puts each byte in the low byte of its half and its sign, replicated (selector bit 3), in
 // the high byte; << 4 moves the magnitude to bits 4..10 and a sign copy to bit 15, the mask drops the rest
@@ -89,30 +71,6 @@ __device__ __forceinline__ u32 pair(u32 w) {
     u32 d;
     asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(w), "n"(SEL));
     return (d << 4) & 0x87F087F0u;
-}
-
-__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
-    return d;
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 word_of(const uint4& v, int q) {
-    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 }
 
 // act_quant of two values of one group (inv = 1 / scale, both powers of two) -> bf16x2 of q * scale (lo low)

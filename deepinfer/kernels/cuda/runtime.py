@@ -19,6 +19,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import re
 import struct
 import threading
 from functools import lru_cache
@@ -160,8 +161,27 @@ def cached_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = (
     return cubin
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
+
+
 def read_source(source_name: str) -> str:
-    return (Path(__file__).parent / source_name).read_text()
+    """A .cu file of this package with its local `#include "x.cuh"` lines replaced by those files (once each):
+    one self-contained source for NVRTC and for the cubin cache's key."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        text = (Path(__file__).parent / name).read_text()
+
+        def include(match: re.Match) -> str:
+            header = match.group(1)
+            if header in seen:
+                return ""
+            seen.add(header)
+            return expand(header)
+
+        return _LOCAL_INCLUDE.sub(include, text)
+
+    return expand(source_name)
 
 
 def device_arch(device: torch.device) -> str:
