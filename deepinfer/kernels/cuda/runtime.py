@@ -219,7 +219,12 @@ class CudaKernel:
         with self._lock:
             if index in self._functions:
                 return self._functions[index]
-            image = self.cubin(device_arch(torch.device("cuda", index)))
+            try:
+                image = self.cubin(device_arch(torch.device("cuda", index)))
+            except CudaRuntimeError as err:
+                raise CudaRuntimeError(f"{err}\n(the decode ops run their Triton kernels instead with "
+                                       "DEEPINFER_MOE_DECODE_KERNEL=triton and DEEPINFER_LINEAR_DECODE_KERNEL=triton)"
+                                       ) from err
             drv = _driver()
             with torch.cuda.device(index):
                 torch.cuda.current_stream().cuda_stream  # torch makes the device's primary context current
