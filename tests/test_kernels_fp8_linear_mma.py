@@ -12,7 +12,8 @@ GPU (`-m gpu`, fresh random inputs, outputs poisoned with NaN: every element mus
   and 32; M = 1024 rows = 128 CTAs along grid.x;
 * the kernel's partials against float64 sums of the same exact operands (rel_err <= 1e-5: exact products,
   fp32 sums), splits 1..4, M not a multiple of 8, N not a multiple of the CTA's rows;
-* the op against the torch twin at V4-Flash decode shapes, M in 1, 3, 8, 16, blocks 128 / act 128 and
+* the op (fp8_linear(mma="sync"): the production wrapper, ordered split sum) against the torch twin at
+  V4-Flash decode shapes, M in 1, 3, 8, 16, blocks 128 / act 128 and
   32 / 32: rel_err <= 3e-4 (fp8_linear's "bf16" form bound, tests/test_kernels_fp8_linear.py) and >= 99% of
   the outputs within 1 bf16 ulp (only fp32 summation order differs);
 * CUDA-graph replay == eager bit for bit (split and unsplit plans).
@@ -95,7 +96,8 @@ def test_launcher_rejects_bad_inputs_before_launching():
 
 
 def test_launcher_refuses_scales_outside_the_exact_expansion():
-    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_partials, scale_exponent_max
+    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_partials
+    from deepinfer.kernels.quant_weights import fp8_scale_exponent_max as scale_exponent_max
 
     codes = torch.randint(0, 0x7F, (64, 512), dtype=torch.uint8)
     x, out = torch.zeros(3, 512, dtype=BF16), torch.zeros(3, 64, dtype=BF16)
@@ -103,7 +105,7 @@ def test_launcher_refuses_scales_outside_the_exact_expansion():
     assert scale_exponent_max(scale) == 0
     scale[0, 2] = 128.0
     assert scale_exponent_max(scale) == 134
-    scale[0, 1] = 256.0  # an in-place change: the cached answer is keyed by the version counter too
+    scale[0, 1] = 256.0  # the function reads the scales each time (QuantLinearWeight caches its own answer)
     assert scale_exponent_max(scale) == 135
     with pytest.raises(ValueError, match=r"scales up to 2\^7 \(fp32 exponent field 134\); this weight has a scale 2\^8"):
         fp8_linear_partials(x, _weight(codes, scale, 128, 128), out)
@@ -235,7 +237,8 @@ def test_partials_match_float64(cfg):
 @pytest.mark.parametrize("block", [128, 32])
 @pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 4096), (4096, 8192), (32768, 1024), (4096, 4096)])
 def test_op_matches_twin_v4_flash_decode_shapes(n, k, block):
-    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_mma, plan
+    from deepinfer.kernels.cuda.fp8_linear_mma import plan
+    from deepinfer.kernels.triton.fp8_gemm import fp8_linear
 
     dev = _cuda()
     w = _random_fp8_weight(n, k, block, block, dev)
@@ -246,7 +249,7 @@ def test_op_matches_twin_v4_flash_decode_shapes(n, k, block):
         for config in (None, {"SPLIT_K": 1}, {"MT": 1, "WARPS": 8}):
             split = plan(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count, config)["SPLIT_K"]
             out = torch.full((m, n), float("nan"), dtype=BF16, device=dev)
-            got = fp8_linear_mma(x, w, config, out=out)
+            got = fp8_linear(x, w, config, mma="sync", out=out)
             ulps = (_ordered(got) - _ordered(want)).abs()
             rel, within = _rel(got, want), float((ulps <= 1).float().mean())
             print(f"mma N={n} K={k} block={block} M={m} {config} S={split}: rel_err {rel:.2e}, "
@@ -258,14 +261,14 @@ def test_op_matches_twin_v4_flash_decode_shapes(n, k, block):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [128, 32])
 def test_graph_replay_is_eager_bit_for_bit(block):
-    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_mma
+    from deepinfer.kernels.triton.fp8_gemm import fp8_linear
     from test_kernels_gemm import assert_replay_is_eager
 
     dev = _cuda()
     w = _random_fp8_weight(4096, 4096, block, block, dev)
     for m, config in ((1, None), (5, {"SPLIT_K": 4}), (16, {"SPLIT_K": 1})):
         x = _activation(m, 4096, dev)
-        assert_replay_is_eager(lambda: fp8_linear_mma(x, w, config), f"fp8_linear_mma M={m} {config}")
+        assert_replay_is_eager(lambda: fp8_linear(x, w, config, mma="sync"), f"fp8_linear sync M={m} {config}")
 
 
 @pytest.mark.gpu

@@ -45,6 +45,7 @@ class QuantLinearWeight:
     block: int
     act_block: int
     _dequantised: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _scale_exponent_max: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.data.dtype != torch.float8_e4m3fn or self.data.dim() != 2:
@@ -80,11 +81,29 @@ class QuantLinearWeight:
     def to(self, device: torch.device | str) -> "QuantLinearWeight":
         return QuantLinearWeight(self.data.to(device), self.scale.to(device), self.block, self.act_block)
 
+    def scale_exponent_max(self) -> int:
+        """`fp8_scale_exponent_max(self.scale)`, cached (one host sync per weight, like `dequant`): kernels whose
+        exact expansion has a range (kernels/cuda/fp8_linear_mma) check it without a sync inside a step."""
+        if self._scale_exponent_max is None:
+            self._scale_exponent_max = fp8_scale_exponent_max(self.scale)
+        return self._scale_exponent_max
+
     def dequant(self) -> torch.Tensor:
         """The exact fp32 weight (E4M3 x pow2 scale), cached: the twin's operand."""
         if self._dequantised is None:
             self._dequantised = formats.dequant_fp8_blocks(self.data, self.scale, self.block)
         return self._dequantised
+
+
+def fp8_scale_exponent_max(scale: torch.Tensor) -> int:
+    """The largest fp32 exponent field of decoded FP8 block scales (one host sync). ValueError if a scale is
+    not a non-negative power of two (what E8M0 decodes to; 0 allowed)."""
+    if scale.numel() == 0:
+        return 0
+    mant, e = torch.frexp(scale.float())
+    if not bool(((mant == 0.5) | (scale == 0)).all()):
+        raise ValueError("FP8 weight scales must be non-negative powers of two (decoded E8M0)")
+    return max(int(e.max()) - 1 + 127, 0)  # 2^p has exponent field p + 127 (0: subnormal)
 
 
 def fp8_linear_torch(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:

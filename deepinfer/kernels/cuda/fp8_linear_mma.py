@@ -5,20 +5,16 @@ official act_quant per w.act_block is fused into the kernel), w a `QuantLinearWe
 pow2 block scales, block 128 or 32). `out` says the form: bf16 [M, N] -> the finished output (one launch,
 S = 1); fp32 [S, M, N] -> S partial sums over K / S each (split-K: the caller adds them in a fixed order,
 e.g. fp8_gemm._split_sum_kernel; this module does not import triton).
-`fp8_linear_mma(x, w, config=None, out=None)`: allocate, plan, launch and, for S > 1, add the partials in
-order (p[0] + p[1] + ... in fp32, the order of _split_sum_kernel) and round to bf16 once.
 `plan(m, n, k, sms, config)`: tiles (MT, WARPS, STAGES: `DEFAULT_TILES`) and the split count SPLIT_K.
+The op wrapper (allocation, plan, the ordered split sum) is fp8_gemm.fp8_linear(..., mma="sync").
 
 The weight expansion is exact for scales up to 2^7 (fp32 exponent field <= SCALE_EXP_MAX = 134) and needs
-power-of-two scales: `scale_exponent_max(w.scale)` checks both once per scale tensor (one host sync) and
-caches the answer (keyed by the tensor object and its version counter); pass `scale_max_exp` to skip it
-(e.g. inside a CUDA-graph capture: the check syncs; or call `prepare(w, device)` before capturing).
+power-of-two scales: `QuantLinearWeight.scale_exponent_max()` checks both once per weight (one host sync,
+cached on the weight); pass `scale_max_exp` to skip it.
 Needs sm_90 (mul.rn.bf16x2) or newer. The ops' dispatch (fp8_gemm.py) decides when this form is used.
 Must not: import triton; allocate per-call weights.
 """
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -36,7 +32,6 @@ DEFAULT_TILES = dict(MT=1, WARPS=8, STAGES=2)  # H200 2026-12-02 (benchmarks/ben
 _SIGNATURE = "pliplplplliiii"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
 #                                k_split, block, act_block (p pointer, l int64, i int32)
 _KERNELS: dict[tuple[int, int, int, int], CudaKernel] = {}
-_SCALE_EXP: dict[int, tuple[weakref.ref, int, int]] = {}  # id(scale) -> (weakref, version, max exponent field)
 
 
 def kernel(mt: int, warps: int, stages: int, split_out: bool) -> CudaKernel:
@@ -92,34 +87,6 @@ def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
     return cfg
 
 
-def scale_exponent_max(scale: torch.Tensor) -> int:
-    """The largest fp32 exponent field of the weight's block scales (cached per tensor object and version:
-    one host sync per weight). ValueError if a scale is not a power of two (the expansion's multiplier is
-    the scale's top 16 bits) or negative / NaN."""
-    entry = _SCALE_EXP.get(id(scale))
-    if entry is not None and entry[0]() is scale and entry[1] == scale._version:
-        return entry[2]
-    if scale.numel() == 0:
-        exp = 0
-    else:
-        mant, e = torch.frexp(scale.float())
-        if not bool(((mant == 0.5) | (scale == 0)).all()):
-            raise ValueError("fp8_linear_mma: weight scales must be non-negative powers of two (decoded E8M0)")
-        exp = max(int(e.max()) - 1 + 127, 0)  # 2^p has exponent field p + 127 (0: subnormal)
-    _SCALE_EXP[id(scale)] = (weakref.ref(scale, lambda _, key=id(scale): _SCALE_EXP.pop(key, None)),
-                             scale._version, exp)
-    return exp
-
-
-def prepare(w: QuantLinearWeight, device: torch.device, config: dict | None = None) -> None:
-    """Check and cache the weight's scale range and compile + load both output forms of the kernel (before a
-    CUDA-graph capture: the check syncs and a module load fails inside one)."""
-    scale_exponent_max(w.scale)
-    cfg = tiles(config)
-    for split_out in (False, True):
-        kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], split_out).prepare(device)
-
-
 def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, config: dict | None = None,
                         scale_max_exp: int | None = None) -> torch.Tensor:
     """Launch the kernel into `out` (bf16 [M, N]: S = 1; fp32 [S, M, N]: S partials) and return it."""
@@ -161,7 +128,7 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
         problems.append("x and w.data must start 16-byte aligned")
     if problems:
         raise ValueError("fp8_linear_partials: " + "; ".join(problems))
-    exp = scale_exponent_max(scale) if scale_max_exp is None else scale_max_exp
+    exp = w.scale_exponent_max() if scale_max_exp is None else scale_max_exp
     if exp > SCALE_EXP_MAX:
         raise ValueError(f"fp8_linear_partials: the E4M3 expansion is exact for weight scales up to 2^7 (fp32 "
                          f"exponent field {SCALE_EXP_MAX}); this weight has a scale 2^{exp - 127}")
@@ -175,31 +142,4 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
         (x, x.stride(0), m, data, data.stride(0), scale, scale.stride(0), out,
          out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block),
         x.device)
-    return out
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # an H200: the same plans off the GPU
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def fp8_linear_mma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 [M, N] = fp8_linear(x, w) through this kernel (`plan`: SPLIT_K from config or the rule). For S > 1
-    the fp32 partials are added in order p[0] + p[1] + ... and rounded to bf16 once."""
-    m, n, k = x.shape[0], w.out_features, w.in_features
-    cfg = plan(m, n, k, _sm_count(x.device), config)
-    split = cfg["SPLIT_K"]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.device != x.device:
-        raise ValueError(f"fp8_linear_mma: out must be bf16 [{m}, {n}] on {x.device}, got {out.dtype} {tuple(out.shape)}")
-    if split == 1 or m == 0:
-        return fp8_linear_partials(x, w, out, cfg)
-    part = fp8_linear_partials(x, w, torch.empty((split, m, n), dtype=torch.float32, device=x.device), cfg)
-    acc = part[0].clone()
-    for s in range(1, split):  # fixed order: the bits do not depend on a reduction kernel's tree
-        acc += part[s]
-    out.copy_(acc)  # fp32 -> bf16, round to nearest even
     return out

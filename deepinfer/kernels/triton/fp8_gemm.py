@@ -284,7 +284,7 @@ def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
             or w.in_features % sync.K_STEP or not runtime.available():
         return False
     try:
-        return sync.scale_exponent_max(w.scale) <= sync.SCALE_EXP_MAX
+        return w.scale_exponent_max() <= sync.SCALE_EXP_MAX
     except ValueError:
         return False
 
