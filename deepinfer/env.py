@@ -22,13 +22,13 @@ def cuda_graphs_enabled() -> bool:
     return os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") not in ("0", "false", "no")
 
 
-MOE_DECODE_KERNELS = ("auto", "mma", "triton")
+DECODE_KERNEL_CHOICES = ("auto", "mma", "triton")
 
 
 def _kernel_choice(name: str) -> str:
     value = os.environ.get(name, "auto").strip().lower() or "auto"
-    if value not in MOE_DECODE_KERNELS:
-        raise ValueError(f"{name}={value!r}: expected one of {MOE_DECODE_KERNELS}")
+    if value not in DECODE_KERNEL_CHOICES:
+        raise ValueError(f"{name}={value!r}: expected one of {DECODE_KERNEL_CHOICES}")
     return value
 
 

@@ -674,12 +674,13 @@ def _w2_rows(s2, n_slots, d, device):
     return torch.empty((n_slots, d), dtype=torch.bfloat16, device=device)
 
 
-def _combine_rows(y, rows, topk_ids, s2):
+def _combine_rows(y, rows, topk_ids):
     """y[t] = the ordered fp32 sum of token t's k w2 rows (`_combine_kernel`): rows fp32 split partials
     [S2, slots, D] (3-D, any S2 >= 1: their fixed-order sum rounded to bf16 per row, fused) or bf16 [slots, D]."""
     t, topk = topk_ids.shape
     d = y.shape[1]
     partial = rows.dim() == 3
+    s2 = rows.shape[0] if partial else 1
     bd = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if partial else 0,
                                              S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
@@ -725,7 +726,7 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     rows = _w2_rows(s2, n_slots, d, x.device)
     _v2_gemm(ha, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter, 0.0, 1,
              ab, a_bf16, False, s2, cfg, expand)
-    return _combine_rows(y, rows, topk_ids, s2)
+    return _combine_rows(y, rows, topk_ids)
 
 
 MMA_KEYS = ("MMA_SYNC",)  # a config with any of these takes the mma.sync kernels (`_fp4_moe_mma`)
@@ -800,7 +801,7 @@ def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     ha, _ = _reduce_split_w13(part, route_w, ab, swiglu_limit, True)
     rows = torch.empty((cfg["S2"], n_slots, d), dtype=torch.float32, device=x.device)
     mma.expert_gemm_partials(ha, bank.w2, bank.w2_scale, rows, sorted_slots, block_expert, n_slots, 1, cfg)
-    return _combine_rows(y, rows, topk_ids, cfg["S2"])
+    return _combine_rows(y, rows, topk_ids)
 
 
 FP8_KEYS = ("FP8",)  # a config with any of these takes the FP8 form (`_fp4_moe_fp8`)
@@ -842,7 +843,7 @@ def _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     rows = _w2_rows(s2, n_slots, d, x.device)
     fp4_fp8_grouped_gemm(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d,
                          0.0, 1, ab, False, s2, cfg)
-    return _combine_rows(y, rows, topk_ids, s2)
+    return _combine_rows(y, rows, topk_ids)
 
 
 PREFILL_V2 = dict(A_BF16=True)  # the default plan above 16 slots per expert (`_config`'s tiles), expand 6

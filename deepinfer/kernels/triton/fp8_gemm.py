@@ -252,7 +252,7 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
     (BM, BN, GROUP_M, num_warps, num_stages, BK (fp8), SPLIT_K, LOOP_STAGES / WARP_SPECIALIZE (fp8), FUSED_ACT:
     quantise the activation inside the GEMM (default: M <= FUSED_ACT_MAX_M) or in one pass before it)."""
     if mma not in ("bf16", "fp8"):  # the Triton forms' plans ("sync" plans in kernels/cuda/fp8_linear_mma)
-        raise ValueError(f"fp8_linear: mma must be one of {MMA_MODES}, got {mma!r}")
+        raise ValueError(f"fp8_linear plan: mma must be 'bf16' or 'fp8' (the Triton forms), got {mma!r}")
     if mma == "fp8":
         cfg = _tiles(m, mma, act_block, n, k)
         cfg.update(config or {})
