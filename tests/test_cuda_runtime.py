@@ -22,6 +22,9 @@ def test_packed_arguments_follow_the_parameter_abi():
     assert struct.unpack_from("<Q", packed, 0)[0] == t.data_ptr() and struct.unpack_from("<i", packed, 8)[0] == 7
     assert struct.unpack_from("<Q", packed, 16)[0] == 5 and struct.unpack_from("<f", packed, 24)[0] == 1.5
     assert struct.unpack_from("<q", packed, 32)[0] == -2
+    # int32 and float32 take 4 bytes each: "iif" is 12 bytes, the float at 8
+    small = runtime.CudaKernel("fp4_moe_mma.cu", "f", "iif")._packer.pack(1, 2, 0.5)
+    assert len(small) == 12 and struct.unpack_from("<f", small, 8)[0] == 0.5
 
 
 def test_bad_signature_and_argument_count_are_refused():
@@ -54,7 +57,11 @@ def compile_configs(source: str, configs: list[dict]) -> None:
         assert cubin[:4] == b"\x7fELF", cfg
 
 
-def test_local_includes_are_inlined_once():
+def test_local_includes_are_inlined_once(tmp_path):
+    (tmp_path / "h.cuh").write_text("int h_twice;\n")
+    (tmp_path / "g.cuh").write_text('#include "h.cuh"\nint g;\n')
+    (tmp_path / "k.cu").write_text('#include "h.cuh"\n#include "g.cuh"\nint k;\n')
+    assert runtime.read_source("k.cu", tmp_path).count("int h_twice;") == 1
     text = runtime.read_source("fp4_moe_mma.cu")
     assert not re.search(r'^#include "mma_common.cuh"', text, re.MULTILINE) and "mma_common.cuh" in text
     assert text.count("__device__ __forceinline__ u32 bmul2(") == 1

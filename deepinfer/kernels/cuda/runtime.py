@@ -164,13 +164,13 @@ def cached_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = (
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
 
-def read_source(source_name: str) -> str:
-    """A .cu file of this package with its local `#include "x.cuh"` lines replaced by those files (once each):
-    one self-contained source for NVRTC and for the cubin cache's key."""
+def read_source(source_name: str, root: Path = Path(__file__).parent) -> str:
+    """A .cu file of this package (of `root`) with its local `#include "x.cuh"` lines replaced by those files
+    (once each): one self-contained source for NVRTC and for the cubin cache's key."""
     seen: set[str] = set()
 
     def expand(name: str) -> str:
-        text = (Path(__file__).parent / name).read_text()
+        text = (root / name).read_text()
 
         def include(match: re.Match) -> str:
             header = match.group(1)
