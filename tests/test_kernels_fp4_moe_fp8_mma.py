@@ -108,6 +108,19 @@ def test_plan_on_v4_flash_shapes():
         plan_fp8mma(6, 256, 4096, 2048, 132, {"FP8_MMA": True, "SPLIT_K": 16})
 
 
+def test_decode_kernel_variables(monkeypatch):
+    from deepinfer import env
+
+    monkeypatch.setenv("DEEPINFER_MOE_DECODE_KERNEL", "MMA32")
+    assert env.moe_decode_kernel() == "mma32"
+    monkeypatch.setenv("DEEPINFER_LINEAR_DECODE_KERNEL", "mma32")  # the linears have no such kernel
+    with pytest.raises(ValueError, match="DEEPINFER_LINEAR_DECODE_KERNEL='mma32': expected one of"):
+        env.linear_decode_kernel()
+    monkeypatch.setenv("DEEPINFER_MOE_DECODE_KERNEL", "fp8")
+    with pytest.raises(ValueError, match="'fp8': expected one of \\('auto', 'mma', 'mma32', 'triton'\\)"):
+        env.moe_decode_kernel()
+
+
 def test_source_compiles_for_sm90_where_nvrtc_is_installed():
     from deepinfer.kernels.cuda.fp4_moe_fp8_mma import SOURCE
     from test_cuda_runtime import compile_configs
@@ -238,3 +251,20 @@ def test_op_refuses_scales_above_the_promotion_range():
     x, ids, w = torch.randn(2, 256, device=dev).to(BF16), torch.tensor([[0, 1], [2, 3]], device=dev), torch.rand(2, 2, device=dev)
     with pytest.raises(ValueError, match="E8M0 scale bytes <= 240 \\(bank: 241\\)"):
         fp4_moe(x, ids, w, bank, 0.0, config={"FP8_MMA": True})
+
+
+@pytest.mark.gpu
+def test_decode_default_follows_the_variable(flash_bank, monkeypatch):
+    """DEEPINFER_MOE_DECODE_KERNEL=mma32 makes the default decode call this form (bit for bit the FP8_MMA
+    config), =mma the bf16 mma.sync form."""
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe
+    from test_kernels_fp4_moe_split import _inputs
+
+    x, ids, weights = _inputs(8, flash_bank.w13.device)
+    own = fp4_moe(x, ids, weights, flash_bank, 10.0, config={"FP8_MMA": True})
+    bf16 = fp4_moe(x, ids, weights, flash_bank, 10.0, config={"MMA_SYNC": True})
+    assert not torch.equal(own, bf16)  # the two forms sum in different orders: the check below can tell them apart
+    monkeypatch.setenv("DEEPINFER_MOE_DECODE_KERNEL", "mma32")
+    assert torch.equal(fp4_moe(x, ids, weights, flash_bank, 10.0), own)
+    monkeypatch.setenv("DEEPINFER_MOE_DECODE_KERNEL", "mma")
+    assert torch.equal(fp4_moe(x, ids, weights, flash_bank, 10.0), bf16)

@@ -926,12 +926,14 @@ DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 sl
 # T=128 1931 vs 2710 us = 1.72 TB/s; results/fp4_moe_variants_h200.json). Not measured above 16 per expert.
 
 
-DECODE_FORM = "mma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma" or "triton".
+DECODE_FORM = "mma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma", "mma32" or
+# "triton".
 # H200 2026-12-02 (benchmarks/bench_fp4_moe.py --mma, whole op, CUDA-graph replay, V4-Flash dims; first run
 # results/fp4_moe_mma_h200_2026-12-02.log, tiles below from _run3): the mma.sync form against the Triton v2
 # decode plan (expand 6): T=1 54 vs 75 us, T=8 236 vs 347, T=32 627 vs 811, T=128 1180 vs 1425 us; where
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
+DECODE_MMA32 = dict(FP8_MMA=True)  # the per-32-promoted mma.sync form's default plan (`plan_fp8mma`)
 
 
 def _decode_form() -> str:
@@ -952,7 +954,10 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         few = topk_ids.numel() / max(1, bank.plan_experts) <= DECODE_SLOTS_PER_EXPERT
         config = DECODE_V2 if few else PREFILL_V2
         expand = 6 if bank.scale_max <= EXPAND6_SCALE_MAX else 5
-        if few and _decode_form() == "mma" and mma_form_usable(bank, x.device):
+        form = _decode_form() if few else "triton"
+        if form == "mma32" and fp8mma_form_usable(bank, x.device):
+            config = DECODE_MMA32
+        elif form in ("mma", "mma32") and mma_form_usable(bank, x.device):
             config = DECODE_MMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
