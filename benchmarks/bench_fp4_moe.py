@@ -8,7 +8,6 @@ tile sweep per regime, V4-Flash dims (E=256, k=6, D=4096, I=2048), uniform rando
 
 --fp8: the current default (expand and plan chosen by the op) against the FP8 form's variants (`FP8_VARIANTS`);
 --mma: the current default against the mma.sync CUDA kernel's variants (`MMA_VARIANTS`, kernels/cuda/fp4_moe_mma);
---fp8mma: the default against the per-32-promoted mma.sync kernel's variants (`FP8MMA_VARIANTS`, fp4_moe_fp8_mma);
 --variants: the default against the v2 path's variants (`fp4_moe(config=...)` with `V2_KEYS`: split-K with
 fixed-order reduces, pre-dequantised bf16 activations, one gate+up tile; `VARIANTS` below), each row with
 its speedup over the default at that T; writes $OUT/fp4_moe_variants.json.
@@ -111,20 +110,9 @@ MMA_VARIANTS = [  # (name, config, expand, max T); "default" (the first row) is 
     ("mma async MT1 w4 s8", dict(MMA_SYNC=True, ASYNC=1, MT=1, WARPS=4, STAGES=8, KSTEP=128), None, 10 ** 9),
 ]
 
-FP8MMA_VARIANTS = [  # the per-32-promoted mma.sync kernel (kernels/cuda/fp4_moe_fp8_mma) against the bf16 one
-    ("mma bf16 (MMA_TILES)", dict(MMA_SYNC=True), None, 10 ** 9),
-    ("fp8mma MT2 s2 k256 cvt1", dict(FP8_MMA=True, MT=2, STAGES=2, KSTEP=256, CVT=1), None, 10 ** 9),
-    ("fp8mma MT2 s2 k256 cvt0", dict(FP8_MMA=True, MT=2, STAGES=2, KSTEP=256, CVT=0), None, 10 ** 9),
-    ("fp8mma MT1 s2 k256 cvt1", dict(FP8_MMA=True, MT=1, STAGES=2, KSTEP=256, CVT=1), None, 10 ** 9),
-    ("fp8mma MT2 s4 k128 cvt1", dict(FP8_MMA=True, MT=2, STAGES=4, KSTEP=128, CVT=1), None, 10 ** 9),
-    ("fp8mma MT2 s2 k256 p1", dict(FP8_MMA=True, MT=2, STAGES=2, KSTEP=256, PASSES=1), None, 10 ** 9),
-    ("fp8mma MT2 s2 k256 p4", dict(FP8_MMA=True, MT=2, STAGES=2, KSTEP=256, PASSES=4), None, 10 ** 9),
-    ("fp8mma MT1 w8 s2 k256", dict(FP8_MMA=True, MT=1, WARPS=8, STAGES=2, KSTEP=256), None, 10 ** 9),
-]
-
 
 def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
-    from deepinfer.kernels.triton.fp4_moe import n_routing_blocks, plan_fp8, plan_fp8mma, plan_mma, plan_v2
+    from deepinfer.kernels.triton.fp4_moe import n_routing_blocks, plan_fp8, plan_mma, plan_v2
 
     dev = b.w13.device
     rows, res = [], []
@@ -143,10 +131,6 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
             n_slots = t * K_TOP
             if cfg is None:
                 desc = str(_config(n_slots, E))
-            elif "FP8_MMA" in cfg:
-                pl = plan_fp8mma(n_slots, E, D, I, sms, cfg)
-                desc = (f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} w={pl['WARPS']} st={pl['STAGES']} "
-                        f"k={pl['KSTEP']} p={pl['PASSES']} cvt={pl['CVT']}")
             elif "MMA_SYNC" in cfg:
                 pl = plan_mma(n_slots, E, D, I, sms, cfg)
                 desc = (f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} w={pl['WARPS']} st={pl['STAGES']} "
@@ -185,16 +169,14 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="the default against the v2 path's VARIANTS")
     ap.add_argument("--fp8", action="store_true", help="the current default against FP8_VARIANTS (the FP8 form)")
     ap.add_argument("--mma", action="store_true", help="the current default against MMA_VARIANTS (mma.sync kernel)")
-    ap.add_argument("--fp8mma", action="store_true", help="the default against FP8MMA_VARIANTS (per-32 promoted)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     b = bank(dev)
     per_expert_bytes = (b.w13[0].numel() + b.w13_scale[0].numel() + b.w2[0].numel() + b.w2_scale[0].numel())
-    if args.variants or args.fp8 or args.mma or args.fp8mma:
+    if args.variants or args.fp8 or args.mma:
         run_variants(b, [int(v) for v in (args.ts or "1,8,32,128,512").split(",")], per_expert_bytes,
-                     FP8_VARIANTS if args.fp8 else MMA_VARIANTS if args.mma else FP8MMA_VARIANTS if args.fp8mma
-                     else None)
+                     FP8_VARIANTS if args.fp8 else MMA_VARIANTS if args.mma else None)
         return
     rows, res = [], []
     for t in (int(v) for v in (args.ts or "1,8,32,128,512,2048,8192").split(",")):

@@ -23,13 +23,12 @@ def cuda_graphs_enabled() -> bool:
 
 
 DECODE_KERNEL_CHOICES = ("auto", "mma", "triton")
-MOE_DECODE_KERNEL_CHOICES = ("auto", "mma", "mma32", "triton")
 
 
-def _kernel_choice(name: str, choices: tuple[str, ...] = DECODE_KERNEL_CHOICES) -> str:
+def _kernel_choice(name: str) -> str:
     value = os.environ.get(name, "auto").strip().lower() or "auto"
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {choices}")
+    if value not in DECODE_KERNEL_CHOICES:
+        raise ValueError(f"{name}={value!r}: expected one of {DECODE_KERNEL_CHOICES}")
     return value
 
 
@@ -42,8 +41,7 @@ def linear_decode_kernel() -> str:
 
 def moe_decode_kernel() -> str:
     """DEEPINFER_MOE_DECODE_KERNEL: which kernels run the routed experts' GEMMs at decode (up to 16 slots per
-    expert) on CUDA: "mma" (the bf16 mma.sync CUDA kernel, kernels/cuda/fp4_moe_mma.cu, where it can run),
-    "mma32" (the mma.sync kernel with per-32-K-block promotion, kernels/cuda/fp4_moe_fp8_mma.cu, where it can
-    run, else as "mma"), "triton" (the Triton v2 kernels), "auto" (the default: the measured fastest, see
+    expert) on CUDA: "mma" (the mma.sync CUDA kernel, kernels/cuda/fp4_moe_mma.cu, where it can run),
+    "triton" (the Triton v2 kernels), "auto" (the default: the measured faster one, see
     kernels/triton/fp4_moe.py DECODE_FORM). Anything else is a ValueError naming the choices."""
-    return _kernel_choice("DEEPINFER_MOE_DECODE_KERNEL", MOE_DECODE_KERNEL_CHOICES)
+    return _kernel_choice("DEEPINFER_MOE_DECODE_KERNEL")

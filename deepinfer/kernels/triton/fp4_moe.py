@@ -804,75 +804,6 @@ def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     return _combine_rows(y, rows, topk_ids)
 
 
-FP8MMA_KEYS = ("FP8_MMA",)  # a config with any of these takes the per-32-promoted mma.sync kernel (`_fp4_moe_fp8mma`)
-FP8MMA_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=256, CVT=1)  # its tiles (PASSES from the slots per expert)
-
-
-def plan_fp8mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config: dict) -> dict:
-    """The per-32-promoted form's plan: `fp4_moe_fp8_mma.tiles` from FP8MMA_TILES and `config`; PASSES (token
-    pairs per routing block) 1 up to 1.5 slots per expert on average, else 2 (blocks of 4: an expert's
-    weights are read once per block); then the S13 / S2 split-K counts by `plan_mma`'s rule."""
-    from deepinfer.kernels.cuda import fp4_moe_fp8_mma as fm
-
-    passes = 1 if n_slots <= 1.5 * n_experts else 2
-    cfg = fm.tiles({**FP8MMA_TILES, "PASSES": passes, **config})
-    if "STAGES" not in config and "KSTEP" not in config and any(fm.check_shapes(k, 1, cfg) for k in (d, inter)):
-        steps = math.gcd(d, inter) // 128
-        cfg.update(KSTEP=128, STAGES=next(st for st in (4, 2, 1) if steps % st == 0))
-    n_blocks = n_routing_blocks(n_slots, n_experts, fm.tokens(cfg))
-    waves = config.get("WAVES", MMA_WAVES)
-    for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
-        want = config.get("SPLIT_K" + name[1:], config.get("SPLIT_K"))
-        if want:
-            s = int(want)
-        else:
-            grid, steps, s = n_blocks * triton.cdiv(n, fm.rows_per_cta(cfg)), k // cfg["KSTEP"], 1
-            while s * 2 <= 16 and grid * s < waves * sms and steps % (2 * s * cfg["STAGES"]) == 0:
-                s *= 2
-        why = fm.check_shapes(k, s, cfg)
-        if why:
-            raise ValueError(f"fp4_moe per-32 mma.sync form: {why}")
-        cfg[name] = s
-    return cfg
-
-
-def fp8mma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
-    """The per-32-promoted mma.sync form can run this bank here: CUDA with NVRTC and the driver, scale bytes
-    whose promotion factor is an fp32 normal, an activation block the kernel is built for, D and I multiples
-    of 128."""
-    from deepinfer.kernels.cuda import fp4_moe_fp8_mma as fm
-    from deepinfer.kernels.cuda import runtime
-
-    return (device.type == "cuda" and bank.scale_max <= fm.SCALE_MAX and bank.act_block in fm.ACT_BLOCKS
-            and bank.dim % 128 == 0 and bank.inter_dim % 128 == 0 and runtime.available())
-
-
-def _fp4_moe_fp8mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
-    """The per-32-promoted mma.sync form (kernels/cuda/fp4_moe_fp8_mma.cu, decode regime): the official
-    fp4_gemm structure - act_quant's E4M3 codes times the E2M1 weights, each 32-K block's dot promoted into
-    fp32 with its activation and weight scales - with exact products (f16 operands on the tensor cores) and
-    fp32 sums; routing in blocks of 2 x PASSES slots; the w13 partials through the SwiGLU + act_quant reduce
-    (E4M3 codes for w2), the w2 partials through the ordered k-row sum. CUDA-graph capturable."""
-    from deepinfer.kernels.cuda import fp4_moe_fp8_mma as fm
-
-    if not fp8mma_form_usable(bank, x.device):
-        raise ValueError(f"fp4_moe per-32 mma.sync form: needs CUDA with NVRTC, E8M0 scale bytes <= {fm.SCALE_MAX} "
-                         f"(bank: {bank.scale_max}), act_block in {fm.ACT_BLOCKS} (bank: {bank.act_block})")
-    topk = topk_ids.shape[1]
-    d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
-    cfg = plan_fp8mma(n_slots, bank.plan_experts, d, inter, sm_count(x.device), config)
-    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, fm.tokens(cfg))
-    route_w = topk_weights.contiguous().view(-1)
-    xq, xs = act_quant(x, ab)
-    part = torch.empty((cfg["S13"], n_slots, 2 * inter), dtype=torch.float32, device=x.device)
-    fm.expert_gemm_partials(xq, xs, bank.w13, bank.w13_scale, part, sorted_slots, block_expert, n_slots, topk, ab,
-                            cfg)
-    hq, hs = _reduce_split_w13(part, route_w, ab, swiglu_limit, False)
-    rows = torch.empty((cfg["S2"], n_slots, d), dtype=torch.float32, device=x.device)
-    fm.expert_gemm_partials(hq, hs, bank.w2, bank.w2_scale, rows, sorted_slots, block_expert, n_slots, 1, ab, cfg)
-    return _combine_rows(y, rows, topk_ids)
-
-
 FP8_KEYS = ("FP8",)  # a config with any of these takes the FP8 form (`_fp4_moe_fp8`)
 
 
@@ -926,14 +857,12 @@ DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 sl
 # T=128 1931 vs 2710 us = 1.72 TB/s; results/fp4_moe_variants_h200.json). Not measured above 16 per expert.
 
 
-DECODE_FORM = "mma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma", "mma32" or
-# "triton".
+DECODE_FORM = "mma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma" or "triton".
 # H200 2026-12-02 (benchmarks/bench_fp4_moe.py --mma, whole op, CUDA-graph replay, V4-Flash dims; first run
 # results/fp4_moe_mma_h200_2026-12-02.log, tiles below from _run3): the mma.sync form against the Triton v2
 # decode plan (expand 6): T=1 54 vs 75 us, T=8 236 vs 347, T=32 627 vs 811, T=128 1180 vs 1425 us; where
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
-DECODE_MMA32 = dict(FP8_MMA=True)  # the per-32-promoted mma.sync form's default plan (`plan_fp8mma`)
 
 
 def _decode_form() -> str:
@@ -954,10 +883,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         few = topk_ids.numel() / max(1, bank.plan_experts) <= DECODE_SLOTS_PER_EXPERT
         config = DECODE_V2 if few else PREFILL_V2
         expand = 6 if bank.scale_max <= EXPAND6_SCALE_MAX else 5
-        form = _decode_form() if few else "triton"
-        if form == "mma32" and fp8mma_form_usable(bank, x.device):
-            config = DECODE_MMA32
-        elif form in ("mma", "mma32") and mma_form_usable(bank, x.device):
+        if few and _decode_form() == "mma" and mma_form_usable(bank, x.device):
             config = DECODE_MMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
@@ -978,8 +904,6 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     y = torch.empty((t, d), dtype=torch.float32, device=x.device)
     if t == 0:
         return y
-    if config and any(key in config for key in FP8MMA_KEYS):
-        return _fp4_moe_fp8mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if config and any(key in config for key in MMA_KEYS):
         return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if config and any(key in config for key in FP8_KEYS):
