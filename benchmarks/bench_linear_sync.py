@@ -26,11 +26,9 @@ from timing import graph_replay_ms  # noqa: E402
 
 SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1", 4096, 2048), ("wq_a", 4096, 1024),
           ("wkv", 4096, 512), ("shared w2", 2048, 4096), ("index wq_b", 1024, 8192))  # (name, K, N)
-VARIANTS = (("triton bf16", "bf16", None), ("sync (default tiles)", "sync", None),
-            ("sync, split sum launch", "sync", {"FUSED_SUM": False}), ("sync MT2 w4 s2", "sync", {"MT": 2, "WARPS": 4}),
-            ("sync MT1 w4 s2", "sync", {"MT": 1, "WARPS": 4}), ("sync MT2 w4 s4", "sync", {"MT": 2, "WARPS": 4, "STAGES": 4}),
-            ("sync split/2", "sync", "half"))  # the sync rows sum their split-K partials in the kernel
-# (last CTA per tile) unless FUSED_SUM is False
+VARIANTS = (("triton bf16", "bf16", None), ("sync MT2 w4 s2", "sync", None), ("sync MT1 w4 s2", "sync", {"MT": 1}),
+            ("sync MT2 w4 s4", "sync", {"STAGES": 4}), ("sync MT1 w8 s2", "sync", {"MT": 1, "WARPS": 8}),
+            ("sync MT4 w4 s2", "sync", {"MT": 4}), ("sync MT2 w4 s2 split/2", "sync", "half"))
 
 
 def weights(n: int, k: int, copies: int, dev) -> list[QuantLinearWeight]:

@@ -31,11 +31,7 @@
 // bf16 at K step*128 + 32t + 8q .. + 8, so the warp's read of one q is 512 contiguous bytes (no bank conflict).
 //
 // Compile-time constants (-D): MT m16 tiles per warp, WARPS warps per CTA, STAGES register pipeline depth,
-// SPLIT_OUT (0: bf16 out[m, n]; 1: fp32 partials out[z, m, n]; 2: the partials, then the tile's last CTA to
-// finish adds its S partials in the order z = 0, 1, .. and stores bf16 fin[m, n] - the caller's split-sum
-// kernel (fp8_gemm._split_sum_kernel, the same order and rounding: bit-identical) fused away. Its counters
-// (one int per (x, y) tile, zero before the launch) are back to zero after it: a launch must not overlap
-// another one with the same counters.)
+// SPLIT_OUT (1: fp32 partials out[z, m, n]; 0: bf16 out[m, n]).
 // Launch: grid (ceil(M / 8), ceil(N / (16 MT WARPS)), S), block 32 WARPS.
 // Requires (the launcher checks): k_split % (128 STAGES) == 0; block and act_block in (32, 128) (a step's
 // 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
@@ -136,8 +132,7 @@ __device__ __forceinline__ void quantise_chunk(uint4* xs, const u16* __restrict_
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
                const u8* __restrict__ w, i64 stride_wn, const float* __restrict__ ws, i64 stride_wsn,
-               void* __restrict__ out, i64 stride_os, i64 stride_om, int N, int k_split, int block, int act_block,
-               u16* __restrict__ fin, i64 stride_fm, int* __restrict__ counters) {
+               void* __restrict__ out, i64 stride_os, i64 stride_om, int N, int k_split, int block, int act_block) {
     __shared__ uint4 xs[CHUNK_STEPS * 128];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -225,7 +220,7 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
         for (int h = 0; h < 2; ++h) {
             const int r = row0 + 16 * m + g + 8 * h;
             if (r >= N) continue;
-#if SPLIT_OUT >= 1
+#if SPLIT_OUT
             float* o = (float*)out + (i64)blockIdx.z * stride_os + r;
             if (tok0 < M) o[(i64)tok0 * stride_om] = acc[m][2 * h];
             if (tok1 < M) o[(i64)tok1 * stride_om] = acc[m][2 * h + 1];
@@ -239,32 +234,4 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
 #endif
         }
     }
-#if SPLIT_OUT == 2
-    // the classic last-block reduction: publish the partials, count the tile's finished CTAs; the last one
-    // (which sees S - 1 before its own increment) sums all S in order and resets the counter for the next launch
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* c = counters + blockIdx.y * gridDim.x + blockIdx.x;
-        is_last = atomicAdd(c, 1) == (int)gridDim.z - 1;
-        if (is_last) *c = 0;  // every CTA of the tile has counted: nothing touches it again in this launch
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    const int rows = 16 * MT * WARPS;
-    const int tile_row0 = blockIdx.y * rows;
-    const float* part = (const float*)out;
-    for (int i = threadIdx.x; i < TOKENS * rows; i += 32 * WARPS) {
-        const int tok = m0 + i / rows, r = tile_row0 + i % rows;  // consecutive threads: consecutive rows
-        if (tok >= M || r >= N) continue;
-        const float* src = part + (i64)tok * stride_om + r;
-        float sum = __ldcg(src);  // L2: the other CTAs' stores (never through this SM's L1)
-        for (int z = 1; z < (int)gridDim.z; ++z) sum += __ldcg(src + (i64)z * stride_os);
-        u16 v;
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(sum));
-        fin[(i64)tok * stride_fm + r] = v;
-    }
-#endif
 }

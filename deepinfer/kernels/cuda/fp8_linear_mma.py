@@ -1,12 +1,10 @@
 """Launcher of `fp8_linear_mma.cu`: op "fp8_linear" at decode (M <= 8 rows per CTA) on mma.sync (see the .cu's header).
 
-`fp8_linear_partials(x, w, out, config=None, scale_max_exp=None, fin=None)`: x bf16 [M, K] (raw activations:
-the official act_quant per w.act_block is fused into the kernel), w a `QuantLinearWeight` (E4M3 [N, K], fp32
+`fp8_linear_partials(x, w, out, config=None, scale_max_exp=None)`: x bf16 [M, K] (raw activations: the
+official act_quant per w.act_block is fused into the kernel), w a `QuantLinearWeight` (E4M3 [N, K], fp32
 pow2 block scales, block 128 or 32). `out` says the form: bf16 [M, N] -> the finished output (one launch,
-S = 1); fp32 [S, M, N] -> S partial sums over K / S each: with `fin` (bf16 [M, N]) the kernel's last CTA of
-each tile adds them in the order z = 0..S-1 and stores fin (one launch, bit-identical to
-fp8_gemm._split_sum_kernel, using this device's tile counters: `fused_split_sum_counters`); without, the
-caller adds them (e.g. fp8_gemm._split_sum_kernel; this module does not import triton).
+S = 1); fp32 [S, M, N] -> S partial sums over K / S each (split-K: the caller adds them in a fixed order,
+e.g. fp8_gemm._split_sum_kernel; this module does not import triton).
 `plan(m, n, k, sms, config)`: tiles (MT, WARPS, STAGES: `DEFAULT_TILES`) and the split count SPLIT_K.
 The op wrapper (allocation, plan, the ordered split sum) is fp8_gemm.fp8_linear(..., mma="sync").
 
@@ -31,35 +29,17 @@ SCALE_EXP_MAX = 134  # fp32 exponent field of the largest exact scale (2^7): 2^1
 DEFAULT_TILES = dict(MT=1, WARPS=8, STAGES=2)  # H200 2026-12-02 (benchmarks/bench_linear_sync.py, HBM-cold
 # weights): the V4-Flash layer's seven decode projections 62.3 us at M=1 (MT2 w4 s2 66.1, MT1 w4 s2 66.4, MT4 w4
 # s2 69.2, MT2 w4 s4 75.5; the Triton bf16 form 75.8), 65.2 at M=8 (Triton 77.0)
-_SIGNATURE = "pliplplplliiiiplp"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om,
-#                                N, k_split, block, act_block, fin, stride_fm, counters (p pointer, l int64, i int32)
+_SIGNATURE = "pliplplplliiii"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
+#                                k_split, block, act_block (p pointer, l int64, i int32)
 _KERNELS: dict[tuple[int, int, int, int], CudaKernel] = {}
-MAX_TILES = 4096  # tile counters per device for the fused split sum (a launch's grid x * y must fit)
-_COUNTERS: dict[int, torch.Tensor] = {}
 
 
-def kernel(mt: int, warps: int, stages: int, split_out: int) -> CudaKernel:
-    """split_out: 0 bf16 out, 1 fp32 partials, 2 partials + the fused split sum (the .cu's SPLIT_OUT)."""
+def kernel(mt: int, warps: int, stages: int, split_out: bool) -> CudaKernel:
     key = (mt, warps, stages, int(split_out))
     if key not in _KERNELS:
         _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_mma", _SIGNATURE,
                                    dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out)))
     return _KERNELS[key]
-
-
-def fused_split_sum_counters(device: torch.device) -> torch.Tensor | None:
-    """This device's zeroed tile counters for the fused split sum (MAX_TILES int32, allocated on first use; each
-    fused launch leaves its counters at zero again). None while a CUDA graph is being captured and the device
-    has none yet: allocated inside a capture they would live in the graph's private pool (the caller then
-    runs the split sum as its own kernel). One buffer per device: fused launches must not run concurrently on
-    two streams of one device (the engine runs a device's model on one stream at a time)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _COUNTERS.get(index)
-    if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[index] = torch.zeros(MAX_TILES, dtype=torch.int32, device=torch.device("cuda", index))
-    return buf
 
 
 def tiles(config: dict | None = None) -> dict:
@@ -108,9 +88,8 @@ def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
 
 
 def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, config: dict | None = None,
-                        scale_max_exp: int | None = None, fin: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch the kernel into `out` (bf16 [M, N]: S = 1; fp32 [S, M, N]: S partials) and return it; with `fin`
-    (bf16 [M, N], partials only) the kernel also adds the partials in order into fin and returns fin."""
+                        scale_max_exp: int | None = None) -> torch.Tensor:
+    """Launch the kernel into `out` (bf16 [M, N]: S = 1; fp32 [S, M, N]: S partials) and return it."""
     cfg = tiles(config)
     problems = []
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) % 8:
@@ -143,21 +122,6 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
     why = check_shapes(k, split, cfg)
     if why:
         problems.append(why)
-    grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
-    counters = None
-    if fin is not None:
-        if out.dim() != 3 or fin.dtype != torch.bfloat16 or tuple(fin.shape) != (m, n) or fin.stride(-1) != 1:
-            problems.append(f"fin must be bf16 [{m}, {n}] with unit column stride next to fp32 partials out, got "
-                            f"{fin.dtype} {tuple(fin.shape)} with out {tuple(out.shape)}")
-        elif grid[0] * grid[1] > MAX_TILES:
-            problems.append(f"the fused split sum counts at most {MAX_TILES} tiles, this launch has {grid[0] * grid[1]}")
-        elif fin.device != out.device:
-            problems.append(f"fin must be on out's device {out.device}, got {fin.device}")
-        elif out.device.type == "cuda":
-            counters = fused_split_sum_counters(out.device)
-            if counters is None:
-                problems.append("the fused split sum's counters cannot be allocated inside a CUDA-graph capture: "
-                                "call it once outside the capture first")
     if len({t.device for t in (x, data, scale, out)}) != 1:
         problems.append(f"x, w and out must be on one device, got {x.device}, {data.device}, {scale.device}, {out.device}")
     if x.data_ptr() % 16 or data.data_ptr() % 16:
@@ -172,12 +136,10 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
         raise ValueError(f"fp8_linear_partials: CUDA tensors only, got {x.device}")
     if m == 0 or n == 0:
         return out
-    mode = 0 if out.dim() == 2 else 2 if fin is not None else 1
-    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], mode).launch(
+    grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
+    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3).launch(
         grid, (32 * cfg["WARPS"], 1, 1),
         (x, x.stride(0), m, data, data.stride(0), scale, scale.stride(0), out,
-         out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block,
-         fin if fin is not None else out, fin.stride(0) if fin is not None else 0,
-         counters if counters is not None else out),
+         out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block),
         x.device)
-    return fin if fin is not None else out
+    return out

@@ -54,8 +54,6 @@ MMA_MODES = ("bf16", "fp8", "sync")  # "sync": the mma.sync CUDA kernel (kernels
 MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below, and
 # "sync" up to SYNC_MAX_M rows where it can run and DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so
 SYNC_MAX_M = 8  # the sync kernel's CTA takes 8 rows of x (the MMA's n8): above, each 8 more re-read the weight
-SYNC_FUSED_SPLIT_SUM = True  # the sync kernel adds its split-K partials itself (last CTA per tile) instead of a
-# _split_sum_kernel launch after it: bit-identical; config FUSED_SUM=False for the two-launch form
 DECODE_LINEAR_FORM = "mma"  # what DEEPINFER_LINEAR_DECODE_KERNEL=auto runs up to SYNC_MAX_M rows: "mma" or "triton"
 FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096).
 # 2026-12-02 (scripts/bench_gemm_kernels.py --batch-fp8, results/fp8_linear_batch_sweep_h200_2026-12-02.log): with
@@ -293,8 +291,7 @@ def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
 
 def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
     """fp8_linear through the mma.sync CUDA kernel (act_quant fused, exact products, fp32 sums): one launch
-    when S = 1; else fp32 partials added in a fixed order, by the kernel's last CTA per tile (one launch,
-    `SYNC_FUSED_SPLIT_SUM`) or by `_split_sum_kernel` (the same order and rounding: bit-identical)."""
+    when S = 1, else fp32 partials and `_split_sum_kernel` (the same fixed-order sum as the Triton forms)."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
 
     m, k = x.shape
@@ -304,10 +301,6 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     if split == 1:
         return sync.fp8_linear_partials(x, w, out, cfg)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    fused = (config or {}).get("FUSED_SUM", SYNC_FUSED_SPLIT_SUM)
-    tiles = -(-m // sync.TOKENS) * -(-n // sync.rows_per_cta(cfg))
-    if fused and tiles <= sync.MAX_TILES and sync.fused_split_sum_counters(x.device) is not None:
-        return sync.fp8_linear_partials(x, w, part, cfg, fin=out)
     sync.fp8_linear_partials(x, w, part, cfg)
     block = 1024
     _split_sum_kernel[(triton.cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
