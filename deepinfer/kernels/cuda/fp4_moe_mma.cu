@@ -45,6 +45,9 @@
 #ifndef ASYNC
 #define ASYNC 0              // 1: stages land in a shared-memory ring by cp.async (registers hold one stage)
 #endif
+#ifndef LOAD_ONLY
+#define LOAD_ONLY 0          // 1: a diagnostic (benchmarks/bench_moe_load_bound.py), not the GEMM: the same loads,
+#endif                       // folded into the accumulator by an XOR instead of the expansion and the MMAs
 #define TOKENS 8
 #define WV (KSTEP / 128)     // uint4 of packed codes per weight row per lane and stage (32 K each)
 #define W_CHUNKS (MT * 2 * WV)  // ASYNC: 16-byte weight chunks per lane and stage
@@ -156,6 +159,20 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
         }
     };
     auto compute = [&](const Stage& st) {
+#if LOAD_ONLY
+        u32 fold = 0u;  // every loaded register feeds it: no load is dead code
+#pragma unroll
+        for (int v = 0; v < WV; ++v)
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    fold ^= st.w[m][h][v].x ^ st.w[m][h][v].y ^ st.w[m][h][v].z ^ st.w[m][h][v].w ^ st.s[m][h][v];
+#pragma unroll
+        for (int q = 0; q < 4 * WV; ++q) fold ^= st.x[q].x ^ st.x[q].y ^ st.x[q].z ^ st.x[q].w;
+        acc[0][0] += __uint_as_float(fold & 0x007FFFFFu);  // a denormal-range float: finite whatever the bits
+        return;
+#endif
 #pragma unroll
         for (int v = 0; v < WV; ++v) {
             u32 mult[MT][2];  // bf16x2 2^(S-1): exponent field S + 126 in both halves

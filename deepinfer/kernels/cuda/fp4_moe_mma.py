@@ -19,8 +19,9 @@ from deepinfer.kernels.cuda.runtime import CudaKernel
 SOURCE = "fp4_moe_mma.cu"
 TOKENS = 8  # slots per routing block: the MMA's n8
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
-DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=128, ASYNC=0)  # KSTEP: K per pipeline stage (128 or 256);
-# ASYNC 1: the stages go through a shared-memory ring by cp.async (`ring_bytes`) instead of registers
+DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=128, ASYNC=0, LOAD_ONLY=0)  # KSTEP: K per pipeline stage
+# (128 or 256); ASYNC 1: the stages go through a shared-memory ring by cp.async (`ring_bytes`) instead of
+# registers; LOAD_ONLY 1: a diagnostic, the loads alone (garbage out; benchmarks/bench_moe_load_bound.py)
 _SIGNATURE = "plpllpllpllppiiii"  # the kernel parameters in order: p pointer, l int64, i int32
 _KERNELS: dict[tuple, CudaKernel] = {}
 
