@@ -16,8 +16,10 @@ more than the step. They are pure functions of the filled buffers, so a graph re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from deepinfer import kernels
@@ -68,6 +70,7 @@ class DecodeMetadata:
         cols = _TABLE + self.max_blocks
         pin = self.device.type == "cuda"
         self.host = torch.zeros(batch, cols, dtype=torch.long, pin_memory=pin)
+        self._host_np = self.host.numpy()  # the same memory: fill writes it through numpy (see there)
         self.buf = torch.zeros(batch, cols, dtype=torch.long, device=self.device)  # the static device copy
         self.num_real = 0
         # the previous step's host-to-device copy: the host buffer is rewritten only once it has been read
@@ -82,7 +85,8 @@ class DecodeMetadata:
         h = self.host
         if self._copied is not None:
             self._copied.synchronize()
-        rows = []
+        mb = self.max_blocks
+        lens = []
         for s in seqs:
             if s.num_new != 1:
                 raise ValueError(f"the decode path takes one new token per sequence, got {s}")
@@ -90,11 +94,24 @@ class DecodeMetadata:
                 raise ValueError(f"position {s.start_pos} is past the decode path's max_context {self.max_context}")
             if len(s.block_table) <= s.start_pos // self.block_size:
                 raise ValueError(f"block table of {len(s.block_table)} blocks does not cover position {s.start_pos}")
-            table = list(s.block_table[: self.max_blocks])
-            table += [table[0]] * (self.max_blocks - len(table))  # past the table: a row of its own (masked)
-            rows.append([s.start_pos, s.window_slot, s.state_slot] + table)
-        if rows:
-            h[:n] = torch.tensor(rows, dtype=torch.long)  # one host tensor build per step
+            lens.append(min(len(s.block_table), mb))
+        if n:
+            # written through numpy, columns and one flat block-table array: a [n, 3 + max_blocks] torch.tensor
+            # built from nested Python lists cost 0.67 ms at b128 with 64-block tables (CPU machine), this 0.2
+            hn = self._host_np
+            hn[:n, _POS] = [s.start_pos for s in seqs]
+            hn[:n, _WIN] = [s.window_slot for s in seqs]
+            hn[:n, _STATE] = [s.state_slot for s in seqs]
+            total = sum(lens)
+            flat = np.fromiter(chain.from_iterable(s.block_table[:mb] for s in seqs), dtype=np.int64, count=total)
+            if total == n * mb:
+                hn[:n, _TABLE:] = flat.reshape(n, mb)
+            else:  # shorter tables: past its end a row repeats its first block (a row of its own, masked)
+                starts = np.cumsum([0] + lens[:-1])
+                hn[:n, _TABLE:] = flat[starts][:, None]
+                counts = np.asarray(lens)
+                cols = np.arange(total) - np.repeat(starts, counts)
+                hn[np.repeat(np.arange(n), counts), _TABLE + cols] = flat
         h[n:, _POS] = 0
         h[n:, _WIN] = scratch_slot
         h[n:, _STATE] = scratch_slot

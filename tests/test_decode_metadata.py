@@ -1,0 +1,57 @@
+"""DecodeMetadata.fill on the CPU: the packed host buffer (position, window slot, state slot, block table)
+against a row-by-row reference for tables shorter than, equal to and longer than max_blocks, padding rows, a
+refill with fewer sequences, and the errors for inputs the decode path cannot take."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer.kernels.decode_rows import POS, STATE, TABLE, WIN
+from deepinfer.model.context import SeqContext
+from deepinfer.model.decode_metadata import DecodeMetadata
+
+
+def _reference(meta: DecodeMetadata, seqs, scratch_slot: int, scratch_block: int) -> torch.Tensor:
+    rows = []
+    for s in seqs:
+        table = list(s.block_table[: meta.max_blocks])
+        table += [table[0]] * (meta.max_blocks - len(table))  # past the table: its first block (masked)
+        rows.append([s.start_pos, s.window_slot, s.state_slot] + table)
+    pad = [0, scratch_slot, scratch_slot] + [scratch_block] * meta.max_blocks
+    rows += [pad] * (meta.batch - len(seqs))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def test_fill_packs_every_row_like_the_reference():
+    rng = random.Random(5)
+    meta = DecodeMetadata(16, 2048, 256, 128, (4, 128), "cpu")  # 8 blocks per table
+    for n in (16, 11, 1, 0, 16):
+        seqs = []
+        for i in range(n):
+            pos = rng.randrange(0, 2048)
+            need = pos // 256 + 1
+            length = rng.choice([need, need + 1, 8, 12]) if need <= 8 else need
+            table = tuple(rng.sample(range(2, 500), max(length, need)))
+            seqs.append(SeqContext(pos, 1, i + 1, i + 1, table if rng.random() < 0.5 else list(table)))
+        meta.fill(seqs, 0, 1)
+        assert torch.equal(meta.host, _reference(meta, seqs, 0, 1)), n
+        assert torch.equal(meta.buf, meta.host) and meta.num_real == n
+    full = [SeqContext(7, 1, 3, 4, tuple(range(10, 18)))] * 3  # every table exactly max_blocks long
+    meta.fill(full, 0, 1)
+    assert torch.equal(meta.host, _reference(meta, full, 0, 1))
+    assert meta.host[0, POS] == 7 and meta.host[0, WIN] == 3 and meta.host[0, STATE] == 4
+    assert meta.host[0, TABLE:].tolist() == list(range(10, 18))
+
+
+def test_fill_refuses_what_the_decode_path_cannot_take():
+    meta = DecodeMetadata(4, 1024, 256, 128, (4,), "cpu")
+    with pytest.raises(ValueError, match="one new token per sequence"):
+        meta.fill([SeqContext(3, 2, 1, 1, (5,))], 0, 1)
+    with pytest.raises(ValueError, match="position 1024 is past the decode path's max_context 1024"):
+        meta.fill([SeqContext(1024, 1, 1, 1, tuple(range(5)))], 0, 1)
+    with pytest.raises(ValueError, match="block table of 1 blocks does not cover position 300"):
+        meta.fill([SeqContext(300, 1, 1, 1, (5,))], 0, 1)
+    with pytest.raises(ValueError, match="does not fit bucket 4"):
+        meta.fill([SeqContext(0, 1, 1, 1, (5,))] * 5, 0, 1)
