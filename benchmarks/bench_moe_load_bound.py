@@ -30,6 +30,7 @@ from deepinfer.kernels.triton.fp4_moe import plan_mma, route_slots  # noqa: E402
 VARIANTS = (("gemm (the op's plan)", {}), ("loads only", {"LOAD_ONLY": 1}),
             ("loads only, 4 stages", {"LOAD_ONLY": 1, "STAGES": 4}),
             ("loads only, 1 m16 tile/warp", {"LOAD_ONLY": 1, "MT": 1}),
+            ("loads only, 8 warps", {"LOAD_ONLY": 1, "WARPS": 8}),
             ("gemm, 4 stages", {"STAGES": 4}))
 
 
