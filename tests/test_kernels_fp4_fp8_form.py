@@ -82,8 +82,10 @@ torch.manual_seed(5)  # _random_bank draws from the global generator
 FP8_VARIANTS = [(dict(FP8=True, SPLIT_K=1), None), (dict(FP8=True, SPLIT_K=2), None),
                 (dict(FP8=True, BW=64, SPLIT_K13=4, SPLIT_K2=2), None),
                 (dict(FP8=True, BT=32, BW=128, SPLIT_K=1, STEP_SUM=False), None)]
-sweep_against_twin(lambda e, d, i, ab: _random_bank(e, d, i, ab, "cpu"), lambda t: FP8_VARIANTS, g, rel_bound=1e-3,
-                   ulp_bound=4)
+# T=40 (the interpreter's slowest rows, ~8 s a call) with the unsplit and the both-GEMMs-split variants only:
+# the CPU CI's time (the other two differ in tiles, which T=1 and T=3 cover)
+sweep_against_twin(lambda e, d, i, ab: _random_bank(e, d, i, ab, "cpu"),
+                   lambda t: FP8_VARIANTS if t != 40 else FP8_VARIANTS[::2], g, rel_bound=1e-3, ulp_bound=4)
 print("ok")
 '''
 
