@@ -52,8 +52,7 @@ def main() -> None:
         xa = torch.randn(t, D, device=dev).to(torch.bfloat16)
         ha = torch.randn(n_slots, I, device=dev).to(torch.bfloat16)
         for name, extra in VARIANTS:
-            cfg = plan_mma(n_slots, E, D, I, sms, {"MMA_SYNC": True, **extra})
-            cfg.update(extra)
+            cfg = plan_mma(n_slots, E, D, I, sms, {"MMA_SYNC": True, **extra})  # tiles from extra, splits planned
             part = torch.empty((cfg["S13"], n_slots, 2 * I), dtype=torch.float32, device=dev)
             rows = torch.empty((cfg["S2"], n_slots, D), dtype=torch.float32, device=dev)
 

@@ -108,6 +108,19 @@ def test_split_rule_on_v4_flash_shapes():
     assert (cfg["KSTEP"], cfg["STAGES"]) == (128, 2), cfg
 
 
+def test_the_op_refuses_the_load_only_diagnostic():
+    """LOAD_ONLY (benchmarks/bench_moe_load_bound.py) compiles the kernel without its math: the op must not run it."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.fp4_moe import _fp4_moe_mma
+
+    sc = lambda *s: torch.full(s, 120, dtype=torch.uint8)  # noqa: E731
+    bank = FP4ExpertBank(torch.zeros(4, 512, 128, dtype=torch.uint8), sc(4, 512, 8),
+                         torch.zeros(4, 256, 128, dtype=torch.uint8), sc(4, 256, 8), 128)
+    x, ids, w = torch.zeros(2, 256, dtype=BF16), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    with pytest.raises(ValueError, match="LOAD_ONLY is a benchmark diagnostic"):
+        _fp4_moe_mma(x, ids, w, bank, 0.0, {"MMA_SYNC": True, "LOAD_ONLY": 1}, torch.empty(2, 256))
+
+
 def test_source_compiles_for_sm90_where_nvrtc_is_installed():
     from deepinfer.kernels.cuda.fp4_moe_mma import SOURCE
     from test_cuda_runtime import compile_configs

@@ -96,8 +96,8 @@ class DecodeMetadata:
                 raise ValueError(f"block table of {len(s.block_table)} blocks does not cover position {s.start_pos}")
             lens.append(min(len(s.block_table), mb))
         if n:
-            # written through numpy, columns and one flat block-table array: a [n, 3 + max_blocks] torch.tensor
-            # built from nested Python lists cost 0.67 ms at b128 with 64-block tables (CPU machine), this 0.2
+            # written through numpy, columns and one flat block-table array: at b128 with 64-block tables (CPU
+            # machine) the whole fill takes 0.31 ms, against 0.68 when a torch.tensor was built from nested lists
             hn = self._host_np
             hn[:n, _POS] = [s.start_pos for s in seqs]
             hn[:n, _WIN] = [s.window_slot for s in seqs]

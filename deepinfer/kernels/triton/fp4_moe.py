@@ -787,6 +787,9 @@ def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     summation order, like the Triton kernels. No host sync: CUDA-graph capturable (compiled on first use)."""
     from deepinfer.kernels.cuda import fp4_moe_mma as mma
 
+    if config.get("LOAD_ONLY"):
+        raise ValueError("fp4_moe mma.sync form: LOAD_ONLY is a benchmark diagnostic (the loads alone, garbage out), "
+                         "not a tile of the op")
     if bank.scale_max > mma.SCALE_MAX:
         raise ValueError(f"fp4_moe mma.sync form: exact for E8M0 scale bytes up to {mma.SCALE_MAX}; this bank has "
                          f"{bank.scale_max}")
