@@ -12,7 +12,7 @@
 // and B: per step of 128 K the lane owns K [32t, 32t + 32) of it (one uint4 of packed codes per weight
 // row, one E8M0 scale byte: exactly one scale block), as four words of 8 codes. A word's code c (nibble
 // c, K offset c) and code c + 4 (nibble c + 4) form one bf16x2 register: nibbles c and c + 4 sit 16 bits
-// apart, so ONE shift-mask-multiply places both (`pair`), no per-byte unpacking. Word q's registers:
+// apart, so ONE shift-mask-multiply places both (`e2m1_pair`, mma_common.cuh), no per-byte unpacking. Word q's registers:
 // pair 0 / 1 feed MMA step (q, 0) as its (2t, 2t+1) / (2t+8, 2t+9) pairs, pair 2 / 3 step (q, 1). The
 // activations' bf16 pairs are regrouped to match with one byte permute each (`prmt`).
 // E2M1 -> bf16: magnitude bits e1 e0 m to bf16 bits 8..6, sign to bit 15 gives 2^(e-127) (1 + m/2) for
@@ -59,18 +59,6 @@ struct Stage {
     u32 s[MT][2][WV];    // their E8M0 scale bytes (one per 32 K)
     uint4 x[4 * WV];     // token g's bf16 activations over the lane's K (8 per uint4)
 };
-
-// codes c and c + 4 of word w (c = 0..3) as bf16 bit patterns E2M1 x 2^-126: low half code c, high half c + 4
-template <int C>
-__device__ __forceinline__ u32 pair(u32 w) {
-    // nibbles c and c + 4 at bits 4c.. and 16 + 4c..; for c = 0 / 1 masked in place, for 2 / 3 shifted down by 8
-    const u32 v = (C >= 2) ? (w >> 8) : w;
-    const u32 nib = (C & 1) ? (v & 0x00F000F0u) : (v & 0x000F000Fu);
-    // magnitude (nibble bits 0..2) to bits 6..8 and sign (bit 3) to bit 15 of each half: (nib << 6) + (nib << 12)
-    // (the two copies never overlap), or (nib << 2) + (nib << 8) for the upper nibble of a byte
-    const u32 spread = (C & 1) ? nib * 0x104u : nib * 0x1040u;
-    return spread & 0x81C081C0u;
-}
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
@@ -183,17 +171,17 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
             }
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                // token g's K (8q + c, 8q + c + 4) pairs, matching `pair<c>`: bf16 x[0..7] = words (0,1) (2,3) (4,5) (6,7)
+                // token g's K (8q + c, 8q + c + 4) pairs, matching `e2m1_pair<c>`: bf16 x[0..7] = words (0,1) (2,3) (4,5) (6,7)
                 const uint4 xv = st.x[4 * v + q];
                 const u32 b00 = prmt(xv.x, xv.z, 0x5410u), b01 = prmt(xv.x, xv.z, 0x7632u);  // c = 0, 1
                 const u32 b10 = prmt(xv.y, xv.w, 0x5410u), b11 = prmt(xv.y, xv.w, 0x7632u);  // c = 2, 3
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     const u32 wg = word_of(st.w[m][0][v], q), wg8 = word_of(st.w[m][1][v], q);
-                    mma_bf16(acc[m], bmul2(pair<0>(wg), mult[m][0]), bmul2(pair<0>(wg8), mult[m][1]),
-                             bmul2(pair<1>(wg), mult[m][0]), bmul2(pair<1>(wg8), mult[m][1]), b00, b01);
-                    mma_bf16(acc[m], bmul2(pair<2>(wg), mult[m][0]), bmul2(pair<2>(wg8), mult[m][1]),
-                             bmul2(pair<3>(wg), mult[m][0]), bmul2(pair<3>(wg8), mult[m][1]), b10, b11);
+                    mma_bf16(acc[m], bmul2(e2m1_pair<0>(wg), mult[m][0]), bmul2(e2m1_pair<0>(wg8), mult[m][1]),
+                             bmul2(e2m1_pair<1>(wg), mult[m][0]), bmul2(e2m1_pair<1>(wg8), mult[m][1]), b00, b01);
+                    mma_bf16(acc[m], bmul2(e2m1_pair<2>(wg), mult[m][0]), bmul2(e2m1_pair<2>(wg8), mult[m][1]),
+                             bmul2(e2m1_pair<3>(wg), mult[m][0]), bmul2(e2m1_pair<3>(wg8), mult[m][1]), b10, b11);
                 }
             }
         }

@@ -49,3 +49,16 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
 __device__ __forceinline__ u32 word_of(const uint4& v, int q) {
     return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 }
+
+// FP4 (E2M1) codes c and c + 4 of a packed word w (c = 0..3; code i = nibble i) as bf16 bit patterns
+// E2M1 x 2^-126, low half code c, high half c + 4 (the derivation: fp4_moe_mma.cu's header)
+template <int C>
+__device__ __forceinline__ u32 e2m1_pair(u32 w) {
+    // nibbles c and c + 4 at bits 4c.. and 16 + 4c..; for c = 0 / 1 masked in place, for 2 / 3 shifted down by 8
+    const u32 v = (C >= 2) ? (w >> 8) : w;
+    const u32 nib = (C & 1) ? (v & 0x00F000F0u) : (v & 0x000F000Fu);
+    // magnitude (nibble bits 0..2) to bits 6..8 and sign (bit 3) to bit 15 of each half: (nib << 6) + (nib << 12)
+    // (the two copies never overlap), or (nib << 2) + (nib << 8) for the upper nibble of a byte
+    const u32 spread = (C & 1) ? nib * 0x104u : nib * 0x1040u;
+    return spread & 0x81C081C0u;
+}

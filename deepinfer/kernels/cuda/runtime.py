@@ -10,7 +10,10 @@ NVRTC version). `kernel.launch(grid, block, args, shared=0)` launches it with `c
 callers then keep their Triton kernels).
 
 signature: one code per kernel argument: "p" pointer (a torch tensor, its data_ptr), "i" int32, "l" int64,
-"f" float32. The launch checks the count and packs the arguments into one buffer in the parameter layout.
+"f" float32, "m" a TMA tensor map (the 128 bytes of `encode_tensor_map`, a `const __grid_constant__`
+parameter; it must sit at a multiple of 64 bytes in the parameter layout: put maps first). The launch checks
+the count and packs the arguments into one buffer in the parameter layout.
+`encode_tensor_map(tensor, box)`: the tiled TMA descriptor of a uint8 tensor (cuTensorMapEncodeTiled).
 Must not: import triton; compile at import time.
 """
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 # the arguments travel as one packed buffer (cuLaunchKernel's `extra`): struct's native alignment is the kernel
 # parameter ABI (each parameter at a multiple of its size), and one pack costs ~2 us of host time where
 # per-argument ctypes objects cost ~24 (on the CPU machine): it matters on the eager decode paths
-_STRUCT_CODES = {"p": "Q", "i": "i", "l": "q", "f": "f"}
+_STRUCT_CODES = {"p": "Q", "i": "i", "l": "q", "f": "f", "m": "128s"}
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE, _LAUNCH_PARAM_END = 1, 2, 0
 
 
@@ -189,6 +193,48 @@ def device_arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
+# CUtensorMapEncodeTiled's enums (cuda.h): data type, interleave, swizzle, L2 promotion, OOB fill
+_TMA_UINT8, _TMA_INTERLEAVE_NONE, _TMA_SWIZZLE_NONE, _TMA_L2_256B, _TMA_OOB_FILL_ZERO = 0, 0, 0, 3, 0
+
+
+def check_tensor_map(shape: tuple[int, ...], strides: tuple[int, ...], data_ptr: int, box: tuple[int, ...]) -> str | None:
+    """Why a uint8 tensor (shape, element strides, address) and box cannot make a tiled TMA descriptor (None: they
+    can). The driver's rules: rank 1..5, unit innermost stride, 16-byte aligned base and outer strides (< 2^40),
+    box dims 1..256 and the innermost box a multiple of 16 bytes."""
+    if not 1 <= len(shape) <= 5 or len(box) != len(shape):
+        return f"rank {len(shape)} with box rank {len(box)}: both must be 1..5 and equal"
+    if strides[-1] != 1:
+        return f"innermost stride {strides[-1]}: must be 1"
+    if data_ptr % 16 or any(st % 16 or st >= 1 << 40 for st in strides[:-1]):
+        return f"address {data_ptr:#x} and outer strides {strides[:-1]} bytes must be multiples of 16 (and < 2^40)"
+    if any(not 1 <= b <= 256 for b in box) or box[-1] % 16:
+        return f"box {box}: each dim 1..256, the innermost a multiple of 16 bytes"
+    return None
+
+
+def encode_tensor_map(tensor: torch.Tensor, box: tuple[int, ...]) -> bytes:
+    """The 128-byte tiled TMA descriptor (CUtensorMap) of a CUDA uint8 tensor: `box` (outermost first, like the
+    shape) is the tile one copy moves; no swizzle, zero fill out of bounds, 256-byte L2 promotion. The tensor
+    must outlive every launch that uses the descriptor (it holds the address, not a reference)."""
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if tensor.dtype != torch.uint8 or not tensor.is_cuda:
+        raise ValueError(f"encode_tensor_map: a CUDA uint8 tensor, got {tensor.dtype} on {tensor.device}")
+    why = check_tensor_map(shape, strides, tensor.data_ptr(), tuple(box))
+    if why:
+        raise ValueError(f"encode_tensor_map: shape {shape}: {why}")
+    rank = len(shape)
+    # cuda.h orders dims innermost first; globalStrides lists the rank - 1 outer strides in bytes
+    dims = (ctypes.c_uint64 * rank)(*reversed(shape))
+    outer = (ctypes.c_uint64 * max(1, rank - 1))(*reversed(strides[:-1]))
+    boxes = (ctypes.c_uint32 * rank)(*reversed(tuple(box)))
+    unit = (ctypes.c_uint32 * rank)(*([1] * rank))
+    out = ctypes.create_string_buffer(TENSOR_MAP_BYTES)
+    _check_cu(_driver().cuTensorMapEncodeTiled(out, _TMA_UINT8, rank, ctypes.c_void_p(tensor.data_ptr()), dims, outer,
+                                               boxes, unit, _TMA_INTERLEAVE_NONE, _TMA_SWIZZLE_NONE, _TMA_L2_256B,
+                                               _TMA_OOB_FILL_ZERO), f"cuTensorMapEncodeTiled(shape {shape}, box {box})")
+    return out.raw
+
+
 class CudaKernel:
     """One `extern "C" __global__` function of a .cu file in this package; compiled and loaded per device on
     first use. `defines`: -D options (compile-time constants: each distinct set is its own cubin)."""
@@ -201,6 +247,11 @@ class CudaKernel:
         self.function = function
         self.signature = signature
         self._packer = struct.Struct("@" + "".join(_STRUCT_CODES[c] for c in signature))
+        for i, c in enumerate(signature):
+            offset = struct.calcsize("@" + "".join(_STRUCT_CODES[x] for x in signature[:i]))
+            if c == "m" and offset % 64:
+                raise ValueError(f"CudaKernel {function}: tensor map argument {i} would sit at byte {offset} of the "
+                                 "parameters; CUtensorMap needs a multiple of 64 (put the maps first)")
         self._pointer_args = tuple(i for i, c in enumerate(signature) if c == "p")
         self.options = tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
         self._functions: dict[int, ctypes.c_void_p] = {}
