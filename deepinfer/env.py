@@ -23,12 +23,13 @@ def cuda_graphs_enabled() -> bool:
 
 
 DECODE_KERNEL_CHOICES = ("auto", "mma", "triton")
+MOE_DECODE_KERNEL_CHOICES = ("auto", "tma", "mma", "triton")
 
 
-def _kernel_choice(name: str) -> str:
+def _kernel_choice(name: str, choices: tuple[str, ...] = DECODE_KERNEL_CHOICES) -> str:
     value = os.environ.get(name, "auto").strip().lower() or "auto"
-    if value not in DECODE_KERNEL_CHOICES:
-        raise ValueError(f"{name}={value!r}: expected one of {DECODE_KERNEL_CHOICES}")
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {choices}")
     return value
 
 
@@ -41,7 +42,8 @@ def linear_decode_kernel() -> str:
 
 def moe_decode_kernel() -> str:
     """DEEPINFER_MOE_DECODE_KERNEL: which kernels run the routed experts' GEMMs at decode (up to 16 slots per
-    expert) on CUDA: "mma" (the mma.sync CUDA kernel, kernels/cuda/fp4_moe_mma.cu, where it can run),
+    expert) on CUDA: "tma" (the TMA-fed CUDA kernel, kernels/cuda/fp4_moe_tma.cu, on sm_90+ where it can
+    run, else "mma"), "mma" (the mma.sync CUDA kernel, kernels/cuda/fp4_moe_mma.cu, where it can run),
     "triton" (the Triton v2 kernels), "auto" (the default: the measured faster one, see
     kernels/triton/fp4_moe.py DECODE_FORM). Anything else is a ValueError naming the choices."""
-    return _kernel_choice("DEEPINFER_MOE_DECODE_KERNEL")
+    return _kernel_choice("DEEPINFER_MOE_DECODE_KERNEL", MOE_DECODE_KERNEL_CHOICES)

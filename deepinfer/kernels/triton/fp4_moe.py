@@ -779,23 +779,68 @@ def mma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
             and bank.inter_dim % 128 == 0 and runtime.available())
 
 
-def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
-    """The mma.sync form (kernels/cuda/fp4_moe_mma.cu, decode regime): routing in blocks of 8 slots, bf16
-    activations (act_quant's exact q * s), both GEMMs as fp32 split partials (S >= 1) on mma.sync with the
-    FP4 expansion in the MMA's registers, the w13 partials through the SwiGLU + act_quant reduce and the w2
-    partials through the ordered k-row sum (the v2 path's reduce kernels). Official fp4_gemm math up to fp32
-    summation order, like the Triton kernels. No host sync: CUDA-graph capturable (compiled on first use)."""
-    from deepinfer.kernels.cuda import fp4_moe_mma as mma
+TMA_KEYS = ("TMA",)  # a config with any of these takes the TMA-fed kernels (kernels/cuda/fp4_moe_tma.cu)
+TMA_WAVES = 4  # auto split-K of the TMA form: CTAs per SM the split aims for
 
+
+def plan_tma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config: dict) -> dict:
+    """The TMA form's plan: `fp4_moe_tma.tiles(config)` (MT, CWARPS, STAGES), then S13 / S2 split-K counts:
+    SPLIT_K13 / SPLIT_K2, else SPLIT_K, as given; None/0: doubled (up to 16) while the grid of routing blocks
+    x weight-row tiles x S stays under WAVES (default TMA_WAVES) CTAs per SM and each split keeps whole
+    128-K stages. ValueError for a split that cannot run (`fp4_moe_tma.check_shapes`)."""
+    from deepinfer.kernels.cuda import fp4_moe_tma as tma
+
+    cfg = tma.tiles(config)
+    n_blocks = n_routing_blocks(n_slots, n_experts, tma.TOKENS)
+    waves = config.get("WAVES", TMA_WAVES)
+    for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
+        want = config.get("SPLIT_K" + name[1:], config.get("SPLIT_K"))
+        if want:
+            s = int(want)
+        else:
+            grid, s = n_blocks * triton.cdiv(n, tma.rows_per_cta(cfg)), 1
+            while s * 2 <= 16 and grid * s < waves * sms and (k // (2 * s)) % tma.KSTEP == 0 and k % (2 * s) == 0:
+                s *= 2
+            while tma.check_shapes(k, s, cfg) and s < 16 and k % (2 * s) == 0:  # a split too long for one box
+                s *= 2
+        why = tma.check_shapes(k, s, cfg)
+        if why:
+            raise ValueError(f"fp4_moe TMA form: {why}")
+        cfg[name] = s
+    return cfg
+
+
+def tma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
+    """The TMA form can run this bank here: sm_90+ with NVRTC and the driver, scale bytes in the exact
+    expansion's range, D and I multiples of 512 (the scales' tensor maps need 16-byte rows)."""
+    from deepinfer.kernels.cuda import fp4_moe_tma as tma
+
+    return (bank.scale_max <= tma.SCALE_MAX and bank.dim % 512 == 0 and bank.inter_dim % 512 == 0
+            and tma.usable(device))
+
+
+def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
+    """The CUDA forms of the decode regime: the mma.sync kernel (kernels/cuda/fp4_moe_mma.cu, config MMA_SYNC)
+    or the TMA-fed one (fp4_moe_tma.cu, config TMA), which share the contract: routing in blocks of 8 slots,
+    bf16 activations (act_quant's exact q * s), both GEMMs as fp32 split partials (S >= 1) on mma.sync with
+    the FP4 expansion in the MMA's registers, the w13 partials through the SwiGLU + act_quant reduce and the
+    w2 partials through the ordered k-row sum (the v2 path's reduce kernels). Official fp4_gemm math up to
+    fp32 summation order, like the Triton kernels. No host sync: CUDA-graph capturable (compiled on first use)."""
+    from deepinfer.kernels.cuda import fp4_moe_mma, fp4_moe_tma
+
+    use_tma = any(key in config for key in TMA_KEYS)
+    mma = fp4_moe_tma if use_tma else fp4_moe_mma
+    form = "TMA" if use_tma else "mma.sync"
     if config.get("LOAD_ONLY"):
-        raise ValueError("fp4_moe mma.sync form: LOAD_ONLY is a benchmark diagnostic (the loads alone, garbage out), "
+        raise ValueError(f"fp4_moe {form} form: LOAD_ONLY is a benchmark diagnostic (the loads alone, garbage out), "
                          "not a tile of the op")
     if bank.scale_max > mma.SCALE_MAX:
-        raise ValueError(f"fp4_moe mma.sync form: exact for E8M0 scale bytes up to {mma.SCALE_MAX}; this bank has "
+        raise ValueError(f"fp4_moe {form} form: exact for E8M0 scale bytes up to {mma.SCALE_MAX}; this bank has "
                          f"{bank.scale_max}")
     topk = topk_ids.shape[1]
     d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
-    cfg = plan_mma(n_slots, bank.plan_experts, d, inter, sm_count(x.device), config)
+    plan = plan_tma if use_tma else plan_mma
+    cfg = plan(n_slots, bank.plan_experts, d, inter, sm_count(x.device), config)
     sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, mma.TOKENS)
     route_w = topk_weights.contiguous().view(-1)
     xa = act_quant_dequant_bf16(x, ab)
@@ -866,6 +911,7 @@ DECODE_FORM = "mma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots
 # decode plan (expand 6): T=1 54 vs 75 us, T=8 236 vs 347, T=32 627 vs 811, T=128 1180 vs 1425 us; where
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
+DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`)
 
 
 def _decode_form() -> str:
@@ -886,7 +932,10 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         few = topk_ids.numel() / max(1, bank.plan_experts) <= DECODE_SLOTS_PER_EXPERT
         config = DECODE_V2 if few else PREFILL_V2
         expand = 6 if bank.scale_max <= EXPAND6_SCALE_MAX else 5
-        if few and _decode_form() == "mma" and mma_form_usable(bank, x.device):
+        form = _decode_form() if few else "triton"
+        if form == "tma" and tma_form_usable(bank, x.device):
+            config = DECODE_TMA
+        elif form in ("tma", "mma") and mma_form_usable(bank, x.device):  # tma falls back to mma.sync, then Triton
             config = DECODE_MMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
@@ -907,7 +956,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     y = torch.empty((t, d), dtype=torch.float32, device=x.device)
     if t == 0:
         return y
-    if config and any(key in config for key in MMA_KEYS):
+    if config and any(key in config for key in MMA_KEYS + TMA_KEYS):
         return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if config and any(key in config for key in FP8_KEYS):
         return _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)

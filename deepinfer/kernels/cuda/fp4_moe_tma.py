@@ -1,0 +1,131 @@
+"""Launcher of `fp4_moe_tma.cu`: the routed-expert GEMM of the decode regime with a TMA-fed shared-memory
+ring and a producer warp (see the .cu's header). Same call and result as `fp4_moe_mma.expert_gemm_partials`:
+
+`expert_gemm_partials(a, w, w_scale, out, sorted_slots, block_expert, n_slots, a_row_div, config)`:
+out[s, slot, n] = fp32 sum over split s's K range of a[slot // a_row_div, k] * W[e, n, k] for every routed
+slot of every routing block of TOKENS slots; a bf16 [rows, K] (act_quant's exact q * s), w uint8 [E, N, K/2],
+w_scale uint8 [E, N, K/32], out fp32 [S, n_slots, N]. E8M0 bytes <= 128 (the exact expansion's range).
+config: MT, CWARPS, STAGES (compile-time, `DEFAULT_TILES`). The weights' and scales' tensor maps are encoded
+per (tensor, box) once and kept (`_maps`): a CUDA-graph replay reuses the captured parameter bytes.
+Needs sm_90 or newer (TMA, mbarrier transaction counts): `usable(device)`.
+Must not: import triton; know about SwiGLU, routing weights or the k-row sum.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.kernels.cuda import runtime
+from deepinfer.kernels.cuda.runtime import CudaKernel
+
+SOURCE = "fp4_moe_tma.cu"
+TOKENS = 8  # slots per routing block: the MMA's n8
+SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
+KSTEP = 128  # K per ring stage (64 bytes of each weight row)
+DEFAULT_TILES = dict(MT=2, CWARPS=4, STAGES=6)
+TOK_STRIDE, A_STAGE = 400, 8 * 400  # the .cu's activation tile: bytes per token, per stage
+_SIGNATURE = "mmplpllppiiii"  # tensor maps first (64-byte aligned parameters), then as the .cu lists
+_KERNELS: dict[tuple, CudaKernel] = {}
+_MAPS: dict[tuple, bytes] = {}
+
+
+def kernel(cfg: dict) -> CudaKernel:
+    key = tuple(sorted((k, cfg[k]) for k in DEFAULT_TILES))
+    if key not in _KERNELS:
+        _KERNELS[key] = CudaKernel(SOURCE, "fp4_expert_gemm_tma", _SIGNATURE, dict(key))
+    return _KERNELS[key]
+
+
+def tiles(config: dict | None = None) -> dict:
+    cfg = dict(DEFAULT_TILES)
+    cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
+    if cfg["MT"] < 1 or cfg["CWARPS"] < 1 or cfg["STAGES"] < 1 or rows_per_cta(cfg) > 256:
+        raise ValueError(f"fp4_moe_tma tiles: MT, CWARPS, STAGES >= 1 and 16 x MT x CWARPS <= 256 rows (one TMA "
+                         f"box), got {cfg}")
+    return cfg
+
+
+def rows_per_cta(cfg: dict) -> int:
+    return 16 * cfg["MT"] * cfg["CWARPS"]
+
+
+def scale_row_bytes(k_split: int) -> int:
+    """Shared-memory bytes per weight row of the split's scales: rounded up to 16 (a TMA box row), + 16 so
+    consecutive rows start in different banks (the .cu's header)."""
+    return -(-(k_split // 32) // 16) * 16 + 16
+
+
+def smem_bytes(cfg: dict, k_split: int) -> int:
+    """Dynamic shared memory of one CTA: the weight and activation rings, the split's scales, the mbarriers."""
+    rows = rows_per_cta(cfg)
+    return cfg["STAGES"] * (rows * KSTEP // 2 + A_STAGE) + rows * scale_row_bytes(k_split) + 8 * (2 * cfg["STAGES"] + 1)
+
+
+def check_shapes(k: int, split: int, cfg: dict) -> str | None:
+    """Why this K and split cannot run (None: they can): whole 128-K stages per split, the scale rows of the
+    tensor map 16-byte strided (K a multiple of 512), the split's scale box at most 256 bytes, the CTA's shared
+    memory within the 227 KB an sm_90 block may have."""
+    if split < 1 or k % split or (k // split) % KSTEP:
+        return f"split {split} must divide K={k} into multiples of {KSTEP}"
+    if k % 512:
+        return f"K={k} must be a multiple of 512 (the scales' rows, K/32 bytes, 16-byte strided for the TMA)"
+    if scale_row_bytes(k // split) > 256:
+        return f"K per split {k // split} > 7680: its scale box would exceed 256 bytes; split more"
+    if smem_bytes(cfg, k // split) > 227 * 1024:
+        return f"tiles {cfg} need {smem_bytes(cfg, k // split)} bytes of shared memory (> 227 KB)"
+    return None
+
+
+def usable(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer with NVRTC and the driver (TMA and mbarrier tx counts)."""
+    return (device.type == "cuda" and runtime.available()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def _map(t: torch.Tensor, box: tuple[int, int, int]) -> bytes:
+    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), box, t.device.index)
+    found = _MAPS.get(key)
+    if found is None:
+        found = _MAPS[key] = runtime.encode_tensor_map(t, box)
+    return found
+
+
+def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
+                         sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int, a_row_div: int,
+                         config: dict | None = None) -> torch.Tensor:
+    cfg = tiles(config)
+    e, n, half_k = w.shape
+    k = 2 * half_k
+    split = out.shape[0]
+    why = check_shapes(k, split, cfg)
+    problems = [why] if why else []
+    if a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] < k or a.stride(1) != 1 or a.stride(0) % 8:
+        problems.append(f"a must be bf16 [rows, >= {k}] with unit column stride and rows 16-byte aligned, "
+                        f"got {a.dtype} {tuple(a.shape)} strides {a.stride()}")
+    if w.dtype != torch.uint8 or w.stride(2) != 1 or w.stride(1) % 16 or w.stride(0) % 16:
+        problems.append(f"w must be uint8 [E, N, K/2] with 16-byte aligned rows, got {w.dtype} strides {w.stride()}")
+    if tuple(w_scale.shape) != (e, n, k // 32) or w_scale.dtype != torch.uint8 or w_scale.stride(2) != 1 \
+            or w_scale.stride(1) % 16 or w_scale.stride(0) % 16:
+        problems.append(f"w_scale must be uint8 [{e}, {n}, {k // 32}] with 16-byte aligned rows, got "
+                        f"{w_scale.dtype} {tuple(w_scale.shape)} strides {w_scale.stride()}")
+    if out.dtype != torch.float32 or out.dim() != 3 or out.shape[1] != n_slots or out.shape[2] != n or out.stride(2) != 1:
+        problems.append(f"out must be fp32 [S, {n_slots}, {n}] with unit column stride, got {out.dtype} {tuple(out.shape)}")
+    if sorted_slots.dtype != torch.int32 or block_expert.dtype != torch.int32 \
+            or sorted_slots.numel() != block_expert.numel() * TOKENS:
+        problems.append(f"routing must be int32 blocks of {TOKENS} slots: sorted_slots {sorted_slots.numel()}, "
+                        f"block_expert {block_expert.numel()}")
+    if any(t.data_ptr() % 16 for t in (a, w, w_scale)):
+        problems.append("a, w and w_scale must start 16-byte aligned")
+    if problems:
+        raise ValueError("fp4_moe_tma.expert_gemm_partials: " + "; ".join(problems))
+    if n_slots == 0 or block_expert.numel() == 0:
+        return out
+    rows, k_split = rows_per_cta(cfg), k // split
+    tmap_w = _map(w, (1, rows, KSTEP // 2))
+    tmap_s = _map(w_scale, (1, rows, scale_row_bytes(k_split)))
+    grid = (block_expert.numel(), -(-n // rows), split)
+    kernel(cfg).launch(
+        grid, (32 * (cfg["CWARPS"] + 1), 1, 1),
+        (tmap_w, tmap_s, a, a.stride(0), out, out.stride(0), out.stride(1), sorted_slots, block_expert,
+         n_slots, n, k_split, a_row_div),
+        a.device, shared=smem_bytes(cfg, k_split))
+    return out
