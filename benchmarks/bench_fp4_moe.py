@@ -5,9 +5,11 @@ tile sweep per regime, V4-Flash dims (E=256, k=6, D=4096, I=2048), uniform rando
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py [--ts 1,8,32,128,512,2048,8192] [--quick]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --variants [--ts 1,8,32,128,512]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --mma [--ts 1,8,32,128]
+    PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --tma [--ts 1,8,32,128]
 
 --fp8: the current default (expand and plan chosen by the op) against the FP8 form's variants (`FP8_VARIANTS`);
 --mma: the current default against the mma.sync CUDA kernel's variants (`MMA_VARIANTS`, kernels/cuda/fp4_moe_mma);
+--tma: the current default against the TMA-fed CUDA kernel's variants (`TMA_VARIANTS`, kernels/cuda/fp4_moe_tma);
 --variants: the default against the v2 path's variants (`fp4_moe(config=...)` with `V2_KEYS`: split-K with
 fixed-order reduces, pre-dequantised bf16 activations, one gate+up tile; `VARIANTS` below), each row with
 its speedup over the default at that T; writes $OUT/fp4_moe_variants.json.
@@ -111,8 +113,23 @@ MMA_VARIANTS = [  # (name, config, expand, max T); "default" (the first row) is 
 ]
 
 
+# the TMA form (`fp4_moe(config={"TMA": True, ...})`, kernels/cuda/fp4_moe_tma.cu) against the default
+TMA_VARIANTS = [  # (name, config, expand, max T)
+    ("mma.sync form (its plan)", dict(MMA_SYNC=True), None, 10 ** 9),
+    ("tma MT2 cw4 s6", dict(TMA=True), None, 10 ** 9),
+    ("tma MT2 cw4 s4", dict(TMA=True, STAGES=4), None, 10 ** 9),
+    ("tma MT2 cw4 s8", dict(TMA=True, STAGES=8), None, 10 ** 9),
+    ("tma MT1 cw4 s8", dict(TMA=True, MT=1, STAGES=8), None, 10 ** 9),
+    ("tma MT1 cw8 s6", dict(TMA=True, MT=1, CWARPS=8), None, 10 ** 9),
+    ("tma MT2 cw8 s4", dict(TMA=True, CWARPS=8, STAGES=4), None, 10 ** 9),
+    ("tma MT4 cw4 s3", dict(TMA=True, MT=4, STAGES=3), None, 10 ** 9),
+    ("tma MT2 cw4 s6 waves 2", dict(TMA=True, WAVES=2), None, 10 ** 9),
+    ("tma MT2 cw4 s6 waves 8", dict(TMA=True, WAVES=8), None, 10 ** 9),
+]
+
+
 def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
-    from deepinfer.kernels.triton.fp4_moe import n_routing_blocks, plan_fp8, plan_mma, plan_v2
+    from deepinfer.kernels.triton.fp4_moe import n_routing_blocks, plan_fp8, plan_mma, plan_tma, plan_v2
 
     dev = b.w13.device
     rows, res = [], []
@@ -135,6 +152,9 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
                 pl = plan_mma(n_slots, E, D, I, sms, cfg)
                 desc = (f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} w={pl['WARPS']} st={pl['STAGES']} "
                         f"k={pl['KSTEP']}{' async' if pl['ASYNC'] else ''}")
+            elif "TMA" in cfg:
+                pl = plan_tma(n_slots, E, D, I, sms, cfg)
+                desc = f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} cw={pl['CWARPS']} st={pl['STAGES']}"
             elif "FP8" in cfg:
                 pl = plan_fp8(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BT={pl['BT']} BW={pl['BW']} w={pl['num_warps']}"
@@ -169,14 +189,15 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="the default against the v2 path's VARIANTS")
     ap.add_argument("--fp8", action="store_true", help="the current default against FP8_VARIANTS (the FP8 form)")
     ap.add_argument("--mma", action="store_true", help="the current default against MMA_VARIANTS (mma.sync kernel)")
+    ap.add_argument("--tma", action="store_true", help="the current default against TMA_VARIANTS (TMA-fed kernel)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     b = bank(dev)
     per_expert_bytes = (b.w13[0].numel() + b.w13_scale[0].numel() + b.w2[0].numel() + b.w2_scale[0].numel())
-    if args.variants or args.fp8 or args.mma:
+    if args.variants or args.fp8 or args.mma or args.tma:
         run_variants(b, [int(v) for v in (args.ts or "1,8,32,128,512").split(",")], per_expert_bytes,
-                     FP8_VARIANTS if args.fp8 else MMA_VARIANTS if args.mma else None)
+                     FP8_VARIANTS if args.fp8 else MMA_VARIANTS if args.mma else TMA_VARIANTS if args.tma else None)
         return
     rows, res = [], []
     for t in (int(v) for v in (args.ts or "1,8,32,128,512,2048,8192").split(",")):

@@ -8,6 +8,8 @@ replay with the op's own plan (`fp4_moe.plan_mma`), then with the same tiles com
 global loads of weights, scales and activations, folded by an XOR instead of expanded and multiplied:
 garbage out), then LOAD_ONLY with deeper register pipelines. Bytes: FP4 + E8M0 of every expert the batch
 touches, over the time (GB/s, % of the copy bandwidth measured in the same run).
+Last, the TMA-fed kernel (fp4_moe_tma.cu, its own plan) on the same launches: the kernel that is meant to
+bring the GEMM to the loads' speed.
 If LOAD_ONLY is far faster than the GEMM, the expansion and MMAs (issue, dependencies) are what the kernel
 waits on; if it is about as slow, the load pattern itself (bytes in flight per SM) is.
 """
@@ -25,13 +27,15 @@ from ceilings import copy_bandwidth_gbs  # noqa: E402
 from timing import graph_replay_ms  # noqa: E402
 
 from deepinfer.kernels.cuda import fp4_moe_mma as mma  # noqa: E402
-from deepinfer.kernels.triton.fp4_moe import plan_mma, route_slots  # noqa: E402
+from deepinfer.kernels.cuda import fp4_moe_tma as tma  # noqa: E402
+from deepinfer.kernels.triton.fp4_moe import plan_mma, plan_tma, route_slots  # noqa: E402
 
 VARIANTS = (("gemm (the op's plan)", {}), ("loads only", {"LOAD_ONLY": 1}),
             ("loads only, 4 stages", {"LOAD_ONLY": 1, "STAGES": 4}),
             ("loads only, 1 m16 tile/warp", {"LOAD_ONLY": 1, "MT": 1}),
             ("loads only, 8 warps", {"LOAD_ONLY": 1, "WARPS": 8}),
-            ("gemm, 4 stages", {"STAGES": 4}))
+            ("gemm, 4 stages", {"STAGES": 4}), ("tma gemm (fp4_moe_tma.cu)", {"TMA": True}),
+            ("tma gemm, 8 stages", {"TMA": True, "STAGES": 8}))
 
 
 def main() -> None:
@@ -52,13 +56,15 @@ def main() -> None:
         xa = torch.randn(t, D, device=dev).to(torch.bfloat16)
         ha = torch.randn(n_slots, I, device=dev).to(torch.bfloat16)
         for name, extra in VARIANTS:
-            cfg = plan_mma(n_slots, E, D, I, sms, {"MMA_SYNC": True, **extra})  # tiles from extra, splits planned
+            kern = tma if "TMA" in extra else mma
+            plan = plan_tma if "TMA" in extra else plan_mma
+            cfg = plan(n_slots, E, D, I, sms, {"MMA_SYNC": True, **extra})  # tiles from extra, splits planned
             part = torch.empty((cfg["S13"], n_slots, 2 * I), dtype=torch.float32, device=dev)
             rows = torch.empty((cfg["S2"], n_slots, D), dtype=torch.float32, device=dev)
 
             def both():
-                mma.expert_gemm_partials(xa, b.w13, b.w13_scale, part, sorted_slots, block_expert, n_slots, K_TOP, cfg)
-                mma.expert_gemm_partials(ha, b.w2, b.w2_scale, rows, sorted_slots, block_expert, n_slots, 1, cfg)
+                kern.expert_gemm_partials(xa, b.w13, b.w13_scale, part, sorted_slots, block_expert, n_slots, K_TOP, cfg)
+                kern.expert_gemm_partials(ha, b.w2, b.w2_scale, rows, sorted_slots, block_expert, n_slots, 1, cfg)
 
             try:
                 ms = graph_replay_ms(both)
@@ -66,7 +72,8 @@ def main() -> None:
                 print(f"T={t:4d} {name}: FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
                 continue
             gbs = touched * per_expert / (ms * 1e-3) / 1e9
-            tiles = f"MT{cfg['MT']} w{cfg['WARPS']} st{cfg['STAGES']} k{cfg['KSTEP']} S13={cfg['S13']} S2={cfg['S2']}"
+            tiles = (f"MT{cfg['MT']} cw{cfg['CWARPS']} st{cfg['STAGES']} S13={cfg['S13']} S2={cfg['S2']}" if kern is tma
+                     else f"MT{cfg['MT']} w{cfg['WARPS']} st{cfg['STAGES']} k{cfg['KSTEP']} S13={cfg['S13']} S2={cfg['S2']}")
             print(f"T={t:4d} {touched:3d} experts {name:30s} {tiles:32s} {ms * 1e3:8.1f} us {gbs:6.0f} GB/s "
                   f"({100 * gbs / copy:4.1f}% of copy)", flush=True)
 
