@@ -120,9 +120,15 @@ TMA_VARIANTS = [  # (name, config, expand, max T)
     ("tma MT2 cw4 s4", dict(TMA=True, STAGES=4), None, 10 ** 9),
     ("tma MT2 cw4 s8", dict(TMA=True, STAGES=8), None, 10 ** 9),
     ("tma MT1 cw4 s8", dict(TMA=True, MT=1, STAGES=8), None, 10 ** 9),
+    ("tma MT1 cw4 s6", dict(TMA=True, MT=1), None, 10 ** 9),
+    ("tma MT1 cw4 s4", dict(TMA=True, MT=1, STAGES=4), None, 10 ** 9),
+    ("tma MT2 cw4 s3", dict(TMA=True, STAGES=3), None, 10 ** 9),
     ("tma MT1 cw8 s6", dict(TMA=True, MT=1, CWARPS=8), None, 10 ** 9),
     ("tma MT2 cw8 s4", dict(TMA=True, CWARPS=8, STAGES=4), None, 10 ** 9),
     ("tma MT4 cw4 s3", dict(TMA=True, MT=4, STAGES=3), None, 10 ** 9),
+    ("tma MT2 cw4 s6 prefetch", dict(TMA=True, PREFETCH=1), None, 10 ** 9),
+    ("tma MT2 cw4 s6 evict-first", dict(TMA=True, EVICT_FIRST=1), None, 10 ** 9),
+    ("tma MT2 cw4 s4 prefetch", dict(TMA=True, STAGES=4, PREFETCH=1), None, 10 ** 9),
     ("tma MT2 cw4 s6 waves 2", dict(TMA=True, WAVES=2), None, 10 ** 9),
     ("tma MT2 cw4 s6 waves 8", dict(TMA=True, WAVES=8), None, 10 ** 9),
 ]
@@ -154,7 +160,8 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
                         f"k={pl['KSTEP']}{' async' if pl['ASYNC'] else ''}")
             elif "TMA" in cfg:
                 pl = plan_tma(n_slots, E, D, I, sms, cfg)
-                desc = f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} cw={pl['CWARPS']} st={pl['STAGES']}"
+                desc = (f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} cw={pl['CWARPS']} st={pl['STAGES']}"
+                        f"{' pf' if pl['PREFETCH'] else ''}{' ef' if pl['EVICT_FIRST'] else ''}")
             elif "FP8" in cfg:
                 pl = plan_fp8(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BT={pl['BT']} BW={pl['BW']} w={pl['num_warps']}"

@@ -35,7 +35,9 @@ VARIANTS = (("gemm (the op's plan)", {}), ("loads only", {"LOAD_ONLY": 1}),
             ("loads only, 1 m16 tile/warp", {"LOAD_ONLY": 1, "MT": 1}),
             ("loads only, 8 warps", {"LOAD_ONLY": 1, "WARPS": 8}),
             ("gemm, 4 stages", {"STAGES": 4}), ("tma gemm (fp4_moe_tma.cu)", {"TMA": True}),
-            ("tma gemm, 8 stages", {"TMA": True, "STAGES": 8}))
+            ("tma gemm, 8 stages", {"TMA": True, "STAGES": 8}), ("tma gemm, 4 stages", {"TMA": True, "STAGES": 4}),
+            ("tma gemm, 1 m16 tile/warp", {"TMA": True, "MT": 1}), ("tma gemm, prefetch", {"TMA": True, "PREFETCH": 1}),
+            ("tma gemm, evict-first", {"TMA": True, "EVICT_FIRST": 1}))
 
 
 def main() -> None:

@@ -27,6 +27,19 @@ def test_packed_arguments_follow_the_parameter_abi():
     assert len(small) == 12 and struct.unpack_from("<f", small, 8)[0] == 0.5
 
 
+def test_reported_parameter_offsets_place_tensor_maps_after_the_compilers_padding():
+    """sm_90 cubins put a 64-byte-aligned tensor map 48 bytes into the parameters (its constant bank starts
+    at 0x210): the buffer must follow the offsets the driver reports, not the native ABI."""
+    layout = [(48, 128), (176, 128), (304, 8), (312, 4)]
+    packer = runtime.packer_for_layout("mmpi", layout)
+    m0, m1 = bytes(range(128)), bytes(range(128, 256))
+    packed = packer.pack(m0, m1, 0xABCDEF, 7)
+    assert len(packed) == 316 and packed[:48] == bytes(48) and packed[48:176] == m0 and packed[176:304] == m1
+    assert struct.unpack_from("<Q", packed, 304)[0] == 0xABCDEF and struct.unpack_from("<i", packed, 312)[0] == 7
+    with pytest.raises(runtime.CudaRuntimeError, match="parameter 2 is 4 bytes at offset 304, the signature 'mmpi' says 'p'"):
+        runtime.packer_for_layout("mmpi", [(48, 128), (176, 128), (304, 4), (312, 4)])
+
+
 def test_bad_signature_and_argument_count_are_refused():
     with pytest.raises(ValueError, match="unknown signature codes \\['x'\\]"):
         runtime.CudaKernel("fp4_moe_mma.cu", "f", "px")

@@ -15,9 +15,11 @@
 // * Weights: one 3-D TMA box [64 bytes, ROWS rows, 1 expert] per stage into a dense [ROWS][64] tile. Lane
 //   (g, t) reads 16 bytes at (row, 16t): 8 lanes of a shared-memory phase cover 128 contiguous bytes, no
 //   bank conflict. Rows past N are zero-filled by the TMA (out of bounds) and never stored.
-// * Scales: the whole split's E8M0 bytes of the ROWS rows, one 3-D box [SB, ROWS, 1] at the start, SB =
-//   (K split / 32 rounded up to 16) + 16: the extra 16 bytes make the row stride land rows g = 0..7 in
-//   different banks (the TMA writes them with the next K's bytes, or zeros past K; never read).
+// * Scales: the whole split's E8M0 bytes of the ROWS rows, one 3-D box [SB, ROWS, 1] at the start, from the
+//   16-byte aligned column at or before the split's first (a box start inside a 16-byte group faults), SB =
+//   (K split / 32 rounded up to 16) + 16 (+ 16 where the start can be unaligned): the extra 16 bytes make the
+//   row stride land rows g = 0..7 in different banks (the TMA fills them with the neighbouring K's bytes,
+//   or zeros past K; never read).
 // * Activations: each valid token's 128 bf16 of the stage by two 128-byte bulk copies (cp.async.bulk: a
 //   gather, which a tiled TMA cannot do on sm_90) to token g at 400 g, pieces at +0 and +160: lane (g, t)
 //   reads 16 bytes at 400 g + (64t or 160 + 64(t - 2)) + 16q, and the 8 lanes of a phase (g = 2p, 2p + 1)
@@ -25,7 +27,8 @@
 // * Synchronisation: mbarriers. full[s] (1 arrival, the producer's expect_tx of the stage's bytes; the
 //   copies complete it), empty[s] (one arrival per consumer warp once it holds the stage in registers).
 //
-// Compile-time constants (-D): MT m16 tiles per consumer warp, CWARPS consumer warps, STAGES ring depth.
+// Compile-time constants (-D): MT m16 tiles per consumer warp, CWARPS consumer warps, STAGES ring depth;
+// EVICT_FIRST, PREFETCH (variants, see their #defines).
 // Launch: grid (routing blocks, ceil(N / ROWS), splits), block 32 (CWARPS + 1), dynamic shared memory
 // `fp4_moe_tma.smem_bytes`. Parameters: the weights' and scales' tensor maps (uint8, 3-D: [K/2 | K/32, N, E],
 // boxes [64, ROWS, 1] and [SB, ROWS, 1]; `fp4_moe_tma.py` encodes them), then as fp4_moe_mma.cu without w/ws.
@@ -41,6 +44,12 @@
 #endif
 #ifndef STAGES
 #define STAGES 6
+#endif
+#ifndef EVICT_FIRST
+#define EVICT_FIRST 0  // 1: the weights' TMA copies carry an L2 evict-first hint (they are read once per step)
+#endif
+#ifndef PREFETCH
+#define PREFETCH 0     // 1: a consumer warp reads stage i + 1 into registers before it multiplies stage i
 #endif
 #define TOKENS 8
 #define KSTEP 128
@@ -87,6 +96,14 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int c
         ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
 
+__device__ __forceinline__ void tma_load_3d_hint(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar,
+                                                 unsigned long long policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3, %4}], [%5], %6;"
+        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy) : "memory");
+}
+
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
@@ -106,7 +123,14 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
     const int row0 = blockIdx.y * ROWS;
     const int k_lo = blockIdx.z * k_split;
     const int steps = k_split / KSTEP;
-    const int sb = ((k_split / 32 + 15) / 16) * 16 + 16;  // scale bytes per row in shared memory
+    // the scales' box starts at a 16-byte aligned K/32 column (a TMA box whose innermost start is not 16-byte
+    // aligned faults: "illegal instruction"); the split's first scale byte sits s_off bytes into each row
+    const int s_lo = k_lo / 32;
+    const int s_c0 = s_lo & ~15;
+    const int s_off = s_lo - s_c0;
+    // scale bytes per row in shared memory: the split's, rounded up to 16, + 16 (bank spread; + 16 more where
+    // a split's start can fall inside a 16-byte group) = fp4_moe_tma.scale_row_bytes
+    const int sb = ((k_split / 32 + 15) / 16) * 16 + 16 + ((k_split / 32) % 16 ? 16 : 0);
 
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* w_ring = smem;                          // [STAGES][ROWS][64]
@@ -136,18 +160,27 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
         const unsigned short* src = a + (valid ? (i64)(slot / a_row_div) * stride_am : 0) + k_lo;
         const u32 n_valid = __popc(__ballot_sync(0xFFFFFFFFu, valid));
         const u32 stage_bytes = W_STAGE + n_valid * (KSTEP * 2);
+        unsigned long long policy = 0;
+#if EVICT_FIRST
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
             mbar_expect_tx(scale_bar, ROWS * sb);
-            tma_load_3d(smem_u32(scales), &tmap_s, k_lo / 32, row0, expert, scale_bar);
+            tma_load_3d(smem_u32(scales), &tmap_s, s_c0, row0, expert, scale_bar);
         }
         for (int step = 0; step < steps; ++step) {
             const int s = step % STAGES;
             if (step >= STAGES) mbar_wait(empty0 + 8 * s, ((step / STAGES) & 1) ^ 1);  // the consumers let go
             if (lane == 0) {
                 mbar_expect_tx(full0 + 8 * s, stage_bytes);
-                tma_load_3d(smem_u32(w_ring + s * W_STAGE), &tmap_w, k_lo / 2 + step * (KSTEP / 2), row0, expert,
-                            full0 + 8 * s);
+                const u32 dst = smem_u32(w_ring + s * W_STAGE);
+                const int c0 = k_lo / 2 + step * (KSTEP / 2);
+                if (EVICT_FIRST) {
+                    tma_load_3d_hint(dst, &tmap_w, c0, row0, expert, full0 + 8 * s, policy);
+                } else {
+                    tma_load_3d(dst, &tmap_w, c0, row0, expert, full0 + 8 * s);
+                }
             }
             __syncwarp();  // the expect_tx precedes the activation copies' completions
             if (valid) {
@@ -176,50 +209,74 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
     for (int m = 0; m < MT; ++m)
         acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
 
-    mbar_wait(scale_bar, 0);
-    for (int step = 0; step < steps; ++step) {
+    struct Held {        // one stage in a consumer lane's registers
+        uint4 w[MT][2];  // packed codes of rows g and g + 8 of each m16 tile (32 K)
+        u32 mult[MT][2]; // their E8M0 bytes, then bf16x2 2^(S-1)
+        uint4 x[4];      // token g's 32 bf16
+    };
+    // wait for stage `step`, copy the lane's part into registers, let the producer have the slot back
+    auto take = [&](Held& st, int step) {
         const int s = step % STAGES;
         mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
-        uint4 wv[MT][2];
-        u32 mult[MT][2];  // bf16x2 2^(S-1): exponent field S + 126 in both halves
-        uint4 xv[4];
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                wv[m][h] = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + rows[m][h] * (KSTEP / 2) + 16 * t);
-                mult[m][h] = scales[rows[m][h] * sb + step * (KSTEP / 32) + t];
+                st.w[m][h] = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + rows[m][h] * (KSTEP / 2) + 16 * t);
+                st.mult[m][h] = scales[rows[m][h] * sb + s_off + step * (KSTEP / 32) + t];
             }
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             if (tok_ok) {
-                xv[q] = *reinterpret_cast<const uint4*>(a_ring + s * A_STAGE + a_off + 16 * q);
+                st.x[q] = *reinterpret_cast<const uint4*>(a_ring + s * A_STAGE + a_off + 16 * q);
             } else {
-                xv[q].x = xv[q].y = xv[q].z = xv[q].w = 0u;
+                st.x[q].x = st.x[q].y = st.x[q].z = st.x[q].w = 0u;
             }
         }
         __syncwarp();  // every lane's reads of the stage precede the warp's release (mbarrier.arrive: release)
         if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    };
+    auto multiply = [&](Held& st) {
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
-            mult[m][0] = (mult[m][0] + 126u) * 0x00800080u;
-            mult[m][1] = (mult[m][1] + 126u) * 0x00800080u;
+            st.mult[m][0] = (st.mult[m][0] + 126u) * 0x00800080u;  // exponent field S + 126 in both halves
+            st.mult[m][1] = (st.mult[m][1] + 126u) * 0x00800080u;
         }
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             // token g's K (8q + c, 8q + c + 4) pairs, matching `e2m1_pair<c>` (fp4_moe_mma.cu)
-            const u32 b00 = prmt(xv[q].x, xv[q].z, 0x5410u), b01 = prmt(xv[q].x, xv[q].z, 0x7632u);
-            const u32 b10 = prmt(xv[q].y, xv[q].w, 0x5410u), b11 = prmt(xv[q].y, xv[q].w, 0x7632u);
+            const uint4 xv = st.x[q];
+            const u32 b00 = prmt(xv.x, xv.z, 0x5410u), b01 = prmt(xv.x, xv.z, 0x7632u);
+            const u32 b10 = prmt(xv.y, xv.w, 0x5410u), b11 = prmt(xv.y, xv.w, 0x7632u);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                const u32 wg = word_of(wv[m][0], q), wg8 = word_of(wv[m][1], q);
-                mma_bf16(acc[m], bmul2(e2m1_pair<0>(wg), mult[m][0]), bmul2(e2m1_pair<0>(wg8), mult[m][1]),
-                         bmul2(e2m1_pair<1>(wg), mult[m][0]), bmul2(e2m1_pair<1>(wg8), mult[m][1]), b00, b01);
-                mma_bf16(acc[m], bmul2(e2m1_pair<2>(wg), mult[m][0]), bmul2(e2m1_pair<2>(wg8), mult[m][1]),
-                         bmul2(e2m1_pair<3>(wg), mult[m][0]), bmul2(e2m1_pair<3>(wg8), mult[m][1]), b10, b11);
+                const u32 wg = word_of(st.w[m][0], q), wg8 = word_of(st.w[m][1], q);
+                const u32 m0 = st.mult[m][0], m1 = st.mult[m][1];
+                mma_bf16(acc[m], bmul2(e2m1_pair<0>(wg), m0), bmul2(e2m1_pair<0>(wg8), m1),
+                         bmul2(e2m1_pair<1>(wg), m0), bmul2(e2m1_pair<1>(wg8), m1), b00, b01);
+                mma_bf16(acc[m], bmul2(e2m1_pair<2>(wg), m0), bmul2(e2m1_pair<2>(wg8), m1),
+                         bmul2(e2m1_pair<3>(wg), m0), bmul2(e2m1_pair<3>(wg8), m1), b10, b11);
             }
         }
+    };
+
+    mbar_wait(scale_bar, 0);
+#if PREFETCH
+    Held held[2];
+    take(held[0], 0);
+    for (int step = 0; step < steps; step += 2) {  // two register sets with static names: any step count
+        if (step + 1 < steps) take(held[1], step + 1);
+        multiply(held[0]);
+        if (step + 2 < steps) take(held[0], step + 2);
+        if (step + 1 < steps) multiply(held[1]);
     }
+#else
+    for (int step = 0; step < steps; ++step) {
+        Held held;
+        take(held, step);
+        multiply(held);
+    }
+#endif
 
     // C fragment: c0 / c1 = row g, tokens 2t / 2t + 1; c2 / c3 = row g + 8
     const int slot0 = sorted_slots[blk * TOKENS + 2 * t];

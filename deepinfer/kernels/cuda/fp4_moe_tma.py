@@ -5,7 +5,7 @@ ring and a producer warp (see the .cu's header). Same call and result as `fp4_mo
 out[s, slot, n] = fp32 sum over split s's K range of a[slot // a_row_div, k] * W[e, n, k] for every routed
 slot of every routing block of TOKENS slots; a bf16 [rows, K] (act_quant's exact q * s), w uint8 [E, N, K/2],
 w_scale uint8 [E, N, K/32], out fp32 [S, n_slots, N]. E8M0 bytes <= 128 (the exact expansion's range).
-config: MT, CWARPS, STAGES (compile-time, `DEFAULT_TILES`). The weights' and scales' tensor maps are encoded
+config: MT, CWARPS, STAGES, EVICT_FIRST, PREFETCH (compile-time, `DEFAULT_TILES`). The weights' and scales' tensor maps are encoded
 per (tensor, box) once and kept (`_maps`): a CUDA-graph replay reuses the captured parameter bytes.
 Needs sm_90 or newer (TMA, mbarrier transaction counts): `usable(device)`.
 Must not: import triton; know about SwiGLU, routing weights or the k-row sum.
@@ -21,9 +21,9 @@ SOURCE = "fp4_moe_tma.cu"
 TOKENS = 8  # slots per routing block: the MMA's n8
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
 KSTEP = 128  # K per ring stage (64 bytes of each weight row)
-DEFAULT_TILES = dict(MT=2, CWARPS=4, STAGES=6)
+DEFAULT_TILES = dict(MT=2, CWARPS=4, STAGES=6, EVICT_FIRST=0, PREFETCH=0)  # the last two: 0 / 1 (the .cu)
 TOK_STRIDE, A_STAGE = 400, 8 * 400  # the .cu's activation tile: bytes per token, per stage
-_SIGNATURE = "mmplpllppiiii"  # tensor maps first (64-byte aligned parameters), then as the .cu lists
+_SIGNATURE = "mmplpllppiiii"  # the parameters in order: m tensor map, p pointer, l int64, i int32
 _KERNELS: dict[tuple, CudaKernel] = {}
 _MAPS: dict[tuple, bytes] = {}
 
@@ -38,9 +38,10 @@ def kernel(cfg: dict) -> CudaKernel:
 def tiles(config: dict | None = None) -> dict:
     cfg = dict(DEFAULT_TILES)
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
-    if cfg["MT"] < 1 or cfg["CWARPS"] < 1 or cfg["STAGES"] < 1 or rows_per_cta(cfg) > 256:
+    if cfg["MT"] < 1 or cfg["CWARPS"] < 1 or cfg["STAGES"] < 1 or rows_per_cta(cfg) > 256 \
+            or cfg["EVICT_FIRST"] not in (0, 1) or cfg["PREFETCH"] not in (0, 1):
         raise ValueError(f"fp4_moe_tma tiles: MT, CWARPS, STAGES >= 1 and 16 x MT x CWARPS <= 256 rows (one TMA "
-                         f"box), got {cfg}")
+                         f"box), EVICT_FIRST and PREFETCH 0 or 1, got {cfg}")
     return cfg
 
 
@@ -50,8 +51,10 @@ def rows_per_cta(cfg: dict) -> int:
 
 def scale_row_bytes(k_split: int) -> int:
     """Shared-memory bytes per weight row of the split's scales: rounded up to 16 (a TMA box row), + 16 so
-    consecutive rows start in different banks (the .cu's header)."""
-    return -(-(k_split // 32) // 16) * 16 + 16
+    consecutive rows start in different banks, + 16 more where a split's first scale byte can sit inside a
+    16-byte group (the box starts at the aligned column before it; the .cu's header)."""
+    blocks = k_split // 32
+    return -(-blocks // 16) * 16 + 16 + (16 if blocks % 16 else 0)
 
 
 def smem_bytes(cfg: dict, k_split: int) -> int:
@@ -69,7 +72,7 @@ def check_shapes(k: int, split: int, cfg: dict) -> str | None:
     if k % 512:
         return f"K={k} must be a multiple of 512 (the scales' rows, K/32 bytes, 16-byte strided for the TMA)"
     if scale_row_bytes(k // split) > 256:
-        return f"K per split {k // split} > 7680: its scale box would exceed 256 bytes; split more"
+        return f"K per split {k // split}: its scale box would exceed 256 bytes; split more"
     if smem_bytes(cfg, k // split) > 227 * 1024:
         return f"tiles {cfg} need {smem_bytes(cfg, k // split)} bytes of shared memory (> 227 KB)"
     return None

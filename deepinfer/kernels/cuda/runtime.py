@@ -11,8 +11,11 @@ callers then keep their Triton kernels).
 
 signature: one code per kernel argument: "p" pointer (a torch tensor, its data_ptr), "i" int32, "l" int64,
 "f" float32, "m" a TMA tensor map (the 128 bytes of `encode_tensor_map`, a `const __grid_constant__`
-parameter; it must sit at a multiple of 64 bytes in the parameter layout: put maps first). The launch checks
-the count and packs the arguments into one buffer in the parameter layout.
+parameter). The launch checks the count and packs the arguments into one buffer in the parameter layout:
+the offsets the driver reports for the loaded function (cuFuncGetParamInfo), else the native ABI (each
+parameter at a multiple of its size). The reported offsets matter for tensor maps: the compiler puts a
+64-byte-aligned parameter where the constant bank makes it aligned, which can leave padding before the
+first parameter (48 bytes on sm_90), so no layout computed on the host alone is right.
 `encode_tensor_map(tensor, box)`: the tiled TMA descriptor of a uint8 tensor (cuTensorMapEncodeTiled).
 Must not: import triton; compile at import time.
 """
@@ -30,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-# the arguments travel as one packed buffer (cuLaunchKernel's `extra`): struct's native alignment is the kernel
-# parameter ABI (each parameter at a multiple of its size), and one pack costs ~2 us of host time where
+# the arguments travel as one packed buffer (cuLaunchKernel's `extra`) laid out at the driver's parameter offsets
+# (`packer_for_layout`; struct's native alignment, the kernel parameter ABI, before loading), and one pack costs ~2 us of host time where
 # per-argument ctypes objects cost ~24 (on the CPU machine): it matters on the eager decode paths
 _STRUCT_CODES = {"p": "Q", "i": "i", "l": "q", "f": "f", "m": "128s"}
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
@@ -235,6 +238,36 @@ def encode_tensor_map(tensor: torch.Tensor, box: tuple[int, ...]) -> bytes:
     return out.raw
 
 
+def _param_layout(fn: ctypes.c_void_p, count: int) -> list[tuple[int, int]] | None:
+    """(offset, size) of each of the loaded function's `count` parameters, from the driver; None where the
+    driver has no cuFuncGetParamInfo (before CUDA 12.4) or refuses."""
+    drv = _driver()
+    if not hasattr(drv, "cuFuncGetParamInfo"):
+        return None
+    offset, size, layout = ctypes.c_size_t(), ctypes.c_size_t(), []
+    for i in range(count):
+        if drv.cuFuncGetParamInfo(fn, ctypes.c_size_t(i), ctypes.byref(offset), ctypes.byref(size)) != 0:
+            return None
+        layout.append((offset.value, size.value))
+    return layout
+
+
+def packer_for_layout(signature: str, layout: list[tuple[int, int]], function: str = "kernel") -> struct.Struct:
+    """The argument buffer's struct for parameters at the given (offset, size)s: padding up to each offset.
+    A size that differs from the signature code's is a wrong signature: CudaRuntimeError naming it."""
+    fields, cursor = ["<"], 0
+    for i, (code, (offset, size)) in enumerate(zip(signature, layout)):
+        want = struct.calcsize("<" + _STRUCT_CODES[code])
+        if size != want or offset < cursor:
+            raise CudaRuntimeError(f"{function}: parameter {i} is {size} bytes at offset {offset}, the signature "
+                                   f"{signature!r} says {code!r} ({want} bytes) after byte {cursor}")
+        if offset > cursor:
+            fields.append(f"{offset - cursor}x")
+        fields.append(_STRUCT_CODES[code])
+        cursor = offset + size
+    return struct.Struct("".join(fields))
+
+
 class CudaKernel:
     """One `extern "C" __global__` function of a .cu file in this package; compiled and loaded per device on
     first use. `defines`: -D options (compile-time constants: each distinct set is its own cubin)."""
@@ -246,12 +279,8 @@ class CudaKernel:
         self.source_name = source_name
         self.function = function
         self.signature = signature
-        self._packer = struct.Struct("@" + "".join(_STRUCT_CODES[c] for c in signature))
-        for i, c in enumerate(signature):
-            offset = struct.calcsize("@" + "".join(_STRUCT_CODES[x] for x in signature[:i]))
-            if c == "m" and offset % 64:
-                raise ValueError(f"CudaKernel {function}: tensor map argument {i} would sit at byte {offset} of the "
-                                 "parameters; CUtensorMap needs a multiple of 64 (put the maps first)")
+        self._packer = struct.Struct("@" + "".join(_STRUCT_CODES[c] for c in signature))  # until loaded
+        self._packers: dict[int, struct.Struct] = {}  # per device: from the loaded function's parameter offsets
         self._pointer_args = tuple(i for i, c in enumerate(signature) if c == "p")
         self.options = tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
         self._functions: dict[int, ctypes.c_void_p] = {}
@@ -284,6 +313,12 @@ class CudaKernel:
                 fn = ctypes.c_void_p()
                 _check_cu(drv.cuModuleGetFunction(ctypes.byref(fn), module, self.function.encode()),
                           f"cuModuleGetFunction({self.function})")
+            layout = _param_layout(fn, len(self.signature))
+            if layout is None and "m" in self.signature:
+                raise CudaRuntimeError(f"{self.function}: its tensor-map parameters need the driver's parameter "
+                                       "offsets (cuFuncGetParamInfo, CUDA 12.4+), which this driver does not report")
+            self._packers[index] = self._packer if layout is None else packer_for_layout(self.signature, layout,
+                                                                                         self.function)
             self._modules[index] = module
             self._functions[index] = fn
             return fn
@@ -303,12 +338,13 @@ class CudaKernel:
                 # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above 48 KB a launch needs it raised first
                 _check_cu(_driver().cuFuncSetAttribute(fn, 8, int(shared)), f"cuFuncSetAttribute({self.function})")
                 self._shared_limit[index] = shared
+        packer = self._packers[device.index if device.index is not None else torch.cuda.current_device()]
         values = list(args)
         for i in self._pointer_args:
             v = values[i]
             values[i] = v.data_ptr() if isinstance(v, torch.Tensor) else int(v)
         try:
-            packed = self._packer.pack(*values)
+            packed = packer.pack(*values)
         except struct.error as err:
             raise ValueError(f"{self.function}: arguments {args!r} do not fit the signature {self.signature!r}: {err}")
         buf = ctypes.create_string_buffer(packed, len(packed))
