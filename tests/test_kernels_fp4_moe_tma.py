@@ -22,7 +22,8 @@ from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
 from test_kernels_fp4_moe_mma import _reference_partials, _routing, _weights_f64
 
 BF16 = torch.bfloat16
-TILE_CONFIGS = [dict(MT=2, CWARPS=4, STAGES=6), dict(MT=2, CWARPS=4, STAGES=3, PREFETCH=1),
+TILE_CONFIGS = [dict(MT=4, CWARPS=4, STAGES=3), dict(MT=2, CWARPS=4, STAGES=4), dict(MT=2, CWARPS=4, STAGES=6),
+                dict(MT=2, CWARPS=4, STAGES=3, PREFETCH=1),
                 dict(MT=1, CWARPS=8, STAGES=8, EVICT_FIRST=1), dict(MT=2, CWARPS=4, STAGES=2),
                 dict(MT=4, CWARPS=2, STAGES=4), dict(MT=2, CWARPS=8, STAGES=4, PREFETCH=1, EVICT_FIRST=1)]
 
@@ -60,15 +61,15 @@ def test_shape_rules_and_shared_memory():
     assert tma.scale_row_bytes(4096) == 144 and tma.scale_row_bytes(2048) == 80 and tma.scale_row_bytes(512) == 32
     assert tma.scale_row_bytes(256) == 48 and tma.scale_row_bytes(384) == 48  # splits that start mid-group
     cfg = tma.tiles()
-    assert tma.rows_per_cta(cfg) == 128
-    # 6 stages x (8 KB weights + 3200 B activations) + 128 rows x 144 scale bytes + 13 barriers
-    assert tma.smem_bytes(cfg, 4096) == 6 * (8192 + 3200) + 128 * 144 + 8 * 13
+    assert tma.rows_per_cta(cfg) == 256
+    # 3 stages x (16 KB weights + 3200 B activations) + 256 rows x 144 scale bytes + 7 barriers
+    assert tma.smem_bytes(cfg, 4096) == 3 * (16384 + 3200) + 256 * 144 + 8 * 7
     assert tma.check_shapes(4096, 1, cfg) is None and tma.check_shapes(2048, 16, cfg) is None
     assert "scale box would exceed 256 bytes" in tma.check_shapes(8192, 1, cfg)  # the split's scale box would be 272 bytes
     assert tma.check_shapes(8192, 2, cfg) is None
-    assert "shared memory" in tma.check_shapes(4096, 1, tma.tiles({"STAGES": 24}))
+    assert "shared memory" in tma.check_shapes(4096, 1, tma.tiles({"STAGES": 12}))
     with pytest.raises(ValueError, match="<= 256 rows"):
-        tma.tiles({"MT": 4, "CWARPS": 8})
+        tma.tiles({"CWARPS": 8})
     with pytest.raises(ValueError, match="PREFETCH 0 or 1"):
         tma.tiles({"PREFETCH": 2})
 
@@ -77,8 +78,10 @@ def test_split_rule_on_v4_flash_shapes():
     pytest.importorskip("triton")
     from deepinfer.kernels.triton.fp4_moe import plan_tma
 
-    cfg = plan_tma(6, 256, 4096, 2048, 132, {"TMA": True})  # T=1: 6 blocks x 32 tiles of 128 rows
-    assert (cfg["S13"], cfg["S2"]) == (4, 4), cfg  # w13: 192 x S doubled while < 4 x 132; w2 the same grid
+    cfg = plan_tma(6, 256, 4096, 2048, 132, {"TMA": True})  # T=1: 6 blocks x 16 tiles of 256 rows
+    assert (cfg["S13"], cfg["S2"]) == (8, 8), cfg  # w13: 96 x S doubled while < 4 x 132; w2 the same grid
+    cfg = plan_tma(6, 256, 4096, 2048, 132, {"TMA": True, "MT": 2})  # 128-row tiles: 192 x S
+    assert (cfg["S13"], cfg["S2"]) == (4, 4), cfg
     cfg = plan_tma(768, 256, 4096, 2048, 132, {"TMA": True})  # T=128: the blocks fill the machine
     assert (cfg["S13"], cfg["S2"]) == (1, 1), cfg
     cfg = plan_tma(6, 256, 4096, 2048, 132, {"TMA": True, "SPLIT_K13": 8, "STAGES": 4})
@@ -227,19 +230,23 @@ def test_op_small_bank_act_block_32_and_graph_replay():
 
 @pytest.mark.gpu
 def test_decode_default_follows_the_env_choice(monkeypatch):
-    """DEEPINFER_MOE_DECODE_KERNEL=tma runs the TMA form (bit-identical to config TMA); on a bank it cannot run
-    (I = 256: the scales' rows are 8 bytes) it falls back to the mma.sync form, bit-identical to that."""
+    """DEEPINFER_MOE_DECODE_KERNEL=tma and the default (auto, DECODE_FORM "tma") run the TMA form above 8 slots
+    (bit-identical to config TMA) and the mma.sync form up to 8 (T=1: 6 slots); on a bank the TMA form cannot
+    run (I = 256: the scales' rows are 8 bytes) they fall back to the mma.sync form, bit-identical to that."""
     from deepinfer.kernels.triton.fp4_moe import fp4_moe, tma_form_usable
     from test_kernels_fp4_moe_split import _inputs
     from test_kernels_gemm import _random_bank
 
     dev = _cuda()
-    monkeypatch.setenv("DEEPINFER_MOE_DECODE_KERNEL", "tma")
-    for inter, form in ((512, {"TMA": True}), (256, {"MMA_SYNC": True})):
-        bank = _random_bank(32, 512, inter, 128, dev)
-        assert tma_form_usable(bank, dev) == (inter == 512)
-        x, ids, weights = _inputs(3, dev, e=32, d=512)
-        assert torch.equal(fp4_moe(x, ids, weights, bank, 10.0), fp4_moe(x, ids, weights, bank, 10.0, config=form))
+    tma, mma = {"TMA": True}, {"MMA_SYNC": True}
+    for choice in ("tma", "auto"):
+        monkeypatch.setenv("DEEPINFER_MOE_DECODE_KERNEL", choice)
+        for inter, t, form in ((512, 3, tma), (512, 1, mma), (256, 3, mma)):
+            bank = _random_bank(32, 512, inter, 128, dev)
+            assert tma_form_usable(bank, dev) == (inter == 512)
+            x, ids, weights = _inputs(t, dev, e=32, d=512)
+            got, want = fp4_moe(x, ids, weights, bank, 10.0), fp4_moe(x, ids, weights, bank, 10.0, config=form)
+            assert torch.equal(got, want), (choice, inter, t, form)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,13 @@ SOURCE = "fp4_moe_tma.cu"
 TOKENS = 8  # slots per routing block: the MMA's n8
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
 KSTEP = 128  # K per ring stage (64 bytes of each weight row)
-DEFAULT_TILES = dict(MT=2, CWARPS=4, STAGES=6, EVICT_FIRST=0, PREFETCH=0)  # the last two: 0 / 1 (the .cu)
+DEFAULT_TILES = dict(MT=4, CWARPS=4, STAGES=3, EVICT_FIRST=0, PREFETCH=0)  # the last two: 0 / 1 (the .cu)
+# H200 2026-12-02 s7 (bench_fp4_moe.py --tma, whole op, CUDA-graph replay, V4-Flash dims,
+# results/fp4_moe_tma_h200_2026-12-02_s7.log): 4 m16 tiles per consumer warp, 3 stages, T=8 / 32 / 128 205 /
+# 528 / 980 us against 203 / 532 / 1000 (MT2 x 4 stages), 218 / 569 / 1090 (MT2 x 6), 208 / 530 / 983 (MT2 x 8
+# consumer warps x 4), and the mma.sync form's 237 / 637 / 1189. Fewer stages with more or longer consumer
+# warps win: the consumers' expansion, not the bytes in flight, limits this kernel. PREFETCH and EVICT_FIRST
+# were slower at every T. At T=1 (6 slots) the mma.sync form stays faster (54.0 us vs 55.0 at best here).
 TOK_STRIDE, A_STAGE = 400, 8 * 400  # the .cu's activation tile: bytes per token, per stage
 _SIGNATURE = "mmplpllppiiii"  # the parameters in order: m tensor map, p pointer, l int64, i int32
 _KERNELS: dict[tuple, CudaKernel] = {}

@@ -905,13 +905,16 @@ DECODE_V2 = dict(SPLIT_K=0, A_BF16=True, BN=128)  # the default plan up to 16 sl
 # T=128 1931 vs 2710 us = 1.72 TB/s; results/fp4_moe_variants_h200.json). Not measured above 16 per expert.
 
 
-DECODE_FORM = "mma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "mma" or "triton".
+DECODE_FORM = "tma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots per expert: "tma", "mma" or
+# "triton". "tma": the TMA form above ONE_PROGRAM_ROUTING_SLOTS slots, the mma.sync form up to them (H200
+# 2026-12-02 s7, bench_fp4_moe.py --tma, whole op: T=1 54.0 mma.sync vs 55.0 us TMA at best; T=8 / 32 / 128
+# TMA 205 / 528 / 980 vs mma.sync 237 / 637 / 1189 us, results/fp4_moe_tma_h200_2026-12-02_s7.log). Before:
 # H200 2026-12-02 (benchmarks/bench_fp4_moe.py --mma, whole op, CUDA-graph replay, V4-Flash dims; first run
 # results/fp4_moe_mma_h200_2026-12-02.log, tiles below from _run3): the mma.sync form against the Triton v2
 # decode plan (expand 6): T=1 54 vs 75 us, T=8 236 vs 347, T=32 627 vs 811, T=128 1180 vs 1425 us; where
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
-DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`)
+DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`), above ONE_PROGRAM_ROUTING_SLOTS slots
 
 
 def _decode_form() -> str:
@@ -933,7 +936,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         config = DECODE_V2 if few else PREFILL_V2
         expand = 6 if bank.scale_max <= EXPAND6_SCALE_MAX else 5
         form = _decode_form() if few else "triton"
-        if form == "tma" and tma_form_usable(bank, x.device):
+        if form == "tma" and topk_ids.numel() > ONE_PROGRAM_ROUTING_SLOTS and tma_form_usable(bank, x.device):
             config = DECODE_TMA
         elif form in ("tma", "mma") and mma_form_usable(bank, x.device):  # tma falls back to mma.sync, then Triton
             config = DECODE_MMA
