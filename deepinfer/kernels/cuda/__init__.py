@@ -9,7 +9,9 @@ headers at run time (NVRTC ships with the CUDA torch wheels and the toolkit), co
 second, and the cubin is cached on disk.
 
 Owns: `runtime` (compile, load, launch on torch's current stream; CUDA-graph capturable) and one module
-per kernel family (`fp4_moe_mma`: the routed experts' GEMMs at decode). Kernels register nothing here:
+per kernel family (`fp4_moe_mma`: the routed experts' GEMMs at decode up to 8 slots, `fp4_moe_tma`: the same
+above them, fed by TMA and a producer warp; `fp8_linear_mma`: the decode projections). Kernels register
+nothing here:
 the Triton op that dispatches to them (`kernels/triton/fp4_moe.py`) decides when they are used, so a
 machine without NVRTC runs the Triton kernels unchanged.
 Must not: import triton; compile or load anything at import time.
