@@ -28,7 +28,7 @@
 //   copies complete it), empty[s] (one arrival per consumer warp once it holds the stage in registers).
 //
 // Compile-time constants (-D): MT m16 tiles per consumer warp, CWARPS consumer warps, STAGES ring depth;
-// EVICT_FIRST, PREFETCH (variants, see their #defines).
+// EVICT_FIRST, PREFETCH, SCALE_RING (variants, see their #defines).
 // Launch: grid (routing blocks, ceil(N / ROWS), splits), block 32 (CWARPS + 1), dynamic shared memory
 // `fp4_moe_tma.smem_bytes`. Parameters: the weights' and scales' tensor maps (uint8, 3-D: [K/2 | K/32, N, E],
 // boxes [64, ROWS, 1] and [SB, ROWS, 1]; `fp4_moe_tma.py` encodes them), then as fp4_moe_mma.cu without w/ws.
@@ -51,6 +51,9 @@
 #ifndef PREFETCH
 #define PREFETCH 0     // 1: a consumer warp reads stage i + 1 into registers before it multiplies stage i
 #endif
+#ifndef SCALE_RING
+#define SCALE_RING 0   // 1: each stage also brings its rows' scales (a 16-byte box per row) instead of the whole
+#endif                 // split's once: a smaller CTA (more CTAs per SM), no limit on the split's length
 #define TOKENS 8
 #define KSTEP 128
 #define ROWS (16 * MT * CWARPS)
@@ -58,6 +61,7 @@
 #define TOK_STRIDE 400                  // bytes per token in a stage's activation tile (see the header)
 #define PIECE_GAP 160                   // offset of a token's second 128-byte piece
 #define A_STAGE (TOKENS * TOK_STRIDE)   // bytes of activations per stage (3200 = 25 x 128)
+#define S_STAGE (SCALE_RING ? ROWS * 16 : 0)  // SCALE_RING: bytes of scales per stage
 
 struct __align__(64) TensorMap {
     unsigned long long opaque[16];  // CUtensorMap: 128 bytes, encoded on the host by cuTensorMapEncodeTiled
@@ -130,15 +134,16 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
     const int s_off = s_lo - s_c0;
     // scale bytes per row in shared memory: the split's, rounded up to 16, + 16 (bank spread; + 16 more where
     // a split's start can fall inside a 16-byte group) = fp4_moe_tma.scale_row_bytes
-    const int sb = ((k_split / 32 + 15) / 16) * 16 + 16 + ((k_split / 32) % 16 ? 16 : 0);
+    // (SCALE_RING: 16, the stage's box; row g's 4 bytes at 16 g + offset: 8 rows in 8 different banks)
+    const int sb = SCALE_RING ? 16 : ((k_split / 32 + 15) / 16) * 16 + 16 + ((k_split / 32) % 16 ? 16 : 0);
 
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* w_ring = smem;                          // [STAGES][ROWS][64]
     unsigned char* a_ring = smem + STAGES * W_STAGE;       // [STAGES][TOKENS][TOK_STRIDE]
-    unsigned char* scales = a_ring + STAGES * A_STAGE;     // [ROWS][sb]
+    unsigned char* scales = a_ring + STAGES * A_STAGE;     // [ROWS][sb], SCALE_RING: [STAGES][ROWS][16]
     // full[STAGES], empty[STAGES], the scales' barrier: after the tiles (ROWS x sb is a multiple of 16), so the
     // dynamic block is the only shared memory and starts where the TMA's 128-byte alignment holds
-    unsigned long long* bars = reinterpret_cast<unsigned long long*>(scales + ROWS * sb);
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(scales + (SCALE_RING ? STAGES : 1) * ROWS * sb);
     const u32 full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]), scale_bar = smem_u32(&bars[2 * STAGES]);
 
     if (threadIdx.x == 0) {
@@ -159,15 +164,17 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
         const bool valid = slot < n_slots;
         const unsigned short* src = a + (valid ? (i64)(slot / a_row_div) * stride_am : 0) + k_lo;
         const u32 n_valid = __popc(__ballot_sync(0xFFFFFFFFu, valid));
-        const u32 stage_bytes = W_STAGE + n_valid * (KSTEP * 2);
+        const u32 stage_bytes = W_STAGE + S_STAGE + n_valid * (KSTEP * 2);
         unsigned long long policy = 0;
 #if EVICT_FIRST
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 #endif
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
-            mbar_expect_tx(scale_bar, ROWS * sb);
-            tma_load_3d(smem_u32(scales), &tmap_s, s_c0, row0, expert, scale_bar);
+            if (!SCALE_RING) {
+                mbar_expect_tx(scale_bar, ROWS * sb);
+                tma_load_3d(smem_u32(scales), &tmap_s, s_c0, row0, expert, scale_bar);
+            }
         }
         for (int step = 0; step < steps; ++step) {
             const int s = step % STAGES;
@@ -181,6 +188,9 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
                 } else {
                     tma_load_3d(dst, &tmap_w, c0, row0, expert, full0 + 8 * s);
                 }
+                if (SCALE_RING)  // the 16 bytes holding the stage's 4: from its aligned column (see s_c0)
+                    tma_load_3d(smem_u32(scales + s * S_STAGE), &tmap_s, (s_lo + step * (KSTEP / 32)) & ~15, row0,
+                                expert, full0 + 8 * s);
             }
             __syncwarp();  // the expect_tx precedes the activation copies' completions
             if (valid) {
@@ -223,7 +233,9 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 st.w[m][h] = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + rows[m][h] * (KSTEP / 2) + 16 * t);
-                st.mult[m][h] = scales[rows[m][h] * sb + s_off + step * (KSTEP / 32) + t];
+                st.mult[m][h] = SCALE_RING
+                    ? scales[s * S_STAGE + rows[m][h] * 16 + ((s_lo + step * (KSTEP / 32)) & 15) + t]
+                    : scales[rows[m][h] * sb + s_off + step * (KSTEP / 32) + t];
             }
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -260,7 +272,7 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
         }
     };
 
-    mbar_wait(scale_bar, 0);
+    if (!SCALE_RING) mbar_wait(scale_bar, 0);
 #if PREFETCH
     Held held[2];
     take(held[0], 0);
