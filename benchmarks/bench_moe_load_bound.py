@@ -35,9 +35,7 @@ VARIANTS = (("gemm (the op's plan)", {}), ("loads only", {"LOAD_ONLY": 1}),
             ("loads only, 1 m16 tile/warp", {"LOAD_ONLY": 1, "MT": 1}),
             ("loads only, 8 warps", {"LOAD_ONLY": 1, "WARPS": 8}),
             ("gemm, 4 stages", {"STAGES": 4}), ("tma gemm (fp4_moe_tma.cu)", {"TMA": True}),
-            ("tma gemm, 8 stages", {"TMA": True, "STAGES": 8}), ("tma gemm, 4 stages", {"TMA": True, "STAGES": 4}),
-            ("tma gemm, 1 m16 tile/warp", {"TMA": True, "MT": 1}), ("tma gemm, prefetch", {"TMA": True, "PREFETCH": 1}),
-            ("tma gemm, evict-first", {"TMA": True, "EVICT_FIRST": 1}))
+            ("tma gemm, MT2 x 4 stages", {"TMA": True, "MT": 2, "STAGES": 4}))
 
 
 def main() -> None:

@@ -22,16 +22,13 @@ from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
 from test_kernels_fp4_moe_mma import _reference_partials, _routing, _weights_f64
 
 BF16 = torch.bfloat16
-TILE_CONFIGS = [dict(MT=4, CWARPS=4, STAGES=3), dict(MT=4, CWARPS=4, STAGES=3, SCALE_RING=1),
-                dict(MT=2, CWARPS=4, STAGES=4, SCALE_RING=1), dict(MT=2, CWARPS=4, STAGES=4), dict(MT=2, CWARPS=4, STAGES=6),
-                dict(MT=2, CWARPS=4, STAGES=3, PREFETCH=1),
-                dict(MT=1, CWARPS=8, STAGES=8, EVICT_FIRST=1), dict(MT=2, CWARPS=4, STAGES=2),
-                dict(MT=4, CWARPS=2, STAGES=4), dict(MT=2, CWARPS=8, STAGES=4, PREFETCH=1, EVICT_FIRST=1)]
+TILE_CONFIGS = [dict(MT=4, CWARPS=4, STAGES=3), dict(MT=2, CWARPS=4, STAGES=4), dict(MT=2, CWARPS=4, STAGES=6),
+                dict(MT=1, CWARPS=8, STAGES=8), dict(MT=2, CWARPS=4, STAGES=2), dict(MT=4, CWARPS=2, STAGES=4),
+                dict(MT=2, CWARPS=8, STAGES=4)]
 
 
 def _tag(c: dict) -> str:
-    return (f"MT{c['MT']}w{c['CWARPS']}s{c['STAGES']}" + ("p" if c.get("PREFETCH") else "")
-            + ("e" if c.get("EVICT_FIRST") else "") + ("r" if c.get("SCALE_RING") else ""))
+    return f"MT{c['MT']}w{c['CWARPS']}s{c['STAGES']}"
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -69,14 +66,11 @@ def test_shape_rules_and_shared_memory():
     assert tma.check_shapes(4096, 1, cfg) is None and tma.check_shapes(2048, 16, cfg) is None
     assert "scale box would exceed 256 bytes" in tma.check_shapes(8192, 1, cfg)  # the split's scale box would be 272 bytes
     assert tma.check_shapes(8192, 2, cfg) is None
-    ring = tma.tiles({"SCALE_RING": 1})  # a 16-byte scale box per row and stage: no limit on the split
-    assert tma.scale_row_bytes(4096, 1) == 16 and tma.check_shapes(8192, 1, ring) is None
-    assert tma.smem_bytes(ring, 4096) == 3 * (16384 + 3200 + 256 * 16) + 8 * 7
     assert "shared memory" in tma.check_shapes(4096, 1, tma.tiles({"STAGES": 12}))
     with pytest.raises(ValueError, match="<= 256 rows"):
         tma.tiles({"CWARPS": 8})
-    with pytest.raises(ValueError, match="SCALE_RING 0 or 1"):
-        tma.tiles({"PREFETCH": 2})
+    with pytest.raises(ValueError, match="MT, CWARPS, STAGES >= 1"):
+        tma.tiles({"STAGES": 0})
 
 
 def test_split_rule_on_v4_flash_shapes():

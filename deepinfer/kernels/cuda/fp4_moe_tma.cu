@@ -27,8 +27,10 @@
 // * Synchronisation: mbarriers. full[s] (1 arrival, the producer's expect_tx of the stage's bytes; the
 //   copies complete it), empty[s] (one arrival per consumer warp once it holds the stage in registers).
 //
-// Compile-time constants (-D): MT m16 tiles per consumer warp, CWARPS consumer warps, STAGES ring depth;
-// EVICT_FIRST, PREFETCH, SCALE_RING (variants, see their #defines).
+// Compile-time constants (-D): MT m16 tiles per consumer warp, CWARPS consumer warps, STAGES ring depth.
+// Tried on the H200 and removed as slower at every T (in git history, 2026-12-02, BENCHMARKS.md): an L2
+// evict-first hint on the weights, consumers reading the next stage into registers before multiplying, and
+// per-stage 16-byte scale boxes in the ring instead of the split's scales once.
 // Launch: grid (routing blocks, ceil(N / ROWS), splits), block 32 (CWARPS + 1), dynamic shared memory
 // `fp4_moe_tma.smem_bytes`. Parameters: the weights' and scales' tensor maps (uint8, 3-D: [K/2 | K/32, N, E],
 // boxes [64, ROWS, 1] and [SB, ROWS, 1]; `fp4_moe_tma.py` encodes them), then as fp4_moe_mma.cu without w/ws.
@@ -45,15 +47,6 @@
 #ifndef STAGES
 #define STAGES 6
 #endif
-#ifndef EVICT_FIRST
-#define EVICT_FIRST 0  // 1: the weights' TMA copies carry an L2 evict-first hint (they are read once per step)
-#endif
-#ifndef PREFETCH
-#define PREFETCH 0     // 1: a consumer warp reads stage i + 1 into registers before it multiplies stage i
-#endif
-#ifndef SCALE_RING
-#define SCALE_RING 0   // 1: each stage also brings its rows' scales (a 16-byte box per row) instead of the whole
-#endif                 // split's once: a smaller CTA (more CTAs per SM), no limit on the split's length
 #define TOKENS 8
 #define KSTEP 128
 #define ROWS (16 * MT * CWARPS)
@@ -61,7 +54,6 @@
 #define TOK_STRIDE 400                  // bytes per token in a stage's activation tile (see the header)
 #define PIECE_GAP 160                   // offset of a token's second 128-byte piece
 #define A_STAGE (TOKENS * TOK_STRIDE)   // bytes of activations per stage (3200 = 25 x 128)
-#define S_STAGE (SCALE_RING ? ROWS * 16 : 0)  // SCALE_RING: bytes of scales per stage
 
 struct __align__(64) TensorMap {
     unsigned long long opaque[16];  // CUtensorMap: 128 bytes, encoded on the host by cuTensorMapEncodeTiled
@@ -100,13 +92,6 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int c
         ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
 
-__device__ __forceinline__ void tma_load_3d_hint(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar,
-                                                 unsigned long long policy) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1, {%2, %3, %4}], [%5], %6;"
-        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy) : "memory");
-}
 
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -134,16 +119,15 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
     const int s_off = s_lo - s_c0;
     // scale bytes per row in shared memory: the split's, rounded up to 16, + 16 (bank spread; + 16 more where
     // a split's start can fall inside a 16-byte group) = fp4_moe_tma.scale_row_bytes
-    // (SCALE_RING: 16, the stage's box; row g's 4 bytes at 16 g + offset: 8 rows in 8 different banks)
-    const int sb = SCALE_RING ? 16 : ((k_split / 32 + 15) / 16) * 16 + 16 + ((k_split / 32) % 16 ? 16 : 0);
+    const int sb = ((k_split / 32 + 15) / 16) * 16 + 16 + ((k_split / 32) % 16 ? 16 : 0);
 
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* w_ring = smem;                          // [STAGES][ROWS][64]
     unsigned char* a_ring = smem + STAGES * W_STAGE;       // [STAGES][TOKENS][TOK_STRIDE]
-    unsigned char* scales = a_ring + STAGES * A_STAGE;     // [ROWS][sb], SCALE_RING: [STAGES][ROWS][16]
+    unsigned char* scales = a_ring + STAGES * A_STAGE;     // [ROWS][sb]
     // full[STAGES], empty[STAGES], the scales' barrier: after the tiles (ROWS x sb is a multiple of 16), so the
     // dynamic block is the only shared memory and starts where the TMA's 128-byte alignment holds
-    unsigned long long* bars = reinterpret_cast<unsigned long long*>(scales + (SCALE_RING ? STAGES : 1) * ROWS * sb);
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(scales + ROWS * sb);
     const u32 full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]), scale_bar = smem_u32(&bars[2 * STAGES]);
 
     if (threadIdx.x == 0) {
@@ -164,33 +148,19 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
         const bool valid = slot < n_slots;
         const unsigned short* src = a + (valid ? (i64)(slot / a_row_div) * stride_am : 0) + k_lo;
         const u32 n_valid = __popc(__ballot_sync(0xFFFFFFFFu, valid));
-        const u32 stage_bytes = W_STAGE + S_STAGE + n_valid * (KSTEP * 2);
-        unsigned long long policy = 0;
-#if EVICT_FIRST
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#endif
+        const u32 stage_bytes = W_STAGE + n_valid * (KSTEP * 2);
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
-            if (!SCALE_RING) {
-                mbar_expect_tx(scale_bar, ROWS * sb);
-                tma_load_3d(smem_u32(scales), &tmap_s, s_c0, row0, expert, scale_bar);
-            }
+            mbar_expect_tx(scale_bar, ROWS * sb);
+            tma_load_3d(smem_u32(scales), &tmap_s, s_c0, row0, expert, scale_bar);
         }
         for (int step = 0; step < steps; ++step) {
             const int s = step % STAGES;
             if (step >= STAGES) mbar_wait(empty0 + 8 * s, ((step / STAGES) & 1) ^ 1);  // the consumers let go
             if (lane == 0) {
                 mbar_expect_tx(full0 + 8 * s, stage_bytes);
-                const u32 dst = smem_u32(w_ring + s * W_STAGE);
-                const int c0 = k_lo / 2 + step * (KSTEP / 2);
-                if (EVICT_FIRST) {
-                    tma_load_3d_hint(dst, &tmap_w, c0, row0, expert, full0 + 8 * s, policy);
-                } else {
-                    tma_load_3d(dst, &tmap_w, c0, row0, expert, full0 + 8 * s);
-                }
-                if (SCALE_RING)  // the 16 bytes holding the stage's 4: from its aligned column (see s_c0)
-                    tma_load_3d(smem_u32(scales + s * S_STAGE), &tmap_s, (s_lo + step * (KSTEP / 32)) & ~15, row0,
-                                expert, full0 + 8 * s);
+                tma_load_3d(smem_u32(w_ring + s * W_STAGE), &tmap_w, k_lo / 2 + step * (KSTEP / 2), row0, expert,
+                            full0 + 8 * s);
             }
             __syncwarp();  // the expect_tx precedes the activation copies' completions
             if (valid) {
@@ -233,9 +203,7 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 st.w[m][h] = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + rows[m][h] * (KSTEP / 2) + 16 * t);
-                st.mult[m][h] = SCALE_RING
-                    ? scales[s * S_STAGE + rows[m][h] * 16 + ((s_lo + step * (KSTEP / 32)) & 15) + t]
-                    : scales[rows[m][h] * sb + s_off + step * (KSTEP / 32) + t];
+                st.mult[m][h] = scales[rows[m][h] * sb + s_off + step * (KSTEP / 32) + t];
             }
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -272,23 +240,12 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
         }
     };
 
-    if (!SCALE_RING) mbar_wait(scale_bar, 0);
-#if PREFETCH
-    Held held[2];
-    take(held[0], 0);
-    for (int step = 0; step < steps; step += 2) {  // two register sets with static names: any step count
-        if (step + 1 < steps) take(held[1], step + 1);
-        multiply(held[0]);
-        if (step + 2 < steps) take(held[0], step + 2);
-        if (step + 1 < steps) multiply(held[1]);
-    }
-#else
+    mbar_wait(scale_bar, 0);
     for (int step = 0; step < steps; ++step) {
         Held held;
         take(held, step);
         multiply(held);
     }
-#endif
 
     // C fragment: c0 / c1 = row g, tokens 2t / 2t + 1; c2 / c3 = row g + 8
     const int slot0 = sorted_slots[blk * TOKENS + 2 * t];

@@ -5,7 +5,7 @@ ring and a producer warp (see the .cu's header). Same call and result as `fp4_mo
 out[s, slot, n] = fp32 sum over split s's K range of a[slot // a_row_div, k] * W[e, n, k] for every routed
 slot of every routing block of TOKENS slots; a bf16 [rows, K] (act_quant's exact q * s), w uint8 [E, N, K/2],
 w_scale uint8 [E, N, K/32], out fp32 [S, n_slots, N]. E8M0 bytes <= 128 (the exact expansion's range).
-config: MT, CWARPS, STAGES, EVICT_FIRST, PREFETCH, SCALE_RING (compile-time, `DEFAULT_TILES`). The weights' and scales' tensor maps are encoded
+config: MT, CWARPS, STAGES (compile-time, `DEFAULT_TILES`). The weights' and scales' tensor maps are encoded
 per (tensor, box) once and kept (`_maps`): a CUDA-graph replay reuses the captured parameter bytes.
 Needs sm_90 or newer (TMA, mbarrier transaction counts): `usable(device)`.
 Must not: import triton; know about SwiGLU, routing weights or the k-row sum.
@@ -21,13 +21,13 @@ SOURCE = "fp4_moe_tma.cu"
 TOKENS = 8  # slots per routing block: the MMA's n8
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
 KSTEP = 128  # K per ring stage (64 bytes of each weight row)
-DEFAULT_TILES = dict(MT=4, CWARPS=4, STAGES=3, EVICT_FIRST=0, PREFETCH=0, SCALE_RING=0)  # the last three: 0 / 1
+DEFAULT_TILES = dict(MT=4, CWARPS=4, STAGES=3)
 # H200 2026-12-02 s7 (bench_fp4_moe.py --tma, whole op, CUDA-graph replay, V4-Flash dims,
 # results/fp4_moe_tma_h200_2026-12-02_s7.log): 4 m16 tiles per consumer warp, 3 stages, T=8 / 32 / 128 205 /
 # 528 / 980 us against 203 / 532 / 1000 (MT2 x 4 stages), 218 / 569 / 1090 (MT2 x 6), 208 / 530 / 983 (MT2 x 8
 # consumer warps x 4), and the mma.sync form's 237 / 637 / 1189. Fewer stages with more or longer consumer
-# warps win: the consumers' expansion, not the bytes in flight, limits this kernel. PREFETCH and EVICT_FIRST
-# were slower at every T. At T=1 (6 slots) the mma.sync form stays faster (54.0 us vs 55.0 at best here).
+# warps win: the consumers' expansion, not the bytes in flight, limits this kernel. A second run
+# (_s7_run2.log): 204 / 518 / 911 us. Three variants were slower at every T and removed (BENCHMARKS.md). At T=1 (6 slots) the mma.sync form stays faster (54.0 us vs 55.0 at best here).
 TOK_STRIDE, A_STAGE = 400, 8 * 400  # the .cu's activation tile: bytes per token, per stage
 _SIGNATURE = "mmplpllppiiii"  # the parameters in order: m tensor map, p pointer, l int64, i int32
 _KERNELS: dict[tuple, CudaKernel] = {}
@@ -44,10 +44,9 @@ def kernel(cfg: dict) -> CudaKernel:
 def tiles(config: dict | None = None) -> dict:
     cfg = dict(DEFAULT_TILES)
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
-    if cfg["MT"] < 1 or cfg["CWARPS"] < 1 or cfg["STAGES"] < 1 or rows_per_cta(cfg) > 256 \
-            or any(cfg[k] not in (0, 1) for k in ("EVICT_FIRST", "PREFETCH", "SCALE_RING")):
+    if cfg["MT"] < 1 or cfg["CWARPS"] < 1 or cfg["STAGES"] < 1 or rows_per_cta(cfg) > 256:
         raise ValueError(f"fp4_moe_tma tiles: MT, CWARPS, STAGES >= 1 and 16 x MT x CWARPS <= 256 rows (one TMA "
-                         f"box), EVICT_FIRST, PREFETCH and SCALE_RING 0 or 1, got {cfg}")
+                         f"box), got {cfg}")
     return cfg
 
 
@@ -55,22 +54,18 @@ def rows_per_cta(cfg: dict) -> int:
     return 16 * cfg["MT"] * cfg["CWARPS"]
 
 
-def scale_row_bytes(k_split: int, scale_ring: int = 0) -> int:
+def scale_row_bytes(k_split: int) -> int:
     """Shared-memory bytes per weight row of the split's scales: rounded up to 16 (a TMA box row), + 16 so
     consecutive rows start in different banks, + 16 more where a split's first scale byte can sit inside a
     16-byte group (the box starts at the aligned column before it; the .cu's header)."""
-    if scale_ring:
-        return 16  # a stage's box: the 16 bytes holding its 4
     blocks = k_split // 32
     return -(-blocks // 16) * 16 + 16 + (16 if blocks % 16 else 0)
 
 
 def smem_bytes(cfg: dict, k_split: int) -> int:
-    """Dynamic shared memory of one CTA: the weight and activation rings, the split's scales (SCALE_RING: a
-    16-byte box per row in each stage), the mbarriers."""
-    rows, st, ring = rows_per_cta(cfg), cfg["STAGES"], cfg["SCALE_RING"]
-    return st * (rows * KSTEP // 2 + A_STAGE) + (st if ring else 1) * rows * scale_row_bytes(k_split, ring) \
-        + 8 * (2 * st + 1)
+    """Dynamic shared memory of one CTA: the weight and activation rings, the split's scales, the mbarriers."""
+    rows, st = rows_per_cta(cfg), cfg["STAGES"]
+    return st * (rows * KSTEP // 2 + A_STAGE) + rows * scale_row_bytes(k_split) + 8 * (2 * st + 1)
 
 
 def check_shapes(k: int, split: int, cfg: dict) -> str | None:
@@ -81,7 +76,7 @@ def check_shapes(k: int, split: int, cfg: dict) -> str | None:
         return f"split {split} must divide K={k} into multiples of {KSTEP}"
     if k % 512:
         return f"K={k} must be a multiple of 512 (the scales' rows, K/32 bytes, 16-byte strided for the TMA)"
-    if scale_row_bytes(k // split, cfg["SCALE_RING"]) > 256:
+    if scale_row_bytes(k // split) > 256:
         return f"K per split {k // split}: its scale box would exceed 256 bytes; split more"
     if smem_bytes(cfg, k // split) > 227 * 1024:
         return f"tiles {cfg} need {smem_bytes(cfg, k // split)} bytes of shared memory (> 227 KB)"
@@ -134,7 +129,7 @@ def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
         return out
     rows, k_split = rows_per_cta(cfg), k // split
     tmap_w = _map(w, (1, rows, KSTEP // 2))
-    tmap_s = _map(w_scale, (1, rows, scale_row_bytes(k_split, cfg["SCALE_RING"])))
+    tmap_s = _map(w_scale, (1, rows, scale_row_bytes(k_split)))
     grid = (block_expert.numel(), -(-n // rows), split)
     kernel(cfg).launch(
         grid, (32 * (cfg["CWARPS"] + 1), 1, 1),
