@@ -2,14 +2,18 @@
 // shared-memory ring with the Tensor Memory Accelerator (TMA), consumer warps expand and multiply on mma.sync.
 //
 // Same contract and math as fp4_moe_mma.cu (read its header for the fragment mapping and the E2M1 -> bf16
-// expansion, `e2m1_pair<C>` in mma_common.cuh): out[split, slot, n] = fp32 sum over the split's K range of a[row(slot), k] W[e, n, k]
-// for the <= 8 slots of one routing block, exact products, fp32 sums in the tensor cores.
+// expansion, `e2m1_pair<C>` in mma_common.cuh): out[split, slot, n] = fp32 sum over the split's K range of
+// a[row(slot), k] W[e, n, k] for the <= 8 slots of one routing block, exact products, fp32 sums in the
+// tensor cores.
 //
 // Why a second kernel: fp4_moe_mma.cu loads into registers, so a warp has one stage of loads in flight while
 // it expands and multiplies the previous one, and its math does not overlap its loads (the LOAD_ONLY
 // diagnostic: the loads alone reach 81-87% of the copy bandwidth, the GEMM 65-70%; 4 register stages were
 // slower). Here the loads are issued by a warp that does nothing else, STAGES ahead of the math, and land
-// in shared memory; HBM sees up to STAGES x 8 KB in flight per CTA whatever the consumers are doing.
+// in shared memory; HBM sees up to STAGES x ROWS x 64 bytes in flight per CTA whatever the consumers do.
+// Measured (H200, BENCHMARKS.md): the two GEMM launches at 75-81% of the copy rate against 62-69% for
+// fp4_moe_mma.cu; what limits this kernel now is its consumers' expansion (13 integer instructions and 4
+// bf16x2 multiplies per 8 weights): more or longer consumer warps won the tile sweep, more stages lost.
 //
 // Per CTA: ROWS = 16 MT CWARPS weight rows of one expert, K per stage 128 (64 bytes per row).
 // * Weights: one 3-D TMA box [64 bytes, ROWS rows, 1 expert] per stage into a dense [ROWS][64] tile. Lane
@@ -39,13 +43,13 @@
 #include "mma_common.cuh"
 
 #ifndef MT
-#define MT 2
+#define MT 4  // the launcher passes every constant (fp4_moe_tma.DEFAULT_TILES); these match its defaults
 #endif
 #ifndef CWARPS
 #define CWARPS 4
 #endif
 #ifndef STAGES
-#define STAGES 6
+#define STAGES 3
 #endif
 #define TOKENS 8
 #define KSTEP 128
