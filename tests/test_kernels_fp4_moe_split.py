@@ -180,7 +180,10 @@ def bank(e, d, i, ab):
                          torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, generator=g), sc(e, d, i // 32), ab)
 
 
-sweep_against_twin(bank, lambda t: TINY_VARIANTS if t != 40 else TINY_VARIANTS[:4], g, rel_bound=1e-4, ulp_bound=2)
+# T=40 (the interpreter's slowest rows) with the expand-6 variants only, unsplit and both GEMMs split (expand 6
+# is the production expansion; 1 and 5 are covered at T=1 and 3): the sweep was the CPU CI's slowest test
+sweep_against_twin(bank, lambda t: TINY_VARIANTS if t != 40 else [TINY_VARIANTS[5], TINY_VARIANTS[8]], g,
+                   rel_bound=1e-4, ulp_bound=2)
 print("ok")
 '''
 
