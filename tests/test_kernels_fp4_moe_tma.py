@@ -50,6 +50,9 @@ def test_launcher_rejects_bad_inputs_before_launching():
         expert_gemm_partials(a, w, s, torch.zeros(8, 4, 32), slots, blocks, 4, 1)
     with pytest.raises(ValueError, match="routing must be int32 blocks of 8"):
         expert_gemm_partials(a, w, s, out, slots[:6], blocks, 4, 1)
+    wide = torch.zeros(2, 32, 24, dtype=torch.uint8)[:, :, :16]  # right shape, rows 24 bytes apart
+    with pytest.raises(ValueError, match="w_scale must start 16-byte aligned with 16-byte aligned rows"):
+        expert_gemm_partials(a, w, wide, out, slots, blocks, 4, 1)
     with pytest.raises(ValueError, match=r"K=256 must be a multiple of 512"):
         expert_gemm_partials(a, w[:, :, :128], s[:, :, :8], out, slots, blocks, 4, 1)
 

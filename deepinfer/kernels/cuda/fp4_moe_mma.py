@@ -66,15 +66,13 @@ def check_shapes(k: int, split: int, cfg: dict) -> str | None:
     return None
 
 
-def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
-                         sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int, a_row_div: int,
-                         config: dict | None = None) -> torch.Tensor:
-    cfg = tiles(config)
+def input_problems(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
+                   sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int) -> list[str]:
+    """What is wrong with `expert_gemm_partials`' tensors (dtypes, shapes, strides, alignment), one text each;
+    the TMA form's launcher (fp4_moe_tma.py) runs the same checks and adds its own."""
     e, n, half_k = w.shape
     k = 2 * half_k
-    split = out.shape[0]
-    why = check_shapes(k, split, cfg)
-    problems = [why] if why else []
+    problems = []
     if a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] < k or a.stride(1) != 1 or a.stride(0) % 8:
         problems.append(f"a must be bf16 [rows, >= {k}] with unit column stride and rows 16-byte aligned, "
                         f"got {a.dtype} {tuple(a.shape)} strides {a.stride()}")
@@ -90,6 +88,18 @@ def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
                         f"block_expert {block_expert.numel()}")
     if any(t.data_ptr() % 16 for t in (a, w)):
         problems.append("a and w must start 16-byte aligned")
+    return problems
+
+
+def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
+                         sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int, a_row_div: int,
+                         config: dict | None = None) -> torch.Tensor:
+    cfg = tiles(config)
+    _, n, half_k = w.shape
+    k = 2 * half_k
+    split = out.shape[0]
+    why = check_shapes(k, split, cfg)
+    problems = ([why] if why else []) + input_problems(a, w, w_scale, out, sorted_slots, block_expert, n_slots)
     if problems:
         raise ValueError("expert_gemm_partials: " + "; ".join(problems))
     if n_slots == 0 or block_expert.numel() == 0:

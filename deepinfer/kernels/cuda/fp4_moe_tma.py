@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.cuda import runtime
+from deepinfer.kernels.cuda.fp4_moe_mma import input_problems
 from deepinfer.kernels.cuda.runtime import CudaKernel
 
 SOURCE = "fp4_moe_tma.cu"
@@ -101,28 +102,13 @@ def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
                          sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int, a_row_div: int,
                          config: dict | None = None) -> torch.Tensor:
     cfg = tiles(config)
-    e, n, half_k = w.shape
+    _, n, half_k = w.shape
     k = 2 * half_k
     split = out.shape[0]
     why = check_shapes(k, split, cfg)
-    problems = [why] if why else []
-    if a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] < k or a.stride(1) != 1 or a.stride(0) % 8:
-        problems.append(f"a must be bf16 [rows, >= {k}] with unit column stride and rows 16-byte aligned, "
-                        f"got {a.dtype} {tuple(a.shape)} strides {a.stride()}")
-    if w.dtype != torch.uint8 or w.stride(2) != 1 or w.stride(1) % 16 or w.stride(0) % 16:
-        problems.append(f"w must be uint8 [E, N, K/2] with 16-byte aligned rows, got {w.dtype} strides {w.stride()}")
-    if tuple(w_scale.shape) != (e, n, k // 32) or w_scale.dtype != torch.uint8 or w_scale.stride(2) != 1 \
-            or w_scale.stride(1) % 16 or w_scale.stride(0) % 16:
-        problems.append(f"w_scale must be uint8 [{e}, {n}, {k // 32}] with 16-byte aligned rows, got "
-                        f"{w_scale.dtype} {tuple(w_scale.shape)} strides {w_scale.stride()}")
-    if out.dtype != torch.float32 or out.dim() != 3 or out.shape[1] != n_slots or out.shape[2] != n or out.stride(2) != 1:
-        problems.append(f"out must be fp32 [S, {n_slots}, {n}] with unit column stride, got {out.dtype} {tuple(out.shape)}")
-    if sorted_slots.dtype != torch.int32 or block_expert.dtype != torch.int32 \
-            or sorted_slots.numel() != block_expert.numel() * TOKENS:
-        problems.append(f"routing must be int32 blocks of {TOKENS} slots: sorted_slots {sorted_slots.numel()}, "
-                        f"block_expert {block_expert.numel()}")
-    if any(t.data_ptr() % 16 for t in (a, w, w_scale)):
-        problems.append("a, w and w_scale must start 16-byte aligned")
+    problems = ([why] if why else []) + input_problems(a, w, w_scale, out, sorted_slots, block_expert, n_slots)
+    if w_scale.stride(1) % 16 or w_scale.stride(0) % 16 or w_scale.data_ptr() % 16:  # the scales' tensor map
+        problems.append(f"w_scale must start 16-byte aligned with 16-byte aligned rows, got strides {w_scale.stride()}")
     if problems:
         raise ValueError("fp4_moe_tma.expert_gemm_partials: " + "; ".join(problems))
     if n_slots == 0 or block_expert.numel() == 0:
