@@ -753,18 +753,31 @@ def plan_mma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config:
         steps = math.gcd(d, inter) // 128
         cfg.update(KSTEP=128, STAGES=next(st for st in (4, 2, 1) if steps % st == 0))
     n_blocks = n_routing_blocks(n_slots, n_experts, mma.TOKENS)
-    waves = config.get("WAVES", MMA_WAVES)
+    return _cuda_form_splits(cfg, config, mma.rows_per_cta(cfg), n_blocks, d, inter, sms,
+                             config.get("WAVES", MMA_WAVES),
+                             lambda k, s: (k // cfg["KSTEP"]) % (2 * s * cfg["STAGES"]) == 0, mma.check_shapes,
+                             "mma.sync")
+
+
+def _cuda_form_splits(cfg: dict, config: dict, rows: int, n_blocks: int, d: int, inter: int, sms: int, waves: int,
+                      doubles, check, form: str, grow_to_fit: bool = False) -> dict:
+    """cfg's S13 / S2 for the CUDA decode forms: SPLIT_K13 / SPLIT_K2, else SPLIT_K, as given; None/0: doubled
+    (up to 16) while the grid of n_blocks x ceil(N / rows) x S CTAs stays under waves x sms and `doubles(k, s)`
+    says a split of 2S keeps whole stages; grow_to_fit: then doubled on while `check` refuses it. ValueError
+    naming the form for a split `check(k, s, cfg)` refuses."""
     for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
         want = config.get("SPLIT_K" + name[1:], config.get("SPLIT_K"))
         if want:
             s = int(want)
         else:
-            grid, steps, s = n_blocks * triton.cdiv(n, mma.rows_per_cta(cfg)), k // cfg["KSTEP"], 1
-            while s * 2 <= 16 and grid * s < waves * sms and steps % (2 * s * cfg["STAGES"]) == 0:
+            grid, s = n_blocks * triton.cdiv(n, rows), 1
+            while s * 2 <= 16 and grid * s < waves * sms and doubles(k, s):
                 s *= 2
-        why = mma.check_shapes(k, s, cfg)
+            while grow_to_fit and check(k, s, cfg) and s < 16 and k % (2 * s) == 0:
+                s *= 2
+        why = check(k, s, cfg)
         if why:
-            raise ValueError(f"fp4_moe mma.sync form: {why}")
+            raise ValueError(f"fp4_moe {form} form: {why}")
         cfg[name] = s
     return cfg
 
@@ -792,22 +805,11 @@ def plan_tma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config:
 
     cfg = tma.tiles(config)
     n_blocks = n_routing_blocks(n_slots, n_experts, tma.TOKENS)
-    waves = config.get("WAVES", TMA_WAVES)
-    for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
-        want = config.get("SPLIT_K" + name[1:], config.get("SPLIT_K"))
-        if want:
-            s = int(want)
-        else:
-            grid, s = n_blocks * triton.cdiv(n, tma.rows_per_cta(cfg)), 1
-            while s * 2 <= 16 and grid * s < waves * sms and (k // (2 * s)) % tma.KSTEP == 0 and k % (2 * s) == 0:
-                s *= 2
-            while tma.check_shapes(k, s, cfg) and s < 16 and k % (2 * s) == 0:  # a split too long for one box
-                s *= 2
-        why = tma.check_shapes(k, s, cfg)
-        if why:
-            raise ValueError(f"fp4_moe TMA form: {why}")
-        cfg[name] = s
-    return cfg
+    # grow_to_fit: a split too long for one scale box (K per split > 7680) doubles until it fits
+    return _cuda_form_splits(cfg, config, tma.rows_per_cta(cfg), n_blocks, d, inter, sms,
+                             config.get("WAVES", TMA_WAVES),
+                             lambda k, s: k % (2 * s) == 0 and (k // (2 * s)) % tma.KSTEP == 0, tma.check_shapes,
+                             "TMA", grow_to_fit=True)
 
 
 def tma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
