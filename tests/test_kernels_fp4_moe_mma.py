@@ -135,16 +135,11 @@ def _cuda():
     return cuda_with_nvrtc()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=_tag)
-def test_one_hot_rows_give_every_weight_exactly(cfg):
-    """K = 1024 one-hot activation rows (a token per K position, all routed to expert 0 of 2): output [slot k,
-    row n] must be W[0, n, k] exactly (as values: a -0 weight sums to +0); rows cycle through all 256 bytes,
-    scales through 2..128 (from 2 the smallest product, 0.5 x 2^-125, is an fp32 normal)."""
-    from deepinfer.kernels.cuda.fp4_moe_mma import expert_gemm_partials
-
-    dev = _cuda()
-    n, k = 96, 1024  # 96 rows: a partial CTA tile for most configs
+def assert_one_hot_exact(partials, cfg: dict, splits, dev, n: int = 96, k: int = 1024) -> None:
+    """K one-hot activation rows (a token per K position, all routed to expert 0 of 2) through `partials` (an
+    `expert_gemm_partials`): output [slot k, row n] must be W[0, n, k] exactly (as values: a -0 weight sums
+    to +0) for every split in `splits`; rows cycle through all 256 bytes, scales through 2..128 (from 2 the
+    smallest product, 0.5 x 2^-125, is an fp32 normal). Shared by the mma.sync and TMA forms' tests."""
     g = torch.Generator(device="cpu").manual_seed(3)
     w = torch.randint(0, 256, (2, n, k // 2), dtype=torch.uint8, generator=g)
     w[0, :, :256] = torch.arange(256, dtype=torch.uint8)  # every byte on every row
@@ -153,16 +148,45 @@ def test_one_hot_rows_give_every_weight_exactly(cfg):
     sorted_slots, block_expert = _routing(ids, 2)
     a = torch.eye(k, dtype=BF16)
     want = _weights_f64(w, s)[0].T.float()  # [k, n]
-    for split in (1, 2):
-        if (k // split) % _kstep(cfg):
-            continue
+    for split in splits:
         out = torch.full((split, k, n), float("nan"), device=dev)
-        expert_gemm_partials(a.to(dev), w.to(dev), s.to(dev), out, sorted_slots.to(dev), block_expert.to(dev), k, 1,
-                             cfg)
+        partials(a.to(dev), w.to(dev), s.to(dev), out, sorted_slots.to(dev), block_expert.to(dev), k, 1, cfg)
         assert not torch.isnan(out).any(), (cfg, split, int(torch.isnan(out).sum()))
-        got = out.sum(0).cpu()  # the other split's partial is exactly 0
+        got = out.sum(0).cpu()  # the other splits' partials are exactly 0
         bad = got != want
         assert not bad.any(), (cfg, split, int(bad.sum()), bad.nonzero()[:8].tolist())
+
+
+def assert_partials_match_float64(partials, cfg: dict, d: int, splits, dev, e: int = 16, i: int = 512) -> None:
+    """`partials` against float64 partial sums for T = 1, 5, 40 top-6 rows over E experts, w13's shape
+    (2I rows, K = d), every split in `splits`: rel_err <= 1e-5 (exact products, fp32 sums), no entry left
+    unwritten (the output is NaN first)."""
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    w = torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, generator=gen)
+    s = torch.randint(100, 129, (e, 2 * i, d // 32), dtype=torch.uint8, generator=gen)
+    for t in (1, 5, 40):
+        x = (torch.randn(t, d, generator=gen) * torch.exp(torch.randn(t, 1, generator=gen))).to(BF16)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:6] for _ in range(t)])
+        sorted_slots, block_expert = _routing(ids, e)
+        for split in splits:
+            out = torch.full((split, t * 6, 2 * i), float("nan"), device=dev)
+            partials(x.to(dev), w.to(dev), s.to(dev), out, sorted_slots.to(dev), block_expert.to(dev), t * 6, 6, cfg)
+            want = _reference_partials(x, w, s, sorted_slots, block_expert, t * 6, 6, split)
+            got = out.cpu().double()
+            assert not torch.isnan(got).any(), (cfg, t, split, int(torch.isnan(got).sum()))
+            rel = float((got - want).norm() / want.norm())
+            print(f"{cfg} T={t} split={split}: rel_err {rel:.2e}")
+            assert rel <= 1e-5, (cfg, t, split, rel)  # fp32 sums of exact products: measured ~1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=_tag)
+def test_one_hot_rows_give_every_weight_exactly(cfg):
+    """`assert_one_hot_exact` at K = 1024, 96 rows (a partial CTA tile for most configs), splits 1 and 2 where
+    they keep whole pipeline rounds."""
+    from deepinfer.kernels.cuda.fp4_moe_mma import expert_gemm_partials
+
+    assert_one_hot_exact(expert_gemm_partials, cfg, [sp for sp in (1, 2) if (1024 // sp) % _kstep(cfg) == 0], _cuda())
 
 
 @pytest.mark.gpu
@@ -170,27 +194,9 @@ def test_one_hot_rows_give_every_weight_exactly(cfg):
 def test_partials_match_float64(cfg):
     from deepinfer.kernels.cuda.fp4_moe_mma import expert_gemm_partials
 
-    dev = _cuda()
-    gen = torch.Generator(device="cpu").manual_seed(11)
-    e, d, i = 16, 1024, 512
-    w = torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, generator=gen)
-    s = torch.randint(100, 129, (e, 2 * i, d // 32), dtype=torch.uint8, generator=gen)
-    for t in (1, 5, 40):
-        x = (torch.randn(t, d, generator=gen) * torch.exp(torch.randn(t, 1, generator=gen))).to(BF16)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:6] for _ in range(t)])
-        sorted_slots, block_expert = _routing(ids, e)
-        for split in (1, 2, 4):
-            if (d // split) % _kstep(cfg):
-                continue
-            out = torch.full((split, t * 6, 2 * i), float("nan"), device=dev)
-            expert_gemm_partials(x.to(dev), w.to(dev), s.to(dev), out, sorted_slots.to(dev), block_expert.to(dev),
-                                 t * 6, 6, cfg)
-            want = _reference_partials(x, w, s, sorted_slots, block_expert, t * 6, 6, split)
-            got = out.cpu().double()
-            assert not torch.isnan(got).any(), (cfg, t, split, int(torch.isnan(got).sum()))
-            rel = float((got - want).norm() / want.norm())
-            print(f"{cfg} T={t} split={split}: rel_err {rel:.2e}")
-            assert rel <= 1e-5, (cfg, t, split, rel)  # fp32 sums of exact products: measured ~1e-6
+    d = 1024
+    assert_partials_match_float64(expert_gemm_partials, cfg, d, [sp for sp in (1, 2, 4) if (d // sp) % _kstep(cfg) == 0],
+                                  _cuda())
 
 
 @pytest.fixture(scope="module")

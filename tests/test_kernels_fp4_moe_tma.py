@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
-from test_kernels_fp4_moe_mma import _reference_partials, _routing, _weights_f64
+from test_kernels_fp4_moe_mma import assert_one_hot_exact, assert_partials_match_float64
 
 BF16 = torch.bfloat16
 TILE_CONFIGS = [dict(MT=4, CWARPS=4, STAGES=3), dict(MT=2, CWARPS=4, STAGES=4), dict(MT=2, CWARPS=4, STAGES=6),
@@ -133,56 +133,22 @@ def _cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=_tag)
 def test_one_hot_rows_give_every_weight_exactly(cfg):
-    """K = 1024 one-hot activation rows (a token per K position, all routed to expert 0 of 2): output [slot k,
-    row n] must be W[0, n, k] exactly; rows cycle through all 256 bytes, scales through 2..128; 96 rows is a
-    partial TMA box for every config (the box's rows past N are zero-filled and must not be stored)."""
+    """`assert_one_hot_exact` (the mma.sync form's tests) at K = 1024 and 96 rows, a partial TMA box for every
+    config (the box's rows past N are zero-filled and must not be stored); split 8 = 128 K per split, whose
+    scale boxes start inside 16-byte groups."""
     from deepinfer.kernels.cuda.fp4_moe_tma import expert_gemm_partials
 
-    dev = _cuda()
-    n, k = 96, 1024
-    g = torch.Generator(device="cpu").manual_seed(3)
-    w = torch.randint(0, 256, (2, n, k // 2), dtype=torch.uint8, generator=g)
-    w[0, :, :256] = torch.arange(256, dtype=torch.uint8)
-    s = (torch.arange(2 * n * (k // 32)).view(2, n, k // 32) % 127 + 2).to(torch.uint8)
-    ids = torch.zeros(k, 1, dtype=torch.int64)
-    sorted_slots, block_expert = _routing(ids, 2)
-    a = torch.eye(k, dtype=BF16)
-    want = _weights_f64(w, s)[0].T.float()
-    for split in (1, 2, 8):  # 8: 128 K per split, the scales' boxes start inside 16-byte groups
-        out = torch.full((split, k, n), float("nan"), device=dev)
-        expert_gemm_partials(a.to(dev), w.to(dev), s.to(dev), out, sorted_slots.to(dev), block_expert.to(dev), k, 1,
-                             cfg)
-        torch.cuda.synchronize()
-        assert not torch.isnan(out).any(), (cfg, split, int(torch.isnan(out).sum()))
-        got = out.sum(0).cpu()
-        bad = got != want
-        assert not bad.any(), (cfg, split, int(bad.sum()), bad.nonzero()[:8].tolist())
+    assert_one_hot_exact(expert_gemm_partials, cfg, (1, 2, 8), _cuda())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", TILE_CONFIGS[:4], ids=_tag)
 def test_partials_match_float64(cfg):
+    """`assert_partials_match_float64` at K = 2048; splits 8 and 16 (256 / 128 K per split) take their scale
+    boxes from mid-group starts."""
     from deepinfer.kernels.cuda.fp4_moe_tma import expert_gemm_partials
 
-    dev = _cuda()
-    gen = torch.Generator(device="cpu").manual_seed(11)
-    e, d, i = 16, 2048, 512
-    w = torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, generator=gen)
-    s = torch.randint(100, 129, (e, 2 * i, d // 32), dtype=torch.uint8, generator=gen)
-    for t in (1, 5, 40):
-        x = (torch.randn(t, d, generator=gen) * torch.exp(torch.randn(t, 1, generator=gen))).to(BF16)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:6] for _ in range(t)])
-        sorted_slots, block_expert = _routing(ids, e)
-        for split in (1, 2, 4, 8, 16):  # 8 and 16: 256 / 128 K per split, scale boxes from mid-group starts
-            out = torch.full((split, t * 6, 2 * i), float("nan"), device=dev)
-            expert_gemm_partials(x.to(dev), w.to(dev), s.to(dev), out, sorted_slots.to(dev), block_expert.to(dev),
-                                 t * 6, 6, cfg)
-            want = _reference_partials(x, w, s, sorted_slots, block_expert, t * 6, 6, split)
-            got = out.cpu().double()
-            assert not torch.isnan(got).any(), (cfg, t, split, int(torch.isnan(got).sum()))
-            rel = float((got - want).norm() / want.norm())
-            print(f"{cfg} T={t} split={split}: rel_err {rel:.2e}")
-            assert rel <= 1e-5, (cfg, t, split, rel)
+    assert_partials_match_float64(expert_gemm_partials, cfg, 2048, (1, 2, 4, 8, 16), _cuda())
 
 
 @pytest.fixture(scope="module")
