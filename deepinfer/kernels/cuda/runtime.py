@@ -332,13 +332,13 @@ class CudaKernel:
         if len(args) != len(self.signature):
             raise ValueError(f"{self.function}: {len(self.signature)} arguments expected, got {len(args)}")
         fn = self._function(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
         if shared > 48 * 1024:
-            index = device.index if device.index is not None else torch.cuda.current_device()
             if self._shared_limit.get(index, 48 * 1024) < shared:
                 # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above 48 KB a launch needs it raised first
                 _check_cu(_driver().cuFuncSetAttribute(fn, 8, int(shared)), f"cuFuncSetAttribute({self.function})")
                 self._shared_limit[index] = shared
-        packer = self._packers[device.index if device.index is not None else torch.cuda.current_device()]
+        packer = self._packers[index]
         values = list(args)
         for i in self._pointer_args:
             v = values[i]
