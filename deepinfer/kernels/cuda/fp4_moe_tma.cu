@@ -41,6 +41,7 @@
 // Requires: K split % 128 == 0, SB <= 256; a's rows 16-byte aligned.
 
 #include "mma_common.cuh"
+#include "tma_common.cuh"
 
 #ifndef MT
 #define MT 4  // the launcher passes every constant (fp4_moe_tma.DEFAULT_TILES); these match its defaults
@@ -58,49 +59,6 @@
 #define TOK_STRIDE 400                  // bytes per token in a stage's activation tile (see the header)
 #define PIECE_GAP 160                   // offset of a token's second 128-byte piece
 #define A_STAGE (TOKENS * TOK_STRIDE)   // bytes of activations per stage (3200 = 25 x 128)
-
-struct __align__(64) TensorMap {
-    unsigned long long opaque[16];  // CUtensorMap: 128 bytes, encoded on the host by cuTensorMapEncodeTiled
-};
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    // one arrival that also raises the phase's pending transaction bytes: the phase completes when the
-    // copies signalling this barrier have delivered them
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n\t.reg .pred P;\n"
-        "WAIT_%=:\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n\t"
-        "@!P bra WAIT_%=;\n}"
-        ::"r"(bar), "r"(parity) : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
-        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
-}
-
-
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 
 extern "C" __global__ void __launch_bounds__(32 * (CWARPS + 1))
 fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_s,
