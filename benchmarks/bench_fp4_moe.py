@@ -6,10 +6,13 @@ tile sweep per regime, V4-Flash dims (E=256, k=6, D=4096, I=2048), uniform rando
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --variants [--ts 1,8,32,128,512]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --mma [--ts 1,8,32,128]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --tma [--ts 1,8,32,128]
+    PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --wgmma [--ts 512,2048,8192]
 
 --fp8: the current default (expand and plan chosen by the op) against the FP8 form's variants (`FP8_VARIANTS`);
 --mma: the current default against the mma.sync CUDA kernel's variants (`MMA_VARIANTS`, kernels/cuda/fp4_moe_mma);
 --tma: the current default against the TMA-fed CUDA kernel's variants (`TMA_VARIANTS`, kernels/cuda/fp4_moe_tma);
+--wgmma: the current default against the Triton prefill plan and the wgmma kernel's tiles (`WGMMA_VARIANTS`,
+kernels/cuda/fp4_moe_wgmma); every variants row also gives the expert TFLOP/s (2 x slots x 3 x D x I);
 --variants: the default against the v2 path's variants (`fp4_moe(config=...)` with `V2_KEYS`: split-K with
 fixed-order reduces, pre-dequantised bf16 activations, one gate+up tile; `VARIANTS` below), each row with
 its speedup over the default at that T; writes $OUT/fp4_moe_variants.json.
@@ -123,6 +126,15 @@ TMA_VARIANTS = [  # (name, config, expand, max T)
     ("tma MT2 cw4 s6", dict(TMA=True, MT=2, CWARPS=4, STAGES=6), None, 10 ** 9),
     ("tma MT1 cw4 s4", dict(TMA=True, MT=1, CWARPS=4, STAGES=4), None, 10 ** 9),
 ]
+WGMMA_VARIANTS = [  # (name, config, expand, max T)
+    ("triton prefill (PREFILL_V2, expand 6)", dict(A_BF16=True), 6, 10 ** 9),
+    ("wgmma BT128 cwg2 s4 f2", dict(WGMMA=True), None, 10 ** 9),
+    ("wgmma BT64 cwg2 s4 f2", dict(WGMMA=True, BT=64), None, 10 ** 9),
+    ("wgmma BT128 cwg4 s4 f1", dict(WGMMA=True, CWG=4, FRAG_BUFS=1), None, 10 ** 9),
+    ("wgmma BT64 cwg4 s6 f1", dict(WGMMA=True, BT=64, CWG=4, STAGES=6, FRAG_BUFS=1), None, 10 ** 9),
+    ("wgmma BT128 cwg2 s3 f2", dict(WGMMA=True, STAGES=3), None, 10 ** 9),
+    ("wgmma BT128 cwg1 s4 f2", dict(WGMMA=True, CWG=1), None, 10 ** 9),
+]
 # (the seventh session's sweeps, results/fp4_moe_tma_h200_2026-12-02_s7*.log, also timed 8 stages, MT1 x 8
 # warps, WAVES 2 / 8 and three variants since removed from the kernel: each slower than the rows kept here)
 
@@ -154,6 +166,11 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
             elif "TMA" in cfg:
                 pl = plan_tma(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} cw={pl['CWARPS']} st={pl['STAGES']}"
+            elif "WGMMA" in cfg:
+                from deepinfer.kernels.cuda.fp4_moe_wgmma import tiles as wgmma_tiles
+
+                pl = wgmma_tiles(cfg)
+                desc = f"BT={pl['BT']} CWG={pl['CWG']} st={pl['STAGES']} fb={pl['FRAG_BUFS']}"
             elif "FP8" in cfg:
                 pl = plan_fp8(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BT={pl['BT']} BW={pl['BW']} w={pl['num_warps']}"
@@ -170,10 +187,11 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
                 continue
             base = base or ms
             gbs = touched * per_expert_bytes / (ms * 1e-3) / 1e9
-            res.append(dict(t=t, name=name, cfg=cfg, expand=expand, plan=desc, ms=ms, gbs=gbs, rel_err=rel, experts=touched,
-                            speedup=base / ms))
-            rows.append(f"T={t:4d} {name:32s} {desc:34s} {ms * 1e3:8.1f} us {gbs:6.0f} GB/s x{base / ms:5.2f} "
-                        f"rel {rel:.1e}")
+            tflops = 2 * n_slots * 3 * D * I / (ms * 1e-3) / 1e12
+            res.append(dict(t=t, name=name, cfg=cfg, expand=expand, plan=desc, ms=ms, gbs=gbs, tflops=tflops,
+                            rel_err=rel, experts=touched, speedup=base / ms))
+            rows.append(f"T={t:4d} {name:32s} {desc:34s} {ms * 1e3:8.1f} us {gbs:6.0f} GB/s {tflops:6.1f} TFLOP/s "
+                        f"x{base / ms:5.2f} rel {rel:.1e}")
             print(rows[-1], flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "fp4_moe_variants.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -189,14 +207,17 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="the current default against FP8_VARIANTS (the FP8 form)")
     ap.add_argument("--mma", action="store_true", help="the current default against MMA_VARIANTS (mma.sync kernel)")
     ap.add_argument("--tma", action="store_true", help="the current default against TMA_VARIANTS (TMA-fed kernel)")
+    ap.add_argument("--wgmma", action="store_true", help="the current default against WGMMA_VARIANTS (prefill)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     b = bank(dev)
     per_expert_bytes = (b.w13[0].numel() + b.w13_scale[0].numel() + b.w2[0].numel() + b.w2_scale[0].numel())
-    if args.variants or args.fp8 or args.mma or args.tma:
-        run_variants(b, [int(v) for v in (args.ts or "1,8,32,128,512").split(",")], per_expert_bytes,
-                     FP8_VARIANTS if args.fp8 else MMA_VARIANTS if args.mma else TMA_VARIANTS if args.tma else None)
+    if args.variants or args.fp8 or args.mma or args.tma or args.wgmma:
+        ts = args.ts or ("512,2048,8192" if args.wgmma else "1,8,32,128,512")
+        run_variants(b, [int(v) for v in ts.split(",")], per_expert_bytes,
+                     FP8_VARIANTS if args.fp8 else MMA_VARIANTS if args.mma else TMA_VARIANTS if args.tma
+                     else WGMMA_VARIANTS if args.wgmma else None)
         return
     rows, res = [], []
     for t in (int(v) for v in (args.ts or "1,8,32,128,512,2048,8192").split(",")):

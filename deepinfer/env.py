@@ -24,6 +24,7 @@ def cuda_graphs_enabled() -> bool:
 
 DECODE_KERNEL_CHOICES = ("auto", "mma", "triton")
 MOE_DECODE_KERNEL_CHOICES = ("auto", "tma", "mma", "triton")
+MOE_PREFILL_KERNEL_CHOICES = ("auto", "wgmma", "triton")
 
 
 def _kernel_choice(name: str, choices: tuple[str, ...] = DECODE_KERNEL_CHOICES) -> str:
@@ -47,3 +48,11 @@ def moe_decode_kernel() -> str:
     "triton" (the Triton v2 kernels), "auto" (the default: the measured faster one, see
     kernels/triton/fp4_moe.py DECODE_FORM). Anything else is a ValueError naming the choices."""
     return _kernel_choice("DEEPINFER_MOE_DECODE_KERNEL", MOE_DECODE_KERNEL_CHOICES)
+
+
+def moe_prefill_kernel() -> str:
+    """DEEPINFER_MOE_PREFILL_KERNEL: which kernels run the routed experts' GEMMs above 16 slots per expert
+    (prefill) on CUDA: "wgmma" (the warpgroup-MMA CUDA kernel, kernels/cuda/fp4_moe_wgmma.cu, on sm_90 where
+    it can run, else Triton), "triton" (the Triton v2 prefill plan), "auto" (the default: kernels/triton/
+    fp4_moe.py PREFILL_FORM). Anything else is a ValueError naming the choices."""
+    return _kernel_choice("DEEPINFER_MOE_PREFILL_KERNEL", MOE_PREFILL_KERNEL_CHOICES)

@@ -198,12 +198,19 @@ def device_arch(device: torch.device) -> str:
 
 # CUtensorMapEncodeTiled's enums (cuda.h): data type, interleave, swizzle, L2 promotion, OOB fill
 _TMA_UINT8, _TMA_INTERLEAVE_NONE, _TMA_SWIZZLE_NONE, _TMA_L2_256B, _TMA_OOB_FILL_ZERO = 0, 0, 0, 3, 0
+TMA_SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}  # swizzle span in bytes -> CUtensorMapSwizzle
 
 
-def check_tensor_map(shape: tuple[int, ...], strides: tuple[int, ...], data_ptr: int, box: tuple[int, ...]) -> str | None:
+def check_tensor_map(shape: tuple[int, ...], strides: tuple[int, ...], data_ptr: int, box: tuple[int, ...],
+                     swizzle: int = 0) -> str | None:
     """Why a uint8 tensor (shape, element strides, address) and box cannot make a tiled TMA descriptor (None: they
     can). The driver's rules: rank 1..5, unit innermost stride, 16-byte aligned base and outer strides (< 2^40),
-    box dims 1..256 and the innermost box a multiple of 16 bytes."""
+    box dims 1..256 and the innermost box a multiple of 16 bytes; with a swizzle (32, 64 or 128 bytes) the
+    innermost box at most the swizzle span."""
+    if swizzle not in TMA_SWIZZLES:
+        return f"swizzle {swizzle}: must be one of {sorted(TMA_SWIZZLES)} bytes"
+    if swizzle and box and box[-1] > swizzle:
+        return f"box {box}: with the {swizzle}-byte swizzle the innermost box must be at most {swizzle} bytes"
     if not 1 <= len(shape) <= 5 or len(box) != len(shape):
         return f"rank {len(shape)} with box rank {len(box)}: both must be 1..5 and equal"
     if strides[-1] != 1:
@@ -215,14 +222,15 @@ def check_tensor_map(shape: tuple[int, ...], strides: tuple[int, ...], data_ptr:
     return None
 
 
-def encode_tensor_map(tensor: torch.Tensor, box: tuple[int, ...]) -> bytes:
+def encode_tensor_map(tensor: torch.Tensor, box: tuple[int, ...], swizzle: int = 0) -> bytes:
     """The 128-byte tiled TMA descriptor (CUtensorMap) of a CUDA uint8 tensor: `box` (outermost first, like the
-    shape) is the tile one copy moves; no swizzle, zero fill out of bounds, 256-byte L2 promotion. The tensor
-    must outlive every launch that uses the descriptor (it holds the address, not a reference)."""
+    shape) is the tile one copy moves; `swizzle` bytes (0: none; 128: the layout wgmma's 128-byte swizzled
+    descriptors read), zero fill out of bounds, 256-byte L2 promotion. The tensor must outlive every launch
+    that uses the descriptor (it holds the address, not a reference)."""
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
     if tensor.dtype != torch.uint8 or not tensor.is_cuda:
         raise ValueError(f"encode_tensor_map: a CUDA uint8 tensor, got {tensor.dtype} on {tensor.device}")
-    why = check_tensor_map(shape, strides, tensor.data_ptr(), tuple(box))
+    why = check_tensor_map(shape, strides, tensor.data_ptr(), tuple(box), swizzle)
     if why:
         raise ValueError(f"encode_tensor_map: shape {shape}: {why}")
     rank = len(shape)
@@ -233,7 +241,7 @@ def encode_tensor_map(tensor: torch.Tensor, box: tuple[int, ...]) -> bytes:
     unit = (ctypes.c_uint32 * rank)(*([1] * rank))
     out = ctypes.create_string_buffer(TENSOR_MAP_BYTES)
     _check_cu(_driver().cuTensorMapEncodeTiled(out, _TMA_UINT8, rank, ctypes.c_void_p(tensor.data_ptr()), dims, outer,
-                                               boxes, unit, _TMA_INTERLEAVE_NONE, _TMA_SWIZZLE_NONE, _TMA_L2_256B,
+                                               boxes, unit, _TMA_INTERLEAVE_NONE, TMA_SWIZZLES[swizzle], _TMA_L2_256B,
                                                _TMA_OOB_FILL_ZERO), f"cuTensorMapEncodeTiled(shape {shape}, box {box})")
     return out.raw
 
@@ -270,12 +278,18 @@ def packer_for_layout(signature: str, layout: list[tuple[int, int]], function: s
 
 class CudaKernel:
     """One `extern "C" __global__` function of a .cu file in this package; compiled and loaded per device on
-    first use. `defines`: -D options (compile-time constants: each distinct set is its own cubin)."""
+    first use. `defines`: -D options (compile-time constants: each distinct set is its own cubin); `arch_suffix`
+    "a" compiles for the architecture-specific target (sm_90a: wgmma, setmaxnreg), which runs only on that
+    exact architecture."""
 
-    def __init__(self, source_name: str, function: str, signature: str, defines: dict[str, int] | None = None):
+    def __init__(self, source_name: str, function: str, signature: str, defines: dict[str, int] | None = None,
+                 arch_suffix: str = ""):
         bad = set(signature) - set(_STRUCT_CODES)
         if bad:
             raise ValueError(f"CudaKernel {function}: unknown signature codes {sorted(bad)}; known {sorted(_STRUCT_CODES)}")
+        if arch_suffix not in ("", "a"):
+            raise ValueError(f"CudaKernel {function}: arch_suffix must be '' or 'a', got {arch_suffix!r}")
+        self.arch_suffix = arch_suffix
         self.source_name = source_name
         self.function = function
         self.signature = signature
@@ -300,7 +314,7 @@ class CudaKernel:
             if index in self._functions:
                 return self._functions[index]
             try:
-                image = self.cubin(device_arch(torch.device("cuda", index)))
+                image = self.cubin(device_arch(torch.device("cuda", index)) + self.arch_suffix)
             except CudaRuntimeError as err:
                 raise CudaRuntimeError(f"{err}\n(the decode ops run their Triton kernels instead with "
                                        "DEEPINFER_MOE_DECODE_KERNEL=triton and DEEPINFER_LINEAR_DECODE_KERNEL=triton)"

@@ -115,3 +115,73 @@ def act_quant(x: torch.Tensor, block: int, perm32: bool = False) -> tuple[torch.
 def act_quant_dequant_bf16(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [M, K] -> bf16 [M, K] holding q * s exactly (what an FP8 GEMM multiplies; formats.act_quant_dequant)."""
     return _launch(x, block, dequant=True)[0]
+
+
+# The wgmma expert GEMM's operand column order (kernels/cuda/fp4_moe_wgmma.cu's header): within each group of
+# 128 columns, logical column L = 16s + 8h + 2t + e holds natural column P = 32t + 8(s >> 1) + 2(s & 1) + h + 4e
+# (s < 8, t < 4, h, e < 2), so that a lane's 16 contiguous bytes of a packed FP4 weight row feed its A
+# fragments of all 8 16-K steps of the group. `wgmma_k_order(L)` = P; `_wgmma_k_slot(P)` = L (its inverse).
+WGMMA_K_GROUP = 128
+
+
+def wgmma_k_order(cols: torch.Tensor) -> torch.Tensor:
+    """Natural column P held at logical column L (any int tensor of column indices, groups of 128)."""
+    low = cols % WGMMA_K_GROUP
+    s, h, t, e = low >> 4, (low >> 3) & 1, (low >> 1) & 3, low & 1
+    return cols - low + 32 * t + 8 * (s >> 1) + 2 * (s & 1) + h + 4 * e
+
+
+@triton.jit
+def _wgmma_k_slot(cols):
+    """The logical column that holds natural column P (the inverse of `wgmma_k_order`)."""
+    low = cols & 127
+    t, q, e, u, h = low >> 5, (low >> 3) & 3, (low >> 2) & 1, (low >> 1) & 1, low & 1
+    return (cols - low) + 32 * q + 16 * u + 8 * h + 2 * t + e
+
+
+@triton.jit
+def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slots, stride_xm, stride_om,
+                             ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
+                             QUANT: tl.constexpr):
+    """out[p, _wgmma_k_slot(c)] = act_quant's q * s of x[sorted[p] // ROW_DIV, c] (bf16; QUANT False: x's
+    value as bf16), zeros for padding slots; nothing for the rows of unused routing blocks (block_expert -1:
+    their GEMM programs exit)."""
+    p = tl.program_id(0)
+    if tl.load(block_expert_ptr + p // BT) < 0:
+        return
+    slot = tl.load(sorted_ptr + p)
+    valid = slot < n_slots
+    row = (tl.where(valid, slot, 0) // ROW_DIV).to(tl.int64)
+    g = tl.program_id(1) * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)
+    cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
+    dest = out_ptr + p.to(tl.int64) * stride_om + _wgmma_k_slot(cols)
+    if QUANT:
+        q, scale = quantise_rows(x)
+        tl.store(dest, (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16))
+    else:
+        tl.store(dest, x.to(tl.bfloat16))
+
+
+def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
+                     n_slots: int, row_div: int, bt: int, quant: bool = True) -> torch.Tensor:
+    """The wgmma expert GEMM's activation operand: bf16 [len(sorted_slots), K], row p = act_quant's exact q * s
+    of x[sorted_slots[p] // row_div] (zeros for padding slots >= n_slots; rows of unused blocks unwritten),
+    columns in `wgmma_k_order` within each 128. x [M, K] bf16/fp32 with K % 128 == 0 and block | 128.
+    quant False: x's values as they are (the kernel tests' exact operands)."""
+    if x.dim() != 2 or x.shape[1] % WGMMA_K_GROUP or WGMMA_K_GROUP % block:
+        raise ValueError(f"act_quant_gather: x must be [M, K] with K a multiple of {WGMMA_K_GROUP} and block "
+                         f"{block} dividing it, got {tuple(x.shape)}")
+    if sorted_slots.numel() != block_expert.numel() * bt:
+        raise ValueError(f"act_quant_gather: {sorted_slots.numel()} sorted slots for {block_expert.numel()} "
+                         f"blocks of {bt}")
+    x = x.contiguous()
+    k = x.shape[1]
+    out = torch.empty((sorted_slots.numel(), k), dtype=torch.bfloat16, device=x.device)
+    if out.numel() == 0:
+        return out
+    cols = 512 if k % 512 == 0 else WGMMA_K_GROUP
+    _act_quant_gather_kernel[(sorted_slots.numel(), k // cols)](
+        x, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), ROW_DIV=row_div, BT=bt,
+        BLOCK=block, COLS=cols, QUANT=quant)
+    return out

@@ -62,8 +62,8 @@ import triton.language as tl
 
 from deepinfer import env
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
-from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, e8m0_to_f32, interpreting,
-                                               quantise_rows)
+from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, act_quant_gather,
+                                               e8m0_to_f32, interpreting, quantise_rows)
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 from deepinfer.kernels.triton.fp4_fp8_gemm import fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
@@ -854,6 +854,45 @@ def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     return _combine_rows(y, rows, topk_ids)
 
 
+WGMMA_KEYS = ("WGMMA",)  # a config with any of these takes the wgmma prefill form (kernels/cuda/fp4_moe_wgmma.cu)
+
+
+def wgmma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
+    """The wgmma form can run this bank here: compute capability 9.0 with NVRTC and the driver, scale bytes
+    in the exact expansion's range, D and I multiples of 256 (two 128-K stages at a time)."""
+    from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
+
+    return (bank.scale_max <= wg.SCALE_MAX and bank.dim % 256 == 0 and bank.inter_dim % 256 == 0
+            and wg.usable(device))
+
+
+def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
+    """The wgmma form of the prefill regime (kernels/cuda/fp4_moe_wgmma.cu): routing in blocks of BT slots,
+    the activations act_quant'ed, gathered into sorted order and permuted into the kernel's K order in one
+    pass (`act_quant_gather`), w13 with the SwiGLU epilogue in the kernel -> h bf16 [slots, I], act_quant(h)
+    gathered the same way, w2 -> bf16 rows, the ordered k-row sum. Official fp4_gemm math up to fp32
+    summation order (exact bf16 products, fp32 sums in the tensor cores). No host sync: CUDA-graph
+    capturable (compiled on first use)."""
+    from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
+
+    if bank.scale_max > wg.SCALE_MAX:
+        raise ValueError(f"fp4_moe wgmma form: exact for E8M0 scale bytes up to {wg.SCALE_MAX}; this bank has "
+                         f"{bank.scale_max}")
+    cfg = wg.tiles(config)
+    topk = topk_ids.shape[1]
+    d, inter, n_slots, ab, bt = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block, cfg["BT"]
+    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bt)
+    route_w = topk_weights.contiguous().view(-1)
+    xg = act_quant_gather(x, ab, sorted_slots, block_expert, n_slots, topk, bt)
+    h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
+    wg.expert_gemm(xg, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots, True,
+                   swiglu_limit, cfg)
+    hg = act_quant_gather(h, ab, sorted_slots, block_expert, n_slots, 1, bt)
+    rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
+    wg.expert_gemm(hg, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, False, 0.0, cfg)
+    return _combine_rows(y, rows, topk_ids)
+
+
 FP8_KEYS = ("FP8",)  # a config with any of these takes the FP8 form (`_fp4_moe_fp8`)
 
 
@@ -915,6 +954,9 @@ DECODE_FORM = "tma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots
 # results/fp4_moe_mma_h200_2026-12-02.log, tiles below from _run3): the mma.sync form against the Triton v2
 # decode plan (expand 6): T=1 54 vs 75 us, T=8 236 vs 347, T=32 627 vs 811, T=128 1180 vs 1425 us; where
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
+PREFILL_FORM = "wgmma"  # what DEEPINFER_MOE_PREFILL_KERNEL=auto runs above 16 slots per expert: "wgmma" (where
+# `wgmma_form_usable`, else the Triton plan) or "triton" (PREFILL_V2)
+PREFILL_WGMMA = dict(WGMMA=True)  # the wgmma form's default tiles (`fp4_moe_wgmma.DEFAULT_TILES`)
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
 DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`), above ONE_PROGRAM_ROUTING_SLOTS slots
 
@@ -922,6 +964,11 @@ DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`), above O
 def _decode_form() -> str:
     choice = env.moe_decode_kernel()
     return DECODE_FORM if choice == "auto" else choice
+
+
+def _prefill_form() -> str:
+    choice = env.moe_prefill_kernel()
+    return PREFILL_FORM if choice == "auto" else choice
 
 
 def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
@@ -942,6 +989,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             config = DECODE_TMA
         elif form in ("tma", "mma") and mma_form_usable(bank, x.device):  # tma falls back to mma.sync, then Triton
             config = DECODE_MMA
+        if not few and _prefill_form() == "wgmma" and wgmma_form_usable(bank, x.device):
+            config = PREFILL_WGMMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
         raise ValueError(f"fp4_moe: expand must be one of {sorted(EXPANSIONS)}, got {expand!r}")
@@ -963,6 +1012,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         return y
     if config and any(key in config for key in MMA_KEYS + TMA_KEYS):
         return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
+    if config and any(key in config for key in WGMMA_KEYS):
+        return _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if config and any(key in config for key in FP8_KEYS):
         return _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if config and any(key in config for key in V2_KEYS):

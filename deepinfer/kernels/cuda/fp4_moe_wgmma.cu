@@ -1,0 +1,338 @@
+// Routed-expert GEMM of the prefill regime on Hopper's warpgroup MMA (wgmma), fed by TMA: the FP4 weights
+// are expanded in registers and enter wgmma as its register operand A, the routed tokens' activations enter as
+// its shared-memory operand B. sm_90a only (wgmma does not exist on other architectures).
+//
+// Contract: out[slot, n] for every routed slot of every routing block of BT slots of one expert
+// (`fp4_moe.route_slots(..., BT)`), from a[p, k] = the activation row of the slot at sorted position p
+// (act_quant's exact q * s in bf16, rows gathered into the routing's sorted order and each 128-K group's
+// columns in WGMMA_K_ORDER, `act_quant.act_quant_gather`), and the exact weights W[e, n, k] = E2M1 x 2^(S-127):
+// * GATED 0: out = bf16 (or fp32 with OUT_F32) of the fp32 sum over K of a . W  (the w2 GEMM's rows);
+// * GATED 1: gate = row n, up = row N + n of the [2N, K] bank; out[slot, n] = bf16(route_w[slot] *
+//   silu(g) * u) with g, u the bf16-rounded sums, up clamped to +-limit and gate to <= limit when limit > 0
+//   (the official expert epilogue; `expert_tile.swiglu_bf16` is the Triton kernels' copy).
+// Math: exact bf16 products, fp32 sums in the tensor cores, as fp4_moe_mma.cu / fp4_moe_tma.cu.
+//
+// Per CTA: one routing block (BT tokens = the wgmma's N) x ROWS = 64 CWG weight rows (CWG consumer
+// warpgroups of 64 rows each: the wgmma's M), K in stages of 128 through a STAGES-deep shared-memory ring
+// filled by one producer warp:
+// * Weights: a 3-D TMA box [64 bytes, ROWS rows, 1 expert] per stage (GATED: two boxes of ROWS/2 rows, the
+//   gate rows then the matching up rows), a dense [ROWS][64] tile. Warp w of warpgroup c owns 16 rows: GATED,
+//   rows 0-7 the gate rows and 8-15 the up rows of the same 8 features (so each lane holds a feature's gate
+//   and up sums and the SwiGLU runs in registers); else 16 consecutive rows.
+// * The A fragment (m16n8k16 layout per warp: lane (g, t) holds rows g and g + 8, logical K pairs
+//   {2t, 2t + 1} and {2t + 8, 2t + 9} of each 16-K step) comes from ONE 16-byte shared-memory read per row and
+//   stage: lane t takes the physical K 32t..32t+31 of its rows (one E8M0 scale per row and stage) and step
+//   s = 2q + u uses word q (physical 32t + 8q .. + 7): e2m1_pair<2u> gives logical (2t, 2t + 1) = physical
+//   (32t + 8q + 2u, + 4), e2m1_pair<2u + 1> logical (2t + 8, 2t + 9) = physical (32t + 8q + 2u + 1, + 5).
+//   So logical L = 16s + 8h + 2t + e holds physical P = 32t + 8(s >> 1) + 2(s & 1) + h + 4e; the activations
+//   are stored in that order (act_quant.WGMMA_K_ORDER), the weights stay the checkpoint's bytes.
+// * Activations: two 2-D TMA boxes [BT rows, 128 bytes] (logical K 0-63, 64-127) with the 128-byte swizzle,
+//   the K-major layout wgmma's descriptor reads (leading byte offset unused, stride 1024 bytes per 8 rows);
+//   16-K step s starts 32 (s & 3) bytes into box s >> 2.
+// * Pipeline: full[s] (the producer's expect_tx; the TMA completes it), empty[s] (one arrival per consumer
+//   warp once the wgmmas reading stage s are done). With FRAG_BUFS 2 a warpgroup expands stage i + 1 while
+//   stage i's 8 wgmmas run (wgmma.wait_group 1), the A registers of two stages alive.
+// Launch: grid (routing blocks, ceil(N / (GATED ? ROWS / 2 : ROWS))), block 128 CWG + 32, dynamic shared
+// memory `fp4_moe_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
+// Requires: K % 256 == 0 (FRAG_BUFS 2) or % 128; E8M0 bytes <= 128 (the exact bf16x2 expansion's range).
+
+#include "mma_common.cuh"
+#include "tma_common.cuh"
+
+#ifndef BT
+#define BT 128  // the launcher passes every constant (fp4_moe_wgmma.DEFAULT_TILES)
+#endif
+#ifndef CWG
+#define CWG 2
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef FRAG_BUFS
+#define FRAG_BUFS 2
+#endif
+#ifndef GATED
+#define GATED 0
+#endif
+#ifndef OUT_F32
+#define OUT_F32 0
+#endif
+#define KSTEP 128
+#define ROWS (64 * CWG)
+#define W_STAGE (ROWS * KSTEP / 2)  // bytes of weights per stage
+#define A_HALF (BT * 128)           // one 64-K box of activations: BT rows x 128 bytes
+#define A_STAGE (2 * A_HALF)
+#define NACC (BT / 2)               // fp32 accumulators per lane: 64 x BT / 128 threads
+
+typedef unsigned long long u64;
+
+// d (the m64 x BT fp32 accumulator fragment) += A (registers, m16n8k16 layout per warp) @ B (shared memory,
+// by descriptor), bf16 inputs
+#if BT == 64
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+}
+#elif BT == 128
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+}
+#elif BT == 256
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+}
+#else
+#error "BT must be 64, 128 or 256"
+#endif
+
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// registers an in-flight wgmma reads or writes: the compiler must neither reuse nor move them before the wait
+__device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void keep(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address >> 4,
+// leading byte offset 16 (unused by this layout), stride byte offset 1024 (8 rows of 128 bytes), mode 1
+__device__ __forceinline__ u64 desc_sw128(u32 addr) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ float bf16_round(float x) {  // round to nearest even at bf16 (finite x)
+    u32 b = __float_as_uint(x);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return __uint_as_float(b & 0xFFFF0000u);
+}
+
+extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
+fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
+                      const u8* __restrict__ ws, i64 stride_wse, i64 stride_wsn,
+                      void* __restrict__ out, i64 stride_om, const float* __restrict__ route_w,
+                      const int* __restrict__ sorted_slots, const int* __restrict__ block_expert,
+                      int n_slots, int N, int K, float limit) {
+    const int blk = blockIdx.x;
+    const int expert = block_expert[blk];
+    if (expert < 0) return;  // the whole CTA: no barrier has been touched yet
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int steps = K / KSTEP;
+#if GATED
+    const int f0 = blockIdx.y * (ROWS / 2);  // the CTA's first output feature (gate row f0, up row N + f0)
+    const int w_rows = 2 * N;
+#else
+    const int f0 = blockIdx.y * ROWS;
+    const int w_rows = N;
+#endif
+
+    extern __shared__ unsigned char smem_raw[];
+    const u32 raw = smem_u32(smem_raw);
+    unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // the swizzled boxes need 1024-byte alignment
+    unsigned char* a_ring = smem;                     // [STAGES][2][BT][128], 128-byte swizzled
+    unsigned char* w_ring = smem + STAGES * A_STAGE;  // [STAGES][ROWS][64]
+    u64* bars = reinterpret_cast<u64*>(w_ring + STAGES * W_STAGE);
+    const u32 full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, 4 * CWG);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 4 * CWG) {
+        // ---- producer warp (lane 0): the stage's weight box(es) and the two activation boxes ----
+        if (lane == 0) {
+            asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_a) : "memory");
+            for (int step = 0; step < steps; ++step) {
+                const int s = step % STAGES;
+                if (step >= STAGES) mbar_wait(empty0 + 8 * s, ((step / STAGES) & 1) ^ 1);
+                const u32 full = full0 + 8 * s;
+                mbar_expect_tx(full, W_STAGE + A_STAGE);
+                const u32 w_dst = smem_u32(w_ring + s * W_STAGE);
+#if GATED
+                tma_load_3d(w_dst, &tmap_w, step * (KSTEP / 2), f0, expert, full);
+                tma_load_3d(w_dst + W_STAGE / 2, &tmap_w, step * (KSTEP / 2), N + f0, expert, full);
+#else
+                tma_load_3d(w_dst, &tmap_w, step * (KSTEP / 2), f0, expert, full);
+#endif
+                const u32 a_dst = smem_u32(a_ring + s * A_STAGE);
+                tma_load_2d(a_dst, &tmap_a, step * (2 * KSTEP), blk * BT, full);
+                tma_load_2d(a_dst + A_HALF, &tmap_a, step * (2 * KSTEP) + 128, blk * BT, full);
+            }
+        }
+        return;
+    }
+
+    // ---- consumer warpgroups ----
+    const int wg = warp >> 2, wi = warp & 3;
+    const int g = lane >> 2, t = lane & 3;
+#if GATED
+    const int lr0 = wg * 32 + wi * 8 + g;  // the gate row of feature f0 + lr0 in the stage's tile
+    const int lr1 = ROWS / 2 + lr0;        // its up row
+    const int gr0 = f0 + lr0, gr1 = N + f0 + lr0;
+#else
+    const int lr0 = wg * 64 + wi * 16 + g, lr1 = lr0 + 8;
+    const int gr0 = f0 + lr0, gr1 = f0 + lr1;
+#endif
+    // the lane's scale bytes: row, K/32 block 4 step + t (rows past the bank read its last row: their
+    // weights are the TMA's zero fill, so any finite multiplier gives 0)
+    const u8* ws0 = ws + (i64)expert * stride_wse + (i64)min(gr0, w_rows - 1) * stride_wsn + t;
+    const u8* ws1 = ws + (i64)expert * stride_wse + (i64)min(gr1, w_rows - 1) * stride_wsn + t;
+    u32 sc0 = ws0[0], sc1 = ws1[0];
+
+    float acc[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+
+    auto stage = [&](u32 (&fr)[8][4], u32 (&prev)[8][4], int step) {
+        const int s = step % STAGES;
+        const u32 m0 = (sc0 + 126u) * 0x00800080u, m1 = (sc1 + 126u) * 0x00800080u;  // bf16x2 2^(S-1)
+        if (step + 1 < steps) {
+            sc0 = ws0[(step + 1) * (KSTEP / 32)];
+            sc1 = ws1[(step + 1) * (KSTEP / 32)];
+        }
+        mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
+        const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 x0 = word_of(w0, q), x1 = word_of(w1, q);
+            fr[2 * q][0] = bmul2(e2m1_pair<0>(x0), m0);
+            fr[2 * q][1] = bmul2(e2m1_pair<0>(x1), m1);
+            fr[2 * q][2] = bmul2(e2m1_pair<1>(x0), m0);
+            fr[2 * q][3] = bmul2(e2m1_pair<1>(x1), m1);
+            fr[2 * q + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
+            fr[2 * q + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
+            fr[2 * q + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
+            fr[2 * q + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
+        }
+        const u32 a_base = smem_u32(a_ring + s * A_STAGE);
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) keep(acc[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < 8; ++k16)
+            wgmma_rs(acc, fr[k16][0], fr[k16][1], fr[k16][2], fr[k16][3],
+                     desc_sw128(a_base + (k16 >> 2) * A_HALF + (k16 & 3) * 32));
+        wgmma_commit();
+#if FRAG_BUFS == 2
+        wgmma_wait<1>();  // stage step - 1's wgmmas are done: its A registers and its ring slot are free
+#pragma unroll
+        for (int k16 = 0; k16 < 8; ++k16)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) keep(prev[k16][r]);
+        if (step > 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * ((step - 1) % STAGES));
+        }
+#else
+        wgmma_wait<0>();
+#pragma unroll
+        for (int k16 = 0; k16 < 8; ++k16)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) keep(fr[k16][r]);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+#endif
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) keep(acc[i]);
+    };
+
+    u32 fa[8][4], fb[8][4];
+#if FRAG_BUFS == 2
+    for (int step = 0; step < steps; step += 2) {  // steps is even (K % 256 == 0)
+        stage(fa, fb, step);
+        stage(fb, fa, step + 1);
+    }
+#else
+    for (int step = 0; step < steps; ++step) stage(fa, fb, step);
+#endif
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) keep(acc[i]);
+
+    // accumulator fragment: acc[4j + e] = (row lr0, token 8j + 2t + e), acc[4j + 2 + e] = (row lr1, same token)
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int slot = sorted_slots[blk * BT + 8 * j + 2 * t + e];
+            if (slot >= n_slots) continue;
+#if GATED
+            if (gr0 >= N) continue;
+            float gate = bf16_round(acc[4 * j + e]), up = bf16_round(acc[4 * j + 2 + e]);
+            if (limit > 0.f) {
+                up = fminf(fmaxf(up, -limit), limit);
+                gate = fminf(gate, limit);
+            }
+            const float h = route_w[slot] * (gate / (1.f + expf(-gate)) * up);
+            static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(h)) >> 16);
+#elif OUT_F32
+            if (gr0 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr0] = acc[4 * j + e];
+            if (gr1 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr1] = acc[4 * j + 2 + e];
+#else
+            if (gr0 < N) static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(acc[4 * j + e])) >> 16);
+            if (gr1 < N) static_cast<u16*>(out)[(i64)slot * stride_om + gr1] = (u16)(__float_as_uint(bf16_round(acc[4 * j + 2 + e])) >> 16);
+#endif
+        }
+    }
+}

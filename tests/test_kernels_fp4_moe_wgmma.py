@@ -1,0 +1,341 @@
+"""The wgmma form of the routed experts at prefill (deepinfer/kernels/cuda/fp4_moe_wgmma.cu + .py: a producer
+warp feeds weights and gathered activations through a TMA ring, consumer warpgroups expand the FP4 weights
+into wgmma's register operand; wired into `fp4_moe` as config WGMMA and, by DEEPINFER_MOE_PREFILL_KERNEL /
+PREFILL_FORM, as the prefill form), and its operand order (`act_quant.wgmma_k_order`, `act_quant_gather`).
+
+CPU: the K order is a bijection and is the one the A fragment's registers hold (derived here from the
+m16n8k16 fragment layout and `e2m1_pair`, independently of the kernel's formula); `act_quant_gather` under
+the Triton interpreter against act_quant + gather + that order; the launcher's checks; the source compiles
+for sm_90a where NVRTC is installed.
+GPU (`-m gpu`, fresh random inputs):
+* one-hot activation rows pick single weights: every output equals one weight E2M1 x 2^(S-127) bit for bit,
+  all 256 bytes, scale bytes 2..128, rows past N (a partial TMA box), K long enough for the ring to wrap;
+* the plain kernel (fp32 out) against float64 sums, rel_err <= 1e-5; the gated kernel against the plain
+  kernel's own fp32 sums through the official SwiGLU in torch (bf16 outputs equal but for rare 1-ulp
+  differences of expf);
+* the whole op against the torch twin and the Triton prefill plan at V4-Flash dims (rel_err <= 1e-3);
+  CUDA-graph replay == eager; the default and DEEPINFER_MOE_PREFILL_KERNEL pick it (or Triton).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import formats
+from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
+
+BF16 = torch.bfloat16
+TILE_CONFIGS = [dict(BT=128, CWG=2, STAGES=4, FRAG_BUFS=2), dict(BT=64, CWG=2, STAGES=4, FRAG_BUFS=2),
+                dict(BT=128, CWG=1, STAGES=2, FRAG_BUFS=2), dict(BT=64, CWG=4, STAGES=6, FRAG_BUFS=1),
+                dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1)]
+
+
+def _tag(c: dict) -> str:
+    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}"
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+def test_k_order_is_what_the_a_fragments_hold():
+    """Lane (g, t) of a warp holds, for 16-K step s, A fragment registers a0..a3 = (row g, logical K 16s + 2t,
+    +1), (row g + 8, same), (row g, 16s + 2t + 8, +9), (row g + 8, same) (PTX m16n8k16 / wgmma RS layout),
+    low half = the lower K. The kernel fills them from word q = s >> 1 of the lane's 16 bytes of the row
+    (physical K 32t .. 32t + 31) with e2m1_pair<2u> (a0, a1) and e2m1_pair<2u + 1> (a2, a3), u = s & 1,
+    e2m1_pair<c>(w) = (nibble c, nibble c + 4). So the logical K of each half names a physical K; that map
+    must be `wgmma_k_order`, and a bijection of each 128."""
+    from deepinfer.kernels.triton.act_quant import wgmma_k_order
+
+    held = {}
+    for t in range(4):
+        for s in range(8):
+            q, u = s >> 1, s & 1
+            for c, k_lo in ((2 * u, 16 * s + 2 * t), (2 * u + 1, 16 * s + 2 * t + 8)):
+                for half, nibble in ((0, c), (1, c + 4)):  # low half = logical k_lo, high = k_lo + 1
+                    held[k_lo + half] = 32 * t + 8 * q + nibble
+    assert sorted(held) == list(range(128)) and sorted(held.values()) == list(range(128))
+    logical = torch.arange(256)
+    want = torch.tensor([held[int(c) % 128] + 128 * (int(c) // 128) for c in logical])
+    assert torch.equal(wgmma_k_order(logical), want)
+
+
+def check_act_quant_gather(device: str = "cpu") -> None:
+    """act_quant_gather against act_quant (formats, the reference) + the gather + `wgmma_k_order`, bit for bit,
+    for act blocks 128 and 32 and the unquantised form; padding rows zero, unused blocks' rows left alone."""
+    from deepinfer.kernels.triton.act_quant import act_quant_gather, wgmma_k_order
+    from deepinfer.kernels.triton.fp4_moe import align_by_expert
+
+    gen = torch.Generator().manual_seed(5)
+    t, topk, e, k, bt = 7, 3, 5, 256, 8
+    x = (torch.randn(t, k, generator=gen) * 3).to(BF16)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(t)])
+    sorted_slots, block_expert = align_by_expert(ids, e, bt)
+    assert int((block_expert < 0).sum()) > 0  # the bound leaves unused blocks: they must be skipped
+    for block, quant in ((128, True), (32, True), (128, False)):
+        got = act_quant_gather(x.to(device), block, sorted_slots.to(device), block_expert.to(device), t * topk, topk,
+                               bt, quant=quant).cpu()
+        deq = formats.act_quant_dequant(x.float(), block).to(BF16) if quant else x
+        order = wgmma_k_order(torch.arange(k))
+        for p, slot in enumerate(sorted_slots.tolist()):
+            if block_expert[p // bt] < 0:
+                continue  # unused blocks: not written
+            row = deq[slot // topk, order] if slot < t * topk else torch.zeros(k, dtype=BF16)
+            assert torch.equal(got[p], row), (block, quant, p, slot)
+
+
+def test_act_quant_gather_matches_act_quant_and_the_order():
+    """Under the interpreter (with the GPU's fp32 -> E4M3 / bf16 rounding restored, as the fp8_linear tests)."""
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the interpreter's E4M3 / bf16 rounding, restored
+
+    done = run_interpreted(_INTERPRETER_FIXES + "\nfrom test_kernels_fp4_moe_wgmma import check_act_quant_gather as c\n"
+                           "c()\nprint('ok')\n")
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_launcher_rejects_bad_inputs_before_launching():
+    from deepinfer.kernels.cuda.fp4_moe_wgmma import expert_gemm
+
+    w = torch.zeros(2, 64, 128, dtype=torch.uint8)  # K = 256
+    s = torch.zeros(2, 64, 8, dtype=torch.uint8)
+    slots, blocks = torch.zeros(128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    a = torch.zeros(128, 256, dtype=BF16)
+    out, rw = torch.zeros(4, 64, dtype=BF16), torch.ones(4)
+    with pytest.raises(ValueError, match="a must be contiguous bf16"):
+        expert_gemm(a.float(), w, s, out, rw, slots, blocks, 4, False)
+    with pytest.raises(ValueError, match="a has 64 rows, the routing 1 blocks of 128"):
+        expert_gemm(a[:64], w, s, out, rw, slots, blocks, 4, False)
+    with pytest.raises(ValueError, match="w_scale must be uint8"):
+        expert_gemm(a, w, s[:, :, :4], out, rw, slots, blocks, 4, False)
+    with pytest.raises(ValueError, match=r"out must be \[4, 32\] torch.bfloat16"):
+        expert_gemm(a, w, s, out, rw, slots, blocks, 4, True)  # gated: N = 64 / 2
+    with pytest.raises(ValueError, match="sorted_slots must be int32"):
+        expert_gemm(a, w, s, out, rw, slots[:64], blocks, 4, False)
+    with pytest.raises(ValueError, match="route_w must be fp32"):
+        expert_gemm(a, w, s, out, rw[:2], slots, blocks, 4, False)
+    with pytest.raises(ValueError, match="K=128 must be a positive multiple of 256"):
+        expert_gemm(a[:, :128].contiguous(), w[:, :, :64], s[:, :, :4], out, rw, slots, blocks, 4, False)
+    with pytest.raises(ValueError, match="BT 64/128"):
+        expert_gemm(a, w, s, out, rw, slots, blocks, 4, False, config={"BT": 32})
+
+
+def test_tile_rules_and_shared_memory():
+    from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
+    from deepinfer.kernels.cuda import runtime
+
+    cfg = wg.tiles()
+    assert wg.rows_per_cta(cfg) == 128
+    assert wg.smem_bytes(cfg) == 4 * (2 * 128 * 128 + 128 * 64) + 16 * 4 + 1024  # 160 KB of ring
+    assert wg.check_k(4096, cfg) is None and "multiple of 256" in wg.check_k(384, cfg)
+    assert wg.check_k(384, wg.tiles({"FRAG_BUFS": 1})) is None
+    with pytest.raises(ValueError, match="shared memory"):
+        wg.tiles({"STAGES": 6})
+    with pytest.raises(ValueError, match="BT 64/128"):
+        wg.tiles({"BT": 256})
+    assert "at most 128 bytes" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 256), swizzle=128)
+    assert runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=128) is None
+    assert "swizzle 100" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=100)
+
+
+def test_moe_prefill_kernel_choice(monkeypatch):
+    from deepinfer import env
+
+    monkeypatch.setenv("DEEPINFER_MOE_PREFILL_KERNEL", "WGMMA")
+    assert env.moe_prefill_kernel() == "wgmma"
+    monkeypatch.setenv("DEEPINFER_MOE_PREFILL_KERNEL", "tma")
+    with pytest.raises(ValueError, match="DEEPINFER_MOE_PREFILL_KERNEL='tma'"):
+        env.moe_prefill_kernel()
+
+
+def test_source_compiles_for_sm90a_where_nvrtc_is_installed():
+    from deepinfer.kernels.cuda import runtime
+    from deepinfer.kernels.cuda.fp4_moe_wgmma import SOURCE
+
+    try:
+        runtime.nvrtc_version()
+    except runtime.CudaRuntimeError as err:
+        pytest.skip(f"no NVRTC here: {err}")
+    text = runtime.read_source(SOURCE)
+    for cfg in TILE_CONFIGS:
+        for gated, out_f32 in ((1, 0), (0, 0), (0, 1)):
+            opts = tuple(f"-D{k}={v}" for k, v in {**cfg, "GATED": gated, "OUT_F32": out_f32}.items())
+            assert runtime.compile_cubin(text, SOURCE, "sm_90a", opts)[:4] == b"\x7fELF", (cfg, gated)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _cuda():
+    from test_cuda_runtime import cuda_with_nvrtc
+
+    dev = cuda_with_nvrtc()
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        pytest.skip("the wgmma form needs sm_90")
+    return dev
+
+
+def _slot_routing(sorted8: torch.Tensor, block8: torch.Tensor, n_slots: int, e: int, bt: int):
+    """The routing of the helpers' blocks of 8 re-made in blocks of bt: each slot as a token with top-1."""
+    from deepinfer.kernels.triton.fp4_moe import align_by_expert
+
+    expert = torch.empty(n_slots, dtype=torch.int64)
+    slots = sorted8.cpu().view(-1, 8)
+    for b, ex in enumerate(block8.cpu().tolist()):
+        for slot in slots[b].tolist():
+            if ex >= 0 and slot < n_slots:
+                expert[slot] = ex
+    return align_by_expert(expert.view(-1, 1), e, bt)
+
+
+def wgmma_partials(a, w, s, out, sorted8, block8, n_slots, a_row_div, cfg):
+    """The plain kernel (fp32 out) behind the decode forms' `expert_gemm_partials` call (split 1 only), for
+    `assert_one_hot_exact` / `assert_partials_match_float64`: the activations gathered without act_quant."""
+    from deepinfer.kernels.cuda.fp4_moe_wgmma import expert_gemm
+    from deepinfer.kernels.triton.act_quant import act_quant_gather
+
+    assert out.shape[0] == 1, "the wgmma kernel has no split-K"
+    dev = out.device
+    sorted_slots, block_expert = (t.to(dev) for t in _slot_routing(sorted8, block8, n_slots, w.shape[0], cfg["BT"]))
+    ag = act_quant_gather(a, 128, sorted_slots, block_expert, n_slots, a_row_div, cfg["BT"], quant=False)
+    route_w = torch.ones(n_slots, device=dev)
+    expert_gemm(ag, w, s, out[0], route_w, sorted_slots, block_expert, n_slots, False, 0.0, cfg)
+    return out
+
+
+@pytest.mark.gpu
+def test_act_quant_gather_compiled():
+    check_act_quant_gather(str(_cuda()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=_tag)
+def test_one_hot_rows_give_every_weight_exactly(cfg):
+    """`assert_one_hot_exact` at K = 2048 (16 stages: every ring wraps) and 96 rows (a partial TMA box)."""
+    from test_kernels_fp4_moe_mma import assert_one_hot_exact
+
+    assert_one_hot_exact(wgmma_partials, cfg, (1,), _cuda(), k=2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TILE_CONFIGS, ids=_tag)
+def test_plain_kernel_matches_float64(cfg):
+    from test_kernels_fp4_moe_mma import assert_partials_match_float64
+
+    assert_partials_match_float64(wgmma_partials, cfg, 2048, (1,), _cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TILE_CONFIGS[:3], ids=_tag)
+def test_gated_kernel_is_the_official_swiglu_of_its_sums(cfg):
+    """GATED output = bf16(route_w * silu(bf16 gate) * bf16 up) with the clamps, gate and up being the plain
+    kernel's fp32 sums of the same rows (the same per-element K order in both kernels, so the same bits)."""
+    from deepinfer.kernels.cuda.fp4_moe_wgmma import expert_gemm
+    from deepinfer.kernels.triton.act_quant import act_quant_gather
+    from deepinfer.kernels.triton.fp4_moe import align_by_expert
+
+    dev = _cuda()
+    gen = torch.Generator().manual_seed(21)
+    e, d, inter, t, topk = 8, 1024, 320, 150, 6  # I = 320: the last CTA's features run past N
+    w = torch.randint(0, 256, (e, 2 * inter, d // 2), dtype=torch.uint8, generator=gen).to(dev)
+    s = torch.randint(110, 126, (e, 2 * inter, d // 32), dtype=torch.uint8, generator=gen).to(dev)
+    x = torch.randn(t, d, generator=gen).to(BF16).to(dev)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(t)]).to(dev)
+    route_w = torch.rand(t * topk, generator=gen).to(dev)
+    sorted_slots, block_expert = align_by_expert(ids, e, cfg["BT"])
+    ag = act_quant_gather(x, 128, sorted_slots, block_expert, t * topk, topk, cfg["BT"], quant=False)
+    sums = torch.full((t * topk, 2 * inter), float("nan"), device=dev)
+    expert_gemm(ag, w, s, sums, route_w, sorted_slots, block_expert, t * topk, False, 0.0, cfg)
+    for limit in (0.0, 7.0):
+        got = torch.full((t * topk, inter), float("nan"), device=dev, dtype=BF16)
+        expert_gemm(ag, w, s, got, route_w, sorted_slots, block_expert, t * topk, True, limit, cfg)
+        gate, up = sums[:, :inter].to(BF16).float(), sums[:, inter:].to(BF16).float()
+        if limit > 0:
+            up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+        want = (route_w[:, None] * (gate * torch.sigmoid(gate) * up)).to(BF16)
+        assert not torch.isnan(got.float()).any()
+        diff = (got.float() - want.float()).abs()
+        ulp = want.float().abs().clamp(min=1e-30) * 2.0 ** -7
+        off = diff > 0
+        print(f"{_tag(cfg)} limit={limit}: {int(off.sum())} of {off.numel()} outputs differ, "
+              f"max {float((diff / ulp).max()):.2f} ulp")
+        assert bool((diff <= ulp).all()) and int(off.sum()) <= off.numel() // 1000, (cfg, limit)
+
+
+@pytest.fixture(scope="module")
+def flash_bank():
+    from test_kernels_gemm import _random_bank
+
+    return _random_bank(256, 4096, 2048, 128, _cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [64, 512, 2048])
+def test_op_matches_twin_and_triton_v4_flash_dims(flash_bank, t):
+    from deepinfer.kernels.triton.fp4_moe import PREFILL_V2, fp4_moe
+    from test_kernels_fp4_moe_split import _inputs
+    from test_kernels_gemm import _rel
+
+    x, ids, weights = _inputs(t, flash_bank.w13.device)
+    for limit in (10.0, 0.0):
+        want = fp4_moe_torch(x, ids, weights, flash_bank, limit)
+        triton_v2 = fp4_moe(x, ids, weights, flash_bank, limit, expand=6, config=PREFILL_V2)
+        for cfg in ({"WGMMA": True}, {"WGMMA": True, "BT": 64}, {"WGMMA": True, "CWG": 4, "FRAG_BUFS": 1}):
+            got = fp4_moe(x, ids, weights, flash_bank, limit, config=cfg)
+            rel, rel_v2 = _rel(got, want), _rel(got, triton_v2)
+            print(f"wgmma T={t} limit={limit} {cfg}: rel_err {rel:.2e} vs twin, {rel_v2:.2e} vs triton")
+            assert bool(torch.isfinite(got).all()) and max(rel, rel_v2) <= 1e-3, (cfg, rel, rel_v2)
+
+
+@pytest.mark.gpu
+def test_op_small_bank_act_block_32_and_graph_replay():
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe, wgmma_form_usable
+    from test_kernels_fp4_moe_split import _inputs
+    from test_kernels_gemm import _random_bank, _rel, assert_replay_is_eager
+
+    dev = _cuda()
+    bank = _random_bank(32, 512, 256, 32, dev)
+    assert wgmma_form_usable(bank, dev)
+    for t in (1, 40, 300):
+        x, ids, weights = _inputs(t, dev, e=32, d=512)
+        want = fp4_moe_torch(x, ids, weights, bank, 10.0)
+        got = fp4_moe(x, ids, weights, bank, 10.0, config={"WGMMA": True})
+        assert _rel(got, want) <= 1e-3, (t, _rel(got, want))
+        assert_replay_is_eager(lambda: fp4_moe(x, ids, weights, bank, 10.0, config={"WGMMA": True}),
+                               f"fp4_moe wgmma T={t}")
+
+
+@pytest.mark.gpu
+def test_prefill_default_follows_the_env_choice(monkeypatch):
+    """Above 16 slots per expert the default (auto, PREFILL_FORM "wgmma") and DEEPINFER_MOE_PREFILL_KERNEL=wgmma
+    run the wgmma form (bit-identical to config WGMMA), =triton the Triton plan; a bank it cannot run (I = 128)
+    falls back to the Triton plan."""
+    from deepinfer.kernels.triton.fp4_moe import PREFILL_V2, fp4_moe, wgmma_form_usable
+    from test_kernels_fp4_moe_split import _inputs
+    from test_kernels_gemm import _random_bank
+
+    dev = _cuda()
+    wgmma = {"WGMMA": True}
+    for choice, inter, form in (("auto", 256, wgmma), ("wgmma", 256, wgmma), ("triton", 256, None),
+                                ("auto", 128, None)):
+        monkeypatch.setenv("DEEPINFER_MOE_PREFILL_KERNEL", choice)
+        bank = _random_bank(8, 512, inter, 128, dev)
+        assert wgmma_form_usable(bank, dev) == (inter == 256)
+        x, ids, weights = _inputs(64, dev, e=8, d=512)  # 384 slots over 8 experts: the prefill regime
+        got = fp4_moe(x, ids, weights, bank, 10.0)
+        want = fp4_moe(x, ids, weights, bank, 10.0, config=form) if form else \
+            fp4_moe(x, ids, weights, bank, 10.0, expand=6, config=PREFILL_V2)
+        assert torch.equal(got, want), (choice, inter)
+
+
+@pytest.mark.gpu
+def test_op_refuses_scales_above_the_exact_range():
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe, wgmma_form_usable
+
+    dev = _cuda()
+    sc = lambda *s: torch.full(s, 120, dtype=torch.uint8, device=dev)  # noqa: E731
+    w2s = sc(4, 512, 8)
+    w2s[1, 2, 3] = 129
+    bank = FP4ExpertBank(torch.randint(0, 256, (4, 512, 256), dtype=torch.uint8, device=dev), sc(4, 512, 16),
+                         torch.randint(0, 256, (4, 512, 128), dtype=torch.uint8, device=dev), w2s, 128)
+    assert not wgmma_form_usable(bank, dev)
+    x, ids, w = torch.randn(2, 512, device=dev).to(BF16), torch.tensor([[0, 1], [2, 3]], device=dev), torch.rand(2, 2, device=dev)
+    with pytest.raises(ValueError, match="wgmma form: exact for E8M0 scale bytes up to 128; this bank has 129"):
+        fp4_moe(x, ids, w, bank, 0.0, config={"WGMMA": True})
