@@ -137,6 +137,15 @@ def test_tile_rules_and_shared_memory():
     assert "swizzle 100" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=100)
 
 
+def test_plan_takes_one_fragment_buffer_where_k_is_odd_stages():
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.fp4_moe import plan_wgmma
+
+    assert plan_wgmma(4096, 2048, {"WGMMA": True})["FRAG_BUFS"] == 2
+    assert plan_wgmma(256, 128, {"WGMMA": True})["FRAG_BUFS"] == 1  # the tiny checkpoints: I = 128
+    assert plan_wgmma(256, 128, {"WGMMA": True, "FRAG_BUFS": 2})["FRAG_BUFS"] == 2  # given: the launcher refuses
+
+
 def test_moe_prefill_kernel_choice(monkeypatch):
     from deepinfer import env
 
@@ -233,7 +242,7 @@ def test_gated_kernel_is_the_official_swiglu_of_its_sums(cfg):
 
     dev = _cuda()
     gen = torch.Generator().manual_seed(21)
-    e, d, inter, t, topk = 8, 1024, 320, 150, 6  # I = 320: the last CTA's features run past N
+    e, d, inter, t, topk = 8, 1024, 288, 150, 6  # I = 288: the last CTA of 64 features runs past N
     w = torch.randint(0, 256, (e, 2 * inter, d // 2), dtype=torch.uint8, generator=gen).to(dev)
     s = torch.randint(110, 126, (e, 2 * inter, d // 32), dtype=torch.uint8, generator=gen).to(dev)
     x = torch.randn(t, d, generator=gen).to(BF16).to(dev)
@@ -305,24 +314,28 @@ def test_op_small_bank_act_block_32_and_graph_replay():
 @pytest.mark.gpu
 def test_prefill_default_follows_the_env_choice(monkeypatch):
     """Above 16 slots per expert the default (auto, PREFILL_FORM "wgmma") and DEEPINFER_MOE_PREFILL_KERNEL=wgmma
-    run the wgmma form (bit-identical to config WGMMA), =triton the Triton plan; a bank it cannot run (I = 128)
-    falls back to the Triton plan."""
+    run the wgmma form (bit-identical to config WGMMA; I = 128 with one fragment buffer), =triton the Triton
+    plan; a bank it cannot run (a scale byte above 128) falls back to the Triton plan (expand 5 there)."""
     from deepinfer.kernels.triton.fp4_moe import PREFILL_V2, fp4_moe, wgmma_form_usable
     from test_kernels_fp4_moe_split import _inputs
     from test_kernels_gemm import _random_bank
 
     dev = _cuda()
     wgmma = {"WGMMA": True}
-    for choice, inter, form in (("auto", 256, wgmma), ("wgmma", 256, wgmma), ("triton", 256, None),
-                                ("auto", 128, None)):
+    for choice, inter, big_scale, want_cfg, expand in (
+            ("auto", 256, False, wgmma, None), ("wgmma", 128, False, wgmma, None),
+            ("triton", 256, False, PREFILL_V2, 6), ("auto", 256, True, PREFILL_V2, 5)):
         monkeypatch.setenv("DEEPINFER_MOE_PREFILL_KERNEL", choice)
         bank = _random_bank(8, 512, inter, 128, dev)
-        assert wgmma_form_usable(bank, dev) == (inter == 256)
+        if big_scale:
+            w2s = bank.w2_scale.clone()
+            w2s[3, 5, 1] = 129
+            bank = FP4ExpertBank(bank.w13, bank.w13_scale, bank.w2, w2s, 128)
+        assert wgmma_form_usable(bank, dev) == (not big_scale)
         x, ids, weights = _inputs(64, dev, e=8, d=512)  # 384 slots over 8 experts: the prefill regime
         got = fp4_moe(x, ids, weights, bank, 10.0)
-        want = fp4_moe(x, ids, weights, bank, 10.0, config=form) if form else \
-            fp4_moe(x, ids, weights, bank, 10.0, expand=6, config=PREFILL_V2)
-        assert torch.equal(got, want), (choice, inter)
+        want = fp4_moe(x, ids, weights, bank, 10.0, expand=expand, config=want_cfg)
+        assert torch.equal(got, want), (choice, inter, big_scale)
 
 
 @pytest.mark.gpu

@@ -859,11 +859,22 @@ WGMMA_KEYS = ("WGMMA",)  # a config with any of these takes the wgmma prefill fo
 
 def wgmma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
     """The wgmma form can run this bank here: compute capability 9.0 with NVRTC and the driver, scale bytes
-    in the exact expansion's range, D and I multiples of 256 (two 128-K stages at a time)."""
+    in the exact expansion's range, D and I multiples of 128 (whole 128-K stages; `plan_wgmma` takes one
+    fragment buffer where either is not a multiple of 256)."""
     from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
 
-    return (bank.scale_max <= wg.SCALE_MAX and bank.dim % 256 == 0 and bank.inter_dim % 256 == 0
+    return (bank.scale_max <= wg.SCALE_MAX and bank.dim % 128 == 0 and bank.inter_dim % 128 == 0
             and wg.usable(device))
+
+
+def plan_wgmma(d: int, inter: int, config: dict) -> dict:
+    """The wgmma form's tiles: `fp4_moe_wgmma.tiles(config)`; FRAG_BUFS 1 unless given where D or I (the two
+    GEMMs' K) is not a multiple of 256 (two fragment buffers take the stages two at a time)."""
+    from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
+
+    if "FRAG_BUFS" not in config and (d % 256 or inter % 256):
+        config = {**config, "FRAG_BUFS": 1}
+    return wg.tiles(config)
 
 
 def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
@@ -878,8 +889,8 @@ def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     if bank.scale_max > wg.SCALE_MAX:
         raise ValueError(f"fp4_moe wgmma form: exact for E8M0 scale bytes up to {wg.SCALE_MAX}; this bank has "
                          f"{bank.scale_max}")
-    cfg = wg.tiles(config)
     topk = topk_ids.shape[1]
+    cfg = plan_wgmma(bank.dim, bank.inter_dim, config)
     d, inter, n_slots, ab, bt = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block, cfg["BT"]
     sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bt)
     route_w = topk_weights.contiguous().view(-1)
