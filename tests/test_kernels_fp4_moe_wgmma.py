@@ -25,13 +25,14 @@ from deepinfer import formats
 from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch
 
 BF16 = torch.bfloat16
-TILE_CONFIGS = [dict(BT=128, CWG=2, STAGES=4, FRAG_BUFS=2), dict(BT=64, CWG=2, STAGES=4, FRAG_BUFS=2),
-                dict(BT=128, CWG=1, STAGES=2, FRAG_BUFS=2), dict(BT=64, CWG=4, STAGES=6, FRAG_BUFS=1),
-                dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1)]
+TILE_CONFIGS = [dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1), dict(BT=128, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0),
+                dict(BT=64, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0), dict(BT=128, CWG=1, STAGES=2, FRAG_BUFS=2, HALVES=0),
+                dict(BT=64, CWG=4, STAGES=6, FRAG_BUFS=1, HALVES=1), dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0),
+                dict(BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=1)]
 
 
 def _tag(c: dict) -> str:
-    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}"
+    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}"
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -114,7 +115,8 @@ def test_launcher_rejects_bad_inputs_before_launching():
     with pytest.raises(ValueError, match="route_w must be fp32"):
         expert_gemm(a, w, s, out, rw[:2], slots, blocks, 4, False)
     with pytest.raises(ValueError, match="K=128 must be a positive multiple of 256"):
-        expert_gemm(a[:, :128].contiguous(), w[:, :, :64], s[:, :, :4], out, rw, slots, blocks, 4, False)
+        expert_gemm(a[:, :128].contiguous(), w[:, :, :64], s[:, :, :4], out, rw, slots, blocks, 4, False,
+                    config={"FRAG_BUFS": 2, "HALVES": 0})
     with pytest.raises(ValueError, match="BT 64/128"):
         expert_gemm(a, w, s, out, rw, slots, blocks, 4, False, config={"BT": 32})
 
@@ -124,12 +126,14 @@ def test_tile_rules_and_shared_memory():
     from deepinfer.kernels.cuda import runtime
 
     cfg = wg.tiles()
-    assert wg.rows_per_cta(cfg) == 128
-    assert wg.smem_bytes(cfg) == 4 * (2 * 128 * 128 + 128 * 64) + 16 * 4 + 1024  # 160 KB of ring
-    assert wg.check_k(4096, cfg) is None and "multiple of 256" in wg.check_k(384, cfg)
-    assert wg.check_k(384, wg.tiles({"FRAG_BUFS": 1})) is None
+    assert wg.rows_per_cta(cfg) == 64 * cfg["CWG"]
+    assert wg.smem_bytes(dict(cfg, CWG=2)) == 4 * (2 * 128 * 128 + 128 * 64) + 16 * 4 + 1024  # 160 KB of ring
+    assert wg.check_k(4096, cfg) is None and "multiple of 256" in wg.check_k(384, dict(cfg, FRAG_BUFS=2))
+    assert wg.check_k(384, wg.tiles({"FRAG_BUFS": 1, "HALVES": 0})) is None
+    with pytest.raises(ValueError, match="HALVES 0/1 .only with FRAG_BUFS 1"):
+        wg.tiles({"FRAG_BUFS": 2, "HALVES": 1})
     with pytest.raises(ValueError, match="shared memory"):
-        wg.tiles({"STAGES": 6})
+        wg.tiles({"STAGES": 6, "CWG": 2})
     with pytest.raises(ValueError, match="BT 64/128"):
         wg.tiles({"BT": 256})
     assert "at most 128 bytes" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 256), swizzle=128)
@@ -137,13 +141,17 @@ def test_tile_rules_and_shared_memory():
     assert "swizzle 100" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=100)
 
 
-def test_plan_takes_one_fragment_buffer_where_k_is_odd_stages():
+def test_plan_tiles_by_regime_and_one_fragment_buffer_where_k_is_odd_stages():
     pytest.importorskip("triton")
-    from deepinfer.kernels.triton.fp4_moe import plan_wgmma
+    from deepinfer.kernels.triton.fp4_moe import WGMMA_TILES, WGMMA_TILES_FEW, plan_wgmma
 
-    assert plan_wgmma(4096, 2048, {"WGMMA": True})["FRAG_BUFS"] == 2
-    assert plan_wgmma(256, 128, {"WGMMA": True})["FRAG_BUFS"] == 1  # the tiny checkpoints: I = 128
-    assert plan_wgmma(256, 128, {"WGMMA": True, "FRAG_BUFS": 2})["FRAG_BUFS"] == 2  # given: the launcher refuses
+    assert plan_wgmma(8192 * 6, 256, 4096, 2048, {"WGMMA": True}) == WGMMA_TILES
+    assert plan_wgmma(2048 * 6, 256, 4096, 2048, {"WGMMA": True}) == WGMMA_TILES_FEW  # 48 slots per expert
+    assert plan_wgmma(8192 * 6, 256, 4096, 2048, {"WGMMA": True, "BT": 64})["BT"] == 64
+    two = {"WGMMA": True, "CWG": 2, "FRAG_BUFS": 2, "HALVES": 0}
+    assert plan_wgmma(8192 * 6, 256, 4096, 2048, two)["FRAG_BUFS"] == 2
+    assert plan_wgmma(600, 8, 256, 128, {k: v for k, v in two.items() if k != "FRAG_BUFS"})["FRAG_BUFS"] == 1
+    assert plan_wgmma(600, 8, 256, 128, two)["FRAG_BUFS"] == 2  # given: the launcher refuses I = 128
 
 
 def test_moe_prefill_kernel_choice(monkeypatch):
@@ -286,7 +294,7 @@ def test_op_matches_twin_and_triton_v4_flash_dims(flash_bank, t):
     for limit in (10.0, 0.0):
         want = fp4_moe_torch(x, ids, weights, flash_bank, limit)
         triton_v2 = fp4_moe(x, ids, weights, flash_bank, limit, expand=6, config=PREFILL_V2)
-        for cfg in ({"WGMMA": True}, {"WGMMA": True, "BT": 64}, {"WGMMA": True, "CWG": 4, "FRAG_BUFS": 1}):
+        for cfg in ({"WGMMA": True}, {"WGMMA": True, "BT": 64}, {"WGMMA": True, "CWG": 2, "FRAG_BUFS": 2, "HALVES": 0}):
             got = fp4_moe(x, ids, weights, flash_bank, limit, config=cfg)
             rel, rel_v2 = _rel(got, want), _rel(got, triton_v2)
             print(f"wgmma T={t} limit={limit} {cfg}: rel_err {rel:.2e} vs twin, {rel_v2:.2e} vs triton")

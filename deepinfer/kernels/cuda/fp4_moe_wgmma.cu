@@ -31,8 +31,10 @@
 //   16-K step s starts 32 (s & 3) bytes into box s >> 2.
 // * Pipeline: full[s] (the producer's expect_tx; the TMA completes it), empty[s] (one arrival per consumer
 //   warp once the wgmmas reading stage s are done). With FRAG_BUFS 2 a warpgroup expands stage i + 1 while
-//   stage i's 8 wgmmas run (wgmma.wait_group 1), the A registers of two stages alive.
-// Launch: grid (routing blocks, ceil(N / (GATED ? ROWS / 2 : ROWS))), block 128 CWG + 32, dynamic shared
+//   stage i's 8 wgmmas run (wgmma.wait_group 1), the A registers of two stages alive. With FRAG_BUFS 1 and
+//   HALVES 1 it expands each half stage (4 16-K steps) while the previous half's 4 wgmmas run: the same 32
+//   A registers as one whole stage (what fits beside the accumulators at 4 consumer warpgroups, 96 registers).
+// Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)), routing blocks), block 128 CWG + 32, dynamic shared
 // memory `fp4_moe_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
 // Requires: K % 256 == 0 (FRAG_BUFS 2) or % 128; E8M0 bytes <= 128 (the exact bf16x2 expansion's range).
 
@@ -50,6 +52,9 @@
 #endif
 #ifndef FRAG_BUFS
 #define FRAG_BUFS 2
+#endif
+#ifndef HALVES
+#define HALVES 0
 #endif
 #ifndef GATED
 #define GATED 0
@@ -165,17 +170,17 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
                       void* __restrict__ out, i64 stride_om, const float* __restrict__ route_w,
                       const int* __restrict__ sorted_slots, const int* __restrict__ block_expert,
                       int n_slots, int N, int K, float limit) {
-    const int blk = blockIdx.x;
-    const int expert = block_expert[blk];
+    const int blk = blockIdx.y;  // row tiles on x (launched first): a block's tiles run together and share its
+    const int expert = block_expert[blk];  // activations in L2, and the next block (often the same expert) its weights
     if (expert < 0) return;  // the whole CTA: no barrier has been touched yet
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int steps = K / KSTEP;
 #if GATED
-    const int f0 = blockIdx.y * (ROWS / 2);  // the CTA's first output feature (gate row f0, up row N + f0)
+    const int f0 = blockIdx.x * (ROWS / 2);  // the CTA's first output feature (gate row f0, up row N + f0)
     const int w_rows = 2 * N;
 #else
-    const int f0 = blockIdx.y * ROWS;
+    const int f0 = blockIdx.x * ROWS;
     const int w_rows = N;
 #endif
 
@@ -297,13 +302,77 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
         for (int i = 0; i < NACC; ++i) keep(acc[i]);
     };
 
+    // the A fragments of 16-K steps 4 part .. 4 part + 3 of a stage: from words 2 part, 2 part + 1
+    auto expand_half = [&](u32 (&fr)[4][4], const uint4& w0, const uint4& w1, u32 m0, u32 m1, int part) {
+#pragma unroll
+        for (int qq = 0; qq < 2; ++qq) {
+            const int q = 2 * part + qq;
+            const u32 x0 = word_of(w0, q), x1 = word_of(w1, q);
+            fr[2 * qq][0] = bmul2(e2m1_pair<0>(x0), m0);
+            fr[2 * qq][1] = bmul2(e2m1_pair<0>(x1), m1);
+            fr[2 * qq][2] = bmul2(e2m1_pair<1>(x0), m0);
+            fr[2 * qq][3] = bmul2(e2m1_pair<1>(x1), m1);
+            fr[2 * qq + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
+            fr[2 * qq + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
+            fr[2 * qq + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
+            fr[2 * qq + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
+        }
+    };
+    auto issue_half = [&](u32 (&fr)[4][4], u32 a_base, int part) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) keep(acc[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const int k16 = 4 * part + kk;  // half `part` is activation box `part`: 32 bytes per 16-K step
+            wgmma_rs(acc, fr[kk][0], fr[kk][1], fr[kk][2], fr[kk][3], desc_sw128(a_base + part * A_HALF + kk * 32));
+            (void)k16;
+        }
+        wgmma_commit();
+    };
+    auto keep_half = [&](u32 (&fr)[4][4]) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) keep(fr[kk][r]);
+    };
+
+#if HALVES
+    static_assert(FRAG_BUFS == 1, "HALVES pipelines half stages within one stage's registers");
+    u32 h0[4][4], h1[4][4];
+    for (int step = 0; step < steps; ++step) {
+        const int s = step % STAGES;
+        const u32 m0 = (sc0 + 126u) * 0x00800080u, m1 = (sc1 + 126u) * 0x00800080u;
+        if (step + 1 < steps) {
+            sc0 = ws0[(step + 1) * (KSTEP / 32)];
+            sc1 = ws1[(step + 1) * (KSTEP / 32)];
+        }
+        mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
+        const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
+        const u32 a_base = smem_u32(a_ring + s * A_STAGE);
+        wgmma_wait<1>();  // the previous stage's first half is done: h0 is free
+        keep_half(h0);
+        expand_half(h0, w0, w1, m0, m1, 0);
+        issue_half(h0, a_base, 0);
+        wgmma_wait<1>();  // the previous stage's second half is done: h1 and that stage's ring slot are free
+        keep_half(h1);
+        if (step > 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * ((step - 1) % STAGES));
+        }
+        expand_half(h1, w0, w1, m0, m1, 1);
+        issue_half(h1, a_base, 1);
+    }
+#else
     u32 fa[8][4], fb[8][4];
-#if FRAG_BUFS == 2
+#endif
+#if !HALVES && FRAG_BUFS == 2
     for (int step = 0; step < steps; step += 2) {  // steps is even (K % 256 == 0)
         stage(fa, fb, step);
         stage(fb, fa, step + 1);
     }
-#else
+#elif !HALVES
     for (int step = 0; step < steps; ++step) stage(fa, fb, step);
 #endif
     wgmma_wait<0>();

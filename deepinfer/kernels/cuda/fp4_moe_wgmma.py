@@ -10,7 +10,7 @@
   rows a . W^T; gated True (R = 2N, gate rows then up rows): out bf16 [n_slots, N] = route_w[slot] *
   silu(gate) * up with the official bf16 roundings and `limit` clamps.
 config: BT (slots per routing block: 64 or 128), CWG (consumer warpgroups of 64 weight rows), STAGES,
-FRAG_BUFS (compile-time; `DEFAULT_TILES`). Tensor maps are encoded once per (tensor, box) and kept, so a
+FRAG_BUFS, HALVES (compile-time; `DEFAULT_TILES`; the .cu's header says what each does). Tensor maps are encoded once per (tensor, box) and kept, so a
 CUDA-graph replay reuses the captured parameter bytes; the activation buffer is a fresh tensor per call in
 eager use, so its map is encoded per call (one driver call, ~us).
 Needs compute capability 9.0 exactly (wgmma is sm_90a): `usable(device)`.
@@ -26,7 +26,7 @@ from deepinfer.kernels.cuda.runtime import CudaKernel
 SOURCE = "fp4_moe_wgmma.cu"
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
 KSTEP = 128  # K per ring stage
-DEFAULT_TILES = dict(BT=128, CWG=2, STAGES=4, FRAG_BUFS=2)
+DEFAULT_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0)  # fp4_moe.plan_wgmma picks per regime
 _SIGNATURE = "mmpllplpppiiif"  # tensor maps, pointers (p), int64 strides (l), int32 (i), the float limit (f)
 _KERNELS: dict[tuple, CudaKernel] = {}
 _MAPS: dict[tuple, bytes] = {}
@@ -45,8 +45,9 @@ def tiles(config: dict | None = None) -> dict:
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
     # BT 256 (128 accumulators a lane) spills: a CTA of 288 threads gets 168 registers a thread
     if cfg["BT"] not in (64, 128) or cfg["CWG"] not in (1, 2, 4) or cfg["STAGES"] < 2 \
-            or cfg["FRAG_BUFS"] not in (1, 2):
-        raise ValueError(f"fp4_moe_wgmma tiles: BT 64/128, CWG 1/2/4, STAGES >= 2, FRAG_BUFS 1/2, got {cfg}")
+            or cfg["FRAG_BUFS"] not in (1, 2) or cfg["HALVES"] not in (0, 1) or (cfg["HALVES"] and cfg["FRAG_BUFS"] != 1):
+        raise ValueError(f"fp4_moe_wgmma tiles: BT 64/128, CWG 1/2/4, STAGES >= 2, FRAG_BUFS 1/2, HALVES 0/1 (only "
+                         f"with FRAG_BUFS 1), got {cfg}")
     if smem_bytes(cfg) > 227 * 1024:
         raise ValueError(f"fp4_moe_wgmma tiles {cfg} need {smem_bytes(cfg)} bytes of shared memory (> 227 KB)")
     return cfg
@@ -148,7 +149,8 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: to
     tmap_w = _weight_map(w, (1, box_rows, KSTEP // 2))
     # the activations as bytes [P, 2K]: boxes of BT rows x 128 bytes (64 bf16), 128-byte swizzle
     tmap_a = runtime.encode_tensor_map(a.view(torch.uint8), (bt, 128), swizzle=128)
-    grid = (block_expert.numel(), -(-n_out // box_rows), 1)
+    # row tiles fastest: a routing block's tiles run at once (its activations read once from HBM, then L2)
+    grid = (-(-n_out // box_rows), block_expert.numel(), 1)
     kernel(cfg, gated, out.dtype == torch.float32).launch(
         grid, (128 * cfg["CWG"] + 32, 1, 1),
         (tmap_w, tmap_a, w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0), route_w,

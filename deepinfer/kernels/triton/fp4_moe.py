@@ -867,14 +867,27 @@ def wgmma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
             and wg.usable(device))
 
 
-def plan_wgmma(d: int, inter: int, config: dict) -> dict:
-    """The wgmma form's tiles: `fp4_moe_wgmma.tiles(config)`; FRAG_BUFS 1 unless given where D or I (the two
-    GEMMs' K) is not a multiple of 256 (two fragment buffers take the stages two at a time)."""
+WGMMA_FEW_PER_EXPERT = 96  # up to this many slots per expert the wgmma form's BT=64 tiles, above BT=128
+WGMMA_TILES_FEW = dict(BT=64, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1)
+WGMMA_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0)
+# H200 2026-12-02 s8 (bench_fp4_moe.py --wgmma, whole op, CUDA-graph replay, V4-Flash dims,
+# results/fp4_moe_wgmma_h200_2026-12-02_s8.log): T=8192 6.49 ms (381 TFLOP/s) against 6.84 with HALVES, 7.72
+# for 2 consumer warpgroups x 2 fragment buffers, 8.43 at BT=64 and the Triton plan's 8.86; T=2048 (48 per
+# expert) BT=64 2.57 ms against 3.07 at BT=128 and Triton's 2.87. Fewer token rows or weight rows per CTA lose:
+# the kernel is bound by the bytes its TMA moves from L2 (activations 1/ROWS, weights 1/(4 BT) bytes per flop)
+
+
+def plan_wgmma(n_slots: int, n_experts: int, d: int, inter: int, config: dict) -> dict:
+    """The wgmma form's tiles: WGMMA_TILES_FEW up to WGMMA_FEW_PER_EXPERT slots per expert, else WGMMA_TILES,
+    then `config` on top (`fp4_moe_wgmma.tiles` checks them); FRAG_BUFS 1 unless given where D or I (the
+    two GEMMs' K) is not a multiple of 256 (two fragment buffers take the stages two at a time)."""
     from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
 
+    few = n_slots / max(1, n_experts) <= WGMMA_FEW_PER_EXPERT
+    cfg = {**(WGMMA_TILES_FEW if few else WGMMA_TILES), **{k: v for k, v in config.items() if k in wg.DEFAULT_TILES}}
     if "FRAG_BUFS" not in config and (d % 256 or inter % 256):
-        config = {**config, "FRAG_BUFS": 1}
-    return wg.tiles(config)
+        cfg["FRAG_BUFS"] = 1
+    return wg.tiles(cfg)
 
 
 def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
@@ -890,7 +903,7 @@ def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
         raise ValueError(f"fp4_moe wgmma form: exact for E8M0 scale bytes up to {wg.SCALE_MAX}; this bank has "
                          f"{bank.scale_max}")
     topk = topk_ids.shape[1]
-    cfg = plan_wgmma(bank.dim, bank.inter_dim, config)
+    cfg = plan_wgmma(topk_ids.numel(), bank.plan_experts, bank.dim, bank.inter_dim, config)
     d, inter, n_slots, ab, bt = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block, cfg["BT"]
     sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bt)
     route_w = topk_weights.contiguous().view(-1)
