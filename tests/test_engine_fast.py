@@ -274,8 +274,32 @@ def test_fast_cuda_matches_the_oracle_within_its_noise(tiny_v4_raw, oracle_run, 
         monkeypatch.setattr(kernels, "_REGISTRY", {k: v for k, v in kernels._REGISTRY.items() if k[1] == "cpu"})
     cfg, raw = tiny_v4_raw
     print("\ncuda kernels:", sorted(n for n in kernels.ops() if kernels.get(n, "cuda") is not kernels.get(n)))
+    forms = _count_moe_forms(monkeypatch)
     model = build_v4_model(cfg, raw, "fast", "cuda", num_blocks=BLOCKS_PER_SEQ * len(LENS), max_num_seqs=len(LENS))
     judge(f"fast (cuda, {ops}) vs oracle official", teacher_forced(model, cfg, oracle_run[1].cuda()), oracle_run)
+    print(f"routed-expert forms run: {dict(forms)}")
+    if ops == "registered" and torch.cuda.get_device_capability() == (9, 0):
+        # the batched prefill (297 tokens x top-2 over 8 experts: the prefill regime) must have run the wgmma
+        # kernel and the decode steps the CUDA decode form, so this oracle check covers both
+        assert forms["wgmma"] > 0 and forms["cuda decode"] > 0, dict(forms)
+
+
+def _count_moe_forms(monkeypatch):
+    """Count the calls of fp4_moe's CUDA forms (wrapping them, same results)."""
+    import collections
+
+    from deepinfer.kernels.triton import fp4_moe as moe
+
+    forms = collections.Counter()
+    for attr, name in (("_fp4_moe_wgmma", "wgmma"), ("_fp4_moe_mma", "cuda decode")):
+        inner = getattr(moe, attr)
+
+        def counted(*args, _inner=inner, _name=name, **kwargs):
+            forms[_name] += 1
+            return _inner(*args, **kwargs)
+
+        monkeypatch.setattr(moe, attr, counted)
+    return forms
 
 
 @pytest.mark.gpu
