@@ -34,11 +34,6 @@
 //   stage i's 8 wgmmas run (wgmma.wait_group 1), the A registers of two stages alive. With FRAG_BUFS 1 and
 //   HALVES 1 it expands each half stage (4 16-K steps) while the previous half's 4 wgmmas run: the same 32
 //   A registers as one whole stage (what fits beside the accumulators at 4 consumer warpgroups, 96 registers).
-// * CLUSTER 2: CTAs in pairs (row tiles 2i, 2i + 1 of one routing block: the same activations), each producer
-//   loading one 64-K half of the stage's activations and multicasting it to both CTAs (the activations' L2
-//   reads halved: the kernel is bound by the bytes its TMA moves); a consumer warp then releases a stage in
-//   both CTAs (empty[s] counts both CTAs' consumer warps), and the pair ends with a cluster barrier so no CTA
-//   exits while its peer may still arrive on its barriers.
 // Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)), routing blocks), block 128 CWG + 32, dynamic shared
 // memory `fp4_moe_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
 // Requires: K % 256 == 0 (FRAG_BUFS 2) or % 128; E8M0 bytes <= 128 (the exact bf16x2 expansion's range).
@@ -60,16 +55,6 @@
 #endif
 #ifndef HALVES
 #define HALVES 0
-#endif
-#ifndef CLUSTER
-#define CLUSTER 1
-#endif
-#if CLUSTER == 2
-#define CLUSTER_DIMS __cluster_dims__(2, 1, 1)
-#elif CLUSTER == 1
-#define CLUSTER_DIMS
-#else
-#error "CLUSTER must be 1 or 2"
 #endif
 #ifndef GATED
 #define GATED 0
@@ -179,7 +164,7 @@ __device__ __forceinline__ float bf16_round(float x) {  // round to nearest even
     return __uint_as_float(b & 0xFFFF0000u);
 }
 
-extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(128 * CWG + 32, 1)
+extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
 fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                       const u8* __restrict__ ws, i64 stride_wse, i64 stride_wsn,
                       void* __restrict__ out, i64 stride_om, const float* __restrict__ route_w,
@@ -210,17 +195,12 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, 4 * CWG * CLUSTER);
+            mbar_init(empty0 + 8 * s, 4 * CWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
-#if CLUSTER == 2
-    const u32 rank = cluster_rank();
-    cluster_sync();  // the peer's barriers are initialised before any multicast or remote arrival reaches them
-#else
     __syncthreads();
-#endif
 
     if (warp == 4 * CWG) {
         // ---- producer warp (lane 0): the stage's weight box(es) and the two activation boxes ----
@@ -240,203 +220,188 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
                 tma_load_3d(w_dst, &tmap_w, step * (KSTEP / 2), f0, expert, full);
 #endif
                 const u32 a_dst = smem_u32(a_ring + s * A_STAGE);
-#if CLUSTER == 2
-                tma_load_2d_multicast(a_dst + rank * A_HALF, &tmap_a, step * (2 * KSTEP) + rank * 128, blk * BT, full,
-                                      (unsigned short)0x3);
-#else
                 tma_load_2d(a_dst, &tmap_a, step * (2 * KSTEP), blk * BT, full);
                 tma_load_2d(a_dst + A_HALF, &tmap_a, step * (2 * KSTEP) + 128, blk * BT, full);
-#endif
             }
         }
-    } else {
-        // ---- consumer warpgroups ----
-        // a stage's ring slot is free again: one arrival per consumer warp, in both CTAs of a pair (each one's
-        // producer multicasts into both)
-        auto release = [&](u32 bar) {
-            mbar_arrive(bar);
-#if CLUSTER == 2
-            mbar_arrive_peer(bar, rank ^ 1u);
-#endif
-        };
-        const int wg = warp >> 2, wi = warp & 3;
-        const int g = lane >> 2, t = lane & 3;
+        return;
+    }
+
+    // ---- consumer warpgroups ----
+    const int wg = warp >> 2, wi = warp & 3;
+    const int g = lane >> 2, t = lane & 3;
 #if GATED
-        const int lr0 = wg * 32 + wi * 8 + g;  // the gate row of feature f0 + lr0 in the stage's tile
-        const int lr1 = ROWS / 2 + lr0;        // its up row
-        const int gr0 = f0 + lr0, gr1 = N + f0 + lr0;
+    const int lr0 = wg * 32 + wi * 8 + g;  // the gate row of feature f0 + lr0 in the stage's tile
+    const int lr1 = ROWS / 2 + lr0;        // its up row
+    const int gr0 = f0 + lr0, gr1 = N + f0 + lr0;
 #else
-        const int lr0 = wg * 64 + wi * 16 + g, lr1 = lr0 + 8;
-        const int gr0 = f0 + lr0, gr1 = f0 + lr1;
+    const int lr0 = wg * 64 + wi * 16 + g, lr1 = lr0 + 8;
+    const int gr0 = f0 + lr0, gr1 = f0 + lr1;
 #endif
-        // the lane's scale bytes: row, K/32 block 4 step + t (rows past the bank read its last row: their
-        // weights are the TMA's zero fill, so any finite multiplier gives 0)
-        const u8* ws0 = ws + (i64)expert * stride_wse + (i64)min(gr0, w_rows - 1) * stride_wsn + t;
-        const u8* ws1 = ws + (i64)expert * stride_wse + (i64)min(gr1, w_rows - 1) * stride_wsn + t;
-        u32 sc0 = ws0[0], sc1 = ws1[0];
+    // the lane's scale bytes: row, K/32 block 4 step + t (rows past the bank read its last row: their
+    // weights are the TMA's zero fill, so any finite multiplier gives 0)
+    const u8* ws0 = ws + (i64)expert * stride_wse + (i64)min(gr0, w_rows - 1) * stride_wsn + t;
+    const u8* ws1 = ws + (i64)expert * stride_wse + (i64)min(gr1, w_rows - 1) * stride_wsn + t;
+    u32 sc0 = ws0[0], sc1 = ws1[0];
 
-        float acc[NACC];
+    float acc[NACC];
 #pragma unroll
-        for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
-        auto stage = [&](u32 (&fr)[8][4], u32 (&prev)[8][4], int step) {
-            const int s = step % STAGES;
-            const u32 m0 = (sc0 + 126u) * 0x00800080u, m1 = (sc1 + 126u) * 0x00800080u;  // bf16x2 2^(S-1)
-            if (step + 1 < steps) {
-                sc0 = ws0[(step + 1) * (KSTEP / 32)];
-                sc1 = ws1[(step + 1) * (KSTEP / 32)];
-            }
-            mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
-            const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
-            const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const u32 x0 = word_of(w0, q), x1 = word_of(w1, q);
-                fr[2 * q][0] = bmul2(e2m1_pair<0>(x0), m0);
-                fr[2 * q][1] = bmul2(e2m1_pair<0>(x1), m1);
-                fr[2 * q][2] = bmul2(e2m1_pair<1>(x0), m0);
-                fr[2 * q][3] = bmul2(e2m1_pair<1>(x1), m1);
-                fr[2 * q + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
-                fr[2 * q + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
-                fr[2 * q + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
-                fr[2 * q + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
-            }
-            const u32 a_base = smem_u32(a_ring + s * A_STAGE);
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) keep(acc[i]);
-            wgmma_fence();
-#pragma unroll
-            for (int k16 = 0; k16 < 8; ++k16)
-                wgmma_rs(acc, fr[k16][0], fr[k16][1], fr[k16][2], fr[k16][3],
-                         desc_sw128(a_base + (k16 >> 2) * A_HALF + (k16 & 3) * 32));
-            wgmma_commit();
-#if FRAG_BUFS == 2
-            wgmma_wait<1>();  // stage step - 1's wgmmas are done: its A registers and its ring slot are free
-#pragma unroll
-            for (int k16 = 0; k16 < 8; ++k16)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) keep(prev[k16][r]);
-            if (step > 0) {
-                __syncwarp();
-                if (lane == 0) release(empty0 + 8 * ((step - 1) % STAGES));
-            }
-#else
-            wgmma_wait<0>();
-#pragma unroll
-            for (int k16 = 0; k16 < 8; ++k16)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) keep(fr[k16][r]);
-            __syncwarp();
-            if (lane == 0) release(empty0 + 8 * s);
-#endif
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) keep(acc[i]);
-        };
-
-        // the A fragments of 16-K steps 4 part .. 4 part + 3 of a stage: from words 2 part, 2 part + 1
-        auto expand_half = [&](u32 (&fr)[4][4], const uint4& w0, const uint4& w1, u32 m0, u32 m1, int part) {
-#pragma unroll
-            for (int qq = 0; qq < 2; ++qq) {
-                const int q = 2 * part + qq;
-                const u32 x0 = word_of(w0, q), x1 = word_of(w1, q);
-                fr[2 * qq][0] = bmul2(e2m1_pair<0>(x0), m0);
-                fr[2 * qq][1] = bmul2(e2m1_pair<0>(x1), m1);
-                fr[2 * qq][2] = bmul2(e2m1_pair<1>(x0), m0);
-                fr[2 * qq][3] = bmul2(e2m1_pair<1>(x1), m1);
-                fr[2 * qq + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
-                fr[2 * qq + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
-                fr[2 * qq + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
-                fr[2 * qq + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
-            }
-        };
-        auto issue_half = [&](u32 (&fr)[4][4], u32 a_base, int part) {
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) keep(acc[i]);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                const int k16 = 4 * part + kk;  // half `part` is activation box `part`: 32 bytes per 16-K step
-                wgmma_rs(acc, fr[kk][0], fr[kk][1], fr[kk][2], fr[kk][3], desc_sw128(a_base + part * A_HALF + kk * 32));
-                (void)k16;
-            }
-            wgmma_commit();
-        };
-        auto keep_half = [&](u32 (&fr)[4][4]) {
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) keep(fr[kk][r]);
-        };
-
-#if HALVES
-        static_assert(FRAG_BUFS == 1, "HALVES pipelines half stages within one stage's registers");
-        u32 h0[4][4], h1[4][4];
-        for (int step = 0; step < steps; ++step) {
-            const int s = step % STAGES;
-            const u32 m0 = (sc0 + 126u) * 0x00800080u, m1 = (sc1 + 126u) * 0x00800080u;
-            if (step + 1 < steps) {
-                sc0 = ws0[(step + 1) * (KSTEP / 32)];
-                sc1 = ws1[(step + 1) * (KSTEP / 32)];
-            }
-            mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
-            const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
-            const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
-            const u32 a_base = smem_u32(a_ring + s * A_STAGE);
-            wgmma_wait<1>();  // the previous stage's first half is done: h0 is free
-            keep_half(h0);
-            expand_half(h0, w0, w1, m0, m1, 0);
-            issue_half(h0, a_base, 0);
-            wgmma_wait<1>();  // the previous stage's second half is done: h1 and that stage's ring slot are free
-            keep_half(h1);
-            if (step > 0) {
-                __syncwarp();
-                if (lane == 0) release(empty0 + 8 * ((step - 1) % STAGES));
-            }
-            expand_half(h1, w0, w1, m0, m1, 1);
-            issue_half(h1, a_base, 1);
+    auto stage = [&](u32 (&fr)[8][4], u32 (&prev)[8][4], int step) {
+        const int s = step % STAGES;
+        const u32 m0 = (sc0 + 126u) * 0x00800080u, m1 = (sc1 + 126u) * 0x00800080u;  // bf16x2 2^(S-1)
+        if (step + 1 < steps) {
+            sc0 = ws0[(step + 1) * (KSTEP / 32)];
+            sc1 = ws1[(step + 1) * (KSTEP / 32)];
         }
-#else
-        u32 fa[8][4], fb[8][4];
-#endif
-#if !HALVES && FRAG_BUFS == 2
-        for (int step = 0; step < steps; step += 2) {  // steps is even (K % 256 == 0)
-            stage(fa, fb, step);
-            stage(fb, fa, step + 1);
+        mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
+        const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 x0 = word_of(w0, q), x1 = word_of(w1, q);
+            fr[2 * q][0] = bmul2(e2m1_pair<0>(x0), m0);
+            fr[2 * q][1] = bmul2(e2m1_pair<0>(x1), m1);
+            fr[2 * q][2] = bmul2(e2m1_pair<1>(x0), m0);
+            fr[2 * q][3] = bmul2(e2m1_pair<1>(x1), m1);
+            fr[2 * q + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
+            fr[2 * q + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
+            fr[2 * q + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
+            fr[2 * q + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
         }
-#elif !HALVES
-        for (int step = 0; step < steps; ++step) stage(fa, fb, step);
-#endif
-        wgmma_wait<0>();
+        const u32 a_base = smem_u32(a_ring + s * A_STAGE);
 #pragma unroll
         for (int i = 0; i < NACC; ++i) keep(acc[i]);
-
-        // accumulator fragment: acc[4j + e] = (row lr0, token 8j + 2t + e), acc[4j + 2 + e] = (row lr1, same token)
+        wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < BT / 8; ++j) {
+        for (int k16 = 0; k16 < 8; ++k16)
+            wgmma_rs(acc, fr[k16][0], fr[k16][1], fr[k16][2], fr[k16][3],
+                     desc_sw128(a_base + (k16 >> 2) * A_HALF + (k16 & 3) * 32));
+        wgmma_commit();
+#if FRAG_BUFS == 2
+        wgmma_wait<1>();  // stage step - 1's wgmmas are done: its A registers and its ring slot are free
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int slot = sorted_slots[blk * BT + 8 * j + 2 * t + e];
-                if (slot >= n_slots) continue;
-#if GATED
-                if (gr0 >= N) continue;
-                float gate = bf16_round(acc[4 * j + e]), up = bf16_round(acc[4 * j + 2 + e]);
-                if (limit > 0.f) {
-                    up = fminf(fmaxf(up, -limit), limit);
-                    gate = fminf(gate, limit);
-                }
-                const float h = route_w[slot] * (gate / (1.f + expf(-gate)) * up);
-                static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(h)) >> 16);
-#elif OUT_F32
-                if (gr0 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr0] = acc[4 * j + e];
-                if (gr1 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr1] = acc[4 * j + 2 + e];
+        for (int k16 = 0; k16 < 8; ++k16)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) keep(prev[k16][r]);
+        if (step > 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * ((step - 1) % STAGES));
+        }
 #else
-                if (gr0 < N) static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(acc[4 * j + e])) >> 16);
-                if (gr1 < N) static_cast<u16*>(out)[(i64)slot * stride_om + gr1] = (u16)(__float_as_uint(bf16_round(acc[4 * j + 2 + e])) >> 16);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int k16 = 0; k16 < 8; ++k16)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) keep(fr[k16][r]);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);
 #endif
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) keep(acc[i]);
+    };
+
+    // the A fragments of 16-K steps 4 part .. 4 part + 3 of a stage: from words 2 part, 2 part + 1
+    auto expand_half = [&](u32 (&fr)[4][4], const uint4& w0, const uint4& w1, u32 m0, u32 m1, int part) {
+#pragma unroll
+        for (int qq = 0; qq < 2; ++qq) {
+            const int q = 2 * part + qq;
+            const u32 x0 = word_of(w0, q), x1 = word_of(w1, q);
+            fr[2 * qq][0] = bmul2(e2m1_pair<0>(x0), m0);
+            fr[2 * qq][1] = bmul2(e2m1_pair<0>(x1), m1);
+            fr[2 * qq][2] = bmul2(e2m1_pair<1>(x0), m0);
+            fr[2 * qq][3] = bmul2(e2m1_pair<1>(x1), m1);
+            fr[2 * qq + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
+            fr[2 * qq + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
+            fr[2 * qq + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
+            fr[2 * qq + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
+        }
+    };
+    auto issue_half = [&](u32 (&fr)[4][4], u32 a_base, int part) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) keep(acc[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const int k16 = 4 * part + kk;  // half `part` is activation box `part`: 32 bytes per 16-K step
+            wgmma_rs(acc, fr[kk][0], fr[kk][1], fr[kk][2], fr[kk][3], desc_sw128(a_base + part * A_HALF + kk * 32));
+            (void)k16;
+        }
+        wgmma_commit();
+    };
+    auto keep_half = [&](u32 (&fr)[4][4]) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) keep(fr[kk][r]);
+    };
+
+#if HALVES
+    static_assert(FRAG_BUFS == 1, "HALVES pipelines half stages within one stage's registers");
+    u32 h0[4][4], h1[4][4];
+    for (int step = 0; step < steps; ++step) {
+        const int s = step % STAGES;
+        const u32 m0 = (sc0 + 126u) * 0x00800080u, m1 = (sc1 + 126u) * 0x00800080u;
+        if (step + 1 < steps) {
+            sc0 = ws0[(step + 1) * (KSTEP / 32)];
+            sc1 = ws1[(step + 1) * (KSTEP / 32)];
+        }
+        mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
+        const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
+        const u32 a_base = smem_u32(a_ring + s * A_STAGE);
+        wgmma_wait<1>();  // the previous stage's first half is done: h0 is free
+        keep_half(h0);
+        expand_half(h0, w0, w1, m0, m1, 0);
+        issue_half(h0, a_base, 0);
+        wgmma_wait<1>();  // the previous stage's second half is done: h1 and that stage's ring slot are free
+        keep_half(h1);
+        if (step > 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * ((step - 1) % STAGES));
+        }
+        expand_half(h1, w0, w1, m0, m1, 1);
+        issue_half(h1, a_base, 1);
+    }
+#else
+    u32 fa[8][4], fb[8][4];
+#endif
+#if !HALVES && FRAG_BUFS == 2
+    for (int step = 0; step < steps; step += 2) {  // steps is even (K % 256 == 0)
+        stage(fa, fb, step);
+        stage(fb, fa, step + 1);
+    }
+#elif !HALVES
+    for (int step = 0; step < steps; ++step) stage(fa, fb, step);
+#endif
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) keep(acc[i]);
+
+    // accumulator fragment: acc[4j + e] = (row lr0, token 8j + 2t + e), acc[4j + 2 + e] = (row lr1, same token)
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int slot = sorted_slots[blk * BT + 8 * j + 2 * t + e];
+            if (slot >= n_slots) continue;
+#if GATED
+            if (gr0 >= N) continue;
+            float gate = bf16_round(acc[4 * j + e]), up = bf16_round(acc[4 * j + 2 + e]);
+            if (limit > 0.f) {
+                up = fminf(fmaxf(up, -limit), limit);
+                gate = fminf(gate, limit);
             }
+            const float h = route_w[slot] * (gate / (1.f + expf(-gate)) * up);
+            static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(h)) >> 16);
+#elif OUT_F32
+            if (gr0 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr0] = acc[4 * j + e];
+            if (gr1 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr1] = acc[4 * j + 2 + e];
+#else
+            if (gr0 < N) static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(acc[4 * j + e])) >> 16);
+            if (gr1 < N) static_cast<u16*>(out)[(i64)slot * stride_om + gr1] = (u16)(__float_as_uint(bf16_round(acc[4 * j + 2 + e])) >> 16);
+#endif
         }
     }
-#if CLUSTER == 2
-    cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
-#endif
 }

@@ -10,8 +10,7 @@
   rows a . W^T; gated True (R = 2N, gate rows then up rows): out bf16 [n_slots, N] = route_w[slot] *
   silu(gate) * up with the official bf16 roundings and `limit` clamps.
 config: BT (slots per routing block: 64 or 128), CWG (consumer warpgroups of 64 weight rows), STAGES,
-FRAG_BUFS, HALVES, CLUSTER (compile-time; `DEFAULT_TILES`; the .cu's header says what each does; CLUSTER 2
-needs an even count of row tiles). Tensor maps are encoded once per (tensor, box) and kept, so a
+FRAG_BUFS, HALVES (compile-time; `DEFAULT_TILES`; the .cu's header says what each does). Tensor maps are encoded once per (tensor, box) and kept, so a
 CUDA-graph replay reuses the captured parameter bytes; the activation buffer is a fresh tensor per call in
 eager use, so its map is encoded per call (one driver call, ~us).
 Needs compute capability 9.0 exactly (wgmma is sm_90a): `usable(device)`.
@@ -27,7 +26,7 @@ from deepinfer.kernels.cuda.runtime import CudaKernel
 SOURCE = "fp4_moe_wgmma.cu"
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
 KSTEP = 128  # K per ring stage
-DEFAULT_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, CLUSTER=1)  # fp4_moe.plan_wgmma picks per regime
+DEFAULT_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0)  # fp4_moe.plan_wgmma picks per regime
 _SIGNATURE = "mmpllplpppiiif"  # tensor maps, pointers (p), int64 strides (l), int32 (i), the float limit (f)
 _KERNELS: dict[tuple, CudaKernel] = {}
 _MAPS: dict[tuple, bytes] = {}
@@ -46,10 +45,9 @@ def tiles(config: dict | None = None) -> dict:
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
     # BT 256 (128 accumulators a lane) spills: a CTA of 288 threads gets 168 registers a thread
     if cfg["BT"] not in (64, 128) or cfg["CWG"] not in (1, 2, 4) or cfg["STAGES"] < 2 \
-            or cfg["FRAG_BUFS"] not in (1, 2) or cfg["HALVES"] not in (0, 1) or (cfg["HALVES"] and cfg["FRAG_BUFS"] != 1) \
-            or cfg["CLUSTER"] not in (1, 2):
+            or cfg["FRAG_BUFS"] not in (1, 2) or cfg["HALVES"] not in (0, 1) or (cfg["HALVES"] and cfg["FRAG_BUFS"] != 1):
         raise ValueError(f"fp4_moe_wgmma tiles: BT 64/128, CWG 1/2/4, STAGES >= 2, FRAG_BUFS 1/2, HALVES 0/1 (only "
-                         f"with FRAG_BUFS 1), CLUSTER 1/2, got {cfg}")
+                         f"with FRAG_BUFS 1), got {cfg}")
     if smem_bytes(cfg) > 227 * 1024:
         raise ValueError(f"fp4_moe_wgmma tiles {cfg} need {smem_bytes(cfg)} bytes of shared memory (> 227 KB)")
     return cfg
@@ -64,13 +62,6 @@ def smem_bytes(cfg: dict) -> int:
     ring, the mbarriers, and 1024 bytes of slack to align the swizzled boxes."""
     per_stage = 2 * cfg["BT"] * 128 + rows_per_cta(cfg) * KSTEP // 2
     return cfg["STAGES"] * per_stage + 16 * cfg["STAGES"] + 1024
-
-
-def row_tiles(rows: int, gated: bool, cfg: dict) -> int:
-    """The grid's row tiles for a bank of `rows` weight rows (gated: gate + up rows, ROWS/2 features a CTA)."""
-    per = rows_per_cta(cfg) // 2 if gated else rows_per_cta(cfg)
-    n_out = rows // 2 if gated else rows
-    return -(-n_out // per)
 
 
 def check_k(k: int, cfg: dict) -> str | None:
@@ -137,9 +128,6 @@ def input_problems(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out:
     if out.dim() != 2 or tuple(out.shape) != (n_slots, n_out) or out.dtype not in want_dtypes or out.stride(1) != 1:
         problems.append(f"out must be [{n_slots}, {n_out}] {' or '.join(str(d) for d in want_dtypes)} with "
                         f"contiguous rows, got {out.dtype} {tuple(out.shape)}")
-    if cfg["CLUSTER"] == 2 and row_tiles(rows, gated, cfg) % 2:
-        problems.append(f"CLUSTER 2 pairs the row tiles: {row_tiles(rows, gated, cfg)} tiles of "
-                        f"{rows_per_cta(cfg) // (2 if gated else 1)} {'features' if gated else 'rows'} is odd")
     if route_w.dtype != torch.float32 or route_w.numel() < n_slots:
         problems.append(f"route_w must be fp32 with >= {n_slots} entries, got {route_w.dtype} [{route_w.numel()}]")
     return problems
@@ -162,7 +150,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: to
     # the activations as bytes [P, 2K]: boxes of BT rows x 128 bytes (64 bf16), 128-byte swizzle
     tmap_a = runtime.encode_tensor_map(a.view(torch.uint8), (bt, 128), swizzle=128)
     # row tiles fastest: a routing block's tiles run at once (its activations read once from HBM, then L2)
-    grid = (row_tiles(rows, gated, cfg), block_expert.numel(), 1)
+    grid = (-(-n_out // box_rows), block_expert.numel(), 1)
     kernel(cfg, gated, out.dtype == torch.float32).launch(
         grid, (128 * cfg["CWG"] + 32, 1, 1),
         (tmap_w, tmap_a, w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0), route_w,
