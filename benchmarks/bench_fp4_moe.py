@@ -128,13 +128,13 @@ TMA_VARIANTS = [  # (name, config, expand, max T)
 ]
 WGMMA_VARIANTS = [  # (name, config, expand, max T)
     ("triton prefill (PREFILL_V2, expand 6)", dict(A_BF16=True), 6, 10 ** 9),
-    ("wgmma BT128 cwg4 s4 f1 h1", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1), None, 10 ** 9),
-    ("wgmma BT128 cwg4 s3 f1 h1", dict(WGMMA=True, BT=128, CWG=4, STAGES=3, FRAG_BUFS=1, HALVES=1), None, 10 ** 9),
     ("wgmma BT128 cwg4 s4 f1 h0", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0), None, 10 ** 9),
-    ("wgmma BT64 cwg4 s6 f1 h1", dict(WGMMA=True, BT=64, CWG=4, STAGES=6, FRAG_BUFS=1, HALVES=1), None, 10 ** 9),
     ("wgmma BT64 cwg4 s4 f1 h1", dict(WGMMA=True, BT=64, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1), None, 10 ** 9),
-    ("wgmma BT128 cwg2 s4 f2 h0", dict(WGMMA=True, BT=128, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0), None, 10 ** 9),
-    ("wgmma BT128 cwg2 s4 f1 h1", dict(WGMMA=True, BT=128, CWG=2, STAGES=4, FRAG_BUFS=1, HALVES=1), None, 10 ** 9),
+    ("wgmma BT128 cwg2 s2 f1 h0 m2", dict(WGMMA=True, BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2), None, 10 ** 9),
+    ("wgmma BT128 cwg2 s2 f1 h1 m2", dict(WGMMA=True, BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=1, MIN_CTAS=2), None, 10 ** 9),
+    ("wgmma BT128 cwg1 s3 f1 h1 m2", dict(WGMMA=True, BT=128, CWG=1, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=2), None, 10 ** 9),
+    ("wgmma BT64 cwg2 s3 f1 h1 m3", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=3), None, 10 ** 9),
+    ("wgmma BT64 cwg2 s4 f1 h1 m2", dict(WGMMA=True, BT=64, CWG=2, STAGES=4, FRAG_BUFS=1, HALVES=1, MIN_CTAS=2), None, 10 ** 9),
 ]
 # (the seventh session's sweeps, results/fp4_moe_tma_h200_2026-12-02_s7*.log, also timed 8 stages, MT1 x 8
 # warps, WAVES 2 / 8 and three variants since removed from the kernel: each slower than the rows kept here)
@@ -171,7 +171,8 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
                 from deepinfer.kernels.cuda.fp4_moe_wgmma import tiles as wgmma_tiles
 
                 pl = wgmma_tiles(cfg)
-                desc = f"BT={pl['BT']} CWG={pl['CWG']} st={pl['STAGES']} fb={pl['FRAG_BUFS']} h={pl['HALVES']}"
+                desc = (f"BT={pl['BT']} CWG={pl['CWG']} st={pl['STAGES']} fb={pl['FRAG_BUFS']} h={pl['HALVES']} "
+                        f"m={pl['MIN_CTAS']}")
             elif "FP8" in cfg:
                 pl = plan_fp8(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} BT={pl['BT']} BW={pl['BW']} w={pl['num_warps']}"

@@ -29,10 +29,12 @@ TILE_CONFIGS = [dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1), dict(BT=12
                 dict(BT=64, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0), dict(BT=128, CWG=1, STAGES=2, FRAG_BUFS=2, HALVES=0),
                 dict(BT=64, CWG=4, STAGES=6, FRAG_BUFS=1, HALVES=1), dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0),
                 dict(BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=1)]
+TILE_CONFIGS = [dict(c, MIN_CTAS=1) for c in TILE_CONFIGS] + [
+    dict(BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2), dict(BT=128, CWG=1, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=2)]
 
 
 def _tag(c: dict) -> str:
-    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}"
+    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}m{c['MIN_CTAS']}"
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -134,6 +136,11 @@ def test_tile_rules_and_shared_memory():
         wg.tiles({"FRAG_BUFS": 2, "HALVES": 1})
     with pytest.raises(ValueError, match="shared memory"):
         wg.tiles({"STAGES": 6, "CWG": 2})
+    with pytest.raises(ValueError, match="2 CTAs do not fit"):
+        wg.tiles({"STAGES": 3, "CWG": 2, "MIN_CTAS": 2})
+    assert wg.tiles({"STAGES": 2, "CWG": 2, "MIN_CTAS": 2})["MIN_CTAS"] == 2
+    with pytest.raises(ValueError, match="too few registers"):
+        wg.tiles({"STAGES": 2, "CWG": 4, "MIN_CTAS": 2})
     with pytest.raises(ValueError, match="BT 64/128"):
         wg.tiles({"BT": 256})
     assert "at most 128 bytes" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 256), swizzle=128)

@@ -56,6 +56,9 @@
 #ifndef HALVES
 #define HALVES 0
 #endif
+#ifndef MIN_CTAS
+#define MIN_CTAS 1  // CTAs an SM must fit (__launch_bounds__: caps the registers a thread may use)
+#endif
 #ifndef GATED
 #define GATED 0
 #endif
@@ -164,7 +167,7 @@ __device__ __forceinline__ float bf16_round(float x) {  // round to nearest even
     return __uint_as_float(b & 0xFFFF0000u);
 }
 
-extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
+extern "C" __global__ void __launch_bounds__(128 * CWG + 32, MIN_CTAS)
 fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                       const u8* __restrict__ ws, i64 stride_wse, i64 stride_wsn,
                       void* __restrict__ out, i64 stride_om, const float* __restrict__ route_w,

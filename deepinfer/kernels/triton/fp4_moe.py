@@ -868,8 +868,8 @@ def wgmma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
 
 
 WGMMA_FEW_PER_EXPERT = 96  # up to this many slots per expert the wgmma form's BT=64 tiles, above BT=128
-WGMMA_TILES_FEW = dict(BT=64, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1)
-WGMMA_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0)
+WGMMA_TILES_FEW = dict(BT=64, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1, MIN_CTAS=1)
+WGMMA_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1)
 # H200 2026-12-02 s8 (bench_fp4_moe.py --wgmma, whole op, CUDA-graph replay, V4-Flash dims,
 # results/fp4_moe_wgmma_h200_2026-12-02_s8.log): T=8192 6.49 ms (381 TFLOP/s) against 6.84 with HALVES, 7.72
 # for 2 consumer warpgroups x 2 fragment buffers, 8.43 at BT=64 and the Triton plan's 8.86; T=2048 (48 per
