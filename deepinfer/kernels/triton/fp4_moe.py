@@ -868,13 +868,14 @@ def wgmma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
 
 
 WGMMA_FEW_PER_EXPERT = 96  # up to this many slots per expert the wgmma form's BT=64 tiles, above BT=128
-WGMMA_TILES_FEW = dict(BT=64, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1, MIN_CTAS=1)
+WGMMA_TILES_FEW = dict(BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=3)
 WGMMA_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1)
-# H200 2026-12-02 s8 (bench_fp4_moe.py --wgmma, whole op, CUDA-graph replay, V4-Flash dims,
-# results/fp4_moe_wgmma_h200_2026-12-02_s8.log): T=8192 6.49 ms (381 TFLOP/s) against 6.84 with HALVES, 7.72
-# for 2 consumer warpgroups x 2 fragment buffers, 8.43 at BT=64 and the Triton plan's 8.86; T=2048 (48 per
-# expert) BT=64 2.57 ms against 3.07 at BT=128 and Triton's 2.87. Fewer token rows or weight rows per CTA lose:
-# the kernel is bound by the bytes its TMA moves from L2 (activations 1/ROWS, weights 1/(4 BT) bytes per flop)
+# H200 2026-12-02 s8 (bench_fp4_moe.py --wgmma, whole op, CUDA-graph replay, V4-Flash dims, four runs in
+# results/fp4_moe_wgmma_h200_2026-12-02_s8.log): T=8192 6.49 / 6.50 ms (381 TFLOP/s) against 6.41 with 2 CTAs
+# of 2 consumer warpgroups an SM (within run-to-run noise), 6.84 with HALVES, 7.72 for 2 warpgroups x 2
+# fragment buffers, 7.19 with CTA pairs multicasting the activations (removed), 8.42 at BT=64 and the Triton
+# plan's 8.80-8.87. T=2048 (48 slots per expert): BT=64 in 3 CTAs an SM of 2 consumer warpgroups 2.33 ms,
+# one CTA of 4 2.57, BT=128 3.08, Triton 2.82.
 
 
 def plan_wgmma(n_slots: int, n_experts: int, d: int, inter: int, config: dict) -> dict:
