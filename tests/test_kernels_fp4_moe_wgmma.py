@@ -67,12 +67,13 @@ def check_act_quant_gather(device: str = "cpu") -> None:
     from deepinfer.kernels.triton.fp4_moe import align_by_expert
 
     gen = torch.Generator().manual_seed(5)
-    t, topk, e, k, bt = 7, 3, 5, 256, 8
-    x = (torch.randn(t, k, generator=gen) * 3).to(BF16)
+    t, topk, e, bt = 7, 3, 5, 8
     ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(t)])
     sorted_slots, block_expert = align_by_expert(ids, e, bt)
     assert int((block_expert < 0).sum()) > 0  # the bound leaves unused blocks: they must be skipped
-    for block, quant in ((128, True), (32, True), (128, False)):
+    # K = 256: programs of 128 columns; 2048: one program a row (the launcher's widest)
+    for k, block, quant in ((256, 128, True), (256, 32, True), (256, 128, False), (2048, 128, True)):
+        x = (torch.randn(t, k, generator=gen) * 3).to(BF16)
         got = act_quant_gather(x.to(device), block, sorted_slots.to(device), block_expert.to(device), t * topk, topk,
                                bt, quant=quant).cpu()
         deq = formats.act_quant_dequant(x.float(), block).to(BF16) if quant else x
@@ -81,7 +82,7 @@ def check_act_quant_gather(device: str = "cpu") -> None:
             if block_expert[p // bt] < 0:
                 continue  # unused blocks: not written
             row = deq[slot // topk, order] if slot < t * topk else torch.zeros(k, dtype=BF16)
-            assert torch.equal(got[p], row), (block, quant, p, slot)
+            assert torch.equal(got[p], row), (k, block, quant, p, slot)
 
 
 def test_act_quant_gather_matches_act_quant_and_the_order():
