@@ -50,6 +50,8 @@ the twin); H200 2026-11-29, one run, V4-Flash dims, decode T=1 as CUDA-graph rep
   bytes up to 128 (scale 2; the checkpoints' are ~2**-8), so the default takes it when the bank's
   `scale_max` allows and expand 5 otherwise. Default since then: the v2 path in every regime
   (`DECODE_V2`, `PREFILL_V2`), the kernel below only with an explicit expand or config.
+Prefill (above 16 slots per expert) on sm_90 runs the wgmma form (kernels/cuda/fp4_moe_wgmma.cu,
+`_fp4_moe_wgmma`, `PREFILL_FORM`): T=8192 6.5 ms against this module's v2 plan's 8.8 (H200 2026-12-02 s8).
 Must not: be imported without triton; know about gates, hash routing or the shared expert (the caller's).
 """
 from __future__ import annotations
