@@ -180,8 +180,7 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     out = torch.empty((sorted_slots.numel(), k), dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0:
         return out
-    # 2048 columns a program (fewer, longer programs: at 8k tokens the 512-column form moved ~2.5 TB/s)
-    cols = next(c for c in (2048, 512, WGMMA_K_GROUP) if k % c == 0)
+    cols = 512 if k % 512 == 0 else WGMMA_K_GROUP
     _act_quant_gather_kernel[(sorted_slots.numel(), k // cols)](
         x, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), ROW_DIV=row_div, BT=bt,
         BLOCK=block, COLS=cols, QUANT=quant)
