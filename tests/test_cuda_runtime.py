@@ -57,8 +57,8 @@ def test_compile_errors_carry_the_nvrtc_log():
         runtime.compile_cubin('extern "C" __global__ void f() { undefined_thing(); }', "bad.cu", "sm_90")
 
 
-def compile_configs(source: str, configs: list[dict]) -> None:
-    """Compile a package .cu for sm_90 under each set of -D defines (skip where NVRTC is not installed): the
+def compile_configs(source: str, configs: list[dict], arch: str = "sm_90") -> None:
+    """Compile a package .cu for `arch` under each set of -D defines (skip where NVRTC is not installed): the
     kernels' CPU tests, so a source that does not compile fails before any device time is spent."""
     try:
         runtime.nvrtc_version()
@@ -66,7 +66,7 @@ def compile_configs(source: str, configs: list[dict]) -> None:
         pytest.skip(f"no NVRTC here: {err}")
     text = runtime.read_source(source)
     for cfg in configs:
-        cubin = runtime.compile_cubin(text, source, "sm_90", tuple(f"-D{k}={v}" for k, v in cfg.items()))
+        cubin = runtime.compile_cubin(text, source, arch, tuple(f"-D{k}={v}" for k, v in cfg.items()))
         assert cubin[:4] == b"\x7fELF", cfg
 
 

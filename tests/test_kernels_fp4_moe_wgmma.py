@@ -173,18 +173,11 @@ def test_moe_prefill_kernel_choice(monkeypatch):
 
 
 def test_source_compiles_for_sm90a_where_nvrtc_is_installed():
-    from deepinfer.kernels.cuda import runtime
     from deepinfer.kernels.cuda.fp4_moe_wgmma import SOURCE
+    from test_cuda_runtime import compile_configs
 
-    try:
-        runtime.nvrtc_version()
-    except runtime.CudaRuntimeError as err:
-        pytest.skip(f"no NVRTC here: {err}")
-    text = runtime.read_source(SOURCE)
-    for cfg in TILE_CONFIGS:
-        for gated, out_f32 in ((1, 0), (0, 0), (0, 1)):
-            opts = tuple(f"-D{k}={v}" for k, v in {**cfg, "GATED": gated, "OUT_F32": out_f32}.items())
-            assert runtime.compile_cubin(text, SOURCE, "sm_90a", opts)[:4] == b"\x7fELF", (cfg, gated)
+    compile_configs(SOURCE, [{**cfg, "GATED": gated, "OUT_F32": out_f32} for cfg in TILE_CONFIGS
+                             for gated, out_f32 in ((1, 0), (0, 0), (0, 1))], arch="sm_90a")
 
 
 # ---------------------------------------------------------------------------------------------- GPU
