@@ -135,6 +135,27 @@ __device__ __forceinline__ float bf16_round(float x) {  // round to nearest even
     return __uint_as_float(b & 0xFFFF0000u);
 }
 
+// A fragments of the 16-K steps that words q0 .. q0 + NQ - 1 of the lane's two rows feed (its 16 bytes of
+// each row a stage): step 2q takes e2m1_pair<0> / <1> of word q (logical K pairs 2t and 2t + 8), step 2q + 1
+// e2m1_pair<2> / <3>; registers 0 / 2 row g, 1 / 3 row g + 8 (the header's K order); m0 / m1 the rows' bf16x2
+// 2^(S-1)
+template <int NQ>
+__device__ __forceinline__ void expand_fragments(u32 (&fr)[2 * NQ][4], const uint4& w0, const uint4& w1, u32 m0,
+                                                 u32 m1, int q0) {
+#pragma unroll
+    for (int qq = 0; qq < NQ; ++qq) {
+        const u32 x0 = word_of(w0, q0 + qq), x1 = word_of(w1, q0 + qq);
+        fr[2 * qq][0] = bmul2(e2m1_pair<0>(x0), m0);
+        fr[2 * qq][1] = bmul2(e2m1_pair<0>(x1), m1);
+        fr[2 * qq][2] = bmul2(e2m1_pair<1>(x0), m0);
+        fr[2 * qq][3] = bmul2(e2m1_pair<1>(x1), m1);
+        fr[2 * qq + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
+        fr[2 * qq + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
+        fr[2 * qq + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
+        fr[2 * qq + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128 * CWG + 32, MIN_CTAS)
 fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                       const u8* __restrict__ ws, i64 stride_wse, i64 stride_wsn,
@@ -229,18 +250,7 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
         mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
         const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
         const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const u32 x0 = word_of(w0, q), x1 = word_of(w1, q);
-            fr[2 * q][0] = bmul2(e2m1_pair<0>(x0), m0);
-            fr[2 * q][1] = bmul2(e2m1_pair<0>(x1), m1);
-            fr[2 * q][2] = bmul2(e2m1_pair<1>(x0), m0);
-            fr[2 * q][3] = bmul2(e2m1_pair<1>(x1), m1);
-            fr[2 * q + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
-            fr[2 * q + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
-            fr[2 * q + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
-            fr[2 * q + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
-        }
+        expand_fragments<4>(fr, w0, w1, m0, m1, 0);
         const u32 a_base = smem_u32(a_ring + s * A_STAGE);
 #pragma unroll
         for (int i = 0; i < NACC; ++i) keep(acc[i]);
@@ -275,30 +285,15 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
 
     // the A fragments of 16-K steps 4 part .. 4 part + 3 of a stage: from words 2 part, 2 part + 1
     auto expand_half = [&](u32 (&fr)[4][4], const uint4& w0, const uint4& w1, u32 m0, u32 m1, int part) {
-#pragma unroll
-        for (int qq = 0; qq < 2; ++qq) {
-            const int q = 2 * part + qq;
-            const u32 x0 = word_of(w0, q), x1 = word_of(w1, q);
-            fr[2 * qq][0] = bmul2(e2m1_pair<0>(x0), m0);
-            fr[2 * qq][1] = bmul2(e2m1_pair<0>(x1), m1);
-            fr[2 * qq][2] = bmul2(e2m1_pair<1>(x0), m0);
-            fr[2 * qq][3] = bmul2(e2m1_pair<1>(x1), m1);
-            fr[2 * qq + 1][0] = bmul2(e2m1_pair<2>(x0), m0);
-            fr[2 * qq + 1][1] = bmul2(e2m1_pair<2>(x1), m1);
-            fr[2 * qq + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
-            fr[2 * qq + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
-        }
+        expand_fragments<2>(fr, w0, w1, m0, m1, 2 * part);
     };
     auto issue_half = [&](u32 (&fr)[4][4], u32 a_base, int part) {
 #pragma unroll
         for (int i = 0; i < NACC; ++i) keep(acc[i]);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const int k16 = 4 * part + kk;  // half `part` is activation box `part`: 32 bytes per 16-K step
+        for (int kk = 0; kk < 4; ++kk)  // half `part` is activation box `part`: 32 bytes per 16-K step
             wgmma_rs(acc, fr[kk][0], fr[kk][1], fr[kk][2], fr[kk][3], desc_sw128(a_base + part * A_HALF + kk * 32));
-            (void)k16;
-        }
         wgmma_commit();
     };
     auto keep_half = [&](u32 (&fr)[4][4]) {
