@@ -5,7 +5,7 @@
 // Contract: out[slot, n] for every routed slot of every routing block of BT slots of one expert
 // (`fp4_moe.route_slots(..., BT)`), from a[p, k] = the activation row of the slot at sorted position p
 // (act_quant's exact q * s in bf16, rows gathered into the routing's sorted order and each 128-K group's
-// columns in WGMMA_K_ORDER, `act_quant.act_quant_gather`), and the exact weights W[e, n, k] = E2M1 x 2^(S-127):
+// columns in `act_quant.wgmma_k_order`, written by `act_quant.act_quant_gather`), and the exact weights W[e, n, k] = E2M1 x 2^(S-127):
 // * GATED 0: out = bf16 (or fp32 with OUT_F32) of the fp32 sum over K of a . W  (the w2 GEMM's rows);
 // * GATED 1: gate = row n, up = row N + n of the [2N, K] bank; out[slot, n] = bf16(route_w[slot] *
 //   silu(g) * u) with g, u the bf16-rounded sums, up clamped to +-limit and gate to <= limit when limit > 0
@@ -25,7 +25,7 @@
 //   s = 2q + u uses word q (physical 32t + 8q .. + 7): e2m1_pair<2u> gives logical (2t, 2t + 1) = physical
 //   (32t + 8q + 2u, + 4), e2m1_pair<2u + 1> logical (2t + 8, 2t + 9) = physical (32t + 8q + 2u + 1, + 5).
 //   So logical L = 16s + 8h + 2t + e holds physical P = 32t + 8(s >> 1) + 2(s & 1) + h + 4e; the activations
-//   are stored in that order (act_quant.WGMMA_K_ORDER), the weights stay the checkpoint's bytes.
+//   are stored in that order (act_quant.wgmma_k_order), the weights stay the checkpoint's bytes.
 // * Activations: two 2-D TMA boxes [BT rows, 128 bytes] (logical K 0-63, 64-127) with the 128-byte swizzle,
 //   the K-major layout wgmma's descriptor reads (leading byte offset unused, stride 1024 bytes per 8 rows);
 //   16-K step s starts 32 (s & 3) bytes into box s >> 2.

@@ -4,7 +4,7 @@
 `expert_gemm(a, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, gated, limit, config)`:
 * a bf16 [n_blocks * BT, K]: the routed slots' activation rows in the routing's sorted order (row p = the
   row of the slot at sorted position p; padding rows any finite values), each 128-K group's columns in
-  `act_quant.WGMMA_K_ORDER` (`act_quant.act_quant_gather` writes it);
+  `act_quant.wgmma_k_order` (`act_quant.act_quant_gather` writes it);
 * w uint8 [E, R, K/2] and w_scale uint8 [E, R, K/32] (FP4ExpertBank's layout), E8M0 bytes <= SCALE_MAX;
 * gated False: out [n_slots, R] bf16 (fp32 when out is fp32: a test form with no output rounding) = the
   rows a . W^T; gated True (R = 2N, gate rows then up rows): out bf16 [n_slots, N] = route_w[slot] *
