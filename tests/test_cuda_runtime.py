@@ -70,6 +70,28 @@ def compile_configs(source: str, configs: list[dict], arch: str = "sm_90") -> No
         assert cubin[:4] == b"\x7fELF", cfg
 
 
+def test_cached_tensor_maps_are_encoded_once_per_tensor_and_box(monkeypatch):
+    """The launchers' weight maps: one driver encode per (tensor, box, swizzle); another box or tensor is
+    another map; past MAP_CACHE_LIMIT entries the cache empties and refills."""
+    encoded = []
+    monkeypatch.setattr(runtime, "_MAP_CACHE", {})
+    monkeypatch.setattr(runtime, "encode_tensor_map",
+                        lambda t, box, swizzle=0: encoded.append((t.data_ptr(), box, swizzle)) or bytes(128))
+    w, s = torch.zeros(2, 64, 64, dtype=torch.uint8), torch.zeros(2, 64, 16, dtype=torch.uint8)
+    for _ in range(3):
+        runtime.cached_tensor_map(w, (1, 64, 64))
+    assert len(encoded) == 1
+    runtime.cached_tensor_map(w, (1, 32, 64))
+    runtime.cached_tensor_map(w, (1, 32, 64), swizzle=64)
+    runtime.cached_tensor_map(s, (1, 64, 16))
+    assert len(encoded) == 4
+    monkeypatch.setattr(runtime, "MAP_CACHE_LIMIT", 4)
+    runtime.cached_tensor_map(s, (1, 32, 16))  # the fifth: the cache empties first
+    assert len(runtime._MAP_CACHE) == 1 and len(encoded) == 5
+    runtime.cached_tensor_map(w, (1, 64, 64))
+    assert len(encoded) == 6
+
+
 def test_local_includes_are_inlined_once(tmp_path):
     (tmp_path / "h.cuh").write_text("int h_twice;\n")
     (tmp_path / "g.cuh").write_text('#include "h.cuh"\nint g;\n')

@@ -6,7 +6,7 @@ out[s, slot, n] = fp32 sum over split s's K range of a[slot // a_row_div, k] * W
 slot of every routing block of TOKENS slots; a bf16 [rows, K] (act_quant's exact q * s), w uint8 [E, N, K/2],
 w_scale uint8 [E, N, K/32], out fp32 [S, n_slots, N]. E8M0 bytes <= 128 (the exact expansion's range).
 config: MT, CWARPS, STAGES (compile-time, `DEFAULT_TILES`). The weights' and scales' tensor maps are encoded
-per (tensor, box) once and kept (`_maps`): a CUDA-graph replay reuses the captured parameter bytes.
+per (tensor, box) once and kept (`runtime.cached_tensor_map`): a CUDA-graph replay reuses the captured parameter bytes.
 Needs sm_90 or newer (TMA, mbarrier transaction counts): `usable(device)`.
 Must not: import triton; know about SwiGLU, routing weights or the k-row sum.
 """
@@ -32,7 +32,6 @@ DEFAULT_TILES = dict(MT=4, CWARPS=4, STAGES=3)
 TOK_STRIDE, A_STAGE = 400, 8 * 400  # the .cu's activation tile: bytes per token, per stage
 _SIGNATURE = "mmplpllppiiii"  # the parameters in order: m tensor map, p pointer, l int64, i int32
 _KERNELS: dict[tuple, CudaKernel] = {}
-_MAPS: dict[tuple, bytes] = {}
 
 
 def kernel(cfg: dict) -> CudaKernel:
@@ -90,14 +89,6 @@ def usable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
-def _map(t: torch.Tensor, box: tuple[int, int, int]) -> bytes:
-    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), box, t.device.index)
-    found = _MAPS.get(key)
-    if found is None:
-        found = _MAPS[key] = runtime.encode_tensor_map(t, box)
-    return found
-
-
 def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
                          sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int, a_row_div: int,
                          config: dict | None = None) -> torch.Tensor:
@@ -114,8 +105,8 @@ def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     if n_slots == 0 or block_expert.numel() == 0:
         return out
     rows, k_split = rows_per_cta(cfg), k // split
-    tmap_w = _map(w, (1, rows, KSTEP // 2))
-    tmap_s = _map(w_scale, (1, rows, scale_row_bytes(k_split)))
+    tmap_w = runtime.cached_tensor_map(w, (1, rows, KSTEP // 2))
+    tmap_s = runtime.cached_tensor_map(w_scale, (1, rows, scale_row_bytes(k_split)))
     grid = (block_expert.numel(), -(-n // rows), split)
     kernel(cfg).launch(
         grid, (32 * (cfg["CWARPS"] + 1), 1, 1),

@@ -10,9 +10,9 @@
   rows a . W^T; gated True (R = 2N, gate rows then up rows): out bf16 [n_slots, N] = route_w[slot] *
   silu(gate) * up with the official bf16 roundings and `limit` clamps.
 config: BT (slots per routing block: 64 or 128), CWG (consumer warpgroups of 64 weight rows), STAGES,
-FRAG_BUFS, HALVES, MIN_CTAS (compile-time; `DEFAULT_TILES`; the .cu's header says what each does). Tensor maps are encoded once per (tensor, box) and kept, so a
-CUDA-graph replay reuses the captured parameter bytes; the activation buffer is a fresh tensor per call in
-eager use, so its map is encoded per call (one driver call, ~us).
+FRAG_BUFS, HALVES, MIN_CTAS (compile-time; `DEFAULT_TILES`; the .cu's header says what each does). The
+weights' tensor maps are kept (`runtime.cached_tensor_map`); the activation buffer is a fresh tensor per
+call in eager use, so its map is encoded per call (one driver call, ~us).
 Needs compute capability 9.0 exactly (wgmma is sm_90a): `usable(device)`.
 Must not: import triton; know about routing (the caller passes sorted slots and blocks).
 """
@@ -29,8 +29,6 @@ KSTEP = 128  # K per ring stage
 DEFAULT_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1)  # fp4_moe.plan_wgmma picks per regime
 _SIGNATURE = "mmpllplpppiiif"  # tensor maps, pointers (p), int64 strides (l), int32 (i), the float limit (f)
 _KERNELS: dict[tuple, CudaKernel] = {}
-_MAPS: dict[tuple, bytes] = {}
-_MAPS_LIMIT = 64  # weight maps kept (one per bank tensor and box); activation maps are per call
 
 
 def kernel(cfg: dict, gated: bool, out_f32: bool) -> CudaKernel:
@@ -81,16 +79,6 @@ def usable(device: torch.device) -> bool:
     """A CUDA device of compute capability exactly 9.0 (wgmma is sm_90a) with NVRTC and the driver."""
     return (device.type == "cuda" and runtime.available()
             and torch.cuda.get_device_capability(device) == (9, 0))
-
-
-def _weight_map(t: torch.Tensor, box: tuple[int, int, int]) -> bytes:
-    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), box, t.device.index)
-    found = _MAPS.get(key)
-    if found is None:
-        if len(_MAPS) >= _MAPS_LIMIT:
-            _MAPS.clear()
-        found = _MAPS[key] = runtime.encode_tensor_map(t, box)
-    return found
 
 
 def input_problems(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, route_w: torch.Tensor,
@@ -151,7 +139,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: to
     k, bt, cta_rows = 2 * half_k, cfg["BT"], rows_per_cta(cfg)
     n_out = rows // 2 if gated else rows
     box_rows = cta_rows // 2 if gated else cta_rows
-    tmap_w = _weight_map(w, (1, box_rows, KSTEP // 2))
+    tmap_w = runtime.cached_tensor_map(w, (1, box_rows, KSTEP // 2))
     # the activations as bytes [P, 2K]: boxes of BT rows x 128 bytes (64 bf16), 128-byte swizzle
     tmap_a = runtime.encode_tensor_map(a.view(torch.uint8), (bt, 128), swizzle=128)
     # row tiles fastest: a routing block's tiles run at once (its activations read once from HBM, then L2)

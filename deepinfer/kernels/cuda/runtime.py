@@ -16,7 +16,8 @@ the offsets the driver reports for the loaded function (cuFuncGetParamInfo), els
 parameter at a multiple of its size). The reported offsets matter for tensor maps: the compiler puts a
 64-byte-aligned parameter where the constant bank makes it aligned, which can leave padding before the
 first parameter (48 bytes on sm_90), so no layout computed on the host alone is right.
-`encode_tensor_map(tensor, box)`: the tiled TMA descriptor of a uint8 tensor (cuTensorMapEncodeTiled).
+`encode_tensor_map(tensor, box)`: the tiled TMA descriptor of a uint8 tensor (cuTensorMapEncodeTiled);
+`cached_tensor_map` the same, kept per tensor and box (for tensors that live as long as the model).
 Must not: import triton; compile at import time.
 """
 from __future__ import annotations
@@ -197,7 +198,7 @@ def device_arch(device: torch.device) -> str:
 
 
 # CUtensorMapEncodeTiled's enums (cuda.h): data type, interleave, swizzle, L2 promotion, OOB fill
-_TMA_UINT8, _TMA_INTERLEAVE_NONE, _TMA_SWIZZLE_NONE, _TMA_L2_256B, _TMA_OOB_FILL_ZERO = 0, 0, 0, 3, 0
+_TMA_UINT8, _TMA_INTERLEAVE_NONE, _TMA_L2_256B, _TMA_OOB_FILL_ZERO = 0, 0, 3, 0
 TMA_SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}  # swizzle span in bytes -> CUtensorMapSwizzle
 
 
@@ -244,6 +245,24 @@ def encode_tensor_map(tensor: torch.Tensor, box: tuple[int, ...], swizzle: int =
                                                boxes, unit, _TMA_INTERLEAVE_NONE, TMA_SWIZZLES[swizzle], _TMA_L2_256B,
                                                _TMA_OOB_FILL_ZERO), f"cuTensorMapEncodeTiled(shape {shape}, box {box})")
     return out.raw
+
+
+_MAP_CACHE: dict[tuple, bytes] = {}
+MAP_CACHE_LIMIT = 4096  # 128 bytes each: every weight map of a 61-layer model many times over
+
+
+def cached_tensor_map(tensor: torch.Tensor, box: tuple[int, ...], swizzle: int = 0) -> bytes:
+    """`encode_tensor_map` for tensors that live as long as the model (the expert banks): encoded once per
+    (address, shape, strides, box, swizzle, device) and kept, so a launch costs no driver call. A key names
+    the map exactly (a new tensor at a freed one's address with the same shape and strides has the same
+    map); past MAP_CACHE_LIMIT entries the cache is emptied and refills."""
+    key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tuple(box), swizzle, tensor.device.index)
+    found = _MAP_CACHE.get(key)
+    if found is None:
+        if len(_MAP_CACHE) >= MAP_CACHE_LIMIT:
+            _MAP_CACHE.clear()
+        found = _MAP_CACHE[key] = encode_tensor_map(tensor, box, swizzle)
+    return found
 
 
 def _param_layout(fn: ctypes.c_void_p, count: int) -> list[tuple[int, int]] | None:
