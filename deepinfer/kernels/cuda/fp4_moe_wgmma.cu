@@ -122,6 +122,18 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // registers an in-flight wgmma reads or writes: the compiler must neither reuse nor move them before the wait
 __device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void keep(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+template <int N>
+__device__ __forceinline__ void keep_all(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) keep(r[i]);
+}
+template <int N>
+__device__ __forceinline__ void keep_all(u32 (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) keep(r[i][j]);
+}
 
 // shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address >> 4,
 // leading byte offset 16 (unused by this layout), stride byte offset 1024 (8 rows of 128 bytes), mode 1
@@ -240,110 +252,87 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
-    auto stage = [&](u32 (&fr)[8][4], u32 (&prev)[8][4], int step) {
+    // stage `step` arrived: its weight words of the lane's two rows and their bf16x2 2^(S-1) multipliers; the
+    // next stage's scale bytes are loaded now, a stage ahead of their use
+    struct Stage {
+        uint4 w0, w1;
+        u32 m0, m1, a_base;
+    };
+    auto take = [&](int step) {
         const int s = step % STAGES;
-        const u32 m0 = (sc0 + 126u) * 0x00800080u, m1 = (sc1 + 126u) * 0x00800080u;  // bf16x2 2^(S-1)
+        Stage st;
+        st.m0 = (sc0 + 126u) * 0x00800080u;
+        st.m1 = (sc1 + 126u) * 0x00800080u;
         if (step + 1 < steps) {
             sc0 = ws0[(step + 1) * (KSTEP / 32)];
             sc1 = ws1[(step + 1) * (KSTEP / 32)];
         }
         mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
-        const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
-        const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
-        expand_fragments<4>(fr, w0, w1, m0, m1, 0);
-        const u32 a_base = smem_u32(a_ring + s * A_STAGE);
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) keep(acc[i]);
+        st.w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
+        st.w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
+        st.a_base = smem_u32(a_ring + s * A_STAGE);
+        return st;
+    };
+    // NK 16-K steps from k16: A fragments fr[0..NK), B in activation box k16 >> 2, 32 bytes a step; one group
+    auto issue = [&](auto& fr, u32 a_base, int k16, int nk) {
+        keep_all(acc);
         wgmma_fence();
 #pragma unroll
-        for (int k16 = 0; k16 < 8; ++k16)
-            wgmma_rs(acc, fr[k16][0], fr[k16][1], fr[k16][2], fr[k16][3],
-                     desc_sw128(a_base + (k16 >> 2) * A_HALF + (k16 & 3) * 32));
+        for (int kk = 0; kk < nk; ++kk)
+            wgmma_rs(acc, fr[kk][0], fr[kk][1], fr[kk][2], fr[kk][3],
+                     desc_sw128(a_base + ((k16 + kk) >> 2) * A_HALF + ((k16 + kk) & 3) * 32));
         wgmma_commit();
-#if FRAG_BUFS == 2
-        wgmma_wait<1>();  // stage step - 1's wgmmas are done: its A registers and its ring slot are free
-#pragma unroll
-        for (int k16 = 0; k16 < 8; ++k16)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) keep(prev[k16][r]);
-        if (step > 0) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty0 + 8 * ((step - 1) % STAGES));
-        }
-#else
-        wgmma_wait<0>();
-#pragma unroll
-        for (int k16 = 0; k16 < 8; ++k16)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) keep(fr[k16][r]);
+    };
+    // the wgmmas reading stage `step` are done: its ring slot goes back to the producer (one arrival a warp)
+    auto release = [&](int step) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * s);
-#endif
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) keep(acc[i]);
-    };
-
-    // the A fragments of 16-K steps 4 part .. 4 part + 3 of a stage: from words 2 part, 2 part + 1
-    auto expand_half = [&](u32 (&fr)[4][4], const uint4& w0, const uint4& w1, u32 m0, u32 m1, int part) {
-        expand_fragments<2>(fr, w0, w1, m0, m1, 2 * part);
-    };
-    auto issue_half = [&](u32 (&fr)[4][4], u32 a_base, int part) {
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) keep(acc[i]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)  // half `part` is activation box `part`: 32 bytes per 16-K step
-            wgmma_rs(acc, fr[kk][0], fr[kk][1], fr[kk][2], fr[kk][3], desc_sw128(a_base + part * A_HALF + kk * 32));
-        wgmma_commit();
-    };
-    auto keep_half = [&](u32 (&fr)[4][4]) {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) keep(fr[kk][r]);
+        if (lane == 0) mbar_arrive(empty0 + 8 * (step % STAGES));
     };
 
 #if HALVES
     static_assert(FRAG_BUFS == 1, "HALVES pipelines half stages within one stage's registers");
     u32 h0[4][4], h1[4][4];
     for (int step = 0; step < steps; ++step) {
-        const int s = step % STAGES;
-        const u32 m0 = (sc0 + 126u) * 0x00800080u, m1 = (sc1 + 126u) * 0x00800080u;
-        if (step + 1 < steps) {
-            sc0 = ws0[(step + 1) * (KSTEP / 32)];
-            sc1 = ws1[(step + 1) * (KSTEP / 32)];
-        }
-        mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
-        const uint4 w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
-        const uint4 w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
-        const u32 a_base = smem_u32(a_ring + s * A_STAGE);
+        const Stage st = take(step);
         wgmma_wait<1>();  // the previous stage's first half is done: h0 is free
-        keep_half(h0);
-        expand_half(h0, w0, w1, m0, m1, 0);
-        issue_half(h0, a_base, 0);
+        keep_all(h0);
+        expand_fragments<2>(h0, st.w0, st.w1, st.m0, st.m1, 0);
+        issue(h0, st.a_base, 0, 4);
         wgmma_wait<1>();  // the previous stage's second half is done: h1 and that stage's ring slot are free
-        keep_half(h1);
-        if (step > 0) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty0 + 8 * ((step - 1) % STAGES));
-        }
-        expand_half(h1, w0, w1, m0, m1, 1);
-        issue_half(h1, a_base, 1);
+        keep_all(h1);
+        if (step > 0) release(step - 1);
+        expand_fragments<2>(h1, st.w0, st.w1, st.m0, st.m1, 2);
+        issue(h1, st.a_base, 4, 4);
     }
 #else
-    u32 fa[8][4], fb[8][4];
+    // one whole stage: with FRAG_BUFS 2 `prev` (the previous stage's fragments) is freed after the wait
+    auto stage = [&](u32 (&fr)[8][4], u32 (&prev)[8][4], int step) {
+        const Stage st = take(step);
+        expand_fragments<4>(fr, st.w0, st.w1, st.m0, st.m1, 0);
+        issue(fr, st.a_base, 0, 8);
+#if FRAG_BUFS == 2
+        wgmma_wait<1>();  // stage step - 1's wgmmas are done: its A registers and its ring slot are free
+        keep_all(prev);
+        if (step > 0) release(step - 1);
+#else
+        wgmma_wait<0>();
+        keep_all(fr);
+        release(step);
 #endif
-#if !HALVES && FRAG_BUFS == 2
+        keep_all(acc);
+    };
+    u32 fa[8][4], fb[8][4];
+#if FRAG_BUFS == 2
     for (int step = 0; step < steps; step += 2) {  // steps is even (K % 256 == 0)
         stage(fa, fb, step);
         stage(fb, fa, step + 1);
     }
-#elif !HALVES
+#else
     for (int step = 0; step < steps; ++step) stage(fa, fb, step);
 #endif
+#endif
     wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) keep(acc[i]);
+    keep_all(acc);
 
     // accumulator fragment: acc[4j + e] = (row lr0, token 8j + 2t + e), acc[4j + 2 + e] = (row lr1, same token)
 #pragma unroll
