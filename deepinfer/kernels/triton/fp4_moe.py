@@ -861,8 +861,8 @@ WGMMA_KEYS = ("WGMMA",)  # a config with any of these takes the wgmma prefill fo
 
 def wgmma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
     """The wgmma form can run this bank here: compute capability 9.0 with NVRTC and the driver, scale bytes
-    in the exact expansion's range, D and I multiples of 128 (whole 128-K stages; `plan_wgmma` takes one
-    fragment buffer where either is not a multiple of 256)."""
+    in the exact expansion's range, D and I multiples of 128 (whole 128-K stages; `plan_wgmma`'s tiles take
+    one fragment buffer, so the tiny checkpoints' I = 128 runs)."""
     from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
 
     return (bank.scale_max <= wg.SCALE_MAX and bank.dim % 128 == 0 and bank.inter_dim % 128 == 0
@@ -880,17 +880,14 @@ WGMMA_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1)
 # one CTA of 4 2.57, BT=128 3.08, Triton 2.82.
 
 
-def plan_wgmma(n_slots: int, n_experts: int, d: int, inter: int, config: dict) -> dict:
+def plan_wgmma(n_slots: int, n_experts: int, config: dict) -> dict:
     """The wgmma form's tiles: WGMMA_TILES_FEW up to WGMMA_FEW_PER_EXPERT slots per expert, else WGMMA_TILES,
-    then `config` on top (`fp4_moe_wgmma.tiles` checks them); FRAG_BUFS 1 unless given where D or I (the
-    two GEMMs' K) is not a multiple of 256 (two fragment buffers take the stages two at a time)."""
+    then `config` on top (`fp4_moe_wgmma.tiles` checks them). Both take one fragment buffer, so any D and I
+    of whole 128-K stages run (FRAG_BUFS 2, given, needs multiples of 256: the launcher says so)."""
     from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
 
     few = n_slots / max(1, n_experts) <= WGMMA_FEW_PER_EXPERT
-    cfg = {**(WGMMA_TILES_FEW if few else WGMMA_TILES), **{k: v for k, v in config.items() if k in wg.DEFAULT_TILES}}
-    if "FRAG_BUFS" not in config and (d % 256 or inter % 256):
-        cfg["FRAG_BUFS"] = 1
-    return wg.tiles(cfg)
+    return wg.tiles({**(WGMMA_TILES_FEW if few else WGMMA_TILES), **config})
 
 
 def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
@@ -906,7 +903,7 @@ def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
         raise ValueError(f"fp4_moe wgmma form: exact for E8M0 scale bytes up to {wg.SCALE_MAX}; this bank has "
                          f"{bank.scale_max}")
     topk = topk_ids.shape[1]
-    cfg = plan_wgmma(topk_ids.numel(), bank.plan_experts, bank.dim, bank.inter_dim, config)
+    cfg = plan_wgmma(topk_ids.numel(), bank.plan_experts, config)
     d, inter, n_slots, ab, bt = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block, cfg["BT"]
     sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bt)
     route_w = topk_weights.contiguous().view(-1)
@@ -983,7 +980,7 @@ DECODE_FORM = "tma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
 PREFILL_FORM = "wgmma"  # what DEEPINFER_MOE_PREFILL_KERNEL=auto runs above 16 slots per expert: "wgmma" (where
 # `wgmma_form_usable`, else the Triton plan) or "triton" (PREFILL_V2)
-PREFILL_WGMMA = dict(WGMMA=True)  # the wgmma form's default tiles (`fp4_moe_wgmma.DEFAULT_TILES`)
+PREFILL_WGMMA = dict(WGMMA=True)  # the wgmma form with `plan_wgmma`'s tiles for the regime
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
 DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`), above ONE_PROGRAM_ROUTING_SLOTS slots
 
