@@ -7,7 +7,9 @@ for bf16 caches; and the row mapping is checked against rows written by hand.
 Interpreter (fresh process, TRITON_INTERPRET=1): the Triton kernel that decodes the packed FP8 entries in
 registers, against the Triton pool kernel on the same rows decoded by the layout (bit for bit there) and
 against the twin (rel_err <= 2e-3: fp32 summation order flips a bf16 rounding now and then), for V4's
-layout (E4M3 + bf16 rope tail + E8M0 per 64) and V4.1's window layout (E4M3 + E8M0 per 32, no tail).
+layout (E4M3 + bf16 rope tail + E8M0 per 64, running max from -inf) and V4.1's window layout (E4M3 + E8M0
+per 32, no tail, from -1e30); the index row split over programs and merged (flash-decoding, also with a
+split whose columns are all -1) against the twin at the same bound.
 GPU (-m gpu): the same at real shapes (H=64, d=512, batch 1/32/128, 128 window + 512 selected rows); against
 the pool kernel within 5e-4 (H200: a few elements differ by a rounding, the printed share).
 """
@@ -88,6 +90,26 @@ def test_window_only_layer():
     assert torch.equal(got, _pool_reference(q, ring, ring.new_zeros(0, ring.shape[-1]), layout, sink, idx, 0.1))
 
 
+def test_split_plan_rules():
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.sparse_attn_paged import SPLIT_MAX_T, split_plan
+
+    for H in (8, 16, 64, 128):
+        for T in (1, 2, 4, 8, 16, 32, 63, 64, 128):
+            for K in (1, 64, 65, 192, 640, 1152, 2176):
+                heads, chunk = split_plan(T, K, H)
+                assert heads in (16, 32, 64) and chunk % 64 == 0, (H, T, K, heads, chunk)
+                if chunk:
+                    splits = -(-K // chunk)
+                    assert T < (SPLIT_MAX_T if H > 16 else 2 * SPLIT_MAX_T) and splits > 1 and (splits - 1) * chunk < K, (H, T, K, chunk)
+                    assert chunk * splits - K < chunk  # the last split holds at least one real column
+    assert split_plan(1, 640, 64) == (16, 64)  # one row: every block its own program
+    assert split_plan(8, 640, 64) == (64, 128)  # a 16-head grid would pass a wave: all heads, 2 blocks
+    assert split_plan(32, 192, 64)[1] == 0 and split_plan(128, 640, 64)[1] == 0
+    assert split_plan(32, 640, 8) == (16, 64)  # 8 heads (8-way TP): no repeated decode, 320 programs
+    assert split_plan(64, 640, 8) == (16, 128) and split_plan(128, 640, 8)[1] == 0
+
+
 _SCRIPT = r"""
 import sys
 import torch
@@ -95,36 +117,54 @@ from test_kernels_attn_paged import _case, _cfg
 from deepinfer.cache.layouts import get_layout
 from deepinfer.kernels.official_fused import paged_rows, sparse_attn_sink_paged
 from deepinfer.kernels.triton.sparse_attn import sparse_attn_sink_triton
-from deepinfer.kernels.triton.sparse_attn_paged import sparse_attn_sink_paged_triton
+from deepinfer.kernels.triton.sparse_attn_paged import sparse_attn_sink_paged_triton, split_plan
 
 device = sys.argv[1]
-# (layout, d, rope dims, T, H, window, selected): on cuda T=1 with 640 indices takes the pool route
+# (layout, d, rope dims, T, H, window, selected)
 cases = [("v4_fp8_ds_mla", 256, 64, 3, 4, 16, 70), ("v41_window_fp8", 128, 0, 2, 8, 16, 70)]
 if device == "cuda":
     cases = [("v4_fp8_ds_mla", 512, 64, T, 64, 128, k) for T, k in ((1, 64), (1, 512), (32, 512), (128, 512))]
     cases.append(("v41_window_fp8", 512, 0, 4, 64, 128, 64))
+rel = lambda a, b: ((a.cpu().double() - b.cpu().double()).norm() / b.cpu().double().norm()).item()
 for name, d, rope, T, H, win, k_sel in cases:
     layout = get_layout(name, _cfg(d, rope))
+    initial_max = -1e30 if name.startswith("v41") else float("-inf")
     g = torch.Generator().manual_seed(T + d + k_sel)
     q, ring, comp, sink, idx = _case(g, layout, T, H, d, slots=T + 2, win=win, n_comp=3 * k_sel, K_sel=k_sel,
                                      device=device)
     scale = d ** -0.5
-    got = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale)
+    got = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, initial_max, chunk=0)
     # the pool kernel on the same rows decoded by the layout: the same online softmax over the same bf16
     # values; on the GPU a few roundings differ (other warp layouts: the row sums run in another order)
     pool = layout.load(paged_rows(ring, comp, idx)).reshape(-1, d)
     pool_idx = torch.where(idx >= 0, torch.arange(idx.numel(), device=device).view(idx.shape), -1)
-    same = sparse_attn_sink_triton(q, pool, sink, pool_idx, scale)
-    rel = lambda a, b: ((a.cpu().double() - b.cpu().double()).norm() / b.cpu().double().norm()).item()
+    same = sparse_attn_sink_triton(q, pool, sink, pool_idx, scale, initial_max)
     differ = (got != same).float().mean().item()
     assert rel(got, same) <= (0 if device == "cpu" else 5e-4), (name, T, rel(got, same), differ)
-    ref = sparse_attn_sink_paged(q.cpu(), ring.cpu(), comp.cpu(), layout, sink.cpu(), idx.cpu(), scale)
+    ref = sparse_attn_sink_paged(q.cpu(), ring.cpu(), comp.cpu(), layout, sink.cpu(), idx.cpu(), scale, initial_max)
     err = rel(got, ref)
     assert err <= 2e-3, (name, T, err)
     print(f"{name} T={T} H={H} d={d} K={idx.shape[1]}: vs the pool kernel rel_err {rel(got, same):.2e} ({100 * differ:.3f}% of "
           f"elements differ), vs the twin {err:.2e}")
+    # the index row split over programs (flash-decoding) and merged: P is rounded to bf16 against each
+    # split's running max, so the bits move; judged against the twin as the unsplit kernel. The second
+    # row set makes a whole split's columns -1 (its state must add nothing, also from V4's -inf start).
+    dead = idx.clone()
+    dead[:, 64:128] = -1
+    for rows, label in ((idx, "split"), (dead, "dead split")):
+        ref = sparse_attn_sink_paged(q.cpu(), ring.cpu(), comp.cpu(), layout, sink.cpu(), rows.cpu(), scale,
+                                     initial_max)
+        errs = []
+        for chunk in (64, None):  # None: the default rule (which may not split)
+            out = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, rows, scale, initial_max, chunk=chunk)
+            assert torch.isfinite(out).all(), (name, T, label, chunk)
+            errs.append(rel(out, ref))
+            assert errs[-1] <= 2e-3, (name, T, label, chunk, errs[-1])
+        print(f"  {label}: vs the twin {errs[0]:.2e} (64 columns per split), {errs[1]:.2e} (default plan: "
+              f"(heads, columns) = {split_plan(T, rows.shape[1], H)}, 0 columns = no split)")
     # caches the kernel does not decode (bf16 values) go through gather + the pool kernel: its bits
-    got_bf16 = sparse_attn_sink_paged_triton(q, layout.load(ring), layout.load(comp), None, sink, idx, scale)
+    got_bf16 = sparse_attn_sink_paged_triton(q, layout.load(ring), layout.load(comp), None, sink, idx, scale,
+                                             initial_max)
     assert torch.equal(got_bf16, same), name
 print("ok")
 """

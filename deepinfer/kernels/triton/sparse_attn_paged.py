@@ -8,10 +8,14 @@ same bits `kv_pack.kv_decode` writes) and runs `sparse_attn.attend_block`'s onli
 replaces, per decode layer, the ring gather, the compressed-row gather, two decode passes and the pool
 concatenation (each a full write and re-read of the bf16 rows) with one read of the packed bytes.
 Rows: index value r < ring rows is ring row r (the ring [slots, window, bytes] flattened), r >= that is
-compressed row r - ring rows, -1 skips. Same rows in the same order and the same tiles (`_block_h`, blocks
-of 64 indices) as `sparse_attn_sink_triton` over a decoded pool, so the same bits (tests/test_kernels_attn_paged.py).
-Layouts the kernel does not decode (bf16 caches, FP4 latents), and a few queries over long index rows
-(`SMALL_T`, `LONG_K`), go through gather + `kv_decode` + the pool kernel.
+compressed row r - ring rows, -1 skips. Unsplit, the same rows in the same order and the same tiles
+(`_block_h`, blocks of 64 indices) as `sparse_attn_sink_triton` over a decoded pool, so the same bits.
+Small batches split the index row over programs (flash-decoding, `split_plan`): each split runs the online
+softmax over its whole blocks in order and writes its state, `_combine_splits_kernel` merges the states in
+split order with the sink. P is then rounded to bf16 against a split's running max instead of the row's, so
+the last bits move (rel_err ~1.3e-3 against the twin where the unsplit kernel is at ~1e-4; both judged against
+the oracle's noise floors in the engine tests; tests/test_kernels_attn_paged.py).
+Layouts the kernel does not decode (bf16 caches, FP4 latents) go through gather + `kv_decode` + the pool kernel.
 Must not: import `cache` (the layout object is passed in), reorder an index row, or be imported off CUDA.
 """
 from __future__ import annotations
@@ -26,48 +30,90 @@ from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _
                                                   attend_block, finish_heads, head_block, sparse_attn_sink_triton)
 
 
-# A few queries over long index rows go through the pool instead: with T * H / 16 programs the in-register
-# decode runs on a handful of SMs (H200, V4-Flash dims, benchmarks/bench_decode_attn.py, 2026-12-02: 640
-# indices at T=1 paged 69 us vs pool route 49, T=8 71 vs 59; T=32 73 vs 109; 192 indices at T=1 23 vs 30,
-# T=8 26 vs 29)
-SMALL_T, LONG_K = 8, 384
+@triton.jit
+def _paged_block(ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, idx_ptr, t, stride_it, start, K, n_ring,
+                 BPT: tl.constexpr, QDIM: tl.constexpr, SBLOCK: tl.constexpr, D: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Index columns [start, start + BLOCK_K) of row t, decoded in registers -> (kv [BLOCK_K, D] bf16, valid)."""
+    dims = tl.arange(0, D)
+    quant = dims < QDIM  # E4M3 channels; the rest (D - QDIM) is the raw bf16 rope tail
+    nb = tl.arange(0, D // SBLOCK)  # scale blocks over all D channels: the tail's read as 2**0 (masked)
+    offs = start + tl.arange(0, BLOCK_K)
+    rows = tl.load(idx_ptr + t * stride_it + offs, mask=offs < K, other=-1).to(tl.int64)
+    valid = rows >= 0
+    in_ring = rows < n_ring
+    entry = tl.where(in_ring, rows, rows - n_ring) * BPT  # byte offset of the entry in its cache
+    base = tl.where(in_ring, ring_ptr, comp_ptr) + entry
+    m = valid[:, None] & quant[None, :]
+    v = tl.load(base[:, None] + dims[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = e8m0_value(tl.load(base[:, None] + (QDIM + 2 * (D - QDIM)) + nb[None, :],
+                           mask=valid[:, None] & (nb < QDIM // SBLOCK)[None, :], other=127))
+    kv = tl.reshape(tl.reshape(v, (BLOCK_K, D // SBLOCK, SBLOCK)) * s[:, :, None], (BLOCK_K, D)).to(tl.bfloat16)
+    if QDIM < D:  # the rope tail: ROPE raw bf16 at byte QDIM of the entry (the int16 views), loaded as its
+        # own [BLOCK_K, ROPE] tile (a masked [BLOCK_K, D] load would stage 8x the bytes in shared memory)
+        # and put in place as the last of D // ROPE column chunks by a broadcast select
+        ROPE: tl.constexpr = D - QDIM
+        base16 = tl.where(in_ring, ring16_ptr, comp16_ptr) + entry // 2
+        raw = tl.load(base16[:, None] + QDIM // 2 + tl.arange(0, ROPE)[None, :], mask=valid[:, None],
+                      other=0).to(tl.bfloat16, bitcast=True)
+        last = (tl.arange(0, D // ROPE) == D // ROPE - 1)[None, :, None]
+        kv = tl.reshape(tl.where(last, raw[:, None, :], tl.reshape(kv, (BLOCK_K, D // ROPE, ROPE))), (BLOCK_K, D))
+    return kv, valid
 
 
 @triton.jit
 def _sparse_attn_paged_kernel(
     q_ptr, ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, sink_ptr, idx_ptr, out_ptr,
-    H, K, n_ring, scale, initial_max,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    H, K, n_ring, scale, initial_max, chunk,
     stride_qt, stride_qh, stride_it, stride_ot, stride_oh,
     BPT: tl.constexpr, QDIM: tl.constexpr, SBLOCK: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """Program axis 2 = split s takes index columns [s * chunk, (s + 1) * chunk) in order. SPLIT False (one
+    split): the sink, bf16 out. SPLIT True: writes its online-softmax state (running max, sum, the
+    unnormalised fp32 acc) for `_combine_splits_kernel`."""
     t, heads, hmask, dims, q, run_max, run_sum, acc = head_block(q_ptr, H, stride_qt, stride_qh, initial_max, D,
                                                                   BLOCK_H)
-    quant = dims < QDIM  # E4M3 channels; the rest (D - QDIM) is the raw bf16 rope tail
-    nb = tl.arange(0, D // SBLOCK)  # scale blocks over all D channels: the tail's read as 2**0 (masked)
-    for start in range(0, K, BLOCK_K):
-        offs = start + tl.arange(0, BLOCK_K)
-        rows = tl.load(idx_ptr + t * stride_it + offs, mask=offs < K, other=-1).to(tl.int64)
-        valid = rows >= 0
-        in_ring = rows < n_ring
-        entry = tl.where(in_ring, rows, rows - n_ring) * BPT  # byte offset of the entry in its cache
-        base = tl.where(in_ring, ring_ptr, comp_ptr) + entry
-        m = valid[:, None] & quant[None, :]
-        v = tl.load(base[:, None] + dims[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s = e8m0_value(tl.load(base[:, None] + (QDIM + 2 * (D - QDIM)) + nb[None, :],
-                               mask=valid[:, None] & (nb < QDIM // SBLOCK)[None, :], other=127))
-        kv = tl.reshape(tl.reshape(v, (BLOCK_K, D // SBLOCK, SBLOCK)) * s[:, :, None], (BLOCK_K, D)).to(tl.bfloat16)
-        if QDIM < D:  # the rope tail: ROPE raw bf16 at byte QDIM of the entry (the int16 views), loaded as its
-            # own [BLOCK_K, ROPE] tile (a masked [BLOCK_K, D] load would stage 8x the bytes in shared memory)
-            # and put in place as the last of D // ROPE column chunks by a broadcast select
-            ROPE: tl.constexpr = D - QDIM
-            base16 = tl.where(in_ring, ring16_ptr, comp16_ptr) + entry // 2
-            raw = tl.load(base16[:, None] + QDIM // 2 + tl.arange(0, ROPE)[None, :], mask=valid[:, None],
-                          other=0).to(tl.bfloat16, bitcast=True)
-            last = (tl.arange(0, D // ROPE) == D // ROPE - 1)[None, :, None]
-            kv = tl.reshape(tl.where(last, raw[:, None, :], tl.reshape(kv, (BLOCK_K, D // ROPE, ROPE))), (BLOCK_K, D))
+    lo = tl.program_id(2) * chunk  # without a split: one program, chunk = K rounded up to whole blocks
+    for start in range(0, chunk, BLOCK_K):  # the last split may walk masked blocks past K
+        kv, valid = _paged_block(ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, idx_ptr, t, stride_it, lo + start, K,
+                                 n_ring, BPT, QDIM, SBLOCK, D, BLOCK_K)
         run_max, run_sum, acc = attend_block(q, kv, valid, run_max, run_sum, acc, scale, INTERPRET)
-    finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
+    if SPLIT:
+        row = (t * tl.num_programs(2) + tl.program_id(2)) * H + heads  # [T, S, H] state, [T, S, H, D] acc
+        tl.store(part_max_ptr + row, run_max, mask=hmask)
+        tl.store(part_sum_ptr + row, run_sum, mask=hmask)
+        tl.store(part_acc_ptr + row[:, None] * D + dims[None, :], acc, mask=hmask[:, None])
+    else:
+        finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
+
+
+@triton.jit
+def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr, H, S,
+                           stride_ot, stride_oh, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Merge a row's S split states: M = the largest running max, every state rescaled by exp(m_s - M) and
+    summed in split order, the sink in the denominator (exp(sink - M), as `finish_heads`). Split states start
+    from a finite max (the launcher's max(initial_max, -1e30)), so a split whose columns are all -1 holds
+    m_s = -1e30, sum 0, acc 0 and adds exactly nothing."""
+    t = tl.program_id(1).to(tl.int64)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    dims = tl.arange(0, D)
+    big = tl.full((BLOCK_H,), -1e30, tl.float32)
+    for s in range(S):
+        big = tl.maximum(big, tl.load(part_max_ptr + (t * S + s) * H + heads, mask=hmask, other=-1e30))
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    total = tl.zeros((BLOCK_H,), tl.float32)
+    for s in range(S):
+        row = (t * S + s) * H + heads
+        w = tl.exp(tl.load(part_max_ptr + row, mask=hmask, other=-1e30) - big)
+        acc += tl.load(part_acc_ptr + row[:, None] * D + dims[None, :], mask=hmask[:, None], other=0.0) * w[:, None]
+        total += tl.load(part_sum_ptr + row, mask=hmask, other=0.0) * w
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    out = acc / (total + tl.exp(sink - big))[:, None]
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(tl.bfloat16),
+             mask=hmask[:, None])
 
 
 def _fused(layout, d: int) -> bool:
@@ -94,43 +140,97 @@ def _check_stores(ring: torch.Tensor, comp: torch.Tensor | None, layout) -> None
             raise ValueError(f"sparse_attn_sink_paged: {name} is on {x.device}, the Triton kernel needs CUDA tensors")
 
 
+def split_plan(T: int, K: int, H: int) -> tuple[int, int]:
+    """(heads per program, index columns per split; 0 = no split) for T query rows of K indices over H heads.
+    Without a split a decode batch is T * H / 16 programs, a handful of SMs at small T, each walking the
+    whole index row; splitting the row (flash-decoding) spreads it over the GPU at the price of one fp32
+    state per split and a combine launch. Programs of 16 heads each decode the same kv blocks again (4x the
+    decode work at 64 heads), so they split only while the grid stays near one wave; past that, programs
+    of all the heads take two blocks each. Measured on the H200 at V4-Flash dims (H=64, d=512,
+    benchmarks/bench_decode_attn.py, results/decode_attn_h200_2026-12-03_s9.log): 640 indices at T=1
+    71.7 -> 19.9 us, T=8 74.0 -> 31.7, T=32 75.3 -> 57.5; 192 indices at T=1 25.5 -> 16.4; from T=64 the
+    unsplit grid is as fast or faster (T=128, 640 indices: 89 us unsplit, 147-224 split). The plan
+    depends on T, so a row's last bits may differ between batch sizes (as every flash-decoding engine's)."""
+    blocks = triton.cdiv(K, SPARSE_ATTN_BLOCK)
+    narrow = triton.cdiv(H, 16)  # head blocks of 16
+    # one head block (<= 16 heads, e.g. a rank of 8-way tensor parallelism): no decode is repeated across
+    # head blocks, so it splits to larger grids and batches (H=8: T=64, 640 indices 72 -> 57 us; T=128 not)
+    max_t, limit = (SPLIT_MAX_T, SPLIT_WAVE) if narrow > 1 else (2 * SPLIT_MAX_T, 4 * SPLIT_WAVE)
+    if blocks <= 1 or T >= max_t:
+        return _block_h(T, H), 0
+    for per in (1, 2) if narrow > 1 else (1, 2, 4):  # blocks per split
+        splits = triton.cdiv(blocks, per)
+        if splits > 1 and T * narrow * splits <= limit:
+            return 16, triton.cdiv(blocks, splits) * SPARSE_ATTN_BLOCK  # equal whole blocks per split
+    splits = triton.cdiv(blocks, 2)
+    if narrow > 1 and splits > 1 and splits >= narrow:  # no fewer programs than the unsplit grid's
+        return (32 if H <= 32 else 64), triton.cdiv(blocks, splits) * SPARSE_ATTN_BLOCK
+    return _block_h(T, H), 0
+
+
+SPLIT_MAX_T, SPLIT_WAVE = 64, 128
+
+
 def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
                                   sink: torch.Tensor, idx: torch.Tensor, scale: float,
                                   initial_max: float = float("-inf"), block_h: int | None = None,
-                                  num_warps: int = 8, num_stages: int = 1) -> torch.Tensor:
+                                  num_warps: int = 8, num_stages: int = 1,
+                                  chunk: int | None = None) -> torch.Tensor:
     """Same contract as `official_fused.sparse_attn_sink_paged` (q [T, H, d] bf16, ring [slots, window, w],
     comp [rows, w] or None, idx [T, K] of ring-then-compressed rows, -1 = skip) -> [T, H, d] bf16.
-    block_h / num_warps / num_stages: launch knobs for benchmarks. Defaults from sm_90 builds (no GPU
-    needed, scripts/sass_sm90.py): the [64, d] tile is decoded in registers, so 4 warps spill (16 heads:
-    255 registers + 560 B of stack) where 8 do not (227 registers), and software pipelining (stages >= 2)
-    stages the masked [64, d] byte and int16 tiles in shared memory: 246 KB at 16 heads, past the 227 KB
-    a block may have; one stage takes 147 KB."""
+    block_h / num_warps / num_stages / chunk (index columns per split, 0 = none; default `split_plan`):
+    launch knobs for benchmarks. Defaults from sm_90 builds (no GPU needed, scripts/sass_sm90.py): the
+    [64, d] tile is decoded in registers, so 4 warps spill (16 heads: 255 registers + 560 B of stack) where
+    8 do not (227 registers), and software pipelining (stages >= 2) stages the masked [64, d] byte and
+    int16 tiles in shared memory: 246 KB at 16 heads, past the 227 KB a block may have; one stage takes 147 KB."""
     if q.dim() != 3 or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_attn_sink_paged: want q [T, H, d] and idx [T, K], got {tuple(q.shape)}, "
                          f"{tuple(idx.shape)}")
     T, H, d = q.shape
-    if not _fused(layout, d) or (T <= SMALL_T and idx.shape[1] >= LONG_K):
+    K = idx.shape[1]
+    if not _fused(layout, d):
         # gather + decode to a pool, then the pool kernel: the same rows and order
         stored = paged_rows(ring, comp, idx)
         kv = stored if layout is None else kv_decode(layout, stored)
-        pool_idx = torch.arange(T * idx.shape[1], device=idx.device, dtype=torch.int32).view(T, -1)
+        pool_idx = torch.arange(T * K, device=idx.device, dtype=torch.int32).view(T, -1)
         return sparse_attn_sink_triton(q, kv.reshape(-1, d), sink, torch.where(idx >= 0, pool_idx, -1), scale,
                                        initial_max)
     _check_stores(ring, comp, layout)
     _check(q, None, sink, idx)
+    plan_h, plan_chunk = split_plan(T, K, H)
+    chunk = plan_chunk if chunk is None else chunk
+    if chunk < 0 or chunk % SPARSE_ATTN_BLOCK:
+        raise ValueError(f"sparse_attn_sink_paged: chunk {chunk} must be a non-negative multiple of "
+                         f"{SPARSE_ATTN_BLOCK}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     comp = ring if comp is None or comp.shape[0] == 0 else comp  # no compressed rows: every index is a ring row
-    bh = block_h or _block_h(T, H)
-    _sparse_attn_paged_kernel[(triton.cdiv(H, bh), T)](
-        q, ring, comp, ring.view(torch.int16), comp.view(torch.int16), sink.to(torch.float32).contiguous(),
-        idx.to(torch.int32).contiguous(), out, H, idx.shape[1], ring.numel() // layout.bytes_per_token,
-        float(scale), float(initial_max), q.stride(0), q.stride(1), idx.shape[1], out.stride(0), out.stride(1),
+    sink = sink.to(torch.float32).contiguous()
+    bh = block_h or (plan_h if chunk == plan_chunk else _block_h(T, H))
+    S = triton.cdiv(K, chunk) if chunk else 1
+    split = S > 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # split states: [T, S, H] running max and sum, [T, S, H, d] unnormalised acc (unused without a split)
+    part_max, part_sum = (torch.empty(T, S, H, **f32), torch.empty(T, S, H, **f32)) if split else (out, out)
+    part_acc = torch.empty(T, S, H, d, **f32) if split else out
+    _sparse_attn_paged_kernel[(triton.cdiv(H, bh), T, S)](
+        q, ring, comp, ring.view(torch.int16), comp.view(torch.int16), sink, idx.to(torch.int32).contiguous(), out,
+        part_acc, part_max, part_sum, H, K, ring.numel() // layout.bytes_per_token, float(scale),
+        max(float(initial_max), -1e30) if split else float(initial_max),  # split states: finite (the combine's note)
+        chunk if split else triton.cdiv(K, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK,
+        q.stride(0), q.stride(1), K, out.stride(0), out.stride(1),
         BPT=layout.bytes_per_token, QDIM=layout.quant_dim, SBLOCK=layout.block, D=d, BLOCK_H=bh,
-        BLOCK_K=SPARSE_ATTN_BLOCK, INTERPRET=_interpreting(), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=split, INTERPRET=_interpreting(), num_warps=num_warps, num_stages=num_stages)
+    if split:
+        _combine_splits_kernel[(triton.cdiv(H, COMBINE_HEADS), T)](
+            part_acc, part_max, part_sum, sink, out, H, S, out.stride(0), out.stride(1), D=d, BLOCK_H=COMBINE_HEADS,
+            num_warps=4)
     return out
+
+
+COMBINE_HEADS = 8  # heads per combine program: [8, 512] fp32 over 4 warps
 
 
 REGISTRATIONS = {"sparse_attn_sink_paged": sparse_attn_sink_paged_triton}
