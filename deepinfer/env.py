@@ -25,6 +25,7 @@ def cuda_graphs_enabled() -> bool:
 DECODE_KERNEL_CHOICES = ("auto", "mma", "triton")
 MOE_DECODE_KERNEL_CHOICES = ("auto", "tma", "mma", "triton")
 MOE_PREFILL_KERNEL_CHOICES = ("auto", "wgmma", "triton")
+DECODE_ATTN_SPLIT_CHOICES = ("auto", "off")
 
 
 def _kernel_choice(name: str, choices: tuple[str, ...] = DECODE_KERNEL_CHOICES) -> str:
@@ -56,3 +57,12 @@ def moe_prefill_kernel() -> str:
     it can run, else Triton), "triton" (the Triton v2 prefill plan), "auto" (the default: kernels/triton/
     fp4_moe.py PREFILL_FORM). Anything else is a ValueError naming the choices."""
     return _kernel_choice("DEEPINFER_MOE_PREFILL_KERNEL", MOE_PREFILL_KERNEL_CHOICES)
+
+
+def decode_attn_split() -> str:
+    """DEEPINFER_DECODE_ATTN_SPLIT: "auto" (the default) lets the batched decode step's sparse attention split
+    a small batch's index rows over programs (flash-decoding, kernels/triton/sparse_attn_paged.py
+    `split_plan`), which makes a row's last bits depend on the batch size's plan; "off" keeps one program
+    per row and head block (the pool kernel's bits at any batch size, slower at small batches). Anything
+    else is a ValueError naming the choices."""
+    return _kernel_choice("DEEPINFER_DECODE_ATTN_SPLIT", DECODE_ATTN_SPLIT_CHOICES)

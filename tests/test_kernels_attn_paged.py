@@ -166,6 +166,16 @@ for name, d, rope, T, H, win, k_sel in cases:
     got_bf16 = sparse_attn_sink_paged_triton(q, layout.load(ring), layout.load(comp), None, sink, idx, scale,
                                              initial_max)
     assert torch.equal(got_bf16, same), name
+    if device == "cpu":  # the default plan splits these rows; DEEPINFER_DECODE_ATTN_SPLIT=off keeps them whole
+        import os
+        heads, cols = split_plan(T, idx.shape[1], H)
+        assert cols, (T, idx.shape[1], H)
+        split = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, initial_max, block_h=heads,
+                                              chunk=cols)
+        assert torch.equal(sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, initial_max), split)
+        os.environ["DEEPINFER_DECODE_ATTN_SPLIT"] = "off"
+        assert torch.equal(sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, initial_max), got)
+        del os.environ["DEEPINFER_DECODE_ATTN_SPLIT"]
 print("ok")
 """
 
@@ -189,3 +199,14 @@ def test_paged_kernel_on_the_gpu(tmp_path):
     res = run_compiled(_SCRIPT.replace("device = sys.argv[1]", "device = 'cuda'"), tmp_path)
     print(res.stdout)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_split_env_choice(monkeypatch):
+    from deepinfer import env
+
+    assert env.decode_attn_split() == "auto"
+    monkeypatch.setenv("DEEPINFER_DECODE_ATTN_SPLIT", "OFF")
+    assert env.decode_attn_split() == "off"
+    monkeypatch.setenv("DEEPINFER_DECODE_ATTN_SPLIT", "never")
+    with pytest.raises(ValueError, match="DEEPINFER_DECODE_ATTN_SPLIT='never'"):
+        env.decode_attn_split()

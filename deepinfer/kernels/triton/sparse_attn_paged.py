@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
+
 from deepinfer.kernels.official_fused import paged_rows
 from deepinfer.kernels.triton.kv_pack import e8m0_value, kv_decode
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
@@ -179,7 +181,7 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     """Same contract as `official_fused.sparse_attn_sink_paged` (q [T, H, d] bf16, ring [slots, window, w],
     comp [rows, w] or None, idx [T, K] of ring-then-compressed rows, -1 = skip) -> [T, H, d] bf16.
     block_h / num_warps / num_stages / chunk (index columns per split, 0 = none; default `split_plan`):
-    launch knobs for benchmarks. Defaults from sm_90 builds (no GPU needed, scripts/sass_sm90.py): the
+    launch knobs for benchmarks (DEEPINFER_DECODE_ATTN_SPLIT=off: no split by default). Defaults from sm_90 builds (no GPU needed, scripts/sass_sm90.py): the
     [64, d] tile is decoded in registers, so 4 warps spill (16 heads: 255 registers + 560 B of stack) where
     8 do not (227 registers), and software pipelining (stages >= 2) stages the masked [64, d] byte and
     int16 tiles in shared memory: 246 KB at 16 heads, past the 227 KB a block may have; one stage takes 147 KB."""
@@ -197,7 +199,7 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
                                        initial_max)
     _check_stores(ring, comp, layout)
     _check(q, None, sink, idx)
-    plan_h, plan_chunk = split_plan(T, K, H)
+    plan_h, plan_chunk = split_plan(T, K, H) if env.decode_attn_split() == "auto" else (_block_h(T, H), 0)
     chunk = plan_chunk if chunk is None else chunk
     if chunk < 0 or chunk % SPARSE_ATTN_BLOCK:
         raise ValueError(f"sparse_attn_sink_paged: chunk {chunk} must be a non-negative multiple of "
