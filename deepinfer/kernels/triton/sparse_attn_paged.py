@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from deepinfer import env
-
 from deepinfer.kernels.official_fused import paged_rows
 from deepinfer.kernels.triton.kv_pack import e8m0_value, kv_decode
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
@@ -112,10 +111,7 @@ def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, o
         w = tl.exp(tl.load(part_max_ptr + row, mask=hmask, other=-1e30) - big)
         acc += tl.load(part_acc_ptr + row[:, None] * D + dims[None, :], mask=hmask[:, None], other=0.0) * w[:, None]
         total += tl.load(part_sum_ptr + row, mask=hmask, other=0.0) * w
-    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
-    out = acc / (total + tl.exp(sink - big))[:, None]
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(tl.bfloat16),
-             mask=hmask[:, None])
+    finish_heads(acc, big, total, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
 
 
 def _fused(layout, d: int) -> bool:
@@ -181,8 +177,8 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     """Same contract as `official_fused.sparse_attn_sink_paged` (q [T, H, d] bf16, ring [slots, window, w],
     comp [rows, w] or None, idx [T, K] of ring-then-compressed rows, -1 = skip) -> [T, H, d] bf16.
     block_h / num_warps / num_stages / chunk (index columns per split, 0 = none; default `split_plan`):
-    launch knobs for benchmarks (DEEPINFER_DECODE_ATTN_SPLIT=off: no split by default). Defaults from sm_90 builds (no GPU needed, scripts/sass_sm90.py): the
-    [64, d] tile is decoded in registers, so 4 warps spill (16 heads: 255 registers + 560 B of stack) where
+    launch knobs for benchmarks (DEEPINFER_DECODE_ATTN_SPLIT=off: no split by default). Defaults from sm_90
+    builds (no GPU needed, scripts/sass_sm90.py): the [64, d] tile is decoded in registers, so 4 warps spill (16 heads: 255 registers + 560 B of stack) where
     8 do not (227 registers), and software pipelining (stages >= 2) stages the masked [64, d] byte and
     int16 tiles in shared memory: 246 KB at 16 heads, past the 227 KB a block may have; one stage takes 147 KB."""
     if q.dim() != 3 or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
