@@ -40,6 +40,7 @@
 
 #include "mma_common.cuh"
 #include "tma_common.cuh"
+#include "wgmma_common.cuh"
 
 #ifndef BT
 #define BT 128  // the launcher passes every constant (fp4_moe_wgmma.DEFAULT_TILES)
@@ -72,7 +73,6 @@
 #define A_STAGE (2 * A_HALF)
 #define NACC (BT / 2)               // fp32 accumulators per lane: 64 x BT / 128 threads
 
-typedef unsigned long long u64;
 
 // d (the m64 x BT fp32 accumulator fragment) += A (registers, m16n8k16 layout per warp) @ B (shared memory,
 // by descriptor), bf16 inputs
@@ -114,38 +114,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], u32 a0, u32 a1, u32 a2,
 #error "BT must be 64 or 128 (256 would need 128 accumulators a lane: it spills)"
 #endif
 
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-// registers an in-flight wgmma reads or writes: the compiler must neither reuse nor move them before the wait
-__device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void keep(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
-template <int N>
-__device__ __forceinline__ void keep_all(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) keep(r[i]);
-}
-template <int N>
-__device__ __forceinline__ void keep_all(u32 (&r)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) keep(r[i][j]);
-}
-
-// shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address >> 4,
-// leading byte offset 16 (unused by this layout), stride byte offset 1024 (8 rows of 128 bytes), mode 1
-__device__ __forceinline__ u64 desc_sw128(u32 addr) {
-    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-
-__device__ __forceinline__ float bf16_round(float x) {  // round to nearest even at bf16 (finite x)
-    u32 b = __float_as_uint(x);
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return __uint_as_float(b & 0xFFFF0000u);
-}
 
 // A fragments of the 16-K steps that words q0 .. q0 + NQ - 1 of the lane's two rows feed (its 16 bytes of
 // each row a stage): step 2q takes e2m1_pair<0> / <1> of word q (logical K pairs 2t and 2t + 8), step 2q + 1
@@ -334,29 +302,5 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
     wgmma_wait<0>();
     keep_all(acc);
 
-    // accumulator fragment: acc[4j + e] = (row lr0, token 8j + 2t + e), acc[4j + 2 + e] = (row lr1, same token)
-#pragma unroll
-    for (int j = 0; j < BT / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int slot = sorted_slots[blk * BT + 8 * j + 2 * t + e];
-            if (slot >= n_slots) continue;
-#if GATED
-            if (gr0 >= N) continue;
-            float gate = bf16_round(acc[4 * j + e]), up = bf16_round(acc[4 * j + 2 + e]);
-            if (limit > 0.f) {
-                up = fminf(fmaxf(up, -limit), limit);
-                gate = fminf(gate, limit);
-            }
-            const float h = route_w[slot] * (gate / (1.f + expf(-gate)) * up);
-            static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(h)) >> 16);
-#elif OUT_F32
-            if (gr0 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr0] = acc[4 * j + e];
-            if (gr1 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr1] = acc[4 * j + 2 + e];
-#else
-            if (gr0 < N) static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(acc[4 * j + e])) >> 16);
-            if (gr1 < N) static_cast<u16*>(out)[(i64)slot * stride_om + gr1] = (u16)(__float_as_uint(bf16_round(acc[4 * j + 2 + e])) >> 16);
-#endif
-        }
-    }
+    store_tile<BT, GATED, OUT_F32>(acc, out, stride_om, route_w, sorted_slots + blk * BT, n_slots, N, gr0, gr1, t, limit);
 }
