@@ -24,7 +24,7 @@ def cuda_graphs_enabled() -> bool:
 
 DECODE_KERNEL_CHOICES = ("auto", "mma", "triton")
 MOE_DECODE_KERNEL_CHOICES = ("auto", "tma", "mma", "triton")
-MOE_PREFILL_KERNEL_CHOICES = ("auto", "wgmma-fp8", "wgmma", "triton")
+MOE_PREFILL_KERNEL_CHOICES = ("auto", "wgmma", "triton")
 DECODE_ATTN_SPLIT_CHOICES = ("auto", "off")
 
 
@@ -53,11 +53,9 @@ def moe_decode_kernel() -> str:
 
 def moe_prefill_kernel() -> str:
     """DEEPINFER_MOE_PREFILL_KERNEL: which kernels run the routed experts' GEMMs above 16 slots per expert
-    (prefill) on CUDA: "wgmma-fp8" (the warpgroup-MMA CUDA kernel on the FP8 tensor cores,
-    kernels/cuda/fp4_moe_wgmma_fp8.cu, where the bank's scales fold exactly; else as "wgmma"), "wgmma" (its
-    bf16 form, kernels/cuda/fp4_moe_wgmma.cu, on sm_90 where it can run, else Triton), "triton" (the Triton v2
-    prefill plan), "auto" (the default: kernels/triton/fp4_moe.py PREFILL_FORM). Anything else is a ValueError
-    naming the choices."""
+    (prefill) on CUDA: "wgmma" (the warpgroup-MMA CUDA kernel, kernels/cuda/fp4_moe_wgmma.cu, on sm_90 where
+    it can run, else Triton), "triton" (the Triton v2 prefill plan), "auto" (the default: kernels/triton/
+    fp4_moe.py PREFILL_FORM). Anything else is a ValueError naming the choices."""
     return _kernel_choice("DEEPINFER_MOE_PREFILL_KERNEL", MOE_PREFILL_KERNEL_CHOICES)
 
 

@@ -136,36 +136,6 @@ def _e8m0_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-FOLD_GROUP = 128  # K per group of the FP8 fold: one pow2 per row and group, the wgmma stage's K
-
-
-def fold_exponent(group_max: torch.Tensor) -> torch.Tensor:
-    """The group exponent W of the FP8 fold from the group's largest E8M0 byte m: max(m - 6, 1), so that the
-    largest block's E2M1 x 2^(S - W) reaches 6 x 2^6 = 384 (< 448, E4M3's max) and 2^(W - 127) is an fp32 normal."""
-    return (group_max - 6).clamp(min=1)
-
-
-def fp8_fold_ok(w: torch.Tensor, scale: torch.Tensor, experts_per_chunk: int = 16) -> bool:
-    """Whether every weight of a packed FP4 bank (w uint8 [E, R, K/2], scale E8M0 uint8 [E, R, K/32]) is an
-    exact E4M3 value times 2^(W - 127) with one W per row and 128-K group (`fold_exponent` of the group's 4
-    bytes): E2M1 x 2^j is E4M3 for j = S - W in [-5, 6] (0.5 x 2^-5 is E4M3's smallest normal); a 32-block
-    whose codes are all (signed) zeros may have any scale. K % 128 != 0: False. Reads the bank once (in chunks
-    of experts)."""
-    e, rows, half_k = w.shape
-    k = 2 * half_k
-    if k % FOLD_GROUP:
-        return False
-    per = FOLD_GROUP // formats.FP4_BLOCK
-    for e0 in range(0, e, experts_per_chunk):
-        sc = scale[e0:e0 + experts_per_chunk].to(torch.int16).view(-1, rows, k // FOLD_GROUP, per)
-        nonzero = (w[e0:e0 + experts_per_chunk] & 0x77).view(-1, rows, k // FOLD_GROUP, per,
-                                                             formats.FP4_BLOCK // 2).amax(-1) > 0
-        j = sc - fold_exponent(sc.amax(-1, keepdim=True))
-        if bool((nonzero & (j < -5)).any()):
-            return False
-    return True
-
-
 @dataclass
 class FP4ExpertBank:
     """All routed experts of one layer, packed FP4 (two E2M1 codes per byte, low nibble = even K index).
@@ -188,9 +158,6 @@ class FP4ExpertBank:
     # expansion has a range (fp4_moe expand 6: bytes <= 128) can check it without a host sync inside a step;
     # `to` carries it over instead of reading the scales again
     scale_max: int | None = None
-    # whether every weight is an exact E4M3 code times one pow2 per row and 128-K group (`fp8_fold_ok`), the
-    # FP8 wgmma expert form's operands (None: read here, at load time; `to` carries it over)
-    fp8_fold: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("w13", "w13_scale", "w2", "w2_scale"):
@@ -211,8 +178,6 @@ class FP4ExpertBank:
             raise ValueError(f"FP4ExpertBank dims D={d}, I={inter} must be multiples of act_block {self.act_block}")
         if self.scale_max is None:
             self.scale_max = max([int(t.max()) for t in (self.w13_scale, self.w2_scale) if t.numel()] or [0])
-        if self.fp8_fold is None:
-            self.fp8_fold = all(fp8_fold_ok(w, sc) for w, sc in ((self.w13, self.w13_scale), (self.w2, self.w2_scale)))
 
     @classmethod
     def from_checkpoint(cls, raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig,
@@ -254,8 +219,7 @@ class FP4ExpertBank:
 
     def to(self, device: torch.device | str) -> "FP4ExpertBank":
         return FP4ExpertBank(self.w13.to(device), self.w13_scale.to(device), self.w2.to(device),
-                             self.w2_scale.to(device), self.act_block, self.tile_experts, self.scale_max,
-                             self.fp8_fold)
+                             self.w2_scale.to(device), self.act_block, self.tile_experts, self.scale_max)
 
     def dequant_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Exact fp32 (w1 [I, D], w3 [I, D], w2 [D, I]) of expert e."""

@@ -83,9 +83,8 @@ def usable(device: torch.device) -> bool:
 
 def input_problems(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, route_w: torch.Tensor,
                    sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int, gated: bool,
-                   cfg: dict, a_dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Everything wrong with the inputs (empty: they can run), each naming the argument; a_dtype: the
-    activations' (bf16 values, or uint8 E4M3 codes in the FP8 form)."""
+                   cfg: dict) -> list[str]:
+    """Everything wrong with the inputs (empty: they can run), each naming the argument."""
     problems = []
     tensors = dict(a=a, w=w, w_scale=w_scale, out=out, route_w=route_w, sorted_slots=sorted_slots,
                    block_expert=block_expert)
@@ -106,9 +105,8 @@ def input_problems(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out:
     if w.stride(-1) != 1 or w.stride(1) % 16 or w.stride(0) % 16 or w.data_ptr() % 16:
         problems.append(f"w must have contiguous 16-byte aligned rows (the TMA), got strides {w.stride()}")
     bt = cfg["BT"]
-    if a.dtype != a_dtype or a.dim() != 2 or a.shape[1] != k or not a.is_contiguous():
-        kind = "bf16" if a_dtype == torch.bfloat16 else "uint8"
-        problems.append(f"a must be contiguous {kind} [n_blocks * {bt}, {k}], got {a.dtype} {tuple(a.shape)}")
+    if a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != k or not a.is_contiguous():
+        problems.append(f"a must be contiguous bf16 [n_blocks * {bt}, {k}], got {a.dtype} {tuple(a.shape)}")
     elif a.shape[0] != block_expert.numel() * bt:
         problems.append(f"a has {a.shape[0]} rows, the routing {block_expert.numel()} blocks of {bt}")
     if sorted_slots.dtype != torch.int32 or sorted_slots.numel() != block_expert.numel() * bt:
@@ -151,81 +149,4 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: to
         (tmap_w, tmap_a, w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0), route_w,
          sorted_slots, block_expert, n_slots, n_out, k, float(limit)),
         a.device, shared=smem_bytes(cfg))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- FP8 form
-# `fp4_moe_wgmma_fp8.cu`: the same GEMM on the FP8 tensor cores, the activations as act_quant's E4M3 codes and
-# transposed scales (`act_quant.act_quant_gather_fp8`), the weights' per-32 scales folded into E4M3 exponents
-# (exact where `FP4ExpertBank.fp8_fold` holds). One producer warpgroup: with CWG 2 it hands its registers to
-# the consumers (setmaxnreg), who hold the fp32 totals, the stage's partials and two stages of fragments.
-SOURCE_FP8 = "fp4_moe_wgmma_fp8.cu"
-FP8_TILES = dict(BT=128, CWG=2, STAGES=6, MIN_CTAS=1)
-_SIGNATURE_FP8 = "mmplpllplpppiiif"
-_KERNELS_FP8: dict[tuple, CudaKernel] = {}
-
-
-def kernel_fp8(cfg: dict, gated: bool, out_f32: bool) -> CudaKernel:
-    key = tuple(sorted((k, cfg[k]) for k in FP8_TILES)) + (("GATED", int(gated)), ("OUT_F32", int(out_f32)))
-    if key not in _KERNELS_FP8:
-        _KERNELS_FP8[key] = CudaKernel(SOURCE_FP8, "fp4_expert_gemm_wgmma_fp8", _SIGNATURE_FP8, dict(key),
-                                       arch_suffix="a")
-    return _KERNELS_FP8[key]
-
-
-def smem_bytes_fp8(cfg: dict) -> int:
-    """One CTA's dynamic shared memory in the FP8 form: per stage a BT x 128-byte box of codes, BT fp32
-    scales and the weights' ROWS x 64 bytes; the mbarriers; 1024 bytes of alignment slack."""
-    per_stage = cfg["BT"] * 128 + cfg["BT"] * 4 + rows_per_cta(cfg) * KSTEP // 2
-    return cfg["STAGES"] * per_stage + 16 * cfg["STAGES"] + 1024
-
-
-def tiles_fp8(config: dict | None = None) -> dict:
-    cfg = dict(FP8_TILES)
-    cfg.update({k: int(v) for k, v in (config or {}).items() if k in FP8_TILES})
-    # the registers: BT 128 keeps 64 totals + 64 partials + 32 fragment registers a lane, which CWG 2 fits only
-    # with the producer warpgroup's registers (setmaxnreg, one CTA an SM); CWG 1 fits 255 without it
-    if cfg["BT"] not in (64, 128) or cfg["CWG"] not in (1, 2) or cfg["STAGES"] < 2 \
-            or cfg["MIN_CTAS"] not in (1, 2) or (cfg["MIN_CTAS"] == 2 and (cfg["CWG"], cfg["BT"]) != (1, 64)):
-        raise ValueError(f"fp4_moe_wgmma FP8 tiles: BT 64/128, CWG 1/2, STAGES >= 2, MIN_CTAS 1 (2 only with CWG 1 "
-                         f"and BT 64), got {cfg}")
-    if smem_bytes_fp8(cfg) * cfg["MIN_CTAS"] > 228 * 1024 - 1024 * (cfg["MIN_CTAS"] - 1):
-        raise ValueError(f"fp4_moe_wgmma FP8 tiles {cfg} need {smem_bytes_fp8(cfg)} bytes of shared memory per CTA: "
-                         f"{cfg['MIN_CTAS']} CTA(s) do not fit an SM's 227 KB")
-    return cfg
-
-
-def expert_gemm_fp8(aq: torch.Tensor, a_scale_t: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                    out: torch.Tensor, route_w: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
-                    n_slots: int, gated: bool, limit: float = 0.0, config: dict | None = None) -> torch.Tensor:
-    """`expert_gemm` on the FP8 tensor cores: aq uint8 [n_blocks * BT, K] E4M3 codes and a_scale_t fp32
-    [K / 128, n_blocks * BT] (`act_quant.act_quant_gather_fp8`); the rest as `expert_gemm`. Exact operands only
-    where the bank's scales fold (`FP4ExpertBank.fp8_fold`: the caller checks, once per bank)."""
-    cfg = tiles_fp8(config)
-    problems = input_problems(aq, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, gated,
-                              dict(cfg, FRAG_BUFS=1), a_dtype=torch.uint8)
-    n_rows = aq.shape[0] if aq.dim() == 2 else -1
-    k = 2 * w.shape[2] if w.dim() == 3 else -1
-    if a_scale_t.dtype != torch.float32 or tuple(a_scale_t.shape) != (k // KSTEP, n_rows) \
-            or not a_scale_t.is_contiguous():
-        problems.append(f"a_scale_t must be contiguous fp32 [{k // KSTEP}, {n_rows}], got {a_scale_t.dtype} "
-                        f"{tuple(a_scale_t.shape)}")
-    elif a_scale_t.device != aq.device:
-        problems.append(f"a_scale_t must be on {aq.device}, got {a_scale_t.device}")
-    if problems:
-        raise ValueError("fp4_moe_wgmma.expert_gemm_fp8: " + "; ".join(problems))
-    if n_slots == 0 or block_expert.numel() == 0:
-        return out
-    rows = w.shape[1]
-    bt, cta_rows = cfg["BT"], rows_per_cta(cfg)
-    n_out = rows // 2 if gated else rows
-    box_rows = cta_rows // 2 if gated else cta_rows
-    tmap_w = runtime.cached_tensor_map(w, (1, box_rows, KSTEP // 2))
-    tmap_a = runtime.encode_tensor_map(aq, (bt, KSTEP), swizzle=128)  # BT rows x 128 codes, 128-byte swizzle
-    grid = (-(-n_out // box_rows), block_expert.numel(), 1)
-    kernel_fp8(cfg, gated, out.dtype == torch.float32).launch(
-        grid, (128 * (cfg["CWG"] + 1), 1, 1),
-        (tmap_w, tmap_a, a_scale_t, n_rows, w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0),
-         route_w, sorted_slots, block_expert, n_slots, n_out, k, float(limit)),
-        aq.device, shared=smem_bytes_fp8(cfg))
     return out

@@ -139,32 +139,13 @@ def _wgmma_k_slot(cols):
     return (cols - low) + 32 * q + 16 * u + 8 * h + 2 * t + e
 
 
-# The FP8 wgmma expert GEMM's operand order (kernels/cuda/fp4_moe_wgmma_fp8.cu's header): within each group of
-# 128 columns, logical column L = 32s + 16h + 4t + i holds natural column P = 32t + 8s + 2i + h (s, t, i < 4,
-# h < 2): a lane's 16 bytes of a packed FP4 row feed its 8-bit A fragments of all 4 32-K steps of the group.
-def wgmma_fp8_k_order(cols: torch.Tensor) -> torch.Tensor:
-    """Natural column P held at logical column L in the FP8 form (any int tensor of column indices)."""
-    low = cols % WGMMA_K_GROUP
-    s, h, t, i = low >> 5, (low >> 4) & 1, (low >> 2) & 3, low & 3
-    return cols - low + 32 * t + 8 * s + 2 * i + h
-
-
 @triton.jit
-def _wgmma_fp8_k_slot(cols):
-    """The logical column that holds natural column P in the FP8 form (the inverse of `wgmma_fp8_k_order`)."""
-    low = cols & 127
-    t, s, i, h = low >> 5, (low >> 3) & 3, (low >> 1) & 3, low & 1
-    return (cols - low) + 32 * s + 16 * h + 4 * t + i
-
-
-@triton.jit
-def _act_quant_gather_kernel(x_ptr, out_ptr, scale_ptr, sorted_ptr, block_expert_ptr, n_slots, stride_xm, stride_om,
-                             n_rows, ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr,
-                             COLS: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr = False):
-    """Row p from x[sorted[p] // ROW_DIV] (zeros for padding slots); nothing for the rows of unused routing
-    blocks (block_expert -1: their GEMM programs exit). bf16 form: out[p, _wgmma_k_slot(c)] = act_quant's
-    q * s (QUANT False: x's value as bf16). FP8 form: out[p, _wgmma_fp8_k_slot(c)] = the E4M3 code q and
-    scale_ptr[group, p] = s (transposed: a routing block's scales of one group are contiguous)."""
+def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slots, stride_xm, stride_om,
+                             ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
+                             QUANT: tl.constexpr):
+    """out[p, _wgmma_k_slot(c)] = act_quant's q * s of x[sorted[p] // ROW_DIV, c] (bf16; QUANT False: x's
+    value as bf16), zeros for padding slots; nothing for the rows of unused routing blocks (block_expert -1:
+    their GEMM programs exit)."""
     p = tl.program_id(0)
     if tl.load(block_expert_ptr + p // BT) < 0:
         return
@@ -174,26 +155,12 @@ def _act_quant_gather_kernel(x_ptr, out_ptr, scale_ptr, sorted_ptr, block_expert
     g = tl.program_id(1) * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)
     cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
-    if FP8:
+    dest = out_ptr + p.to(tl.int64) * stride_om + _wgmma_k_slot(cols)
+    if QUANT:
         q, scale = quantise_rows(x)
-        tl.store(out_ptr + p.to(tl.int64) * stride_om + _wgmma_fp8_k_slot(cols), q)
-        tl.store(scale_ptr + g.to(tl.int64) * n_rows + p, scale)
+        tl.store(dest, (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16))
     else:
-        dest = out_ptr + p.to(tl.int64) * stride_om + _wgmma_k_slot(cols)
-        if QUANT:
-            q, scale = quantise_rows(x)
-            tl.store(dest, (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16))
-        else:
-            tl.store(dest, x.to(tl.bfloat16))
-
-
-def _check_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor, bt: int,
-                  what: str) -> None:
-    if x.dim() != 2 or x.shape[1] % WGMMA_K_GROUP or WGMMA_K_GROUP % block:
-        raise ValueError(f"{what}: x must be [M, K] with K a multiple of {WGMMA_K_GROUP} and block "
-                         f"{block} dividing it, got {tuple(x.shape)}")
-    if sorted_slots.numel() != block_expert.numel() * bt:
-        raise ValueError(f"{what}: {sorted_slots.numel()} sorted slots for {block_expert.numel()} blocks of {bt}")
+        tl.store(dest, x.to(tl.bfloat16))
 
 
 def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
@@ -202,7 +169,12 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     of x[sorted_slots[p] // row_div] (zeros for padding slots >= n_slots; rows of unused blocks unwritten),
     columns in `wgmma_k_order` within each 128. x [M, K] bf16/fp32 with K % 128 == 0 and block | 128.
     quant False: x's values as they are (the kernel tests' exact operands)."""
-    _check_gather(x, block, sorted_slots, block_expert, bt, "act_quant_gather")
+    if x.dim() != 2 or x.shape[1] % WGMMA_K_GROUP or WGMMA_K_GROUP % block:
+        raise ValueError(f"act_quant_gather: x must be [M, K] with K a multiple of {WGMMA_K_GROUP} and block "
+                         f"{block} dividing it, got {tuple(x.shape)}")
+    if sorted_slots.numel() != block_expert.numel() * bt:
+        raise ValueError(f"act_quant_gather: {sorted_slots.numel()} sorted slots for {block_expert.numel()} "
+                         f"blocks of {bt}")
     x = x.contiguous()
     k = x.shape[1]
     out = torch.empty((sorted_slots.numel(), k), dtype=torch.bfloat16, device=x.device)
@@ -210,28 +182,6 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
         return out
     cols = 512 if k % 512 == 0 else WGMMA_K_GROUP
     _act_quant_gather_kernel[(sorted_slots.numel(), k // cols)](
-        x, out, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), out.shape[0], ROW_DIV=row_div,
-        BT=bt, BLOCK=block, COLS=cols, QUANT=quant)
+        x, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), ROW_DIV=row_div, BT=bt,
+        BLOCK=block, COLS=cols, QUANT=quant)
     return out
-
-
-def act_quant_gather_fp8(x: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int,
-                         row_div: int, bt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 wgmma expert GEMM's activation operands: (q uint8 [P, K], s_t fp32 [K / 128, P]) for
-    P = len(sorted_slots): row p = act_quant's E4M3 codes (groups of 128) of x[sorted_slots[p] // row_div],
-    columns in `wgmma_fp8_k_order` within each 128, and s_t[g, p] its scale of group g (zero codes for padding
-    slots >= n_slots, whose scale is act_quant's of a zero group; rows of unused blocks unwritten).
-    x [M, K] bf16/fp32, K % 128 == 0."""
-    _check_gather(x, WGMMA_K_GROUP, sorted_slots, block_expert, bt, "act_quant_gather_fp8")
-    x = x.contiguous()
-    k, rows = x.shape[1], sorted_slots.numel()
-    q = torch.empty((rows, k), dtype=torch.uint8, device=x.device)
-    s_t = torch.empty((k // WGMMA_K_GROUP, rows), dtype=torch.float32, device=x.device)
-    if q.numel() == 0:
-        return q, s_t
-    cols = 512 if k % 512 == 0 else WGMMA_K_GROUP
-    _act_quant_gather_kernel[(rows, k // cols)](
-        x, q.view(torch.float8_e4m3fn), s_t, sorted_slots, block_expert, n_slots, x.stride(0), q.stride(0), rows,
-        ROW_DIV=row_div, BT=bt, BLOCK=WGMMA_K_GROUP, COLS=cols, QUANT=True, FP8=True)
-    return q, s_t
-

@@ -65,7 +65,7 @@ import triton.language as tl
 from deepinfer import env
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, act_quant_gather,
-                                               act_quant_gather_fp8, e8m0_to_f32, interpreting, quantise_rows)
+                                               e8m0_to_f32, interpreting, quantise_rows)
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 from deepinfer.kernels.triton.fp4_fp8_gemm import fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
@@ -890,29 +890,15 @@ def plan_wgmma(n_slots: int, n_experts: int, config: dict) -> dict:
     return wg.tiles({**(WGMMA_TILES_FEW if few else WGMMA_TILES), **config})
 
 
-def wgmma_fp8_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
-    """The FP8 wgmma form can run this bank here: the wgmma form's conditions, activations quantised in groups
-    of 128 (V4; V4.1's 32-groups would need the activations' scales folded too, which E4M3 codes cannot take
-    exactly), and every weight an exact E4M3 code times one pow2 per row and 128-K group (`bank.fp8_fold`)."""
-    from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
-
-    return (bank.act_block == 128 and bool(bank.fp8_fold) and bank.dim % 128 == 0 and bank.inter_dim % 128 == 0
-            and wg.usable(device))
-
-
 def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     """The wgmma form of the prefill regime (kernels/cuda/fp4_moe_wgmma.cu): routing in blocks of BT slots,
     the activations act_quant'ed, gathered into sorted order and permuted into the kernel's K order in one
     pass (`act_quant_gather`), w13 with the SwiGLU epilogue in the kernel -> h bf16 [slots, I], act_quant(h)
     gathered the same way, w2 -> bf16 rows, the ordered k-row sum. Official fp4_gemm math up to fp32
-    summation order (exact bf16 products, fp32 sums in the tensor cores). config FP8_FOLD: the FP8 tensor-core
-    form (kernels/cuda/fp4_moe_wgmma_fp8.cu: exact operands, the tensor cores' FP8 accumulation inside each
-    128-K group, as the official fp4_gemm's inside each 32; `wgmma_fp8_form_usable`). No host sync: CUDA-graph
+    summation order (exact bf16 products, fp32 sums in the tensor cores). No host sync: CUDA-graph
     capturable (compiled on first use)."""
     from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
 
-    if config.get("FP8_FOLD"):
-        return _fp4_moe_wgmma_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
     if bank.scale_max > wg.SCALE_MAX:
         raise ValueError(f"fp4_moe wgmma form: exact for E8M0 scale bytes up to {wg.SCALE_MAX}; this bank has "
                          f"{bank.scale_max}")
@@ -928,38 +914,6 @@ def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     hg = act_quant_gather(h, ab, sorted_slots, block_expert, n_slots, 1, bt)
     rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
     wg.expert_gemm(hg, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, False, 0.0, cfg)
-    return _combine_rows(y, rows, topk_ids)
-
-
-def plan_wgmma_fp8(config: dict) -> dict:
-    """The FP8 wgmma form's tiles: `fp4_moe_wgmma.FP8_TILES` with `config` on top."""
-    from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
-
-    return wg.tiles_fp8({k: v for k, v in config.items() if k in wg.FP8_TILES})
-
-
-def _fp4_moe_wgmma_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
-    """`_fp4_moe_wgmma` on the FP8 tensor cores: the same steps with E4M3 codes and transposed scales
-    (`act_quant_gather_fp8`) as the activation operands."""
-    from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
-
-    if bank.act_block != 128 or not bank.fp8_fold:
-        raise ValueError(f"fp4_moe FP8 wgmma form: needs activations quantised in groups of 128 (this bank: "
-                         f"{bank.act_block}) and weights whose per-32 scales fold exactly into E4M3 per 128-K group "
-                         f"(FP4ExpertBank.fp8_fold: {bank.fp8_fold})")
-    topk = topk_ids.shape[1]
-    cfg = plan_wgmma_fp8(config)
-    d, inter, n_slots, bt = bank.dim, bank.inter_dim, topk_ids.numel(), cfg["BT"]
-    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bt)
-    route_w = topk_weights.contiguous().view(-1)
-    xq, xs = act_quant_gather_fp8(x, sorted_slots, block_expert, n_slots, topk, bt)
-    h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
-    wg.expert_gemm_fp8(xq, xs, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots, True,
-                       swiglu_limit, cfg)
-    hq, hs = act_quant_gather_fp8(h, sorted_slots, block_expert, n_slots, 1, bt)
-    rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
-    wg.expert_gemm_fp8(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, False,
-                       0.0, cfg)
     return _combine_rows(y, rows, topk_ids)
 
 
@@ -1027,7 +981,6 @@ DECODE_FORM = "tma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots
 PREFILL_FORM = "wgmma"  # what DEEPINFER_MOE_PREFILL_KERNEL=auto runs above 16 slots per expert: "wgmma" (where
 # `wgmma_form_usable`, else the Triton plan) or "triton" (PREFILL_V2)
 PREFILL_WGMMA = dict(WGMMA=True)  # the wgmma form with `plan_wgmma`'s tiles for the regime
-PREFILL_WGMMA_FP8 = dict(WGMMA=True, FP8_FOLD=True)  # its FP8 tensor-core form (`plan_wgmma_fp8`)
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
 DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`), above ONE_PROGRAM_ROUTING_SLOTS slots
 
@@ -1060,10 +1013,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             config = DECODE_TMA
         elif form in ("tma", "mma") and mma_form_usable(bank, x.device):  # tma falls back to mma.sync, then Triton
             config = DECODE_MMA
-        prefill = _prefill_form()
-        if not few and prefill == "wgmma-fp8" and wgmma_fp8_form_usable(bank, x.device):
-            config = PREFILL_WGMMA_FP8
-        elif not few and prefill in ("wgmma-fp8", "wgmma") and wgmma_form_usable(bank, x.device):
+        if not few and _prefill_form() == "wgmma" and wgmma_form_usable(bank, x.device):
             config = PREFILL_WGMMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
