@@ -37,19 +37,19 @@ __device__ __forceinline__ float bf16_round(float x) {  // round to nearest even
     return __uint_as_float(b & 0xFFFF0000u);
 }
 
-// The expert GEMMs' epilogue from the m64 x NT accumulator fragment, acc[4j + e] = (row gr0, token 8j + 2t + e),
+// The expert GEMMs' epilogue from the m64 x TOKENS_ accumulator fragment, acc[4j + e] = (row gr0, token 8j + 2t + e),
 // acc[4j + 2 + e] = (row gr1, the same token), tokens = the routing block's sorted slots (padding slots >=
 // n_slots are skipped):
 // * GATED: gr0 a gate row, gr1 its up row (feature gr0 < N): out bf16 [slot, gr0] = route_w[slot] * silu(g) * u
 //   with g, u the bf16-rounded sums, up clamped to +-limit and gate to <= limit when limit > 0 (the official
 //   expert epilogue);
 // * else: out [slot, row] = the fp32 sum (OUT_F32) or its bf16 rounding, rows past N skipped.
-template <int NT, int GATED_, int OUT_F32_>
-__device__ __forceinline__ void store_tile(const float (&acc)[NT / 2], void* __restrict__ out, i64 stride_om,
+template <int TOKENS_, int GATED_, int OUT_F32_>
+__device__ __forceinline__ void store_tile(const float (&acc)[TOKENS_ / 2], void* __restrict__ out, i64 stride_om,
                                            const float* __restrict__ route_w, const int* __restrict__ block_slots,
                                            int n_slots, int N, int gr0, int gr1, int t, float limit) {
 #pragma unroll
-    for (int j = 0; j < NT / 8; ++j) {
+    for (int j = 0; j < TOKENS_ / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int slot = block_slots[8 * j + 2 * t + e];
