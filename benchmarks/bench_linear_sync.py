@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--wgmma", action="store_true", help="WGMMA_VARIANTS: the batched decode forms")
     args = ap.parse_args()
     variants = WGMMA_VARIANTS if args.wgmma else VARIANTS
-    ms = args.ms or ("1,8,16,32,64,128" if args.wgmma else "1,4,8")
+    m_list = args.ms or ("1,8,16,32,64,128" if args.wgmma else "1,4,8")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 60 << 20)
@@ -61,7 +61,7 @@ def main() -> None:
         copies = max(1, math.ceil(4 * l2 / (n * k)))
         ws = weights(n, k, copies, dev)
         nbytes = n * k + ws[0].scale.numel() * 4
-        for m in (int(v) for v in ms.split(",")):
+        for m in (int(v) for v in m_list.split(",")):
             x = (torch.randn(m, k, device=dev) * torch.exp(torch.randn(m, 1, device=dev))).to(torch.bfloat16)
             want = fp8_linear_torch(x, ws[0])
             for label, mma, config in variants:

@@ -28,7 +28,7 @@ MAX_M = NTS[-1]
 MAX_SPLIT = 16
 SMEM_BUDGET = 200 * 1024  # the ring's bytes at most (an SM has 227 KB)
 COUNTERS = 4096  # row tiles per launch at most (N = 32768 in 64-row tiles is 512)
-_SIGNATURE = "mmplplpppiii"  # tensor maps, ws, stride_wsn, block, out, stride_om, part, counters, M, N, k_split
+_SIGNATURE = "mmpliplppiii"  # tensor maps, ws, stride_wsn, block, out, stride_om, part, counters, M, N, k_split
 _KERNELS: dict[tuple, CudaKernel] = {}
 _COUNTER_BUFFERS: dict[int, torch.Tensor] = {}
 
