@@ -1,11 +1,7 @@
 """fp8_linear at decode rows (M = 1..8): the Triton bf16 form against the mma.sync CUDA kernel
-(kernels/cuda/fp8_linear_mma.cu) and its tiles, on the V4-Flash layer's projection shapes (128x128 blocks);
---wgmma: batched decode rows (M = 1..128): the Triton bf16 form and the mma.sync kernel against the wgmma
-kernel (kernels/cuda/fp8_linear_wgmma.cu) and its tiles (`WGMMA_VARIANTS`; each wgmma row includes its
-ordered act_quant pass, as the op runs it).
+(kernels/cuda/fp8_linear_mma.cu) and its tiles, on the V4-Flash layer's projection shapes (128x128 blocks).
 
     PYTHONPATH=$PWD python benchmarks/bench_linear_sync.py [--ms 1,4,8]
-    PYTHONPATH=$PWD python benchmarks/bench_linear_sync.py --wgmma [--ms 1,8,16,32,64,128]
 
 Each row: CUDA-graph replay of one call per weight copy, over enough copies (>= 4x the L2 in all) that the
 weights come from HBM as in a decode step; time per call, the weight bytes (E4M3 + scales) over it (GB/s),
@@ -33,9 +29,6 @@ SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1", 4096, 2048)
 VARIANTS = (("triton bf16", "bf16", None), ("sync MT2 w4 s2", "sync", None), ("sync MT1 w4 s2", "sync", {"MT": 1}),
             ("sync MT2 w4 s4", "sync", {"STAGES": 4}), ("sync MT1 w8 s2", "sync", {"MT": 1, "WARPS": 8}),
             ("sync MT4 w4 s2", "sync", {"MT": 4}), ("sync MT2 w4 s2 split/2", "sync", "half"))
-WGMMA_VARIANTS = (("triton bf16", "bf16", None), ("sync (its plan)", "sync", None), ("wgmma (its plan)", "wgmma", None),
-                  ("wgmma cwg1", "wgmma", {"CWG": 1}), ("wgmma cwg2", "wgmma", {"CWG": 2}),
-                  ("wgmma split/2", "wgmma", "half"), ("wgmma split x2", "wgmma", "double"))
 
 
 def weights(n: int, k: int, copies: int, dev) -> list[QuantLinearWeight]:
@@ -47,11 +40,8 @@ def weights(n: int, k: int, copies: int, dev) -> list[QuantLinearWeight]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default=None, help="default 1,4,8 (--wgmma: 1,8,16,32,64,128)")
-    ap.add_argument("--wgmma", action="store_true", help="WGMMA_VARIANTS: the batched decode forms")
+    ap.add_argument("--ms", default="1,4,8")
     args = ap.parse_args()
-    variants = WGMMA_VARIANTS if args.wgmma else VARIANTS
-    m_list = args.ms or ("1,8,16,32,64,128" if args.wgmma else "1,4,8")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 60 << 20)
@@ -61,19 +51,16 @@ def main() -> None:
         copies = max(1, math.ceil(4 * l2 / (n * k)))
         ws = weights(n, k, copies, dev)
         nbytes = n * k + ws[0].scale.numel() * 4
-        for m in (int(v) for v in m_list.split(",")):
+        for m in (int(v) for v in args.ms.split(",")):
             x = (torch.randn(m, k, device=dev) * torch.exp(torch.randn(m, 1, device=dev))).to(torch.bfloat16)
             want = fp8_linear_torch(x, ws[0])
-            for label, mma, config in variants:
+            for label, mma, config in VARIANTS:
                 cfg = config
-                if mma == "sync" and m > 8:
-                    continue
-                if config in ("half", "double"):
-                    from deepinfer.kernels.cuda import fp8_linear_mma, fp8_linear_wgmma
+                if config == "half":
+                    from deepinfer.kernels.cuda.fp8_linear_mma import plan
 
-                    plan = fp8_linear_wgmma.plan if mma == "wgmma" else fp8_linear_mma.plan
                     s = plan(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)["SPLIT_K"]
-                    cfg = {"SPLIT_K": max(1, s // 2) if config == "half" else min(32, s * 2)}
+                    cfg = {"SPLIT_K": max(1, s // 2)}
                 try:
                     got = fp8_linear(x, ws[0], cfg, mma=mma)
                     rel = float((got.double() - want.double()).norm() / want.double().norm())

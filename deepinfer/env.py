@@ -26,7 +26,6 @@ DECODE_KERNEL_CHOICES = ("auto", "mma", "triton")
 MOE_DECODE_KERNEL_CHOICES = ("auto", "tma", "mma", "triton")
 MOE_PREFILL_KERNEL_CHOICES = ("auto", "wgmma", "triton")
 DECODE_ATTN_SPLIT_CHOICES = ("auto", "off")
-LINEAR_BATCH_KERNEL_CHOICES = ("auto", "wgmma", "triton")
 
 
 def _kernel_choice(name: str, choices: tuple[str, ...] = DECODE_KERNEL_CHOICES) -> str:
@@ -50,14 +49,6 @@ def moe_decode_kernel() -> str:
     "triton" (the Triton v2 kernels), "auto" (the default: the measured faster one, see
     kernels/triton/fp4_moe.py DECODE_FORM). Anything else is a ValueError naming the choices."""
     return _kernel_choice("DEEPINFER_MOE_DECODE_KERNEL", MOE_DECODE_KERNEL_CHOICES)
-
-
-def linear_batch_kernel() -> str:
-    """DEEPINFER_LINEAR_BATCH_KERNEL: which kernel runs op fp8_linear for 9..128 rows (batched decode) on CUDA:
-    "wgmma" (the warpgroup-MMA CUDA kernel, kernels/cuda/fp8_linear_wgmma.cu, on sm_90 where it can run, else
-    Triton), "triton" (the Triton bf16 form), "auto" (the default: kernels/triton/fp8_gemm.py
-    BATCH_LINEAR_FORM). Anything else is a ValueError naming the choices."""
-    return _kernel_choice("DEEPINFER_LINEAR_BATCH_KERNEL", LINEAR_BATCH_KERNEL_CHOICES)
 
 
 def moe_prefill_kernel() -> str:

@@ -274,13 +274,11 @@ def test_graph_replay_is_eager_bit_for_bit(block):
 @pytest.mark.gpu
 def test_op_dispatch_takes_the_sync_kernel_up_to_8_rows(monkeypatch):
     """fp8_linear's auto form: the sync kernel for M <= SYNC_MAX_M (bit for bit its output), the Triton bf16
-    form under DEEPINFER_LINEAR_DECODE_KERNEL=triton (and above SYNC_MAX_M under
-    DEEPINFER_LINEAR_BATCH_KERNEL=triton: the wgmma kernel's tests cover its default there)."""
+    form above and under DEEPINFER_LINEAR_DECODE_KERNEL=triton."""
     from deepinfer.kernels.triton.fp8_gemm import SYNC_MAX_M, fp8_linear
     from test_kernels_gemm import _cuda, _random_fp8_weight
 
     dev = _cuda()
-    monkeypatch.setenv("DEEPINFER_LINEAR_BATCH_KERNEL", "triton")
     w = _random_fp8_weight(2048, 4096, 128, 128, dev)
     for m in (1, SYNC_MAX_M, SYNC_MAX_M + 1):
         x = torch.randn(m, 4096, device=dev).to(BF16)

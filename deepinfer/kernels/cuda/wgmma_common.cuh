@@ -1,4 +1,4 @@
-// Warpgroup-MMA helpers shared by the wgmma kernels of this package (fp4_moe_wgmma.cu, fp8_linear_wgmma.cu):
+// Warpgroup-MMA helpers (used by fp4_moe_wgmma.cu; kept apart from its layout and pipeline, for the next wgmma kernel):
 // the fence / commit / wait of async wgmma groups, register pins that keep the compiler from touching what an
 // in-flight wgmma reads or writes, the 128-byte-swizzle shared-memory descriptor, and the bf16 rounding of the
 // epilogues. (inlined once per kernel by runtime.read_source after mma_common.cuh: no include guard needed)

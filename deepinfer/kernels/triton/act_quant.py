@@ -65,31 +65,12 @@ def _perm32(cols):
     return (cols & ~31) | (((cols >> 2) & 1) << 4) | (((cols >> 3) & 3) << 2) | (cols & 3)
 
 
-# The wgmma FP8 linear's operand column order (kernels/cuda/fp8_linear_wgmma.cu's header): within each group of
-# 128 columns, logical column L = 16j + 8h + 2t + e holds natural column P = 32t + 4j + h + 2e (j < 8, t < 4,
-# h, e < 2), so that a lane's 32 contiguous E4M3 bytes of a weight row feed its A fragments of all 8 16-K steps.
-def linear_wgmma_k_order(cols: torch.Tensor) -> torch.Tensor:
-    """Natural column P held at logical column L (any int tensor of column indices, groups of 128)."""
-    low = cols % 128
-    j, h, t, e = low >> 4, (low >> 3) & 1, (low >> 1) & 3, low & 1
-    return cols - low + 32 * t + 4 * j + h + 2 * e
-
-
-@triton.jit
-def _linear_wgmma_k_slot(cols):
-    """The logical column that holds natural column P (the inverse of `linear_wgmma_k_order`)."""
-    low = cols & 127
-    t, j, e, h = low >> 5, (low >> 2) & 7, (low >> 1) & 1, low & 1
-    return (cols - low) + 16 * j + 8 * h + 2 * t + e
-
-
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, stride_sm,
                       BLOCK: tl.constexpr, GROUPS: tl.constexpr, DEQUANT: tl.constexpr,
-                      PERM32: tl.constexpr = False, WGMMA_ORDER: tl.constexpr = False):
-    """DEQUANT: write q * s as bf16 (exact: E4M3 x pow2) to q_ptr and no scales (column P at
-    `_linear_wgmma_k_slot(P)` when WGMMA_ORDER); else q (E4M3) and s, the code of column P at column perm32(P)
-    when PERM32."""
+                      PERM32: tl.constexpr = False):
+    """DEQUANT: write q * s as bf16 (exact: E4M3 x pow2) to q_ptr and no scales; else q (E4M3) and s, the
+    code of column P at column perm32(P) when PERM32."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -97,10 +78,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, st
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     q, scale = quantise_rows(x)
     if DEQUANT:
-        dest = cols
-        if WGMMA_ORDER:
-            dest = _linear_wgmma_k_slot(cols)
-        tl.store(q_ptr + row * stride_qm + dest, (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16), mask=mask)
+        tl.store(q_ptr + row * stride_qm + cols, (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16), mask=mask)
     else:
         dest = cols
         if PERM32:
@@ -109,13 +87,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, st
         tl.store(s_ptr + row * stride_sm + g, scale, mask=g < n_groups)
 
 
-def _launch(x: torch.Tensor, block: int, dequant: bool, perm: bool = False,
-            wgmma_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x: torch.Tensor, block: int, dequant: bool, perm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.shape[1] % block:
         raise ValueError(f"act_quant: x must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
-    if wgmma_order and (x.shape[1] % 128 or 128 % block):
-        raise ValueError(f"act_quant(wgmma_order=True): K {x.shape[1]} must be whole 128-column groups and block "
-                         f"{block} must divide 128")
     if perm and block % 32:
         raise ValueError(f"act_quant(perm32=True): block {block} must be a multiple of 32")
     x = x.contiguous()
@@ -128,7 +102,7 @@ def _launch(x: torch.Tensor, block: int, dequant: bool, perm: bool = False,
     groups = max(1, min(triton.next_power_of_2(n_groups), 4096 // block))
     grid = (m, triton.cdiv(n_groups, groups))
     _act_quant_kernel[grid](x, q, s, n_groups, k, x.stride(0), q.stride(0), max(1, s.stride(0)), BLOCK=block,
-                            GROUPS=groups, DEQUANT=dequant, PERM32=perm, WGMMA_ORDER=wgmma_order)
+                            GROUPS=groups, DEQUANT=dequant, PERM32=perm)
     return q, s
 
 
@@ -138,10 +112,9 @@ def act_quant(x: torch.Tensor, block: int, perm32: bool = False) -> tuple[torch.
     return _launch(x, block, dequant=False, perm=perm32)
 
 
-def act_quant_dequant_bf16(x: torch.Tensor, block: int, wgmma_order: bool = False) -> torch.Tensor:
-    """x [M, K] -> bf16 [M, K] holding q * s exactly (what an FP8 GEMM multiplies; formats.act_quant_dequant).
-    wgmma_order: column P's value at column `_linear_wgmma_k_slot(P)` (the wgmma FP8 linear's operand order)."""
-    return _launch(x, block, dequant=True, wgmma_order=wgmma_order)[0]
+def act_quant_dequant_bf16(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [M, K] -> bf16 [M, K] holding q * s exactly (what an FP8 GEMM multiplies; formats.act_quant_dequant)."""
+    return _launch(x, block, dequant=True)[0]
 
 
 # The wgmma expert GEMM's operand column order (kernels/cuda/fp4_moe_wgmma.cu's header): within each group of

@@ -50,14 +50,11 @@ import triton.language as tl
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch, _check_activation
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 
-MMA_MODES = ("bf16", "fp8", "sync", "wgmma")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu),
-# "wgmma": the warpgroup-MMA CUDA kernel (kernels/cuda/fp8_linear_wgmma.cu); both the "bf16" form's math
+MMA_MODES = ("bf16", "fp8", "sync")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu)
 MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below, and
 # "sync" up to SYNC_MAX_M rows where it can run and DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so
 SYNC_MAX_M = 8  # the sync kernel's CTA takes 8 rows of x (the MMA's n8): above, each 8 more re-read the weight
 DECODE_LINEAR_FORM = "mma"  # what DEEPINFER_LINEAR_DECODE_KERNEL=auto runs up to SYNC_MAX_M rows: "mma" or "triton"
-WGMMA_MAX_M = 128  # the wgmma kernel's rows at most (kernels/cuda/fp8_linear_wgmma.MAX_M)
-BATCH_LINEAR_FORM = "wgmma"  # what DEEPINFER_LINEAR_BATCH_KERNEL=auto runs for SYNC_MAX_M < M <= WGMMA_MAX_M
 FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096).
 # 2026-12-02 (scripts/bench_gemm_kernels.py --batch-fp8, results/fp8_linear_batch_sweep_h200_2026-12-02.log): with
 # narrow tiles the fp8 form is also faster at M=32 and 128 (sum of a layer's seven decode shapes: M=32 183 -> 129
@@ -311,28 +308,6 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     return out
 
 
-def _wgmma_usable(w: QuantLinearWeight, device: torch.device) -> bool:
-    from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
-
-    return wg.usable(w, device)
-
-
-def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
-    """fp8_linear through the wgmma CUDA kernel: one act_quant pass writing q * s in the kernel's column order,
-    one GEMM launch (its split-K partials are added in order inside it)."""
-    from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
-
-    xp = act_quant_dequant_bf16(x, w.act_block, wgmma_order=True)
-    return wg.fp8_linear_wgmma(xp, w, out, config, sm_count(x.device))
-
-
-def _batch_linear_form() -> str:
-    from deepinfer import env
-
-    choice = env.linear_batch_kernel()
-    return BATCH_LINEAR_FORM if choice == "auto" else choice
-
-
 def _decode_linear_form() -> str:
     from deepinfer import env
 
@@ -351,10 +326,8 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     through the kernels in Triton's interpreter, for tests at tiny shapes). config: launch override (the
     benchmark's sweep; see `plan`, or for "sync" kernels/cuda/fp8_linear_mma.plan). mma: "bf16" (exact
     products), "fp8" (FP8 tensor cores), "sync" (the mma.sync CUDA kernel: exact products, act_quant fused;
-    its regime is M <= SYNC_MAX_M), "wgmma" (the warpgroup-MMA CUDA kernel: exact products, M <= WGMMA_MAX_M)
-    or "auto" (by M: "sync" up to SYNC_MAX_M where it can run and DEEPINFER_LINEAR_DECODE_KERNEL /
-    DECODE_LINEAR_FORM say so, "wgmma" to WGMMA_MAX_M where it can run and DEEPINFER_LINEAR_BATCH_KERNEL /
-    BATCH_LINEAR_FORM say so, "fp8" from FP8_MMA_MIN_M); None: `MMA`.
+    its regime is M <= SYNC_MAX_M) or "auto" (by M: "sync" up to SYNC_MAX_M where it can run and
+    DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so, "fp8" from FP8_MMA_MIN_M); None: `MMA`.
     out: optional bf16 [M, N] destination (tests poison it to check every element is written)."""
     if not x.is_cuda and not interpreting():
         return fp8_linear_torch(x, w)
@@ -373,14 +346,9 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     if m == 0:
         return out
     mma = mma or MMA
-    if mma not in MMA_MODES + ("auto",):
-        raise ValueError(f"fp8_linear: mma must be one of {MMA_MODES + ('auto',)}, got {mma!r}")
     if mma == "sync" or (mma == "auto" and m <= SYNC_MAX_M and _decode_linear_form() == "mma"
                          and _sync_usable(w, x.device)):
         return _fp8_linear_sync(x, w, config, out)
-    if mma == "wgmma" or (mma == "auto" and SYNC_MAX_M < m <= WGMMA_MAX_M and _batch_linear_form() == "wgmma"
-                          and _wgmma_usable(w, x.device)):
-        return _fp8_linear_wgmma(x, w, config, out)
     if mma == "auto":
         mma = auto_form(m)
     cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)
