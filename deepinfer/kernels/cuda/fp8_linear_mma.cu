@@ -55,7 +55,6 @@
 #define SPLIT_OUT 1
 #endif
 #define TOKENS 8
-#define MAX_SPLIT 16  // SPLIT_OUT 2: splits at most (fp8_linear_mma.MAX_SPLIT)
 // steps of 128 K quantised into shared memory at once: <= 1024 K (16 KB for 8 rows), whole pipeline rounds
 #define CHUNK_STEPS ((8 / STAGES) * STAGES)
 
@@ -248,16 +247,11 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
                 const int tok = tok0 + e;
                 if (tok >= M) continue;
                 const float* p = (const float*)out + (i64)tok * stride_om + r;
-                float v[MAX_SPLIT];  // every split's partial in flight at once (one L2 round trip), then
-#pragma unroll                       // added split 0 first, 1, 2, ...: the caller's ordered sum
-                for (int z = 0; z < MAX_SPLIT; ++z) v[z] = z < (int)gridDim.z ? __ldcg(p + (i64)z * stride_os) : 0.f;
-                float sum = v[0];
-#pragma unroll
-                for (int z = 1; z < MAX_SPLIT; ++z)
-                    if (z < (int)gridDim.z) sum += v[z];
-                u16 b;
-                asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(sum));
-                final_out[(i64)tok * stride_fm + r] = b;
+                float sum = __ldcg(p);  // split 0 first, then 1, 2, ...: the caller's ordered sum
+                for (int z = 1; z < (int)gridDim.z; ++z) sum += __ldcg(p + (i64)z * stride_os);
+                u16 v;
+                asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(sum));
+                final_out[(i64)tok * stride_fm + r] = v;
             }
         }
     }
