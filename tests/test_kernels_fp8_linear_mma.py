@@ -93,10 +93,6 @@ def test_launcher_rejects_bad_inputs_before_launching():
         fp8_linear_partials(x, w, torch.zeros(4, 3, n))
     with pytest.raises(ValueError, match="split 3 must divide K=512"):
         fp8_linear_partials(x, w, torch.zeros(3, 3, n))
-    with pytest.raises(ValueError, match=r"final needs fp32 partials"):
-        fp8_linear_partials(x, w, out, final=out)
-    with pytest.raises(ValueError, match=r"final must be bf16 \[3, 64\]"):
-        fp8_linear_partials(x, w, torch.zeros(2, 3, n), final=torch.zeros(3, n))
 
 
 def test_launcher_refuses_scales_outside_the_exact_expansion():
@@ -159,7 +155,7 @@ def test_source_compiles_for_sm90_where_nvrtc_is_installed():
     from deepinfer.kernels.cuda.fp8_linear_mma import SOURCE
     from test_cuda_runtime import compile_configs
 
-    compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": split_out} for cfg in TILE_CONFIGS for split_out in (0, 1, 2)])
+    compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": split_out} for cfg in TILE_CONFIGS for split_out in (0, 1)])
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -291,36 +287,3 @@ def test_op_dispatch_takes_the_sync_kernel_up_to_8_rows(monkeypatch):
         monkeypatch.setenv("DEEPINFER_LINEAR_DECODE_KERNEL", "triton")
         assert torch.equal(fp8_linear(x, w), tri), m
         monkeypatch.delenv("DEEPINFER_LINEAR_DECODE_KERNEL")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block", [128, 32])
-def test_in_kernel_split_sum_is_the_ordered_sum_bit_for_bit(block):
-    """`final` (the last CTA of each tile adds the partials in split order) against the same partials added by
-    fp8_gemm._split_sum_kernel: equal bit for bit, every split, partial row tiles, M = 1..8; and in a CUDA
-    graph replayed twice (the counters reset themselves) equal to eager."""
-    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_partials, plan
-    from deepinfer.kernels.triton.fp8_gemm import _split_sum_kernel
-    from test_kernels_gemm import assert_replay_is_eager
-
-    dev = _cuda()
-    for n, k in ((1000, 4096), (4096, 2048)):
-        w = _random_fp8_weight(n, k, block, block, dev)
-        for m in (1, 5, 8):
-            x = _activation(m, k, dev)
-            for split in (2, 4, 8, 16):
-                cfg = {"SPLIT_K": split, "STAGES": 1}
-                part = torch.full((split, m, n), float("nan"), device=dev)
-                final = torch.full((m, n), float("nan"), dtype=BF16, device=dev)
-                got = fp8_linear_partials(x, w, part, cfg, final=final)
-                want = torch.empty(m, n, dtype=BF16, device=dev)
-                _split_sum_kernel[(-(-m * n // 1024),)](part, want, n, m * n, want.stride(0), S=split, BLOCK=1024)
-                assert got is final and torch.equal(got, want), (n, k, m, split)
-            assert_replay_is_eager(lambda: fp8_linear_partials(x, w, torch.empty((8, m, n), device=dev),
-                                                               {"SPLIT_K": 8, "STAGES": 1},
-                                                               final=torch.empty((m, n), dtype=BF16, device=dev)),
-                                   f"in-kernel split sum M={m}")
-            assert_replay_is_eager(lambda: fp8_linear_partials(x, w, torch.empty((8, m, n), device=dev),
-                                                               {"SPLIT_K": 8, "STAGES": 1},
-                                                               final=torch.empty((m, n), dtype=BF16, device=dev)),
-                                   f"in-kernel split sum M={m}, again")

@@ -31,11 +31,7 @@
 // bf16 at K step*128 + 32t + 8q .. + 8, so the warp's read of one q is 512 contiguous bytes (no bank conflict).
 //
 // Compile-time constants (-D): MT m16 tiles per warp, WARPS warps per CTA, STAGES register pipeline depth,
-// SPLIT_OUT (0: bf16 out[m, n]; 1: fp32 partials out[z, m, n]; 2: the partials, then the last CTA of each
-// (token group, row tile) to finish (an arrival counter per tile in `counters`, which that CTA resets for the
-// next launch) adds the S partials of its elements in split order, the first one first: bf16 final[m, n],
-// bit for bit the caller's ordered sum (fp8_gemm._split_sum_kernel) without its launch. Launches that share
-// `counters` must not run concurrently).
+// SPLIT_OUT (1: fp32 partials out[z, m, n]; 0: bf16 out[m, n]).
 // Launch: grid (ceil(M / 8), ceil(N / (16 MT WARPS)), S), block 32 WARPS.
 // Requires (the launcher checks): k_split % (128 STAGES) == 0; block and act_block in (32, 128) (a step's
 // 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
@@ -124,10 +120,8 @@ __device__ __forceinline__ void quantise_chunk(uint4* xs, const u16* __restrict_
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
                const u8* __restrict__ w, i64 stride_wn, const float* __restrict__ ws, i64 stride_wsn,
-               void* __restrict__ out, i64 stride_os, i64 stride_om, int N, int k_split, int block, int act_block,
-               u16* __restrict__ final_out, i64 stride_fm, int* __restrict__ counters) {
+               void* __restrict__ out, i64 stride_os, i64 stride_om, int N, int k_split, int block, int act_block) {
     __shared__ uint4 xs[CHUNK_STEPS * 128];
-    __shared__ int last_cta;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
@@ -214,7 +208,7 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
         for (int h = 0; h < 2; ++h) {
             const int r = row0 + 16 * m + g + 8 * h;
             if (r >= N) continue;
-#if SPLIT_OUT >= 1
+#if SPLIT_OUT
             float* o = (float*)out + (i64)blockIdx.z * stride_os + r;
             if (tok0 < M) o[(i64)tok0 * stride_om] = acc[m][2 * h];
             if (tok1 < M) o[(i64)tok1 * stride_om] = acc[m][2 * h + 1];
@@ -228,33 +222,4 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
 #endif
         }
     }
-#if SPLIT_OUT == 2
-    __threadfence();  // this CTA's partials are visible device-wide before its arrival is counted
-    __syncthreads();
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    if (threadIdx.x == 0) last_cta = atomicAdd(&counters[tile], 1) == (int)gridDim.z - 1;
-    __syncthreads();
-    if (!last_cta) return;
-    __threadfence();
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row0 + 16 * m + g + 8 * h;
-            if (r >= N) continue;
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int tok = tok0 + e;
-                if (tok >= M) continue;
-                const float* p = (const float*)out + (i64)tok * stride_om + r;
-                float sum = __ldcg(p);  // split 0 first, then 1, 2, ...: the caller's ordered sum
-                for (int z = 1; z < (int)gridDim.z; ++z) sum += __ldcg(p + (i64)z * stride_os);
-                u16 v;
-                asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(sum));
-                final_out[(i64)tok * stride_fm + r] = v;
-            }
-        }
-    }
-    if (threadIdx.x == 0) counters[tile] = 0;  // ready for the next launch (the kernel boundary orders it)
-#endif
 }

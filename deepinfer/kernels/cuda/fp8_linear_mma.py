@@ -1,12 +1,10 @@
 """Launcher of `fp8_linear_mma.cu`: op "fp8_linear" at decode (M <= 8 rows per CTA) on mma.sync (see the .cu's header).
 
-`fp8_linear_partials(x, w, out, config=None, scale_max_exp=None, final=None)`: x bf16 [M, K] (raw activations:
-the official act_quant per w.act_block is fused into the kernel), w a `QuantLinearWeight` (E4M3 [N, K], fp32
+`fp8_linear_partials(x, w, out, config=None, scale_max_exp=None)`: x bf16 [M, K] (raw activations: the
+official act_quant per w.act_block is fused into the kernel), w a `QuantLinearWeight` (E4M3 [N, K], fp32
 pow2 block scales, block 128 or 32). `out` says the form: bf16 [M, N] -> the finished output (one launch,
-S = 1); fp32 [S, M, N] -> S partial sums over K / S each (split-K), which with `final` (bf16 [M, N]) the
-kernel itself adds in split order into final (the last CTA of each tile: one launch, bit for bit the
-ordered sum fp8_gemm._split_sum_kernel gives; `_counters` keeps the per-device arrival counters); without
-it the caller adds them (this module does not import triton).
+S = 1); fp32 [S, M, N] -> S partial sums over K / S each (split-K: the caller adds them in a fixed order,
+e.g. fp8_gemm._split_sum_kernel; this module does not import triton).
 `plan(m, n, k, sms, config)`: tiles (MT, WARPS, STAGES: `DEFAULT_TILES`) and the split count SPLIT_K.
 The op wrapper (allocation, plan, the ordered split sum) is fp8_gemm.fp8_linear(..., mma="sync").
 
@@ -31,15 +29,12 @@ SCALE_EXP_MAX = 134  # fp32 exponent field of the largest exact scale (2^7): 2^1
 DEFAULT_TILES = dict(MT=1, WARPS=8, STAGES=2)  # H200 2026-12-02 (benchmarks/bench_linear_sync.py, HBM-cold
 # weights): the V4-Flash layer's seven decode projections 62.3 us at M=1 (MT2 w4 s2 66.1, MT1 w4 s2 66.4, MT4 w4
 # s2 69.2, MT2 w4 s4 75.5; the Triton bf16 form 75.8), 65.2 at M=8 (Triton 77.0)
-_SIGNATURE = "pliplplplliiiiplp"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
-#                            k_split, block, act_block, final, stride_fm, counters (p pointer, l int64, i int32)
-COUNTERS = 4096  # (token group, row tile) pairs per launch at most
+_SIGNATURE = "pliplplplliiii"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
+#                                k_split, block, act_block (p pointer, l int64, i int32)
 _KERNELS: dict[tuple[int, int, int, int], CudaKernel] = {}
-_COUNTER_BUFFERS: dict[int, torch.Tensor] = {}
 
 
-def kernel(mt: int, warps: int, stages: int, split_out: int) -> CudaKernel:
-    """split_out: 0 bf16 out, 1 fp32 partials, 2 partials added in order into `final` by the kernel."""
+def kernel(mt: int, warps: int, stages: int, split_out: bool) -> CudaKernel:
     key = (mt, warps, stages, int(split_out))
     if key not in _KERNELS:
         _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_mma", _SIGNATURE,
@@ -92,20 +87,9 @@ def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
     return cfg
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    """The per-device arrival counters of the in-kernel split sum (zeros; each launch leaves them zero)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _COUNTER_BUFFERS.get(index)
-    if buf is None:
-        buf = _COUNTER_BUFFERS[index] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return buf
-
-
 def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, config: dict | None = None,
-                        scale_max_exp: int | None = None, final: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch the kernel into `out` (bf16 [M, N]: S = 1; fp32 [S, M, N]: S partials) and return it; with
-    `final` (bf16 [M, N], only with partials) the kernel also adds the partials in order into final and
-    returns final."""
+                        scale_max_exp: int | None = None) -> torch.Tensor:
+    """Launch the kernel into `out` (bf16 [M, N]: S = 1; fp32 [S, M, N]: S partials) and return it."""
     cfg = tiles(config)
     problems = []
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) % 8:
@@ -138,13 +122,6 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
     why = check_shapes(k, split, cfg)
     if why:
         problems.append(why)
-    if final is not None:
-        if out.dim() != 3:
-            problems.append("final needs fp32 partials in out ([S, M, N])")
-        if final.dtype != torch.bfloat16 or tuple(final.shape) != (m, n) or final.stride(-1) != 1 \
-                or final.device != out.device:
-            problems.append(f"final must be bf16 [{m}, {n}] with unit column stride on {out.device}, got "
-                            f"{final.dtype} {tuple(final.shape)} on {final.device}")
     if len({t.device for t in (x, data, scale, out)}) != 1:
         problems.append(f"x, w and out must be on one device, got {x.device}, {data.device}, {scale.device}, {out.device}")
     if x.data_ptr() % 16 or data.data_ptr() % 16:
@@ -160,14 +137,9 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
     if m == 0 or n == 0:
         return out
     grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
-    mode = 0 if out.dim() == 2 else 1 if final is None else 2
-    if mode == 2 and grid[0] * grid[1] > COUNTERS:
-        raise ValueError(f"fp8_linear_partials: {grid[0] * grid[1]} tiles need more than {COUNTERS} counters")
-    counters = _counters(x.device) if mode == 2 else None
-    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], mode).launch(
+    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3).launch(
         grid, (32 * cfg["WARPS"], 1, 1),
         (x, x.stride(0), m, data, data.stride(0), scale, scale.stride(0), out,
-         out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block,
-         final if mode == 2 else 0, final.stride(0) if mode == 2 else 0, counters if mode == 2 else 0),
+         out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block),
         x.device)
-    return final if mode == 2 else out
+    return out

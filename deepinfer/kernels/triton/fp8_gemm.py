@@ -290,9 +290,8 @@ def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
 
 
 def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
-    """fp8_linear through the mma.sync CUDA kernel (act_quant fused, exact products, fp32 sums): one launch;
-    when S > 1 it writes fp32 partials and its last CTA per tile adds them in split order into out (the same
-    fixed-order sum as `_split_sum_kernel`, bit for bit, without a second launch)."""
+    """fp8_linear through the mma.sync CUDA kernel (act_quant fused, exact products, fp32 sums): one launch
+    when S = 1, else fp32 partials and `_split_sum_kernel` (the same fixed-order sum as the Triton forms)."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
 
     m, k = x.shape
@@ -302,7 +301,11 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     if split == 1:
         return sync.fp8_linear_partials(x, w, out, cfg)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    return sync.fp8_linear_partials(x, w, part, cfg, final=out)
+    sync.fp8_linear_partials(x, w, part, cfg)
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
+                                                   num_warps=4)
+    return out
 
 
 def _decode_linear_form() -> str:
