@@ -120,7 +120,7 @@ def act_quant_dequant_bf16(x: torch.Tensor, block: int) -> torch.Tensor:
 # The wgmma expert GEMM's operand column order (kernels/cuda/fp4_moe_wgmma.cu's header): within each group of
 # 128 columns, logical column L = 16s + 8h + 2t + e holds natural column P = 32t + 8(s >> 1) + 2(s & 1) + h + 4e
 # (s < 8, t < 4, h, e < 2), so that a lane's 16 contiguous bytes of a packed FP4 weight row feed its A
-# fragments of all 8 16-K steps of the group. `wgmma_k_order(L)` = P; `_wgmma_k_slot(P)` = L (its inverse).
+# fragments of all 8 16-K steps of the group. `wgmma_k_order(L)` = P; `_wgmma_k_order_rows` applies it to a tile.
 WGMMA_K_GROUP = 128
 
 
@@ -132,18 +132,21 @@ def wgmma_k_order(cols: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _wgmma_k_slot(cols):
-    """The logical column that holds natural column P (the inverse of `wgmma_k_order`)."""
-    low = cols & 127
-    t, q, e, u, h = low >> 5, (low >> 3) & 3, (low >> 2) & 1, (low >> 1) & 1, low & 1
-    return (cols - low) + 32 * q + 16 * u + 8 * h + 2 * t + e
+def _wgmma_k_order_rows(y, G: tl.constexpr):
+    """y [G, 128] in natural column order -> the same values in `wgmma_k_order` (logical column L holds natural
+    column P). The order is a permutation of the 7 index bits: P = (t1 t0 s2 s1 e s0 h) -> L = (s2 s1 s0 h t1 t0 e),
+    so it is a reshape to 2 x ... x 2, an axis permutation and a reshape back: the compiler moves the values
+    through shared memory and the stores stay contiguous (16-byte vectors) instead of 2-byte scatters."""
+    y = tl.reshape(y, [G, 2, 2, 2, 2, 2, 2, 2])
+    y = tl.permute(y, (0, 3, 4, 6, 7, 1, 2, 5))
+    return tl.reshape(y, [G, 128])
 
 
 @triton.jit
 def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slots, stride_xm, stride_om,
                              ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
                              QUANT: tl.constexpr):
-    """out[p, _wgmma_k_slot(c)] = act_quant's q * s of x[sorted[p] // ROW_DIV, c] (bf16; QUANT False: x's
+    """out[p, L] = act_quant's q * s of x[sorted[p] // ROW_DIV, wgmma_k_order(L)] (bf16; QUANT False: x's
     value as bf16), zeros for padding slots; nothing for the rows of unused routing blocks (block_expert -1:
     their GEMM programs exit)."""
     p = tl.program_id(0)
@@ -155,12 +158,15 @@ def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slo
     g = tl.program_id(1) * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)
     cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
-    dest = out_ptr + p.to(tl.int64) * stride_om + _wgmma_k_slot(cols)
     if QUANT:
         q, scale = quantise_rows(x)
-        tl.store(dest, (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16))
+        y = (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16)
     else:
-        tl.store(dest, x.to(tl.bfloat16))
+        y = x.to(tl.bfloat16)
+    G: tl.constexpr = COLS // WGMMA_K_GROUP
+    y = _wgmma_k_order_rows(tl.reshape(y, [G, WGMMA_K_GROUP]), G)
+    dest = tl.program_id(1) * COLS + tl.arange(0, G)[:, None] * WGMMA_K_GROUP + tl.arange(0, WGMMA_K_GROUP)[None, :]
+    tl.store(out_ptr + p.to(tl.int64) * stride_om + dest, y)
 
 
 def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
@@ -180,7 +186,7 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     out = torch.empty((sorted_slots.numel(), k), dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0:
         return out
-    cols = 512 if k % 512 == 0 else WGMMA_K_GROUP
+    cols = next(c for c in (1024, 512, 256, WGMMA_K_GROUP) if k % c == 0)  # 1024: 16-byte loads and stores
     _act_quant_gather_kernel[(sorted_slots.numel(), k // cols)](
         x, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), ROW_DIV=row_div, BT=bt,
         BLOCK=block, COLS=cols, QUANT=quant)
