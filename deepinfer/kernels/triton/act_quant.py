@@ -163,9 +163,9 @@ def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slo
         y = (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16)
     else:
         y = x.to(tl.bfloat16)
-    G: tl.constexpr = COLS // WGMMA_K_GROUP
-    y = _wgmma_k_order_rows(tl.reshape(y, [G, WGMMA_K_GROUP]), G)
-    dest = tl.program_id(1) * COLS + tl.arange(0, G)[:, None] * WGMMA_K_GROUP + tl.arange(0, WGMMA_K_GROUP)[None, :]
+    G: tl.constexpr = COLS // 128  # groups of WGMMA_K_GROUP columns
+    y = _wgmma_k_order_rows(tl.reshape(y, [G, 128]), G)
+    dest = tl.program_id(1) * COLS + tl.arange(0, G)[:, None] * 128 + tl.arange(0, 128)[None, :]
     tl.store(out_ptr + p.to(tl.int64) * stride_om + dest, y)
 
 
