@@ -61,6 +61,18 @@ struct Stage {
     float s[MT];        // the tile's weight block scale at this step
 };
 
+// two E4M3 bytes of w as bf16 bit patterns E4M3 x 2^-120, the byte that SEL's low nibble names in the low half:
+// one byte permute puts each byte in the low byte of its half and its sign, replicated (selector bit 3), in
+// the high byte; << 4 moves the magnitude to bits 4..10 and a sign copy to bit 15, the mask drops the rest
+// (3 instructions for 2 weights; masks and shifts alone take 4 for bytes 0 and 2). SEL 0xA280: bytes 0 and 2
+// (K0, K2) = register P0; 0xB391: bytes 1 and 3 (K1, K3) = P1.
+template <u32 SEL>
+__device__ __forceinline__ u32 pair(u32 w) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(w), "n"(SEL));
+    return (d << 4) & 0x87F087F0u;
+}
+
 // act_quant of two values of one group (inv = 1 / scale, both powers of two) -> bf16x2 of q * scale (lo low)
 __device__ __forceinline__ u32 quant_pair(float lo, float hi, float inv, float scale) {
     lo = fminf(fmaxf(lo * inv, -448.f), 448.f);

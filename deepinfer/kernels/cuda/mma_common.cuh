@@ -1,4 +1,4 @@
-// Device helpers shared by the MMA kernels of this package (fp4_moe_*.cu, fp8_linear_*.cu).
+// Device helpers shared by the mma.sync kernels of this package (fp4_moe_mma.cu, fp8_linear_mma.cu).
 // runtime.read_source inlines this file where a kernel says #include "mma_common.cuh" (one source string per
 // kernel: NVRTC needs no include path and the cubin cache key covers the header).
 // (inlined once per kernel by read_source: no include guard needed)
@@ -61,16 +61,4 @@ __device__ __forceinline__ u32 e2m1_pair(u32 w) {
     // (the two copies never overlap), or (nib << 2) + (nib << 8) for the upper nibble of a byte
     const u32 spread = (C & 1) ? nib * 0x104u : nib * 0x1040u;
     return spread & 0x81C081C0u;
-}
-
-// two E4M3 bytes of w as bf16 bit patterns E4M3 x 2^-120, the byte that SEL's low nibble names in the low half:
-// one byte permute puts each byte in the low byte of its half and its sign, replicated (selector bit 3), in
-// the high byte; << 4 moves the magnitude to bits 4..10 and a sign copy to bit 15, the mask drops the rest
-// (3 instructions for 2 weights; masks and shifts alone take 4 for bytes 0 and 2). SEL 0xA280: bytes 0 and 2
-// (K0, K2) = register P0; 0xB391: bytes 1 and 3 (K1, K3) = P1.
-template <u32 SEL>
-__device__ __forceinline__ u32 pair(u32 w) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(w), "n"(SEL));
-    return (d << 4) & 0x87F087F0u;
 }

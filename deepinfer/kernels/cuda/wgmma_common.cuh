@@ -1,4 +1,4 @@
-// Warpgroup-MMA helpers (used by fp4_moe_wgmma.cu; kept apart from its layout and pipeline, for the next wgmma kernel):
+// Warpgroup-MMA helpers of fp4_moe_wgmma.cu, apart from its layout and pipeline:
 // the fence / commit / wait of async wgmma groups, register pins that keep the compiler from touching what an
 // in-flight wgmma reads or writes, the 128-byte-swizzle shared-memory descriptor, and the bf16 rounding of the
 // epilogues. (inlined once per kernel by runtime.read_source after mma_common.cuh: no include guard needed)
@@ -67,10 +67,9 @@ __device__ __forceinline__ void store_tile(const float (&acc)[TOKENS_ / 2], void
                 if (gr0 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr0] = acc[4 * j + e];
                 if (gr1 < N) static_cast<float*>(out)[(i64)slot * stride_om + gr1] = acc[4 * j + 2 + e];
             } else {
-                if (gr0 < N)
-                    static_cast<u16*>(out)[(i64)slot * stride_om + gr0] = (u16)(__float_as_uint(bf16_round(acc[4 * j + e])) >> 16);
-                if (gr1 < N)
-                    static_cast<u16*>(out)[(i64)slot * stride_om + gr1] = (u16)(__float_as_uint(bf16_round(acc[4 * j + 2 + e])) >> 16);
+                u16* o = static_cast<u16*>(out) + (i64)slot * stride_om;
+                if (gr0 < N) o[gr0] = (u16)(__float_as_uint(bf16_round(acc[4 * j + e])) >> 16);
+                if (gr1 < N) o[gr1] = (u16)(__float_as_uint(bf16_round(acc[4 * j + 2 + e])) >> 16);
             }
         }
     }

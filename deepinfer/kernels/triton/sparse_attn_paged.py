@@ -178,9 +178,10 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     comp [rows, w] or None, idx [T, K] of ring-then-compressed rows, -1 = skip) -> [T, H, d] bf16.
     block_h / num_warps / num_stages / chunk (index columns per split, 0 = none; default `split_plan`):
     launch knobs for benchmarks (DEEPINFER_DECODE_ATTN_SPLIT=off: no split by default). Defaults from sm_90
-    builds (no GPU needed, scripts/sass_sm90.py): the [64, d] tile is decoded in registers, so 4 warps spill (16 heads: 255 registers + 560 B of stack) where
-    8 do not (227 registers), and software pipelining (stages >= 2) stages the masked [64, d] byte and
-    int16 tiles in shared memory: 246 KB at 16 heads, past the 227 KB a block may have; one stage takes 147 KB."""
+    builds (no GPU needed, scripts/sass_sm90.py): the [64, d] tile is decoded in registers, so 4 warps spill
+    (16 heads: 255 registers + 560 B of stack) where 8 do not (227 registers), and software pipelining
+    (stages >= 2) stages the masked [64, d] byte and int16 tiles in shared memory: 246 KB at 16 heads, past
+    the 227 KB a block may have; one stage takes 147 KB."""
     if q.dim() != 3 or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_attn_sink_paged: want q [T, H, d] and idx [T, K], got {tuple(q.shape)}, "
                          f"{tuple(idx.shape)}")
