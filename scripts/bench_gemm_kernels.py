@@ -21,7 +21,7 @@ Again 2026-11-29, issue 7 (H8; one run, eager numbers are host-noisy, graph repl
   fp4_moe T=1 graph: expand 0 (before) 168 us, expand 1 (fp16 trick, default) 114 us, expand 2 (dot_scaled)
                         143 us; routing alone 18.8 us (one Triton program) vs 223-405 us of torch ops
           T=128: 3.03 ms (1081 GB/s; expand 2 4.13 ms);  T=8192: 16.2 ms = 153 TFLOP/s (expand 2 19.2 ms)
-Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --batch-fp8 | --linear-f32]   (--tiles: decode tile sweep
+Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --batch-fp8 | --batch-swap | --linear-f32]   (--tiles: decode tile sweep
 with rel_err vs the twins; --decode-fp8: fp8_linear plans on the V4-Flash decode shapes; --linear-f32: the bf16
 weight GEMMs alone)
 """
@@ -193,7 +193,7 @@ DECODE_SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1", 4096
 BATCH_SHAPES = DECODE_SHAPES + (("wkv", 4096, 512), ("shared w2", 2048, 4096), ("index wq_b", 1024, 8192))
 
 
-def _sweep_plans(rows: list[str], tag: str, shapes, ms, cands: list[dict]) -> None:
+def _sweep_plans(rows: list[str], tag: str, shapes, ms, cands: list[dict], live: bool = False) -> None:
     """fp8_linear plan candidates (`mma` + `plan` config keys; {} = the default plan) on (name, K, N) shapes
     at each M: CUDA-graph replay, weight GB/s, TFLOP/s, rel_err against the twin; a BEST line per shape and
     M. Tiles taller than max(16, 2M) rows are skipped (mostly padding)."""
@@ -206,7 +206,7 @@ def _sweep_plans(rows: list[str], tag: str, shapes, ms, cands: list[dict]) -> No
             for c in cands:
                 cfg = {key: v for key, v in c.items() if key != "mma"}
                 mma = c.get("mma")
-                if cfg and cfg["BM"] > max(16, 2 * m):
+                if cfg.get("BM", 0) > max(16, 2 * m) or cfg.get("BT", 0) > max(16, 2 * m):
                     continue
 
                 def row(cfg=cfg, mma=mma, c=c):
@@ -219,6 +219,8 @@ def _sweep_plans(rows: list[str], tag: str, shapes, ms, cands: list[dict]) -> No
                             f"{tg * 1e3:6.1f} us {n * k / tg / 1e6:5.0f} GB/s {2 * m * n * k / tg / 1e9:6.1f} TFLOP/s"
                             f" | rel_err {rel:.1e}")
                 _row(rows, f"{tag} {name} M={m} {c}", row)
+                if live:
+                    print(rows[-1], flush=True)
             rows.append(f"BEST {tag} {name} M={m}: {best[0] * 1e3:.1f} us {n * k / best[0] / 1e6:.0f} GB/s {best[1]}")
 
 
@@ -251,6 +253,29 @@ def sweep_batch_fp8(rows: list[str]) -> None:
     _sweep_plans(rows, "batch", BATCH_SHAPES, (32, 128), cands)
 
 
+def sweep_batch_swap(rows: list[str]) -> None:
+    """The swap form (weights as wgmma's register operand, tokens as its N) against the bf16 form's default
+    plan at batched decode M on the layer's seven shapes: weight tiles of 64 / 128 rows, token tiles of all
+    rows (<= 128) or 64, loop stages, the default split rule or none, fused or separate act_quant. Rows
+    print as they finish (a time-limited device run keeps what it measured)."""
+    cands = [dict(mma="bf16"), dict(mma="swap")]
+    for bw, warps in ((64, 4), (128, 8)):
+        for stages in (3, 5):
+            for split in (None, 1):
+                c = dict(mma="swap", BW=bw, num_warps=warps, num_stages=stages)
+                if split:
+                    c["SPLIT_K"] = split
+                cands.append(c)
+    cands += [dict(mma="swap", BW=64, BT=64, num_warps=4, num_stages=4),
+              dict(mma="swap", BW=64, num_warps=4, num_stages=4, FUSED_ACT=False),
+              dict(mma="swap", BW=64, num_warps=4, num_stages=4, FUSED_ACT=True)]
+    for m in (32, 128, 16, 64, 256):  # the slice's batches first
+        bt = min(128, max(16, triton.next_power_of_2(m)))
+        ms_cands = [{**c, "BT": c.get("BT", bt)} if c["mma"] == "swap" and "BW" in c else c for c in cands]
+        _sweep_plans(rows, "swap", BATCH_SHAPES, (m,), ms_cands, live=True)
+        print("\n".join(r for r in rows if r.startswith("BEST swap") and f"M={m}:" in r), flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -259,6 +284,8 @@ def main() -> None:
         benches = (sweep_decode_fp8,)
     elif "--batch-fp8" in sys.argv:
         benches = (sweep_batch_fp8,)
+    elif "--batch-swap" in sys.argv:
+        benches = (sweep_batch_swap,)
     elif "--linear-f32" in sys.argv:
         benches = (bench_bf16_weights,)
     else:

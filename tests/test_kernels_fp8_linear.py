@@ -30,7 +30,7 @@ from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch
 from test_kernels_gemm import assert_replay_is_eager
 
 BF16 = torch.bfloat16
-BOUND = {"bf16": 3e-4, "fp8": 2e-3}
+BOUND = {"bf16": 3e-4, "fp8": 2e-3, "swap": 3e-4}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,14 +72,19 @@ def test_split_k_rule_on_v4_flash_shapes():
 
 
 def test_auto_form_and_batched_decode_tiles():
-    """mma "auto": the exact-product bf16 form below 1024 rows, the FP8 form from 1024 (FP8_MMA_MIN_M says why
-    batched decode stays bf16); the tiles from the --batch-fp8 sweep of 2026-12-02: bf16 32x64 to M=64, then to
+    """mma "auto": the exact-product forms below 1024 rows (bf16, or swap for large weights at 17..256 rows:
+    fp8_linear_swap's sweep), the FP8 form from 1024 (FP8_MMA_MIN_M says why batched decode stays exact); the
+    swap tiles from that sweep; the tiles from the --batch-fp8 sweep of 2026-12-02: bf16 32x64 to M=64, then to
     M=256 64x32 unless N*K >= 32M (128x128), 128x128 above; fp8 64x64 to M=64, then 64 x (64 for N >= 8192,
     else 32) to M=256."""
     pytest.importorskip("triton")
     from deepinfer.kernels.triton.fp8_gemm import auto_form, plan
 
-    assert [auto_form(m) for m in (1, 16, 17, 1023, 1024)] == ["bf16", "bf16", "bf16", "bf16", "fp8"]
+    forms = [auto_form(m, 32768, 1024) for m in (1, 8, 16, 17, 32, 256, 257, 1023, 1024)]
+    assert forms == ["bf16"] * 3 + ["swap"] * 3 + ["bf16", "bf16", "fp8"]
+    # swap where the weight is large for the rows: from 17 rows N*K >= 32M, from 33 rows N*K >= 8M
+    assert [auto_form(m, 2048, 4096) for m in (32, 33, 256)] == ["bf16", "swap", "swap"]
+    assert [auto_form(m, 1024, 4096) for m in (33, 128)] == ["bf16", "bf16"]
 
     def tiles(m, n, k=4096, mma="bf16"):
         cfg = plan(m, n, k, 128, 128, mma, 132)
@@ -89,6 +94,12 @@ def test_auto_form_and_batched_decode_tiles():
     assert tiles(128, 32768, 1024) == (128, 128) and tiles(128, 4096, 8192) == (128, 128) and tiles(300, 512) == (128, 128)
     assert tiles(32, 4096, mma="fp8") == (64, 64) and tiles(128, 4096, mma="fp8") == (64, 32)
     assert tiles(128, 32768, 1024, "fp8") == (64, 64) and tiles(300, 4096, mma="fp8") == (128, 128)
+    def swap(m, n, k):
+        cfg = plan(m, n, k, 128, 128, "swap", 132)
+        return cfg["BW"], cfg["BT"], cfg["num_warps"], cfg["FUSED_ACT"]
+
+    assert swap(32, 4096, 4096) == (64, 32, 4, False) and swap(64, 32768, 1024) == (64, 64, 4, False)
+    assert swap(128, 32768, 1024) == (128, 128, 8, False) and swap(200, 2048, 4096) == (64, 64, 4, False)
     with pytest.raises(ValueError, match="mma"):
         plan(1, 4096, 4096, 128, 128, "fp16", 132)
 
@@ -160,6 +171,12 @@ for block in (128, 32):
                   (block, block, 5, 72, 512, mma, {"FUSED_ACT": False})]  # small M, quantised in a pass first
 cases += [(128, 32, 5, 150, 512, "fp8", {"BN": 64, "SPLIT_K": 2}), (128, 32, 5, 150, 512, "bf16", {"SPLIT_K": 2}),
           (32, 32, 3, 40, 256, "fp8", {"BK": 64})]
+for block in (128, 32):  # the swap form: token tiles of 16..128 (one or two), weight tiles of 64 / 128 rows
+    cases += [(block, block, 1, 200, 1024, "swap", None), (block, block, 5, 72, 512, "swap", {"SPLIT_K": 4}),
+              (block, block, 40, 72, 512, "swap", {"BW": 128, "num_warps": 8}),
+              (block, block, 130, 72, 256, "swap", None), (block, block, 130, 72, 256, "swap", {"SPLIT_K": 2, "BT": 64}),
+              (block, block, 5, 72, 512, "swap", {"FUSED_ACT": True})]
+cases += [(128, 32, 20, 150, 512, "swap", {"SPLIT_K": 2})]
 for block, act_block, m, n, k, mma, config in cases:
     w = t._random_fp8_weight(n, k, block, act_block, "cpu", g)
     x = t._activation(m, k, "cpu", g)
@@ -209,18 +226,21 @@ def _check(x, w, mma, config=None, label=""):
     assert bool(torch.isfinite(got).all()), f"{label}: unwritten (NaN) or non-finite outputs"
     rel = _rel(got, want)
     differ = float((got != want).float().mean())
+    tile = {key: cfg[key] for key in ("BM", "BN", "BW", "BT") if key in cfg}
     print(f"fp8_linear {label} mma={mma} M={m} N={n} K={w.in_features} block={w.block} S={cfg['SPLIT_K']} "
-          f"BM={cfg['BM']} BN={cfg['BN']}: rel_err={rel:.2e}, {differ:.3%} of elements differ")
+          f"{tile}: rel_err={rel:.2e}, {differ:.3%} of elements differ")
     assert rel <= BOUND[mma], f"rel_err {rel:.2e} > {BOUND[mma]} ({differ:.3%} of elements differ)"
     return got
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mma", ["bf16", "fp8"])
+@pytest.mark.parametrize("mma", ["bf16", "fp8", "swap"])
 @pytest.mark.parametrize("block", [128, 32])
 @pytest.mark.parametrize("m", [1, 7, 16, 128, 1000, 4096])
 def test_fp8_linear_matches_twin(mma, block, m):
     dev = _cuda()
+    if mma == "swap" and m > 256:
+        pytest.skip("the swap form is for batched decode (tiles of up to 128 tokens); 1000 / 4096 rows are prefill's")
     for n, k in ((1536, 1024), (1000, 4096), (4096, 4096)):  # 1000: a partial weight block along N
         w = _random_fp8_weight(n, k, block, block, dev)
         x = _activation(m, k, dev)
@@ -229,7 +249,7 @@ def test_fp8_linear_matches_twin(mma, block, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mma", ["bf16", "fp8"])
+@pytest.mark.parametrize("mma", ["bf16", "fp8", "swap"])
 @pytest.mark.parametrize("block", [128, 32])
 def test_fp8_linear_explicit_splits_match_twin(mma, block):
     dev = _cuda()
@@ -247,12 +267,12 @@ def test_fp8_linear_v4_flash_shapes_match_twin():
         w = _random_fp8_weight(n, k, 128, 128, dev)
         for m in (1, 16, 512):
             x = _activation(m, k, dev)
-            for mma in ("bf16", "fp8"):
+            for mma in ("bf16", "fp8", "swap"):
                 _check(x, w, mma, label="v4-flash")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mma", ["bf16", "fp8"])
+@pytest.mark.parametrize("mma", ["bf16", "fp8", "swap"])
 @pytest.mark.parametrize("block", [128, 32])
 def test_fp8_linear_graph_replay_is_eager_bit_for_bit(mma, block):
     """Split-K plans: the fixed-order reduction makes eager runs and CUDA-graph replays bit-identical."""

@@ -19,8 +19,11 @@ Split-K (both forms): when the (M, N) tiles would not fill the SMs (decode), S p
 reduce a K range into an fp32 workspace [S, M, N]; `_split_sum_kernel` adds the S partials in a fixed order
 and rounds to bf16. Deterministic (no atomics), no host sync, CUDA-graph capturable. Rule: `_split_k`.
 
+* "swap" (`kernels/triton/fp8_linear_swap.py`): the "bf16" form's math with the roles swapped, the converted
+  weight tile as wgmma's register operand and the tokens as its N; faster for large weights at 17..256 rows
+  (`fp8_linear_swap.takes`, from an H200 sweep).
 Default (`MMA = "auto"`): "fp8" from M = FP8_MMA_MIN_M (1024) rows (prefill: compute-bound, where it
-doubles the rate), "bf16" below (decode is weight-bandwidth bound, both forms read the same bytes, and
+doubles the rate), "swap" where it is faster, "bf16" below (decode is weight-bandwidth bound, both forms read the same bytes, and
 bf16 keeps the products exact; `FP8_MMA_MIN_M` says why batched decode stays bf16 though fp8 is faster there).
 Measured (H200, 2026-12-01, benchmarks/bench_fp8_linear.py, results/bench_fp8_linear_h200.log; FP8 peak
 measured that day 1396 TFLOP/s, bf16 781, copy 4244 GB/s):
@@ -48,9 +51,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch, _check_activation
+from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 
-MMA_MODES = ("bf16", "fp8", "sync")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu)
+MMA_MODES = ("bf16", "fp8", "sync", "swap")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu);
+# "swap": the bf16 form with the weights as wgmma's register operand (kernels/triton/fp8_linear_swap.py)
 MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below, and
 # "sync" up to SYNC_MAX_M rows where it can run and DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so
 SYNC_MAX_M = 8  # the sync kernel's CTA takes 8 rows of x (the MMA's n8): above, each 8 more re-read the weight
@@ -251,9 +256,17 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
     """The launch configuration for one call: `_tiles` and `_split_k`, then `config`'s keys on top
     (BM, BN, GROUP_M, num_warps, num_stages, BK (fp8), SPLIT_K, LOOP_STAGES / WARP_SPECIALIZE (fp8), FUSED_ACT:
     quantise the activation inside the GEMM (default: M <= FUSED_ACT_MAX_M) or in one pass before it)."""
-    if mma not in ("bf16", "fp8"):  # the Triton forms' plans ("sync" plans in kernels/cuda/fp8_linear_mma)
-        raise ValueError(f"fp8_linear plan: mma must be 'bf16' or 'fp8' (the Triton forms), got {mma!r}")
-    if mma == "fp8":
+    if mma not in ("bf16", "fp8", "swap"):  # the Triton forms' plans ("sync": kernels/cuda/fp8_linear_mma)
+        raise ValueError(f"fp8_linear plan: mma must be 'bf16', 'fp8' or 'swap' (the Triton forms), got {mma!r}")
+    if mma == "swap":
+        kb = 128 if k % 128 == 0 and 128 % w_block == 0 else w_block  # whole scale blocks per K step
+        if k % kb:
+            raise ValueError(f"fp8_linear: in_features {k} must be a multiple of the weight block {w_block}")
+        cfg = swap.tiles(m, n, k)
+        cfg.update(config or {})
+        if "SPLIT_K" not in (config or {}):  # a BW x BT program counts as a BT x BW tile in the split rule
+            cfg["SPLIT_K"] = _split_k(m, n, k, kb, cfg["BT"], cfg["BW"], sms)
+    elif mma == "fp8":
         cfg = _tiles(m, mma, act_block, n, k)
         cfg.update(config or {})
         kb = cfg["BK"]
@@ -265,7 +278,7 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
             raise ValueError(f"fp8_linear: in_features {k} must be a multiple of the weight block {w_block}")
         cfg = _tiles(m, mma, kb, n, k)
         cfg.update({key: v for key, v in (config or {}).items() if key not in ("BK", "LOOP_STAGES", "WARP_SPECIALIZE")})
-    if "SPLIT_K" not in (config or {}):
+    if "SPLIT_K" not in cfg:
         cfg["SPLIT_K"] = _split_k(m, n, k, kb, cfg["BM"], cfg["BN"], sms)
     steps = k // kb
     if cfg["SPLIT_K"] < 1 or steps % cfg["SPLIT_K"]:
@@ -315,9 +328,13 @@ def _decode_linear_form() -> str:
     return DECODE_LINEAR_FORM if choice == "auto" else choice
 
 
-def auto_form(m: int) -> str:
-    """The tensor-core form mma="auto" takes for M rows (`FP8_MMA_MIN_M`)."""
-    return "fp8" if m >= FP8_MMA_MIN_M else "bf16"
+def auto_form(m: int, n: int, k: int) -> str:
+    """The Triton tensor-core form mma="auto" takes for M rows of an N x K weight: "fp8" from FP8_MMA_MIN_M
+    rows, "swap" where its sweep measured it faster (`fp8_linear_swap.takes`: 17..256 rows, large
+    weights), else "bf16"."""
+    if m >= FP8_MMA_MIN_M:
+        return "fp8"
+    return "swap" if swap.takes(m, n, k) else "bf16"
 
 
 def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,
@@ -350,15 +367,19 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
                          and _sync_usable(w, x.device)):
         return _fp8_linear_sync(x, w, config, out)
     if mma == "auto":
-        mma = auto_form(m)
+        mma = auto_form(m, n, k)
     cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)
     split, kb = cfg.pop("SPLIT_K"), cfg.pop("KB")
     dest = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     stride_os = dest.stride(0) if split > 1 else 0
     stride_om = dest.stride(1) if split > 1 else out.stride(0)
-    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
     fused = bool(cfg.pop("FUSED_ACT", m <= FUSED_ACT_MAX_M))
-    if mma == "fp8":
+    if mma == "swap":
+        if not fused:
+            x = act_quant_dequant_bf16(x, w.act_block)  # quantise once, not in each weight tile's program
+        swap.launch(x, w, dest, m, n, k, kb, split, fused, cfg)
+    elif mma == "fp8":
+        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
         cfg.pop("BK")
         if fused:
             xq, xs = x, x  # xs unused
@@ -371,6 +392,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
             K_SPLIT=k // split, SPLIT_OUT=split > 1, W_UNIFORM=bn <= w.block and w.block % bn == 0,
             LOOP_STAGES=cfg.pop("LOOP_STAGES", None), WARP_SPECIALIZE=cfg.pop("WARP_SPECIALIZE", False), **cfg)
     else:
+        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
         if not fused:
             x = act_quant_dequant_bf16(x, w.act_block)  # quantise once, not in each N tile's program
         _fp8_linear_kernel[grid](x, w.data, w.scale, dest, m, n, x.stride(0), w.data.stride(0), w.scale.stride(0),
