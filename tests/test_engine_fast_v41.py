@@ -27,7 +27,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.params import prepare_params
-from deepinfer.model.params_fast import BF16_GEMM_WEIGHTS, prepare_params_fast
+from deepinfer.model.params_fast import BF16_GEMM_WEIGHTS, STACKED, prepare_params_fast
 from deepinfer.model.v41 import V41EngineModel, build_v41_model
 from deepinfer.model.v41_cache import V41Cache
 
@@ -76,11 +76,17 @@ def test_fast_v41_params_keep_the_checkpoint_quantised(parts):
     fast = prepare_params_fast(raw, cfg)
     official = prepare_params(raw, cfg, numerics="official")
     assert cfg.weight_block == 32 and cfg.act_block == 32
-    assert set(fast) == {n for n in official if ".ffn.experts." not in n} | {
-        f"layers.{i}.ffn.experts" for i in range(cfg.n_layers)}
+    stacked = {n for n in fast if n.endswith(STACKED)}  # compressors whose wkv and wgate are bf16 of one shape
+    assert stacked and set(fast) == {n for n in official if ".ffn.experts." not in n} | {
+        f"layers.{i}.ffn.experts" for i in range(cfg.n_layers)} | stacked
     n_quant = 0
     for name, w in fast.items():
-        if isinstance(w, QuantLinearWeight):
+        if name in stacked:  # [wkv; wgate] once in memory, the two names views of its halves
+            wkv, wgate = fast[name.replace(STACKED, "wkv.weight")], fast[name.replace(STACKED, "wgate.weight")]
+            assert torch.equal(w.float(), torch.cat([official[name.replace(STACKED, "wkv.weight")],
+                                                     official[name.replace(STACKED, "wgate.weight")]])), name
+            assert wkv.data_ptr() == w.data_ptr() and wgate.data_ptr() == w[wkv.shape[0]:].data_ptr(), name
+        elif isinstance(w, QuantLinearWeight):
             assert (w.block, w.act_block) == (32, 32), name
             assert torch.equal(w.data.view(torch.uint8), raw[name].view(torch.uint8)), name
             assert torch.equal(w.dequant(), official[name]), name

@@ -6,7 +6,9 @@ CPU: the twin reproduces the torch ops `decode_attention._compress_step` ran bef
 below as `_old_step`) bit for bit: states, and the entries of every row that completes its block (rows that
 complete nothing: the twin returns 0, the old code returned a pooling of the partial block that was never
 stored); both overlap modes, ratios 4 and 128, partially complete batches, batch padding in a shared scratch
-slot, slots and positions as strided columns (as `DecodeMetadata` hands them over).
+slot, slots and positions as strided columns (as `DecodeMetadata` hands them over). The kernel also takes kv
+and gate as strided rows (the column halves of the stacked compressor GEMM, `compressor.project`): the
+same bits as contiguous inputs, under the interpreter.
 CPU under TRITON_INTERPRET=1 (a fresh process, Triton 3.6's interpreter rounding fixed as in
 test_kernels_fp8_linear): the kernel == the twin on tiny shapes, states bit for bit (the kernel moves
 values and adds ape in fp32: exact), incomplete rows exactly 0, entries within ULPS bf16 ulps (measured: 0).
@@ -175,6 +177,14 @@ for r, w, overlap in [(4, 16, True), (4, 24, True), (8, 24, False), (128, 96, Fa
         worst = max(worst, u)
         print(f"r={r} w={w} overlap={overlap} B={B} pad={n_pad}: entries max {u} bf16 ulps")
         assert u <= t.ULPS, (r, w, overlap, B, u)
+        # kv and gate as the column halves of one [B, 2 c w] GEMM output (the stacked compressor weight):
+        # the strided rows give the same bits as contiguous ones
+        both = torch.cat([case["kv"], case["gate"]], dim=1)
+        cw = case["kv"].shape[1]
+        strided = dict(case, kv=both[:, :cw], gate=both[:, cw:])
+        assert strided["kv"].stride(0) == 2 * cw
+        got_s, skv_s, ssc_s = t.run_op(kern, strided)
+        assert torch.equal(got_s, got) and torch.equal(skv_s, skv) and torch.equal(ssc_s, ssc), (r, w, B)
 print(f"worst {worst} ulps")
 print("ok")
 '''

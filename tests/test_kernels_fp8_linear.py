@@ -265,7 +265,7 @@ def test_fp8_linear_v4_flash_shapes_match_twin():
     dev = _cuda()
     for n, k in ((1024, 4096), (32768, 4096), (4096, 8192), (32768, 1024)):
         w = _random_fp8_weight(n, k, 128, 128, dev)
-        for m in (1, 16, 512):
+        for m in (1, 16, 64, 128, 512):
             x = _activation(m, k, dev)
             for mma in ("bf16", "fp8", "swap"):
                 _check(x, w, mma, label="v4-flash")

@@ -27,7 +27,7 @@ import torch
 from deepinfer import formats, kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.cache import LayerCache, V4Cache
-from deepinfer.model.compressor import compress_extend
+from deepinfer.model.compressor import compress_extend, project
 from deepinfer.model.context import ForwardContext
 
 
@@ -85,7 +85,7 @@ class V4Attention:
         batched = {}
         if self.fast:  # one projection GEMM per compressor for the whole batch (official: per sequence)
             lin = kernels.get("linear_f32", self.kdev)  # the official fp32 matmul of the bf16 x and weights
-            batched = {role: (lin(x, p["wkv.weight"]), lin(x, p["wgate.weight"])) for p, _, _, _, role in jobs}
+            batched = {role: project(lin, x, p) for p, _, _, _, role in jobs}
         for i, s in enumerate(ctx.seqs):
             xs = x[ctx.rows(i)]
             for p, state, store, rotate, role in jobs:

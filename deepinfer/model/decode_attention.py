@@ -28,6 +28,7 @@ import torch
 from deepinfer import kernels
 from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
+from deepinfer.model.compressor import project
 from deepinfer.model.decode_metadata import DecodeRows, RatioRows
 from deepinfer.model.step_memo import rope_table, step_memo
 
@@ -64,8 +65,7 @@ def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.
         return kernels.get(name, attn.kdev)
 
     lin = k("linear_f32")  # the official fp32 matmul of the bf16 x and weights
-    kv = lin(x, p["wkv.weight"])  # [B, c*w]
-    gate = lin(x, p["wgate.weight"])  # ape[p % r] is added inside the op
+    kv, gate = project(lin, x, p)  # [B, c*w] each (one stacked GEMM); ape[p % r] is added inside the op
     entries = k("compress_decode_step")(kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions,
                                         rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
     # the block positions' table once per step and ratio (both compressors of every layer of the ratio rotate

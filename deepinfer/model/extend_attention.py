@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from deepinfer import kernels
 from deepinfer.model.cache import LayerCache, V4Cache
-from deepinfer.model.compressor import compress_extend
+from deepinfer.model.compressor import compress_extend, project
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, current_extend_rows
 from deepinfer.model.step_memo import rope_table, step_memo
@@ -49,7 +49,7 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
     lin = kernels.get("linear_f32", attn.kdev)  # the official fp32 matmul of the bf16 x and weights
     for p, state, store, rotate, role in jobs:
-        kv_all, gate_all = lin(x, p["wkv.weight"]), lin(x, p["wgate.weight"])
+        kv_all, gate_all = project(lin, x, p)
         entries, where = [], []
         for i, s in enumerate(ctx.seqs):
             rows = ctx.rows(i)

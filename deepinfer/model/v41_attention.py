@@ -29,6 +29,7 @@ import torch
 
 from deepinfer import formats, kernels
 from deepinfer.config import ModelConfig
+from deepinfer.model.compressor import project
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.v41_cache import V41Cache, V41LayerCache
 
@@ -239,8 +240,8 @@ class V41Attention:
         p = self.comp_p
         if self.ratio == 1:
             return (self._k("blinear")(x, p["wkv.weight"]),)
-        lin = self._k("linear_f32")  # the official fp32 matmul of the bf16 x and weights
-        return lin(x, p["wkv.weight"]), lin(x, p["wgate.weight"])
+        # the official fp32 matmul of the bf16 x and weights; one GEMM over the stacked [wkv; wgate]
+        return project(self._k("linear_f32"), x, p)
 
     def _write_entries_official(self, lc: V41LayerCache, cache: V41Cache, ctx: ForwardContext,
                                 x: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 @triton.jit
 def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_ptr, pos_ptr, done_ptr, nw_ptr,
-                            out_ptr, eps, stride_s, stride_r, stride_slot, stride_pos, stride_done,
+                            out_ptr, eps, stride_kv, stride_gate, stride_s, stride_r, stride_slot, stride_pos, stride_done,
                             R: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -45,13 +45,14 @@ def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_pt
     else:
         row = phase
     base = slot * stride_s
-    src = b * CW  # the token's projections
+    src = b * stride_kv  # the token's projections (rows of kv and gate: their own strides)
+    gsrc = b * stride_gate
     # 1. the token's row into its slot (every row, complete or not)
     for c0 in range(0, CW, BLOCK_S):
         cs = c0 + tl.arange(0, BLOCK_S)
         m = cs < CW
         v = tl.load(kv_ptr + src + cs, mask=m, other=0.0)
-        s = tl.load(gate_ptr + src + cs, mask=m, other=0.0) + tl.load(ape_ptr + phase * CW + cs, mask=m, other=0.0)
+        s = tl.load(gate_ptr + gsrc + cs, mask=m, other=0.0) + tl.load(ape_ptr + phase * CW + cs, mask=m, other=0.0)
         tl.store(skv_ptr + base + row * stride_r + cs, v, mask=m)
         tl.store(ssc_ptr + base + row * stride_r + cs, s, mask=m)
     wc = tl.arange(0, BLOCK_W)
@@ -72,7 +73,7 @@ def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_pt
             kv_a = tl.load(skv_ptr + off_a, mask=m2, other=0.0)
             sc_a = tl.load(ssc_ptr + off_a, mask=m2, other=float("-inf"))
             nkv_a = tl.load(kv_ptr + src + cols, mask=cm, other=0.0)
-            nsc_a = tl.load(gate_ptr + src + cols, mask=cm, other=0.0) + tl.load(ape_ptr + phase * CW + cols,
+            nsc_a = tl.load(gate_ptr + gsrc + cols, mask=cm, other=0.0) + tl.load(ape_ptr + phase * CW + cols,
                                                                                 mask=cm, other=0.0)
             kv_a = tl.where(new, nkv_a[None, :], kv_a)
             sc_a = tl.where(new, nsc_a[None, :], sc_a)
@@ -81,7 +82,7 @@ def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_pt
                 kv_b = tl.load(skv_ptr + off_a + W, mask=m2, other=0.0)
                 sc_b = tl.load(ssc_ptr + off_a + W, mask=m2, other=float("-inf"))
                 nkv_b = tl.load(kv_ptr + src + W + cols, mask=cm, other=0.0)
-                nsc_b = tl.load(gate_ptr + src + W + cols, mask=cm, other=0.0) + tl.load(
+                nsc_b = tl.load(gate_ptr + gsrc + W + cols, mask=cm, other=0.0) + tl.load(
                     ape_ptr + phase * CW + W + cols, mask=cm, other=0.0)
                 kv_b = tl.where(new, nkv_b[None, :], kv_b)
                 sc_b = tl.where(new, nsc_b[None, :], sc_b)
@@ -138,13 +139,14 @@ def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     out = torch.empty(B, w, dtype=BF16, device=kv.device)
     if B == 0:
         return out
-    kv, gate = kv.to(F32).contiguous(), gate.to(F32).contiguous()
+    # rows may be strided (the column halves of the stacked compressor GEMM's output), columns not
+    kv, gate = (t.to(F32) if t.stride(1) == 1 else t.to(F32).contiguous() for t in (kv, gate))
     ape = ape.to(F32).contiguous()
     block_r = triton.next_power_of_2(c * r)
     block_c = min(triton.next_power_of_2(w), max(16, min(128, 8192 // block_r)))  # compress_pool's tile
     _compress_decode_kernel[(B,)](
         kv, gate, ape, state_kv, state_score, slots, positions, complete.view(torch.uint8),
-        norm_weight.contiguous(), out, float(eps), state_kv.stride(0), state_kv.stride(1), slots.stride(0),
+        norm_weight.contiguous(), out, float(eps), kv.stride(0), gate.stride(0), state_kv.stride(0), state_kv.stride(1), slots.stride(0),
         positions.stride(0), complete.stride(0), R=r, W=w, OVERLAP=bool(overlap), BLOCK_R=block_r, BLOCK_C=block_c,
         BLOCK_S=min(1024, triton.next_power_of_2(cw)), BLOCK_W=triton.next_power_of_2(w),
         num_warps=8 if block_r >= 64 else 4)
