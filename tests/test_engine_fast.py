@@ -205,6 +205,12 @@ def test_fast_params_keep_the_checkpoint_quantised(tiny_v4_raw):
             for got, part in ((w1, "w1"), (w3, "w3"), (w2, "w2")):
                 assert torch.equal(got, official[pe + part + ".weight"])
     assert not any(".ffn.experts." in n for n in fast)
+    # the stacked pairs (params_fast.STACKS) hold each weight once: the names above are views of them
+    for suffix in ("attn.wq_a_wkv.weight", "ffn.shared_experts.w13.weight", "attn.compressor.wkv_wgate.weight"):
+        assert any(n.endswith(suffix) for n in fast), suffix
+    w = fast["layers.0.attn.wq_a_wkv.weight"]
+    assert w.data.data_ptr() == fast["layers.0.attn.wq_a.weight"].data.data_ptr()
+    assert torch.equal(w.dequant(), torch.cat([official["layers.0.attn.wq_a.weight"], official["layers.0.attn.wkv.weight"]]))
     assert param_bytes(fast) == expected
 
 

@@ -27,7 +27,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.params import prepare_params
-from deepinfer.model.params_fast import BF16_GEMM_WEIGHTS, STACKED, prepare_params_fast
+from deepinfer.model.params_fast import BF16_GEMM_WEIGHTS, STACKS, prepare_params_fast
 from deepinfer.model.v41 import V41EngineModel, build_v41_model
 from deepinfer.model.v41_cache import V41Cache
 
@@ -76,16 +76,21 @@ def test_fast_v41_params_keep_the_checkpoint_quantised(parts):
     fast = prepare_params_fast(raw, cfg)
     official = prepare_params(raw, cfg, numerics="official")
     assert cfg.weight_block == 32 and cfg.act_block == 32
-    stacked = {n for n in fast if n.endswith(STACKED)}  # compressors whose wkv and wgate are bf16 of one shape
+    stacked = {n: pair for n in fast for suffix, pair in STACKS.items() if n.endswith(suffix)}
     assert stacked and set(fast) == {n for n in official if ".ffn.experts." not in n} | {
-        f"layers.{i}.ffn.experts" for i in range(cfg.n_layers)} | stacked
+        f"layers.{i}.ffn.experts" for i in range(cfg.n_layers)} | set(stacked)
     n_quant = 0
     for name, w in fast.items():
-        if name in stacked:  # [wkv; wgate] once in memory, the two names views of its halves
-            wkv, wgate = fast[name.replace(STACKED, "wkv.weight")], fast[name.replace(STACKED, "wgate.weight")]
-            assert torch.equal(w.float(), torch.cat([official[name.replace(STACKED, "wkv.weight")],
-                                                     official[name.replace(STACKED, "wgate.weight")]])), name
-            assert wkv.data_ptr() == w.data_ptr() and wgate.data_ptr() == w[wkv.shape[0]:].data_ptr(), name
+        if name in stacked:  # the pair once in memory, the two names views of its halves
+            suffix = next(sfx for sfx in STACKS if name.endswith(sfx))
+            first, second = (name[: -len(suffix)] + part for part in stacked[name])
+            a, b = fast[first], fast[second]
+            if isinstance(w, QuantLinearWeight):
+                assert torch.equal(w.dequant(), torch.cat([official[first], official[second]])), name
+                w, a, b = w.data, a.data, b.data
+            else:
+                assert torch.equal(w.float(), torch.cat([official[first], official[second]])), name
+            assert a.data_ptr() == w.data_ptr() and b.data_ptr() == w[a.shape[0]:].data_ptr(), name
         elif isinstance(w, QuantLinearWeight):
             assert (w.block, w.act_block) == (32, 32), name
             assert torch.equal(w.data.view(torch.uint8), raw[name].view(torch.uint8)), name

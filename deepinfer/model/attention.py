@@ -29,6 +29,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.model.cache import LayerCache, V4Cache
 from deepinfer.model.compressor import compress_extend, project
 from deepinfer.model.context import ForwardContext
+from deepinfer.model.stacked import pair
 
 
 def causal_window(qpos: torch.Tensor, win: int) -> torch.Tensor:
@@ -193,10 +194,11 @@ class V4Attention:
         pos = ctx.positions
         T = x.shape[0]
         dev = x.device
-        qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
+        q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
+        qr = rms(q_lora, p["q_norm.weight"])
         q = qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd)
         q = rope(k("head_rms_norm")(q, self.eps), pos, self.inv_freq)  # per-head norm in bf16
-        kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq)  # [T, hd]
+        kv = rope(rms(kv_lin, p["kv_norm.weight"]), pos, self.inv_freq)  # [T, hd]
         kv_stored = lc.encode("window", kv)
         kv = lc.decode("window", kv_stored)  # the fake-quantised values the oracle attends to and caches
         if r:

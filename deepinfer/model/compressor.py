@@ -12,19 +12,13 @@ import torch
 
 from deepinfer import kernels
 from deepinfer.model.cache import CompressorState
+from deepinfer.model.stacked import pair
 
 
 def project(lin, x: torch.Tensor, p: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ wkv.T, x @ wgate.T) through the GEMM op `lin` ("linear_f32"). When the fast params stacked the
-    two weights (`params_fast.STACKED`) this is ONE GEMM over [wkv; wgate], and the results are the two
-    column halves of its output (row stride 2n, unit column stride): the same dot products of the same bf16
-    values in fp32 as two GEMMs, one launch fewer."""
-    both = p.get("wkv_wgate.weight")
-    if both is None:
-        return lin(x, p["wkv.weight"]), lin(x, p["wgate.weight"])
-    y = lin(x, both)
-    n = p["wkv.weight"].shape[0]
-    return y[:, :n], y[:, n:]
+    """(x @ wkv.T, x @ wgate.T) through the GEMM op `lin` ("linear_f32"): one GEMM over the stacked
+    [wkv; wgate] when the fast params hold it (`stacked.pair`)."""
+    return pair(lin, x, p, "wkv_wgate.weight", "wkv.weight", "wgate.weight")
 
 
 def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: int, x: torch.Tensor,

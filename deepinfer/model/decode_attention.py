@@ -31,6 +31,7 @@ from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.compressor import project
 from deepinfer.model.decode_metadata import DecodeRows, RatioRows
 from deepinfer.model.step_memo import rope_table, step_memo
+from deepinfer.model.stacked import pair
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -99,10 +100,11 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
         return rope32(t, pos, attn.inv_freq, inverse, table=table, inplace=True)
 
     B = x.shape[0]
-    qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
+    q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
+    qr = rms(q_lora, p["q_norm.weight"])
     q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
     q = rope(k("head_rms_norm")(q, attn.eps))
-    kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]))  # [B, hd]
+    kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [B, hd]
     _store(attn, lc, "window", kv, lc.ring.flatten(0, 1), rows.ring_row)  # write first: the query sees it
     idx = rows.window_rows  # a window-only layer attends over these alone (no cat: it would be a copy)
     comp = None

@@ -29,6 +29,7 @@ from deepinfer.model.compressor import compress_extend, project
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, current_extend_rows
 from deepinfer.model.step_memo import rope_table, step_memo
+from deepinfer.model.stacked import pair
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -150,10 +151,11 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
         return rope32(t, pos, attn.inv_freq, inverse, table=table, inplace=True)
 
     T = x.shape[0]
-    qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
+    q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
+    qr = rms(q_lora, p["q_norm.weight"])
     q = qlinear(qr, p["wq_b.weight"]).view(T, attn.H, attn.hd)
     q = rope(k("head_rms_norm")(q, attn.eps))
-    kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]))  # [T, hd]
+    kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [T, hd]
     kv_stored = _encode(attn, lc, "window", kv)
     kv = _decode(attn, lc, "window", kv_stored)  # the fake-quantised values the oracle attends to and caches
     if not lc.ring.is_contiguous():  # flatten would copy, and the ring writes below would be lost

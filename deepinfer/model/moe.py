@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.expert_parallel_fast import expert_shard, local_routing
+from deepinfer.model.stacked import pair
 
 
 class V4MoE:
@@ -42,8 +43,8 @@ class V4MoE:
 
     def _swiglu_official(self, x: torch.Tensor, pre: str, limit: float, weight: torch.Tensor | None) -> torch.Tensor:
         qlinear = kernels.get("fp8_linear", self.kdev) if self.fast else kernels.get("qlinear")
-        gate = qlinear(x, self.p[pre + "w1.weight"])
-        up = qlinear(x, self.p[pre + "w3.weight"])
+        # one GEMM over the stacked [w1; w3] where the fast params hold it (the shared expert)
+        gate, up = pair(qlinear, x, self.p, pre + "w13.weight", pre + "w1.weight", pre + "w3.weight")
         # upcast, clamps, silu * up (* weight), bf16 round: one kernel on cuda (seven torch ops in the twin)
         h = kernels.get("swiglu_bf16", self.kdev)(gate, up, limit, weight)
         return qlinear(h, self.p[pre + "w2.weight"])

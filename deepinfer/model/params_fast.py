@@ -13,10 +13,9 @@ tensors, e.g. `tiny.make_tensors`) into what the fast path computes with:
   multiplies bf16 operands with fp32 accumulation and output: the same math, half the bytes per step);
 * the bf16 GEMM weights `BF16_GEMM_WEIGHTS` (compressor wkv/wgate, MoE gate, indexer weights_proj) -> the
   checkpoint's bf16 (the official fp32 copies hold the same values; ops "linear_f32" / "blinear");
-  each compressor's wkv and wgate stacked into one `compressor.wkv_wgate.weight` [2 n, dim], with the two
-  names as row views of it (no copy): both project the same x, so a step runs one GEMM per compressor
-  instead of two (`compressor.project`; 6 GEMM launches, plus cuBLAS's split-K reduces, fewer per step in
-  the 4-layer V4-Flash slice);
+* weight pairs that multiply the same activation stacked into one weight, the two names row views of it
+  (no copy; `STACKS`): each compressor's wkv / wgate (`compressor.project`), the attention's wq_a / wkv and
+  the shared expert's w1 / w3, so a step runs one GEMM for each pair instead of two;
 * small tensors as the official numerics hold them: embedding bf16, every other float tensor fp32 (norms,
   hc, sinks, compressor ape, gate bias), `tid2eid` int64.
 Memory is about the checkpoint's own size (plus small fp32 tensors).
@@ -86,25 +85,62 @@ def prepare_params_fast(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, devic
             out[name] = formats.dequant_fp8_blocks(w, s, cfg.weight_block).to(torch.bfloat16)
         else:
             out[name] = QuantLinearWeight.from_checkpoint(w, s, cfg)
-    _stack_compressor_projections(out)
+    _stack_pairs(out)
     return out
 
 
 STACKED = "wkv_wgate.weight"  # a compressor's stacked projection weight; wkv / wgate are its row views
+# Weight pairs that multiply the same activation, stacked into one weight (first's rows first) whose halves the
+# two names become views of: one GEMM where two ran (the compressor's bf16 wkv / wgate: op "linear_f32"; the
+# attention's FP8 wq_a / wkv on the normed x and the shared expert's FP8 w1 / w3: op "fp8_linear"). Each
+# output element is the same dot product of the same values; only the GEMM's plan (split-K, tiles) for the
+# taller weight can change the fp32 summation order.
+STACKS = {  # stacked name suffix -> (first, second)
+    "compressor." + STACKED: ("compressor.wkv.weight", "compressor.wgate.weight"),
+    "attn.wq_a_wkv.weight": ("attn.wq_a.weight", "attn.wkv.weight"),
+    "shared_experts.w13.weight": ("shared_experts.w1.weight", "shared_experts.w3.weight"),
+}
 
 
-def _stack_compressor_projections(out: dict[str, ParamValue]) -> None:
-    """Every compressor whose wkv and wgate are bf16 of one shape: stack them as `STACKED` and make the two
-    names views of its halves (wkv rows first), so memory holds each weight once."""
-    for name in [n for n in out if n.endswith("compressor.wkv.weight")]:
-        prefix = name[: -len("wkv.weight")]
-        wkv, wgate = out[name], out.get(prefix + "wgate.weight")
-        if not (isinstance(wgate, torch.Tensor) and wkv.dtype == wgate.dtype == torch.bfloat16
-                and wkv.shape == wgate.shape and wkv.device == wgate.device):
-            continue
-        both = torch.cat([wkv, wgate])
-        n = wkv.shape[0]
-        out[prefix + STACKED], out[name], out[prefix + "wgate.weight"] = both, both[:n], both[n:]
+def _stack(a: ParamValue, b: ParamValue) -> tuple[ParamValue, ParamValue, ParamValue] | None:
+    """(stacked, view of a, view of b), or None where the two cannot share one GEMM: bf16 tensors of one
+    shape, or QuantLinearWeights of one K, block and activation block whose first has whole scale blocks."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if not (a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape and a.device == b.device):
+            return None
+        both = torch.cat([a, b])
+        return both, both[: a.shape[0]], both[a.shape[0]:]
+    if isinstance(a, QuantLinearWeight) and isinstance(b, QuantLinearWeight):
+        n = a.out_features
+        if (a.in_features != b.in_features or (a.block, a.act_block) != (b.block, b.act_block) or n % a.block
+                or a.data.device != b.data.device):
+            return None
+        both = QuantLinearWeight(torch.cat([a.data, b.data]), torch.cat([a.scale, b.scale]), a.block, a.act_block)
+        rows = n // a.block
+        return (both, QuantLinearWeight(both.data[:n], both.scale[:rows], a.block, a.act_block),
+                QuantLinearWeight(both.data[n:], both.scale[rows:], a.block, a.act_block))
+    return None
+
+
+def _stack_pairs(out: dict[str, ParamValue]) -> None:
+    """Every `STACKS` pair present in out: stacked under its name, the two names views of its halves."""
+    for suffix, (first, second) in STACKS.items():
+        for name in [n for n in out if n.endswith(first)]:
+            prefix = name[: -len(first)]
+            if prefix + second not in out:
+                continue
+            stacked = _stack(out[name], out[prefix + second])
+            if stacked is not None:
+                out[prefix + suffix], out[name], out[prefix + second] = stacked
+
+
+def stacked_view(name: str, params: Mapping[str, ParamValue]) -> bool:
+    """Whether params[name] is a view of a stacked weight in params (counted once, by the stacked name)."""
+    for suffix, pair in STACKS.items():
+        for part in pair:
+            if name.endswith(part) and name[: -len(part)] + suffix in params:
+                return True
+    return False
 
 
 def _expert_bank(raw: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig, device: torch.device) -> FP4ExpertBank:
@@ -136,12 +172,11 @@ def _held_experts(layer: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConf
 
 
 def param_bytes(params: Mapping[str, ParamValue]) -> int:
-    """Bytes the parameters occupy (containers counted by their stored tensors; the row views of a stacked
-    compressor weight not again): the memory check."""
+    """Bytes the parameters occupy (containers counted by their stored tensors; the views of a stacked
+    weight not again): the memory check."""
     total = 0
     for name, v in params.items():
-        if name.endswith(("compressor.wkv.weight", "compressor.wgate.weight")) \
-                and name.rsplit(".", 2)[0] + "." + STACKED in params:
+        if stacked_view(name, params):
             continue
         if isinstance(v, QuantLinearWeight):
             tensors = (v.data, v.scale)
