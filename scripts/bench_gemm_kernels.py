@@ -21,7 +21,7 @@ Again 2026-11-29, issue 7 (H8; one run, eager numbers are host-noisy, graph repl
   fp4_moe T=1 graph: expand 0 (before) 168 us, expand 1 (fp16 trick, default) 114 us, expand 2 (dot_scaled)
                         143 us; routing alone 18.8 us (one Triton program) vs 223-405 us of torch ops
           T=128: 3.03 ms (1081 GB/s; expand 2 4.13 ms);  T=8192: 16.2 ms = 153 TFLOP/s (expand 2 19.2 ms)
-Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --batch-fp8 | --batch-swap | --linear-f32]   (--tiles: decode tile sweep
+Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --batch-fp8 | --batch-swap | --swap-wide | --linear-f32]   (--tiles: decode tile sweep
 with rel_err vs the twins; --decode-fp8: fp8_linear plans on the V4-Flash decode shapes; --linear-f32: the bf16
 weight GEMMs alone)
 """
@@ -276,6 +276,22 @@ def sweep_batch_swap(rows: list[str]) -> None:
         print("\n".join(r for r in rows if r.startswith("BEST swap") and f"M={m}:" in r), flush=True)
 
 
+# the layer's fp8_linear shapes since params_fast stacks wq_a / wkv and the shared w1 / w3 (2026-12-03)
+STACKED_SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w13", 4096, 4096), ("wq_a_wkv", 4096, 1536),
+                  ("shared w2", 2048, 4096), ("index wq_b", 1024, 8192))
+
+
+def sweep_swap_wide(rows: list[str]) -> None:
+    """Wider swap weight tiles (256 rows over 8 / 16 warps: half the activation re-reads of 128) against the
+    default plan and the bf16 form, on the stacked layer's shapes at M = 32, 128, 256."""
+    cands = [dict(), dict(mma="bf16")]
+    for bw, bt, warps, stages in ((256, 64, 8, 3), (256, 128, 8, 2), (256, 128, 16, 3), (256, 64, 16, 4),
+                                  (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)):
+        cands.append(dict(mma="swap", BW=bw, BT=bt, num_warps=warps, num_stages=stages, FUSED_ACT=False))
+    for m in (128, 32, 256):
+        _sweep_plans(rows, "wide", STACKED_SHAPES, (m,), cands, live=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -286,6 +302,8 @@ def main() -> None:
         benches = (sweep_batch_fp8,)
     elif "--batch-swap" in sys.argv:
         benches = (sweep_batch_swap,)
+    elif "--swap-wide" in sys.argv:
+        benches = (sweep_swap_wide,)
     elif "--linear-f32" in sys.argv:
         benches = (bench_bf16_weights,)
     else:
