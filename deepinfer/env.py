@@ -66,3 +66,19 @@ def decode_attn_split() -> str:
     per row and head block (the pool kernel's bits at any batch size, slower at small batches). Anything
     else is a ValueError naming the choices."""
     return _kernel_choice("DEEPINFER_DECODE_ATTN_SPLIT", DECODE_ATTN_SPLIT_CHOICES)
+
+
+LINEAR_BATCH_FORM_CHOICES = ("auto", "bf16")
+
+
+def linear_batch_form() -> str:
+    """DEEPINFER_LINEAR_BATCH_FORM: "auto" (the default) lets op fp8_linear run its "swap" form where an H200
+    sweep measured it faster (17..256 rows, large weights: kernels/triton/fp8_linear_swap.py `takes`);
+    "bf16" keeps the bf16 form there (the form before 2026-12-03, for A/B runs). Else a ValueError."""
+    return _kernel_choice("DEEPINFER_LINEAR_BATCH_FORM", LINEAR_BATCH_FORM_CHOICES)
+
+
+def stack_weights() -> bool:
+    """DEEPINFER_STACK_WEIGHTS=0 keeps the fast params' weight pairs apart (model/params_fast.py `STACKS`:
+    two GEMMs per pair as before 2026-12-03, for A/B runs); default on (one GEMM per pair)."""
+    return os.environ.get("DEEPINFER_STACK_WEIGHTS", "1") not in ("0", "false", "no")

@@ -30,7 +30,7 @@ from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
 from deepinfer.model import ForwardContext, SeqContext, V4EngineModel
 from deepinfer.model.factory import build_v4_model, v4_cache
 from deepinfer.model.params import prepare_params
-from deepinfer.model.params_fast import BF16_GEMM_WEIGHTS, param_bytes, prepare_params_fast
+from deepinfer.model.params_fast import BF16_GEMM_WEIGHTS, STACKS, param_bytes, prepare_params_fast
 
 LENS = (150, 40, 7, 100)  # crosses the window, ratio-4 entries and the first ratio-128 entry
 STEPS = 8
@@ -212,6 +212,11 @@ def test_fast_params_keep_the_checkpoint_quantised(tiny_v4_raw):
     assert w.data.data_ptr() == fast["layers.0.attn.wq_a.weight"].data.data_ptr()
     assert torch.equal(w.dequant(), torch.cat([official["layers.0.attn.wq_a.weight"], official["layers.0.attn.wkv.weight"]]))
     assert param_bytes(fast) == expected
+
+    with pytest.MonkeyPatch.context() as mp:  # the A/B switch: the pairs apart, the same bytes
+        mp.setenv("DEEPINFER_STACK_WEIGHTS", "0")
+        apart = prepare_params_fast(raw, cfg)
+    assert not any(n.endswith(tuple(STACKS)) for n in apart) and param_bytes(apart) == expected
 
 
 def test_fast_cpu_matches_the_oracle_within_its_noise(tiny_v4_raw, oracle_run):

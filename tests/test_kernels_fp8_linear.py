@@ -85,6 +85,12 @@ def test_auto_form_and_batched_decode_tiles():
     # swap where the weight is large for the rows: from 17 rows N*K >= 32M, from 33 rows N*K >= 8M
     assert [auto_form(m, 2048, 4096) for m in (32, 33, 256)] == ["bf16", "swap", "swap"]
     assert [auto_form(m, 1024, 4096) for m in (33, 128)] == ["bf16", "bf16"]
+    with pytest.MonkeyPatch.context() as mp:  # the A/B switch back to the bf16 form; a bad value is named
+        mp.setenv("DEEPINFER_LINEAR_BATCH_FORM", "bf16")
+        assert auto_form(128, 32768, 1024) == "bf16" and auto_form(4096, 32768, 1024) == "fp8"
+        mp.setenv("DEEPINFER_LINEAR_BATCH_FORM", "swapped")
+        with pytest.raises(ValueError, match="DEEPINFER_LINEAR_BATCH_FORM"):
+            auto_form(128, 32768, 1024)
 
     def tiles(m, n, k=4096, mma="bf16"):
         cfg = plan(m, n, k, 128, 128, mma, 132)

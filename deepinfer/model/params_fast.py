@@ -30,7 +30,7 @@ from typing import Mapping
 
 import torch
 
-from deepinfer import formats
+from deepinfer import env, formats
 from deepinfer.config import ModelConfig
 from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
 
@@ -85,7 +85,8 @@ def prepare_params_fast(raw: Mapping[str, torch.Tensor], cfg: ModelConfig, devic
             out[name] = formats.dequant_fp8_blocks(w, s, cfg.weight_block).to(torch.bfloat16)
         else:
             out[name] = QuantLinearWeight.from_checkpoint(w, s, cfg)
-    _stack_pairs(out)
+    if env.stack_weights():
+        _stack_pairs(out)
     return out
 
 

@@ -331,10 +331,12 @@ def _decode_linear_form() -> str:
 def auto_form(m: int, n: int, k: int) -> str:
     """The Triton tensor-core form mma="auto" takes for M rows of an N x K weight: "fp8" from FP8_MMA_MIN_M
     rows, "swap" where its sweep measured it faster (`fp8_linear_swap.takes`: 17..256 rows, large
-    weights), else "bf16"."""
+    weights; DEEPINFER_LINEAR_BATCH_FORM=bf16 turns it off), else "bf16"."""
+    from deepinfer import env
+
     if m >= FP8_MMA_MIN_M:
         return "fp8"
-    return "swap" if swap.takes(m, n, k) else "bf16"
+    return "swap" if swap.takes(m, n, k) and env.linear_batch_form() == "auto" else "bf16"
 
 
 def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,
