@@ -31,7 +31,8 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 @triton.jit
 def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_ptr, pos_ptr, done_ptr, nw_ptr,
-                            out_ptr, eps, stride_kv, stride_gate, stride_s, stride_r, stride_slot, stride_pos, stride_done,
+                            out_ptr, eps, stride_kv, stride_gate, stride_s, stride_r, stride_slot, stride_pos,
+                            stride_done,
                             R: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -146,8 +147,9 @@ def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     block_c = min(triton.next_power_of_2(w), max(16, min(128, 8192 // block_r)))  # compress_pool's tile
     _compress_decode_kernel[(B,)](
         kv, gate, ape, state_kv, state_score, slots, positions, complete.view(torch.uint8),
-        norm_weight.contiguous(), out, float(eps), kv.stride(0), gate.stride(0), state_kv.stride(0), state_kv.stride(1), slots.stride(0),
-        positions.stride(0), complete.stride(0), R=r, W=w, OVERLAP=bool(overlap), BLOCK_R=block_r, BLOCK_C=block_c,
+        norm_weight.contiguous(), out, float(eps), kv.stride(0), gate.stride(0), state_kv.stride(0),
+        state_kv.stride(1), slots.stride(0), positions.stride(0), complete.stride(0), R=r, W=w,
+        OVERLAP=bool(overlap), BLOCK_R=block_r, BLOCK_C=block_c,
         BLOCK_S=min(1024, triton.next_power_of_2(cw)), BLOCK_W=triton.next_power_of_2(w),
         num_warps=8 if block_r >= 64 else 4)
     return out

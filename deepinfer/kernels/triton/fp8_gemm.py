@@ -5,7 +5,7 @@ x bf16 [M, K], w `QuantLinearWeight` (E4M3 [N, K], fp32 block scales, block 128 
 The activation is quantised to E4M3 per `act_block` group with the group's pow2 scale (bit-identical to
 formats.act_quant): inside the GEMM for M <= 64 (decode: the quantisation is trivially cheap, each program
 quantises only the K range it reads), by one act_quant pass for larger M (else every N tile's program would
-redo it). Two tensor-core forms, chosen by `mma=` (module default `MMA`):
+redo it). Three Triton tensor-core forms, chosen by `mma=` (module default `MMA`):
 * "bf16" (`_fp8_linear_kernel`, exact products): each weight tile is multiplied by its block scales in
   registers, the activation enters as its exact q * s; both are exact in bf16 (E4M3 x pow2), so every
   product is exact and is accumulated in fp32: the official fp8_gemm's math up to fp32 summation order, the
@@ -15,16 +15,16 @@ redo it). Two tensor-core forms, chosen by `mma=` (module default `MMA`):
   a FRESH fp32 partial = dot(a_codes, w_codes), promoted as acc += partial * a_scale[:, None] * w_scale.
   Hopper's FP8 MMA accumulates inside one dot with reduced precision (an earlier version measured 6e-4
   rel_err vs the twin), so this is not the twin's math to the last bit.
-Split-K (both forms): when the (M, N) tiles would not fill the SMs (decode), S programs per tile each
-reduce a K range into an fp32 workspace [S, M, N]; `_split_sum_kernel` adds the S partials in a fixed order
-and rounds to bf16. Deterministic (no atomics), no host sync, CUDA-graph capturable. Rule: `_split_k`.
-
 * "swap" (`kernels/triton/fp8_linear_swap.py`): the "bf16" form's math with the roles swapped, the converted
   weight tile as wgmma's register operand and the tokens as its N; faster for large weights at 17..256 rows
   (`fp8_linear_swap.takes`, from an H200 sweep).
+Split-K (every Triton form): when the (M, N) tiles would not fill the SMs (decode), S programs per tile each
+reduce a K range into an fp32 workspace [S, M, N]; `_split_sum_kernel` adds the S partials in a fixed order
+and rounds to bf16. Deterministic (no atomics), no host sync, CUDA-graph capturable. Rule: `_split_k`.
 Default (`MMA = "auto"`): "fp8" from M = FP8_MMA_MIN_M (1024) rows (prefill: compute-bound, where it
-doubles the rate), "swap" where it is faster, "bf16" below (decode is weight-bandwidth bound, both forms read the same bytes, and
-bf16 keeps the products exact; `FP8_MMA_MIN_M` says why batched decode stays bf16 though fp8 is faster there).
+doubles the rate), "swap" where it is faster, "bf16" below (decode is weight-bandwidth bound, both forms
+read the same bytes, and bf16 keeps the products exact; `FP8_MMA_MIN_M` says why batched decode stays bf16
+though fp8 is faster there).
 Measured (H200, 2026-12-01, benchmarks/bench_fp8_linear.py, results/bench_fp8_linear_h200.log; FP8 peak
 measured that day 1396 TFLOP/s, bf16 781, copy 4244 GB/s):
 * fp8 form, 128x128 tiles, 8 warps, 4 stages: K=N=4096 M=4096 189 us = 726 TFLOP/s (bf16 form 408 us =
@@ -258,28 +258,28 @@ def plan(m: int, n: int, k: int, w_block: int, act_block: int, mma: str, sms: in
     quantise the activation inside the GEMM (default: M <= FUSED_ACT_MAX_M) or in one pass before it)."""
     if mma not in ("bf16", "fp8", "swap"):  # the Triton forms' plans ("sync": kernels/cuda/fp8_linear_mma)
         raise ValueError(f"fp8_linear plan: mma must be 'bf16', 'fp8' or 'swap' (the Triton forms), got {mma!r}")
-    if mma == "swap":
-        kb = 128 if k % 128 == 0 and 128 % w_block == 0 else w_block  # whole scale blocks per K step
-        if k % kb:
-            raise ValueError(f"fp8_linear: in_features {k} must be a multiple of the weight block {w_block}")
-        cfg = swap.tiles(m, n, k)
-        cfg.update(config or {})
-        if "SPLIT_K" not in (config or {}):  # a BW x BT program counts as a BT x BW tile in the split rule
-            cfg["SPLIT_K"] = _split_k(m, n, k, kb, cfg["BT"], cfg["BW"], sms)
-    elif mma == "fp8":
+    if mma == "fp8":
         cfg = _tiles(m, mma, act_block, n, k)
         cfg.update(config or {})
         kb = cfg["BK"]
         if kb % act_block or k % kb:
             kb = cfg["BK"] = act_block  # K groups of act_block always tile K (QuantLinearWeight checks it)
-    else:
-        kb = 128 if k % 128 == 0 and 128 % w_block == 0 else w_block  # whole scale blocks per K step
+        split_tile = (cfg["BM"], cfg["BN"])
+    else:  # the exact-product forms: whole weight scale blocks per K step
+        kb = 128 if k % 128 == 0 and 128 % w_block == 0 else w_block
         if k % kb:
             raise ValueError(f"fp8_linear: in_features {k} must be a multiple of the weight block {w_block}")
-        cfg = _tiles(m, mma, kb, n, k)
-        cfg.update({key: v for key, v in (config or {}).items() if key not in ("BK", "LOOP_STAGES", "WARP_SPECIALIZE")})
+        if mma == "swap":
+            cfg = swap.tiles(m, n, k)
+            cfg.update(config or {})
+            split_tile = (cfg["BT"], cfg["BW"])  # a BW x BT program counts as a BT x BW tile in the split rule
+        else:
+            cfg = _tiles(m, mma, kb, n, k)
+            cfg.update({key: v for key, v in (config or {}).items()
+                        if key not in ("BK", "LOOP_STAGES", "WARP_SPECIALIZE")})
+            split_tile = (cfg["BM"], cfg["BN"])
     if "SPLIT_K" not in cfg:
-        cfg["SPLIT_K"] = _split_k(m, n, k, kb, cfg["BM"], cfg["BN"], sms)
+        cfg["SPLIT_K"] = _split_k(m, n, k, kb, *split_tile, sms)
     steps = k // kb
     if cfg["SPLIT_K"] < 1 or steps % cfg["SPLIT_K"]:
         raise ValueError(f"fp8_linear: SPLIT_K {cfg['SPLIT_K']} must divide the {steps} K steps of {kb}")
@@ -379,7 +379,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     if mma == "swap":
         if not fused:
             x = act_quant_dequant_bf16(x, w.act_block)  # quantise once, not in each weight tile's program
-        swap.launch(x, w, dest, m, n, k, kb, split, fused, cfg)
+        swap.launch(x, w, dest, stride_om, stride_os, m, n, k, kb, split, fused, cfg)
     elif mma == "fp8":
         grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
         cfg.pop("BK")

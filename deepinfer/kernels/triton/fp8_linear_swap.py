@@ -1,4 +1,4 @@
-"""fp8_linear's "swap" form for batched decode (9..256 rows): the weights are the wgmma's A operand.
+"""fp8_linear's "swap" form for batched decode (17..256 rows): the weights are the wgmma's A operand.
 
 The "bf16" form (`fp8_gemm._fp8_linear_kernel`) puts the tokens on the MMA's M side and the weight tile,
 converted from E4M3 x scale to bf16 in registers, on its B side. On Hopper wgmma's B operand must come from
@@ -113,12 +113,11 @@ def tiles(m: int, n: int, k: int) -> dict:
     return dict(BW=64, BT=64, num_warps=4, num_stages=4, FUSED_ACT=False)
 
 
-def launch(x, w, dest, m: int, n: int, k: int, kb: int, split: int, fused: bool, cfg: dict) -> None:
+def launch(x, w, dest, stride_om: int, stride_os: int, m: int, n: int, k: int, kb: int, split: int,
+           fused: bool, cfg: dict) -> None:
     """Run the kernel: x bf16 [M, K] (raw when fused, else act_quant's q * s), w a QuantLinearWeight, dest
-    bf16 [M, N] (split == 1) or the fp32 workspace [split, M, N]."""
+    bf16 [M, N] (split == 1) or the fp32 workspace [split, M, N], with its row and split strides."""
     grid = (triton.cdiv(n, cfg["BW"]) * triton.cdiv(m, cfg["BT"]), split)
-    stride_os = dest.stride(0) if split > 1 else 0
-    stride_om = dest.stride(1) if split > 1 else dest.stride(0)
     _fp8_linear_swap_kernel[grid](x, w.data, w.scale, dest, m, n, x.stride(0), w.data.stride(0),
                                   w.scale.stride(0), stride_om, stride_os, K=k, WBLOCK=w.block,
                                   CHUNK=w.act_block, KB=kb, A_DEQUANT=not fused, K_SPLIT=k // split,
