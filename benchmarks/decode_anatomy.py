@@ -2,6 +2,8 @@
 (`DecodeRunner.prepare`: metadata rows, the host-to-device copy), the replay of its CUDA graph alone, the
 whole step as run_slice.py times it (events around prepare + replay), and the kernels inside the replayed
 graph (their summed device time against the replay's span: the rest is launch gaps between graph nodes).
+Also the host's pieces of a step (SeqContexts, prepare, the graph.replay() call) and the step's cost when
+steps run back to back with no synchronisation between them (the host's work then hides under the device's).
 
     PYTHONPATH=$PWD python benchmarks/decode_anatomy.py --layers 4 [--batches 1 32 128] [--top 12]
         [--moe-kernels triton mma]   # each batch once per DEEPINFER_MOE_DECODE_KERNEL choice, same model
@@ -79,9 +81,37 @@ def anatomy(runner, batch: int, context: int, top: int) -> dict:
         prep.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         pos[0] += 1
+    # the host's part of a step, piece by piece (perf_counter around each, the device idle at the start):
+    # building the SeqContexts, prepare(), and the graph.replay() call itself (the launch returns before the
+    # kernels end); and the step with no synchronisation between steps (the host prepares step n+1 while
+    # the device runs step n: what a step costs once the host's work hides under the device's)
+    pieces = {"seqs": [], "prepare": [], "replay_call": []}
     graph, _ = dec._graphs[dec.last_bucket]
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        s = seqs()
+        t1 = time.perf_counter()
+        dec.prepare(ids, s)
+        t2 = time.perf_counter()
+        graph.replay()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        pos[0] += 1
+        for key, dt in zip(pieces, (t1 - t0, t2 - t1, t3 - t2)):
+            pieces[key].append(dt * 1e3)
+    n_pipe = 20
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n_pipe):
+        step()
+    end.record()
+    end.synchronize()
     replay_ms = cuda_time_ms(graph.replay, reps=50, warmup=5)
-    out = {"step_ms": step_ms, "prepare_host_ms": statistics.median(prep), "replay_ms": replay_ms}
+    out = {"step_ms": step_ms, "prepare_host_ms": statistics.median(prep), "replay_ms": replay_ms,
+           "host_pieces_ms": {k: statistics.median(v) for k, v in pieces.items()},
+           "pipelined_step_ms": start.elapsed_time(end) / n_pipe}
     out.update(graph_kernels(graph.replay, top))
     return out
 
@@ -132,6 +162,10 @@ def main() -> None:
             else:
                 line += "; the profiler recorded no kernels inside the replay"
             print(line, flush=True)
+            hp = r["host_pieces_ms"]
+            print(f"      host: SeqContexts {hp['seqs']:.3f} ms, prepare {hp['prepare']:.3f}, graph.replay() call "
+                  f"{hp['replay_call']:.3f}; steps without a sync between them: {r['pipelined_step_ms']:.3f} ms "
+                  f"a step", flush=True)
             for name, n, us in r.get("top", []):
                 print(f"   {us:9.1f} us {n:5d}x  {name}")
     with open(os.path.join(os.environ.get("OUT", "."), "decode_anatomy.json"), "w") as f:

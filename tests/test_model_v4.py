@@ -168,6 +168,17 @@ def test_context_validation(engine_parts):
         V4Cache(engine_parts[0], 2, 100, 2)  # block size not a multiple of 128
 
 
+def test_forward_context_positions_and_row_offsets():
+    """Token t of sequence i sits at start_i + (t - cu_i): mixed prefill chunks and decode rows, built in one
+    vectorised pass (checked against the per-sequence ranges)."""
+    seqs = [SeqContext(0, 5, 0, 0), SeqContext(300, 1, 1, 1), SeqContext(17, 3, 2, 2), SeqContext(9, 1, 3, 3)]
+    ctx = ForwardContext.build(seqs)
+    assert ctx.positions.dtype == torch.int64
+    assert ctx.positions.tolist() == [0, 1, 2, 3, 4, 300, 17, 18, 19, 9]
+    assert ctx.cu_tokens == (0, 5, 6, 9, 10) and all(type(c) is int for c in ctx.cu_tokens)
+    assert ctx.rows(2) == slice(6, 9) and ctx.num_tokens == 10
+
+
 def test_kernel_registry():
     from deepinfer import kernels
 

@@ -12,8 +12,9 @@ Protocol (chosen: the scheduler and the sampler run on rank 0 only):
    (`ParallelConfig.owns_sequence`). A dp group with nothing to run still joins each layer's MoE token
    exchange (`idle_moe`) when experts span the dp groups; official numerics runs one call per sequence,
    so every dp group makes as many calls as the busiest one;
-3. the tp-rank-0 of each dp group sends its logits rows to rank 0 (`gather_object`), which puts them
-   back in batch order and samples. Workers keep no request state besides their caches; every rank
+3. with dp = 1 rank 0 already holds the batch's logits on its device and samples there; else the
+   tp-rank-0 of each dp group sends its logits rows to rank 0 (`gather_object`, host tensors), which puts
+   them back in batch order, moves them to its device and samples. Workers keep no request state besides their caches; every rank
    allocates the same number of KV blocks (the minimum over ranks) and uses the global block ids.
 Failures: a worker that raises reports (rank, traceback) on a queue and exits hard, so rank 0's pending
 collective fails at once (gloo: connection closed; nccl/hung peers: `distributed_timeout_s`); rank 0
@@ -148,8 +149,8 @@ class ParallelRunner(ModelRunner):
         _maybe_inject_fault(self.pc.rank, self.steps)
         self.steps += 1
         pc = self.pc
-        if pc.dp == 1:
-            logits = self.model.forward(ids, ctx).to("cpu")
+        if pc.dp == 1:  # rank 0 keeps its logits on its device, where the engine samples
+            logits = self.model.forward(ids, ctx)
             return logits if pc.rank == 0 else None
         owner = [s.state_slot % pc.dp for s in ctx.seqs]
         mine = [i for i, d in enumerate(owner) if d == pc.dp_rank]
@@ -176,7 +177,8 @@ class ParallelRunner(ModelRunner):
         merged: dict[int, torch.Tensor] = {}
         for part in gathered:
             merged.update(part or {})
-        return torch.cat([merged[i] for i in range(len(ctx.seqs))])
+        # the rows crossed as host tensors (gather_object pickles); rank 0 samples on its own device
+        return torch.cat([merged[i] for i in range(len(ctx.seqs))]).to(self.device)
 
     def serve_forever(self) -> None:
         """Worker ranks: run the steps rank 0 broadcasts until it says stop."""

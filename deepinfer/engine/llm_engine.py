@@ -44,6 +44,14 @@ class _State:
     extra: dict = field(default_factory=dict)
 
 
+def _rows_of(logits: torch.Tensor, rows) -> torch.Tensor:
+    """A request's logits rows: a view for a contiguous range (sample_rows' form; on a GPU an indexing
+    kernel per request costs more host time than the batch's sampling), else gathered."""
+    if isinstance(rows, range) and rows.step == 1:
+        return logits[rows.start : rows.stop]
+    return logits[list(rows)]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  speculative: SpeculativeConfig | dict | None = None) -> None:
@@ -93,7 +101,8 @@ class LLMEngine:
             raise ValueError(f"request {request_id}: token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         eos = self.tokenizer.eos_id
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seed_counter)
-        state = _State(params, text, make_generator(seed), self.tokenizer.detokenizer(),
+        # the generator lives where the runner's logits are: the sampler draws on that device
+        state = _State(params, text, make_generator(seed, self.runner.device), self.tokenizer.detokenizer(),
                        StopChecker.from_params(params, eos),
                        logprobs=[] if params.logprobs is not None else None,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
@@ -153,7 +162,7 @@ class LLMEngine:
         states = [sr.request.payload for sr in scheduled]
         # a request's rows: one per draft, then the bonus row (spec/verify.py); no drafts: its one row
         drafts = [list(sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens :]) for sr in scheduled]
-        verified = verify(self.sampler, [sample_logits[list(rows[sr.request_id])] for sr in scheduled], drafts,
+        verified = verify(self.sampler, [_rows_of(sample_logits, rows[sr.request_id]) for sr in scheduled], drafts,
                           [s.params for s in states], [s.generator for s in states])
         tokens = {sr.request_id: v.tokens for sr, v in zip(scheduled, verified)}
         update = self.scheduler.update(out, tokens)
@@ -190,6 +199,7 @@ class LLMEngine:
         if logits.shape[0] == 0:
             return
         lp = prompt_logprobs(logits, req.prompt_token_ids, start=start, num_top=state.params.prompt_logprobs)
+        lp = lp.to("cpu")  # computed on the logits' device, read row by row here
         for i in range(lp.token_ids.shape[0]):
             if start + 1 + i < len(state.prompt_logprobs):
                 continue

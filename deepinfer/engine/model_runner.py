@@ -8,8 +8,9 @@ seed's P4.2). Must not: sample, or touch scheduler state.
 The warm-up runs on a throwaway cache with synthetic tokens: nothing of it reaches a request's state,
 outputs or any debug tap (the seed's dummy-profile pitfall).
 Devices: with `device="cuda"` the params, caches and per-step metadata live on the GPU (the model moves
-the step's token ids and positions once); the logits come back to the host for sampling. A CUDA engine
-registers the Triton kernels once at start (the torch twins run where triton is missing).
+the step's token ids and positions once); the logits stay on the device, where the engine samples (only
+tokens and logprobs come back to the host). A CUDA engine registers the Triton kernels once at start (the
+torch twins run where triton is missing).
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ from deepinfer.weights import load_tensors
 
 @dataclass
 class RunnerOutput:
+    """Logits on the runner's device, valid until the next step (a pure-decode step's rows can be views of
+    its CUDA graph's output buffer, which the next replay overwrites): sample and read them in this step."""
+
     sample_logits: torch.Tensor  # [num sampled rows, V] in SchedulerOutput.sample_rows() order
     prompt_logits: dict[str, torch.Tensor]  # request id -> [num new prompt tokens, V] (only if asked)
 
@@ -122,26 +126,31 @@ class ModelRunner:
         all_rows = needs_rows or any(sr.request_id in want_prompt_logits for sr in out.scheduled)
         ctx = ForwardContext(tuple(seqs), all_logits=all_rows)
         logits = self.forward_batch(torch.tensor(ids, dtype=torch.long), ctx)
-        sample, prompt = [], {}
+        picked, prompt = [], {}  # the sampled rows' indices into `logits`, in scheduled order
         for i, sr in enumerate(out.scheduled):
-            rows = logits[ctx.rows(i)] if all_rows else logits[i : i + 1]  # [n_i, V] or [1, V]
-            if sr.num_sampled_rows:
-                sample.append(rows[-sr.num_sampled_rows :])
+            span = ctx.rows(i)
+            rows = range(span.start, span.stop) if all_rows else range(i, i + 1)
+            picked.extend(rows[len(rows) - sr.num_sampled_rows :] if sr.num_sampled_rows else ())
             if all_rows and sr.request_id in want_prompt_logits:
                 prompt_len = sr.request.num_prompt_tokens
                 n_prompt = max(0, min(sr.num_new_tokens, prompt_len - sr.start_position))
-                prompt[sr.request_id] = rows[:n_prompt]
-        vocab = self.cfg.vocab_size
-        sample_logits = torch.cat(sample) if sample else torch.empty(0, vocab, dtype=self.dtype)
+                prompt[sr.request_id] = logits[rows.start : rows.start + n_prompt]
+        # one gather for the whole step (a view when every row is sampled in order, as in pure decode):
+        # on a GPU a slice and a concatenation per request cost more host time than the batch's sampling
+        if picked == list(range(logits.shape[0])):
+            sample_logits = logits
+        else:
+            sample_logits = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
         return RunnerOutput(sample_logits, prompt)
 
     def forward_batch(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The step's logits rows on the host (sampling is there). The parallel runner overrides this.
+        """The step's logits rows on the runner's device (the engine samples there). The parallel runner
+        overrides this.
         A pure-decode step (one new token per sequence) takes the batched decode path when there is one."""
         decoder = getattr(self, "decoder", None)  # V4.1 runners have none
         if decoder is not None and self.model.tap is None and all(s.num_new == 1 for s in ctx.seqs):
-            return decoder(ids, ctx.seqs).to("cpu")  # one logits row per sequence (== its last token's)
-        return self.model.forward(ids, ctx).to("cpu")
+            return decoder(ids, ctx.seqs)  # one logits row per sequence (== its last token's)
+        return self.model.forward(ids, ctx)
 
 
 def start_cuda_kernels() -> None:

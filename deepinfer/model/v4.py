@@ -13,7 +13,7 @@ unclamped shared expert). Official needs params from `prepare_params(..., numeri
 `fast`: the official rounding points BATCHED (no one-sequence-per-call), FP8 weights and FP4 experts kept
 quantised (`params_fast.prepare_params_fast`), every op from the registry for the params' device (Triton on
 cuda once registered). Any numerics runs on the device its params and cache live on: token ids and
-positions move there once per forward; the logits stay there (the runner brings them back).
+positions move there once per forward; the logits stay there (the engine samples there).
 Must not: import the reference oracle (it is the independent implementation this one is checked against).
 """
 from __future__ import annotations

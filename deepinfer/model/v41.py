@@ -16,7 +16,7 @@ experts kept quantised (`params_fast.prepare_params_fast`; engram wkv FP8 too), 
 for the params' device (Triton on cuda once registered); the head is the checkpoint's bf16 with fp32
 accumulation and logits (`linear_f32`). Any numerics runs on the device its params and cache live on:
 token ids and positions move there once per forward, the engram hashes and table rows are computed and
-gathered on the host (model/engram.py says why), the logits stay on the device (the runner brings them back).
+gathered on the host (model/engram.py says why), the logits stay on the device (the engine samples there).
 V4.1 has no batched decode path or CUDA graphs (model/decode_*.py are V4 only): every step takes this
 general varlen path.
 Debug tap: `tap(name, x, seq_index)` receives, per sequence of the ForwardContext, that sequence's rows of

@@ -9,7 +9,7 @@ Must not: sample, or return placeholder values (a missing logprob is an error, n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -21,6 +21,13 @@ class TokenLogprobs:
     ranks: torch.Tensor  # [N] long: 1 + number of tokens with a strictly higher logprob (1 = best)
     top_ids: torch.Tensor  # [N, k] long, sorted by logprob descending (k may be 0)
     top_logprobs: torch.Tensor  # [N, k]
+
+    def to(self, device: torch.device | str):
+        """The same rows with every tensor on `device` (the engine reads rows on the host: one copy per
+        tensor per step, not one per row)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
     def row(self, i: int, num_top: int | None = None) -> tuple[int, float, int, list[tuple[int, float]]]:
         """(token id, logprob, rank, [(top id, top logprob), ...]) of row i, with num_top alternatives."""

@@ -110,9 +110,11 @@ def execute_with_hidden(model, out: SchedulerOutput, want_prompt_logits: set[str
             prompt_idx[sr.request_id] = range(a, a + n_prompt)
     wanted = sorted(set(sample_idx).union(*prompt_idx.values()))
     where = {row: i for i, row in enumerate(wanted)}
-    logits = head(torch.tensor(wanted, dtype=torch.long)) if wanted else torch.empty(0, vocab, dtype=dtype)
-    logits = logits.cpu()  # sampling runs on the host, with the requests' CPU generators (as the runner's)
-    sample = logits[[where[r] for r in sample_idx]] if sample_idx else torch.empty(0, vocab, dtype=logits.dtype)
+    # on the model's device, where the engine samples (as the runner's logits; the requests' generators are
+    # made on that device)
+    logits = (head(torch.tensor(wanted, dtype=torch.long)) if wanted
+              else torch.empty(0, vocab, dtype=dtype, device=model.device))
+    sample = logits[[where[r] for r in sample_idx]] if sample_idx else logits[:0]
     prompt = {rid: logits[[where[r] for r in rows]] if len(rows) else logits[:0] for rid, rows in prompt_idx.items()}
     hidden = {sr.request_id: drafter_rows[a:b] for sr, (a, b) in zip(out.scheduled, spans)}
     return sample, prompt, hidden
