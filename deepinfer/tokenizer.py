@@ -107,6 +107,12 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder()
         self._added_content: dict[int, str] = {i: t.content for i, t in added.items()}
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        # the engine reads these per generated token (detokenizing, logprob entries): `get_vocab_size` costs
+        # ~25 us a call and a one-token decode ~28 us, so a batch-128 step spent milliseconds of host time
+        # here; the vocabulary never changes after loading, so they are computed once (per id, on first use)
+        self._vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        self._bytes_of: dict[int, bytes] = {}
+        self._text_of: dict[int, str] = {}
 
     # ------------------------------------------------------------------ loading
 
@@ -136,7 +142,7 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of ids including added/special tokens (129280 for V4, = the model's vocab)."""
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry (raw byte-level form, e.g. 'Ġthe'), or None if absent."""
@@ -171,6 +177,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_token(self, token_id: int) -> str:
+        """`decode([token_id])`, memoised per id (logprob entries name every top token of every step)."""
+        text = self._text_of.get(token_id) if type(token_id) is int else None
+        if text is None:
+            text = self._text_of[self._check_ids([token_id])[0]] = self.decode([token_id])
+        return text
+
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
         """Ids as plain ints (numpy/torch scalars accepted), each within the vocabulary.
 
@@ -196,11 +209,16 @@ class Tokenizer:
         A byte-level BPE token can hold part of a multi-byte UTF-8 character, so
         single tokens must be joined as bytes, not strings, when streaming.
         """
-        (token_id,) = self._check_ids([token_id])
-        added = self._added_content.get(token_id)
-        if added is not None:
-            return added.encode("utf-8")
-        return bytes(_CHAR_TO_BYTE[c] for c in self.id_to_token(token_id))
+        data = self._bytes_of.get(token_id) if type(token_id) is int else None  # only valid ids are stored
+        if data is None:
+            (token_id,) = self._check_ids([token_id])
+            added = self._added_content.get(token_id)
+            if added is not None:
+                data = added.encode("utf-8")
+            else:
+                data = bytes(_CHAR_TO_BYTE[c] for c in self.id_to_token(token_id))
+            self._bytes_of[token_id] = data
+        return data
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)

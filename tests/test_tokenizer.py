@@ -80,6 +80,31 @@ def test_invalid_ids_raise(tok: Tokenizer, bad: object) -> None:
         tok.decode([5, bad])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="invalid token id"):
         tok.token_bytes(bad)  # type: ignore[arg-type]
+    tok.token_bytes(1), tok.decode_token(1)  # warm the per-id memos: a bad id must still be refused after
+    with pytest.raises(ValueError, match="invalid token id"):
+        tok.token_bytes(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="invalid token id"):
+        tok.decode_token(bad)  # type: ignore[arg-type]
+
+
+def test_memoised_per_id_reads_equal_the_tokenizer(tok: Tokenizer) -> None:
+    """vocab_size, token_bytes and decode_token are computed once per id (the engine reads them per token);
+    first and memoised reads equal the underlying tokenizer's, numpy/torch scalar ids included."""
+    import numpy as np
+    import torch
+
+    assert tok.vocab_size == tok._tok.get_vocab_size(with_added_tokens=True) == 129280
+    ids = sorted(set(range(7, tok.vocab_size, 997)) | tok.special_ids | {128803})
+    first = {}
+    for i in ids:
+        first[i] = tok.token_bytes(i)
+        assert tok.decode_token(i) == tok._tok.decode([i], skip_special_tokens=False), i
+        if not _is_partial_utf8(first[i]):
+            assert first[i].decode("utf-8") == tok._tok.decode([i], skip_special_tokens=False), i
+    for i in ids:  # the memoised reads
+        assert tok.token_bytes(i) == first[i] and tok.decode_token(i) == tok.decode([i]), i
+    assert tok.token_bytes(np.int64(128803)) == tok.token_bytes(torch.tensor(128803)) == "<｜User｜>".encode()
+    assert tok.decode_token(np.int32(5)) == tok.decode([5])
 
 
 def test_encode_rejects_non_str(tok: Tokenizer) -> None:

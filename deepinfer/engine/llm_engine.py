@@ -187,8 +187,8 @@ class LLMEngine:
         token, logprob, rank, top = sampled.row(row, sampled.num_top_logprobs[row])
         state.cumulative_logprob += logprob
         if state.logprobs is not None:
-            entry = {t: Logprob(lp, i + 1, self.tokenizer.decode([t])) for i, (t, lp) in enumerate(top)}
-            entry[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+            entry = {t: Logprob(lp, i + 1, self.tokenizer.decode_token(t)) for i, (t, lp) in enumerate(top)}
+            entry[token] = Logprob(logprob, rank, self.tokenizer.decode_token(token))
             state.logprobs.append(entry)
 
     def _add_prompt_logprobs(self, req: Request, logits: torch.Tensor, out) -> None:
@@ -204,8 +204,8 @@ class LLMEngine:
             if start + 1 + i < len(state.prompt_logprobs):
                 continue
             token, logprob, rank, top = lp.row(i, state.params.prompt_logprobs)
-            entry = {t: Logprob(v, j + 1, self.tokenizer.decode([t])) for j, (t, v) in enumerate(top)}
-            entry[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+            entry = {t: Logprob(v, j + 1, self.tokenizer.decode_token(t)) for j, (t, v) in enumerate(top)}
+            entry[token] = Logprob(logprob, rank, self.tokenizer.decode_token(token))
             state.prompt_logprobs.append(entry)
 
     def _detokenize(self, req: Request, new_ids: list[int]) -> int:
