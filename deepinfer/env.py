@@ -22,6 +22,19 @@ def cuda_graphs_enabled() -> bool:
     return os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") not in ("0", "false", "no")
 
 
+SAMPLE_ON_CHOICES = ("device", "host")
+
+
+def sample_on() -> str:
+    """DEEPINFER_SAMPLE_ON: where the engine samples: "device" (the default: on the runner's device, where the
+    logits are) or "host" (the logits copied to the CPU first: the engine before 2026-12-03, kept for A/B
+    measurements, `benchmarks/bench_engine_step.py`). Anything else is a ValueError naming the choices."""
+    value = os.environ.get("DEEPINFER_SAMPLE_ON", "device").strip().lower() or "device"
+    if value not in SAMPLE_ON_CHOICES:
+        raise ValueError(f"DEEPINFER_SAMPLE_ON={value!r}: expected one of {SAMPLE_ON_CHOICES}")
+    return value
+
+
 DECODE_KERNEL_CHOICES = ("auto", "mma", "triton")
 MOE_DECODE_KERNEL_CHOICES = ("auto", "tma", "mma", "triton")
 MOE_PREFILL_KERNEL_CHOICES = ("auto", "wgmma", "triton")

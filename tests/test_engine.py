@@ -148,6 +148,22 @@ def test_abort_and_bad_input_leave_others_serving(tiny_v4_dir):
     assert eng.block_pool.num_free == eng.block_pool.num_blocks
 
 
+def test_sample_on_switch_is_checked_before_loading(tiny_v4_dir, monkeypatch):
+    """DEEPINFER_SAMPLE_ON: a bad value is named before any weight loads; "host" samples with CPU
+    generators (on this CPU engine both choices are the CPU, and the tokens are the same)."""
+    monkeypatch.setenv("DEEPINFER_SAMPLE_ON", "gpu")
+    with pytest.raises(ValueError, match="DEEPINFER_SAMPLE_ON='gpu'"):
+        LLM(tiny_v4_dir, max_model_len=256, max_num_seqs=2)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=4)
+    runs = []
+    for where in ("host", "device"):
+        monkeypatch.setenv("DEEPINFER_SAMPLE_ON", where)
+        llm = LLM(tiny_v4_dir, max_model_len=256, max_num_seqs=2)
+        assert llm.engine.sample_device == torch.device("cpu")
+        runs.append(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids)
+    assert runs[0] == runs[1]
+
+
 def test_seeded_sampling_and_n(tiny_v4_dir):
     llm = LLM(tiny_v4_dir, max_model_len=512, max_num_seqs=8)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, seed=123, n=3)

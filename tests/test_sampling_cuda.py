@@ -103,3 +103,22 @@ def test_cuda_engine_samples_on_the_gpu_reproducibly(tiny_v4_dir, cuda_kernels):
             assert all(lp <= 0 for lp in chosen) and any(lp < 0 for lp in chosen)
             assert abs(sum(chosen) - c.cumulative_logprob) < 1e-3
     assert runs[0] == runs[1]
+
+
+def test_host_sampling_switch_gives_the_same_greedy_tokens(tiny_v4_dir, cuda_kernels, monkeypatch):
+    """DEEPINFER_SAMPLE_ON=host (the A/B switch of bench_engine_step.py) samples on the CPU with CPU
+    generators; greedy tokens and their logprobs equal the device path's."""
+    prompts = [[5, 17, 99, 123, 7, 64], [3, 1000, 2000, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+    runs = {}
+    for where in ("host", "device"):
+        monkeypatch.setenv("DEEPINFER_SAMPLE_ON", where)
+        llm = LLM(tiny_v4_dir, numerics="fast", device="cuda", max_model_len=256, max_num_seqs=4,
+                  max_num_batched_tokens=512, num_blocks=16)
+        assert llm.engine.sample_device.type == ("cpu" if where == "host" else "cuda")
+        runs[where] = [(o.outputs[0].token_ids, [e[t].logprob for e, t in zip(o.outputs[0].logprobs,
+                                                                            o.outputs[0].token_ids)])
+                       for o in llm.generate(prompts, params)]
+    for (ta, la), (tb, lb) in zip(runs["host"], runs["device"]):
+        assert ta == tb
+        assert max(abs(a - b) for a, b in zip(la, lb)) < 1e-5

@@ -13,6 +13,7 @@ from itertools import count
 
 import torch
 
+from deepinfer import env
 from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.distributed_runner import is_parallel, start_parallel_runner
@@ -58,6 +59,7 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_checkpoint(config.model)
         spec = SpeculativeConfig.parse(speculative)  # bad settings fail before any weight is loaded
+        sample_on = env.sample_on()
         if spec is not None:
             spec.check_model(self.model_config)
             if is_parallel(config):
@@ -72,6 +74,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size, num_blocks=self.runner.num_blocks))
         self.sampler = Sampler()
+        # where the sampler runs: the runner's device, where its logits are (DEEPINFER_SAMPLE_ON=host: the CPU)
+        self.sample_device = self.runner.device if sample_on == "device" else torch.device("cpu")
         self.spec = None  # speculative decoding (spec/): drafts verified in the same step's extend
         if spec is not None:
             from deepinfer.spec.factory import build_spec_decoder
@@ -101,8 +105,8 @@ class LLMEngine:
             raise ValueError(f"request {request_id}: token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         eos = self.tokenizer.eos_id
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(self._seed_counter)
-        # the generator lives where the runner's logits are: the sampler draws on that device
-        state = _State(params, text, make_generator(seed, self.runner.device), self.tokenizer.detokenizer(),
+        # the generator lives where the sampler draws (the runner's device, see sample_device)
+        state = _State(params, text, make_generator(seed, self.sample_device), self.tokenizer.detokenizer(),
                        StopChecker.from_params(params, eos),
                        logprobs=[] if params.logprobs is not None else None,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
@@ -157,6 +161,7 @@ class LLMEngine:
             return [self._output(r) for r in touched.values()]
         for rid, logits in prompt_logits.items():
             self._add_prompt_logprobs(self._requests[rid], logits, out)
+        sample_logits = sample_logits.to(self.sample_device)  # (a no-op unless sampling on the host)
         rows = out.sample_rows()  # the explicit map: row i of the logits is NOT request i (seed P4.2)
         scheduled = [sr for sr in out.scheduled if sr.request_id in rows]
         states = [sr.request.payload for sr in scheduled]
