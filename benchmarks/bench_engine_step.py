@@ -9,7 +9,7 @@ Every request gets a 16-token prompt and decodes `--new` tokens; after every req
 decode steps. "forward" is the runner's part of the step (synchronised at its end), the rest is
 sampling + the engine's host work.
 
-    PYTHONPATH=$PWD python benchmarks/bench_engine_step.py [--batches 1 32 128] [--new 24]
+    PYTHONPATH=$PWD python benchmarks/bench_engine_step.py [--batches 1 32 128] [--new 24] [--profile]
 """
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the host functions of the last mode's steps (cProfile, by own time)")
     args = ap.parse_args()
     model = default_model_dir("v4", seed=0)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
@@ -80,6 +82,16 @@ def main() -> None:
                 step, fwd = decode_steps(llm, b, params, args.new)
                 print(f"sample on {where:6s} B={b:4d} {name:30s} step {step:8.2f} ms  (forward {fwd:6.2f}, "
                       f"sampling + engine {step - fwd:8.2f})  {b / step * 1e3:9.0f} tok/s", flush=True)
+        if args.profile and where == "device":  # a separate run: the profiler slows what it watches
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            decode_steps(llm, args.batches[-1], MODES["greedy"], args.new)
+            prof.disable()
+            print(f"host functions of B={args.batches[-1]} greedy (cProfile, own time):")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         del llm
         if args.device == "cuda":
             torch.cuda.empty_cache()

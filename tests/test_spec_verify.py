@@ -97,3 +97,24 @@ def test_acceptance_stats():
     assert s.mean_accepted_length == 1 + 4 / 3
     with pytest.raises(ValueError):
         s.record(1, 2)
+
+
+def test_one_tensor_form_equals_the_per_request_rows():
+    """Without drafts the engine hands verify its [n, V] logits as they are: the same tokens, logprobs and
+    generator draws as one [1, V] row per request; with drafts that form is refused."""
+    from deepinfer.sampling import make_generator
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 50, generator=g)
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, seed=1)] * 2 + \
+        [SamplingParams(temperature=0.5, top_k=5, seed=2)]
+    outs = []
+    for form in ("tensor", "rows"):
+        gens = [make_generator(10 + i) for i in range(5)]
+        rows = logits if form == "tensor" else [logits[i : i + 1] for i in range(5)]
+        got = verify(Sampler(), rows, [[]] * 5, params, gens)
+        outs.append([(v.tokens, [s.row(r, 2 if p.logprobs else 0) for s, r in v.sampled])
+                     for v, p in zip(got, params)])
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="without drafts"):
+        verify(Sampler(), logits, [[1]] + [[]] * 4, params, [None] * 5)

@@ -167,7 +167,12 @@ class LLMEngine:
         states = [sr.request.payload for sr in scheduled]
         # a request's rows: one per draft, then the bonus row (spec/verify.py); no drafts: its one row
         drafts = [list(sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens :]) for sr in scheduled]
-        verified = verify(self.sampler, [_rows_of(sample_logits, rows[sr.request_id]) for sr in scheduled], drafts,
+        if not any(drafts) and all(rows[sr.request_id] == range(i, i + 1) for i, sr in enumerate(scheduled)) \
+                and sample_logits.shape[0] == len(scheduled):
+            per_request = sample_logits  # one row each, in order (every step without drafts): sampled as is
+        else:
+            per_request = [_rows_of(sample_logits, rows[sr.request_id]) for sr in scheduled]
+        verified = verify(self.sampler, per_request, drafts,
                           [s.params for s in states], [s.generator for s in states])
         tokens = {sr.request_id: v.tokens for sr, v in zip(scheduled, verified)}
         update = self.scheduler.update(out, tokens)

@@ -9,6 +9,7 @@ Must not: sample, or return placeholder values (a missing logprob is an error, n
 from __future__ import annotations
 
 from collections.abc import Sequence
+import functools
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -29,13 +30,21 @@ class TokenLogprobs:
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
+    @functools.cached_property
+    def lists(self) -> tuple[list, list, list, list, list]:
+        """The rows as Python lists (token ids, logprobs, ranks, top ids, top logprobs), converted once:
+        reading a tensor element by element costs microseconds per element, and the engine reads every row
+        of every step (a batch of 128 spent milliseconds of host time a step that way)."""
+        return (self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist(), self.top_ids.tolist(),
+                self.top_logprobs.tolist())
+
     def row(self, i: int, num_top: int | None = None) -> tuple[int, float, int, list[tuple[int, float]]]:
         """(token id, logprob, rank, [(top id, top logprob), ...]) of row i, with num_top alternatives."""
         k = self.top_ids.shape[1] if num_top is None else num_top
         if k > self.top_ids.shape[1]:
             raise ValueError(f"row {i}: {k} top logprobs asked, {self.top_ids.shape[1]} computed")
-        top = list(zip(self.top_ids[i, :k].tolist(), self.top_logprobs[i, :k].tolist()))
-        return int(self.token_ids[i]), float(self.logprobs[i]), int(self.ranks[i]), top
+        ids, lps, ranks, top_ids, top_lps = self.lists
+        return ids[i], lps[i], ranks[i], list(zip(top_ids[i][:k], top_lps[i][:k]))
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -40,14 +40,23 @@ class Verified:
         return len(self.tokens) - 1
 
 
-def verify(sampler: Sampler, rows: Sequence[torch.Tensor], drafts: Sequence[Sequence[int]],
+def verify(sampler: Sampler, rows: Sequence[torch.Tensor] | torch.Tensor, drafts: Sequence[Sequence[int]],
            params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[Verified]:
-    """rows[i]: request i's logits [len(drafts[i]) + 1, V] in draft order; returns one `Verified` per request."""
+    """rows[i]: request i's logits [len(drafts[i]) + 1, V] in draft order; or, when no request has drafts, one
+    [n, V] tensor whose row i is request i's (sampled as it is: no per-request slicing and stacking, which
+    cost host time per request on a GPU). Returns one `Verified` per request."""
     n = len(rows)
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() != 2 or any(len(d) for d in drafts):
+            raise ValueError(f"verify: one logits tensor {tuple(rows.shape)} is for requests without drafts "
+                             f"([n, V], one row each)")
+        batch, rows = rows, None
+    else:
+        batch = None
     if not (len(drafts) == len(params) == len(generators) == n):
         raise ValueError(f"verify: {n} row sets, {len(drafts)} drafts, {len(params)} params, "
                          f"{len(generators)} generators")
-    for i, (r, d) in enumerate(zip(rows, drafts)):
+    for i, (r, d) in enumerate(zip(rows or (), drafts)):
         if r.dim() != 2 or r.shape[0] != len(d) + 1:
             raise ValueError(f"verify: request {i} has {len(d)} drafts but logits rows {tuple(r.shape)}; "
                              f"expected [{len(d) + 1}, V] (one row per draft plus the bonus row)")
@@ -55,11 +64,12 @@ def verify(sampler: Sampler, rows: Sequence[torch.Tensor], drafts: Sequence[Sequ
     active = list(range(n))
     j = 0
     while active:
-        sampled = sampler.sample(torch.stack([rows[i][j] for i in active]), [params[i] for i in active],
-                                 [generators[i] for i in active])
+        logits = batch if batch is not None else torch.stack([rows[i][j] for i in active])
+        sampled = sampler.sample(logits, [params[i] for i in active], [generators[i] for i in active])
+        tokens = sampled.lists[0]
         still = []
         for row, i in enumerate(active):
-            token = int(sampled.token_ids[row])
+            token = tokens[row]
             out[i].tokens.append(token)
             out[i].sampled.append((sampled, row))
             if j < len(drafts[i]) and token == drafts[i][j]:
