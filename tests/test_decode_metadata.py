@@ -55,3 +55,24 @@ def test_fill_refuses_what_the_decode_path_cannot_take():
         meta.fill([SeqContext(300, 1, 1, 1, (5,))], 0, 1)
     with pytest.raises(ValueError, match="does not fit bucket 4"):
         meta.fill([SeqContext(0, 1, 1, 1, (5,))] * 5, 0, 1)
+
+
+def test_fill_checks_slots_and_scratch_naming_the_sequence():
+    """With num_slots, fill refuses slots outside the cache and any real row on the scratch slot or block,
+    naming that row's sequence (found through the flattened tables of mixed lengths), and copies nothing."""
+    meta = DecodeMetadata(4, 1024, 256, 128, (4,), "cpu")  # 4 blocks per table
+    good = [SeqContext(10, 1, 1, 1, (5, 6)), SeqContext(3, 1, 2, 2, (7,)), SeqContext(300, 1, 3, 3, (8, 9, 10))]
+    meta.fill(good, 0, 1, num_slots=8)
+    before = meta.buf.clone()
+    on_block = SeqContext(300, 1, 3, 3, (1, 9, 10))  # the scratch block first in the third table (a row edge)
+    cases = [([good[0], good[1], on_block], "scratch slot/block", on_block),
+             ([good[0], SeqContext(3, 1, 0, 2, (7,)), good[2]], "scratch slot/block", None),
+             ([good[0], good[1], SeqContext(300, 1, 3, 8, (8, 9, 10))], "slot out of range", None),
+             ([SeqContext(10, 1, -1, 1, (5, 6))] + good[1:], "slot out of range", None)]
+    for seqs, match, named in cases:
+        with pytest.raises(ValueError, match=match) as err:
+            meta.fill(seqs, 0, 1, num_slots=8)
+        bad = named or next(s for s in seqs if s not in good)
+        assert str(bad) in str(err.value)
+        assert torch.equal(meta.buf, before)
+    meta.fill([SeqContext(10, 1, 1, 1, (5, 6)), SeqContext(3, 1, 2, 2, (7,))], 0, 1)  # no num_slots: no check

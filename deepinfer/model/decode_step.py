@@ -134,14 +134,10 @@ class DecodeRunner:
         if ids.device.type == "cpu" and (int(ids.min()) < 0 or int(ids.max()) >= self.model.cfg.vocab_size):
             raise ValueError("token id outside the vocabulary")  # (device ids: no host sync to check them)
         cache = self.model.cache
-        for s in seqs:
-            if not (0 <= s.window_slot < cache.max_num_seqs and 0 <= s.state_slot < cache.max_num_seqs):
-                raise ValueError(f"slot out of range in {s}")
-            if self.scratch[0] in (s.window_slot, s.state_slot) or self.scratch[1] in s.block_table:
-                raise ValueError(f"{s} uses the decode path's scratch slot/block {self.scratch}")
         b, c = self.bucket(n), self.context_bucket(max(s.start_pos for s in seqs))
         meta = self._meta_for(b, c)
-        meta.fill(seqs, *self.scratch)  # validates num_new == 1 and the block tables
+        # validates num_new == 1, the block tables, the slots' range and that no row uses the scratch
+        meta.fill(seqs, *self.scratch, num_slots=cache.max_num_seqs)
         for s in seqs:
             if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
                 cache.reset(s.window_slot, s.state_slot)
