@@ -41,9 +41,9 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
            "command": " ".join(sys.argv)}
     for b in batches:
-        row = {"eager_batched_ms": runner.decode_batched_ms(b, args.context, graphs=False)}
+        row = {"eager_batched_ms": runner.decode_batched_ms(b, args.context, graphs=False)[0]}
         try:
-            row["graph_ms"] = runner.decode_batched_ms(b, args.context, graphs=True)
+            row["graph_ms"] = runner.decode_batched_ms(b, args.context, graphs=True)[0]
             row["graph_tok_s"] = b / row["graph_ms"] * 1e3
         except RuntimeError as err:  # a capture failure is a result too: report it, keep timing the rest
             res[f"graph_error_b{b}"] = str(err)[:2000]

@@ -31,35 +31,38 @@ def engine_part(cfg, args, res: dict) -> None:
     t0 = time.time()
     raw = make_tensors(cfg, seed=0, device="cuda")
     n = cfg.n_layers
-    bytes_b = {b: sum(decode_bytes_per_layer(cfg, raw, l, b, args.context) for l in range(n)) / n for b in DECODE_BATCHES}
-    flops_tok = {s: sum(flops_per_token_layer(cfg, raw, l, s // 2) for l in range(n)) / n for s in PREFILLS}
+    bytes_b = {b: sum(decode_bytes_per_layer(cfg, raw, l, b, args.context) for l in range(n)) / n for b in args.batches}
+    flops_tok = {s: sum(flops_per_token_layer(cfg, raw, l, s // 2) for l in range(n)) / n for s in args.prefills}
     runner = SliceRunner(cfg, raw, max(DECODE_BATCHES), max(max(PREFILLS), args.context + 64))
     del raw
     gc.collect()
     torch.cuda.empty_cache()
     res["engine_build_s"] = time.time() - t0
     res["engine_mem_gb"] = torch.cuda.memory_allocated() / 1e9
-    for b in DECODE_BATCHES:
+    for b in args.batches:
         # the engine's decode path: batched decode step replayed from its CUDA graph (model/decode_step.py)
-        full = runner.decode_batched_ms(b, args.context, graphs=True)
+        full, back_to_back = runner.decode_batched_ms(b, args.context, graphs=True)
         head = runner.head_ms(b)
         per_layer = (full - head) / n
-        res[f"decode_b{b}"] = {"step_ms": full, "head_ms": head, "per_layer_us": per_layer * 1e3,
+        res[f"decode_b{b}"] = {"step_ms": full, "back_to_back_ms": back_to_back, "head_ms": head,
+                               "per_layer_us": per_layer * 1e3,
                                "tok_s": b / full * 1e3, "layer_bytes_mb": bytes_b[b] / 1e6,
                                "hbm_gbs": bytes_b[b] / (per_layer * 1e-3) / 1e9}
         if b <= args.eager_max_batch:  # the mixed-batch (per-sequence) path, for comparison
             res[f"decode_b{b}"]["per_sequence_path_ms"] = runner.decode_ms(b, args.context, reps=5)
         print("decode", b, res[f"decode_b{b}"], flush=True)
-    res["decode_b1_kernels"] = runner.decode_kernel_breakdown(1, args.context, top=args.top)
-    res["decode_b128_kernels"] = runner.decode_kernel_breakdown(128, args.context, top=args.top)
-    for s in PREFILLS:
+    for b in (1, 128):
+        if b in args.batches and not args.no_breakdown:
+            res[f"decode_b{b}_kernels"] = runner.decode_kernel_breakdown(b, args.context, top=args.top)
+    for s in args.prefills:
         full = runner.prefill_ms(s)
         blocks = runner.prefill_ms(s, blocks_only=True)
         per_layer = blocks / n
         res[f"prefill_{s}"] = {"ms": full, "blocks_ms": blocks, "per_layer_ms": per_layer, "tok_s": s / full * 1e3,
                                "tflops": flops_tok[s] * s / (per_layer * 1e-3) / 1e12}
         print("prefill", s, res[f"prefill_{s}"], flush=True)
-    res[f"prefill_{PREFILLS[-1]}_kernels"] = runner.prefill_kernel_breakdown(PREFILLS[-1], top=args.top)
+    if PREFILLS[-1] in args.prefills and not args.no_breakdown:
+        res[f"prefill_{PREFILLS[-1]}_kernels"] = runner.prefill_kernel_breakdown(PREFILLS[-1], top=args.top)
     del runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -69,11 +72,11 @@ def hf_part(cfg, args, res: dict) -> None:
     import hf_slice
 
     model, _ = hf_slice.build(cfg.n_layers, list(cfg.compress_ratios[: cfg.n_layers]))
-    for b in DECODE_BATCHES:
+    for b in args.batches:
         ms = hf_slice.decode_ms(model, cfg.vocab_size, b, args.context)
         res[f"hf_decode_b{b}"] = {"step_ms": ms, "tok_s": b / ms * 1e3}
         print("hf decode", b, ms, flush=True)
-    for s in PREFILLS:
+    for s in args.prefills:
         ms = hf_slice.prefill_ms(model, cfg.vocab_size, s)
         res[f"hf_prefill_{s}"] = {"ms": ms, "tok_s": s / ms * 1e3}
         print("hf prefill", s, ms, flush=True)
@@ -90,6 +93,8 @@ def table(res: dict) -> str:
         d, h = res.get(f"decode_b{b}"), res.get(f"hf_decode_b{b}")
         if d:
             ratio = f", x{d['tok_s'] / h['tok_s']:.1f} transformers" if h else ""
+            if h and "back_to_back_ms" in d:
+                ratio += f" (back to back x{h['step_ms'] / d['back_to_back_ms']:.1f})"
             lines.append(f"decode b{b:<4} step {d['step_ms']:7.2f} ms  {d['per_layer_us']:8.1f} us/layer  "
                          f"{d['hbm_gbs']:6.0f} GB/s = {100 * d['hbm_gbs'] / c['copy_gbs']:5.1f}% HBM  "
                          f"{d['tok_s']:8.0f} tok/s{ratio}")
@@ -115,6 +120,9 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--top", type=int, default=14, help="kernels listed per breakdown")
     ap.add_argument("--eager-max-batch", type=int, default=1, help="also time the per-sequence path up to this batch")
+    ap.add_argument("--batches", type=int, nargs="*", default=list(DECODE_BATCHES), help="decode batches to time")
+    ap.add_argument("--prefills", type=int, nargs="*", default=list(PREFILLS), help="prefill lengths to time")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's per-kernel breakdowns")
     args = ap.parse_args()
     from deepinfer.kernels.triton import register_cuda_kernels
 

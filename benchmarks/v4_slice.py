@@ -76,9 +76,13 @@ class SliceRunner:
         return cuda_time_ms(step, reps=reps, warmup=3)
 
     @torch.no_grad()
-    def decode_batched_ms(self, batch: int, context: int, reps: int = 10, graphs: bool = True) -> float:
-        """Median ms of one decode step through the batched decode path (model/decode_step.py): replayed
-        from the CUDA graph of bucket `batch` (captured here, not timed), or eager with graphs=False."""
+    def decode_batched_ms(self, batch: int, context: int, reps: int = 10, graphs: bool = True) -> tuple[float, float]:
+        """(median ms of one decode step, ms a step of `reps` steps run back to back) through the batched decode
+        path (model/decode_step.py): replayed from the CUDA graph of bucket `batch` (captured here, not
+        timed), or eager with graphs=False. The first number is each step alone (events around the host's
+        preparation and the replay, synchronised after each step: the engine's case, which syncs to sample);
+        the second has no synchronisation between steps, so the host prepares step n+1 while the device runs
+        step n (the runner allows it; the engine does not run that way yet)."""
         from deepinfer.model.decode_step import DecodeRunner
 
         self.prefill(list(range(batch)), context)
@@ -90,7 +94,16 @@ class SliceRunner:
             runner(self._ids(batch), [SeqContext(pos[0], 1, i, i, self._table(i)) for i in range(batch)])
             pos[0] += 1
 
-        return cuda_time_ms(step, reps=reps, warmup=3)
+        alone = cuda_time_ms(step, reps=reps, warmup=3)
+        pos[0] = context  # rewound: the kernels' work depends on the context bucket, not on the values
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            step()
+        end.record()
+        end.synchronize()
+        return alone, start.elapsed_time(end) / reps
 
     @torch.no_grad()
     def head_ms(self, batch: int) -> float:
