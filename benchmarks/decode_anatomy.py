@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_config import slice_config  # noqa: E402
-from timing import cuda_time_ms  # noqa: E402
+from timing import back_to_back_ms, cuda_time_ms  # noqa: E402
 
 
 def graph_kernels(replay, top: int) -> dict:
@@ -103,19 +103,12 @@ def anatomy(runner, batch: int, context: int, top: int) -> dict:
         pos[0] += 1
         for key, dt in zip(pieces, (t1 - t0, t2 - t1, t3 - t2)):
             pieces[key].append(dt * 1e3)
-    n_pipe = 20
     pos[0] = context
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n_pipe):
-        step()
-    end.record()
-    end.synchronize()
+    pipelined_ms = back_to_back_ms(step, 20)
     replay_ms = cuda_time_ms(graph.replay, reps=50, warmup=5)
     out = {"step_ms": step_ms, "prepare_host_ms": statistics.median(prep), "replay_ms": replay_ms,
            "host_pieces_ms": {k: statistics.median(v) for k, v in pieces.items()},
-           "pipelined_step_ms": start.elapsed_time(end) / n_pipe}
+           "pipelined_step_ms": pipelined_ms}
     out.update(graph_kernels(graph.replay, top))
     return out
 

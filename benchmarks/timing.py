@@ -23,6 +23,19 @@ def cuda_time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> f
     return statistics.median(times)
 
 
+def back_to_back_ms(fn: Callable[[], object], reps: int) -> float:
+    """ms a call of `reps` calls of `fn` run back to back, with no synchronisation between them (events around
+    the whole run): the host's work for call n+1 overlaps the device's for call n where `fn` allows it."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def graph_replay_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median ms of replaying `fn` captured in a CUDA graph (device time without the Python launch gaps;
     `triton.testing.do_bench` times the replays with events). Warm-up runs on a side stream before the

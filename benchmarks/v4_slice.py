@@ -12,7 +12,7 @@ import torch
 
 from deepinfer.model.context import ForwardContext, SeqContext, forward_context
 from deepinfer.model.factory import build_v4_model
-from timing import cuda_time_ms, graph_replay_ms
+from timing import back_to_back_ms, cuda_time_ms, graph_replay_ms
 
 BLOCK = 128
 
@@ -96,14 +96,7 @@ class SliceRunner:
 
         alone = cuda_time_ms(step, reps=reps, warmup=3)
         pos[0] = context  # rewound: the kernels' work depends on the context bucket, not on the values
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            step()
-        end.record()
-        end.synchronize()
-        return alone, start.elapsed_time(end) / reps
+        return alone, back_to_back_ms(step, reps)
 
     @torch.no_grad()
     def head_ms(self, batch: int) -> float:

@@ -179,9 +179,10 @@ class Tokenizer:
 
     def decode_token(self, token_id: int) -> str:
         """`decode([token_id])`, memoised per id (logprob entries name every top token of every step)."""
-        text = self._text_of.get(token_id) if type(token_id) is int else None
+        text = self._text_of.get(token_id) if type(token_id) is int else None  # only valid ids are stored
         if text is None:
-            text = self._text_of[self._check_ids([token_id])[0]] = self.decode([token_id])
+            (token_id,) = self._check_ids([token_id])
+            text = self._text_of[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:

@@ -14,8 +14,9 @@ Protocol (chosen: the scheduler and the sampler run on rank 0 only):
    so every dp group makes as many calls as the busiest one;
 3. with dp = 1 rank 0 already holds the batch's logits on its device and samples there; else the
    tp-rank-0 of each dp group sends its logits rows to rank 0 (`gather_object`, host tensors), which puts
-   them back in batch order, moves them to its device and samples. Workers keep no request state besides their caches; every rank
-   allocates the same number of KV blocks (the minimum over ranks) and uses the global block ids.
+   them back in batch order, moves them to its device and samples. Workers keep no request state
+   besides their caches; every rank allocates the same number of KV blocks (the minimum over ranks) and
+   uses the global block ids.
 Failures: a worker that raises reports (rank, traceback) on a queue and exits hard, so rank 0's pending
 collective fails at once (gloo: connection closed; nccl/hung peers: `distributed_timeout_s`); rank 0
 then stops every worker, tears the group down and raises `GroupFailure` naming the failing rank. Every

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,12 @@ class DecodeRows:
     # (`model.step_memo`): device ops on this step's tensors only, so a captured graph replays
     # them with the step; a new DecodeRows (one per derive) starts empty
     memo: dict = field(default_factory=dict, repr=False)
+
+
+def _check(bad: np.ndarray, message: Callable[[int], str]) -> None:
+    """Raise ValueError(message(i)) for the first row i where `bad` holds (fill's per-sequence checks)."""
+    if bad.any():
+        raise ValueError(message(int(bad.argmax())))
 
 
 class DecodeMetadata:
@@ -98,28 +104,24 @@ class DecodeMetadata:
             win = np.fromiter((s.window_slot for s in seqs), dtype=np.int64, count=n)
             state = np.fromiter((s.state_slot for s in seqs), dtype=np.int64, count=n)
             tlen = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-            self._check(seqs, new != 1, "the decode path takes one new token per sequence, got {}")
-            bad = pos >= self.max_context
-            if bad.any():
-                i = int(bad.argmax())
-                raise ValueError(f"position {seqs[i].start_pos} is past the decode path's max_context "
-                                 f"{self.max_context}")
-            bad = tlen <= pos // self.block_size
-            if bad.any():
-                i = int(bad.argmax())
-                raise ValueError(f"block table of {tlen[i]} blocks does not cover position {seqs[i].start_pos}")
+            _check(new != 1, lambda i: f"the decode path takes one new token per sequence, got {seqs[i]}")
+            _check(pos >= self.max_context, lambda i: f"position {pos[i]} is past the decode path's max_context "
+                                                      f"{self.max_context}")
+            _check(tlen <= pos // self.block_size,
+                   lambda i: f"block table of {tlen[i]} blocks does not cover position {pos[i]}")
             lens = np.minimum(tlen, mb)
             total = int(lens.sum())
             flat = np.fromiter(chain.from_iterable(s.block_table[:mb] for s in seqs), dtype=np.int64, count=total)
             if num_slots is not None:
-                self._check(seqs, (win < 0) | (win >= num_slots) | (state < 0) | (state >= num_slots),
-                            "slot out of range in {}")
+                _check((win < 0) | (win >= num_slots) | (state < 0) | (state >= num_slots),
+                       lambda i: f"slot out of range in {seqs[i]}")
                 on_scratch = np.zeros(n, dtype=bool)
                 hits = np.flatnonzero(flat == scratch_block)
                 if hits.size:  # which rows those table entries belong to
                     on_scratch[np.searchsorted(np.cumsum(lens), hits, side="right")] = True
-                self._check(seqs, (win == scratch_slot) | (state == scratch_slot) | on_scratch,
-                            f"{{}} uses the decode path's scratch slot/block {(scratch_slot, scratch_block)}")
+                scratch = (scratch_slot, scratch_block)
+                _check((win == scratch_slot) | (state == scratch_slot) | on_scratch,
+                       lambda i: f"{seqs[i]} uses the decode path's scratch slot/block {scratch}")
             hn[:n, _POS] = pos
             hn[:n, _WIN] = win
             hn[:n, _STATE] = state
@@ -138,12 +140,6 @@ class DecodeMetadata:
         if self._copied is not None:
             self._copied.record()
         self.num_real = n
-
-    @staticmethod
-    def _check(seqs: Sequence[SeqContext], bad: np.ndarray, message: str) -> None:
-        """Raise `message` naming the first sequence where `bad` holds."""
-        if bad.any():
-            raise ValueError(message.format(seqs[int(bad.argmax())]))
 
     def derive(self) -> DecodeRows:
         """The per-layer rows from the device buffers (op "decode_rows": device ops only, graph-capturable; one

@@ -17,10 +17,10 @@ computed for the largest `logprobs` any row asked for (`num_top_logprobs` says h
 Devices: everything runs on the logits' device, and the generators must live there too. So a CUDA engine
 samples on the GPU: at batch 128 over the 129,280-token vocabulary, copying the logits to the H200's host
 and sampling there took 83.5 ms (greedy) and 844 ms (top-p) a step, on the GPU 0.34 and 3.96 ms
-(`benchmarks/bench_sampling.py`, BENCHMARKS.md); the model's whole decode step is ~6 ms. The generators come from `make_generator(seed, device)`.
-The output rows are returned on the host, where the scheduler and the outputs read them. A seeded
-request's draws depend on the generator's device (CPU and CUDA generators are different streams), as in
-torch and vLLM.
+(`benchmarks/bench_sampling.py`, BENCHMARKS.md); the model's whole decode step is ~6 ms. The generators
+come from `make_generator(seed, device)`. The output rows are returned on the host, where the scheduler
+and the outputs read them. A seeded request's draws depend on the generator's device (CPU and CUDA
+generators are different streams), as in torch and vLLM.
 
 Must not: map rows to requests (the caller passes rows in its own order), or verify drafts (spec/).
 """
