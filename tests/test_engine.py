@@ -1,7 +1,8 @@
 """The serving engine against the oracle (exact numerics, tiny V4 and V4.1): greedy tokens identical and
 logits within 1e-9 at every step for 20 prompts of 1-400 tokens x 48 new tokens in batches of 1, 3, 8, 16
-with token budgets (chunked prefill) of 1, 7 and 64; official numerics end to end; logprobs; preemption;
-abort; bad input."""
+with token budgets (chunked prefill) of 1, 7 and 64 (budget 7 on V4 stops at 256-token prompts: 300-400
+at 7 tokens a step were the CPU CI's slowest minute, and batch 16 covers them at 64); official numerics
+end to end; logprobs; preemption; abort; bad input."""
 from __future__ import annotations
 
 import pytest
@@ -62,7 +63,7 @@ def run_greedy(model_dir, prompts, batch, budget, **kw):
 
 
 @pytest.mark.parametrize("family,batch,budget,lengths", [
-    ("v4", 16, 64, LENGTHS), ("v4", 8, 7, LENGTHS), ("v4", 3, 64, LENGTHS[::2]), ("v4", 1, 64, LENGTHS[1::4]),
+    ("v4", 16, 64, LENGTHS), ("v4", 8, 7, LENGTHS[:-3]), ("v4", 3, 64, LENGTHS[::2]), ("v4", 1, 64, LENGTHS[1::4]),
     ("v4", 4, 1, [1, 5, 17, 40, 130]),
     ("v41", 16, 64, LENGTHS), ("v41", 8, 7, LENGTHS[::2]), ("v41", 3, 64, LENGTHS[1::3]),
     ("v41", 1, 64, LENGTHS[2::6]), ("v41", 4, 1, [1, 6, 19, 33]),
