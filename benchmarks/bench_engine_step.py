@@ -2,14 +2,18 @@
 from its CUDA graph, sampling, scheduler update, detokenizing, outputs) on the embedded tiny V4 checkpoint
 on CUDA. Its layers are tiny, but its vocabulary is V4's 129,280 tokens, so the step is what the engine
 adds around the model: sampling over the real vocabulary and the host's per-request work. A/B: sampling on
-the host (DEEPINFER_SAMPLE_ON=host, the engine before 2026-12-03) against on the device (the default).
+the host (DEEPINFER_SAMPLE_ON=host, the engine before 2026-12-03) against on the device (the default); and
+the synchronous step loop against asynchronous scheduling (the default on CUDA since the thirteenth
+session: step n+1 is queued before the host works on step n's tokens).
 
 Every request gets a 16-token prompt and decodes `--new` tokens; after every request's prefill, each
 `step()` is timed with the host clock (it returns host outputs, so it ends synchronised), median over the
 decode steps. "forward" is the runner's part of the step (synchronised at its end), the rest is
-sampling + the engine's host work.
+sampling + the engine's host work. With asynchronous scheduling the forward is not synchronised (that is
+the point), so only the step is timed; each step() then returns the previous step's tokens.
 
     PYTHONPATH=$PWD python benchmarks/bench_engine_step.py [--batches 1 32 128] [--new 24] [--profile]
+        [--sample-on host device] [--async-modes off on]
 """
 from __future__ import annotations
 
@@ -30,8 +34,42 @@ MODES = {
 }
 
 
-def decode_steps(llm: LLM, batch: int, params: SamplingParams, new: int) -> tuple[float, float]:
+PIECES = ("scheduler.schedule", "runner.execute", "sampler.sample", "event waits", "scheduler.commit",
+          "detokenize + logprobs", "outputs")
+
+
+def timed_pieces(eng) -> tuple[dict[str, list[float]], callable]:
+    """Wrap the step's pieces with host timers (ms, summed per step); returns (times, undo)."""
+    times: dict[str, list[float]] = {k: [0.0] for k in PIECES}
+    undo = []
+
+    def wrap(obj, name, key):
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                times[key][-1] += (time.perf_counter() - t0) * 1e3
+
+        setattr(obj, name, timed)
+        undo.append(lambda: setattr(obj, name, inner))
+
+    wrap(eng.scheduler, "schedule", "scheduler.schedule")
+    wrap(eng.runner, "execute", "runner.execute")
+    wrap(eng.sampler, "sample", "sampler.sample")
+    wrap(torch.cuda.Event, "synchronize", "event waits")
+    wrap(eng.scheduler, "commit", "scheduler.commit")
+    wrap(eng, "_absorb", "detokenize + logprobs")
+    wrap(eng, "_output", "outputs")
+    return times, lambda: [u() for u in reversed(undo)]
+
+
+def decode_steps(llm: LLM, batch: int, params: SamplingParams, new: int,
+                 pieces: bool = False) -> tuple[float, float | None]:
     eng = llm.engine
+    sync = not eng.async_scheduling
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         eng.add_request(f"r{i}", torch.randint(2, 120000, (16,), generator=g).tolist(),
@@ -42,24 +80,32 @@ def decode_steps(llm: LLM, batch: int, params: SamplingParams, new: int) -> tupl
     def timed(ids, ctx):
         t0 = time.perf_counter()
         out = inner(ids, ctx)
-        if out.is_cuda:
+        if out.is_cuda and sync:
             torch.cuda.synchronize()
         forward.append((time.perf_counter() - t0) * 1e3)
         return out
 
     runner.forward_batch = timed
-    steps = []
+    times, undo = timed_pieces(eng) if pieces else ({}, lambda: None)
+    steps, kept = [], []
     try:
         while eng.has_unfinished():
+            for v in times.values():
+                v.append(0.0)
             t0 = time.perf_counter()
             outs = eng.step()
             dt = (time.perf_counter() - t0) * 1e3
             if all(len(o.outputs[0].token_ids) >= 2 for o in outs) and len(outs) == batch:
                 steps.append((dt, forward[-1]))  # a pure-decode step of the whole batch
+                kept.append(len(times.get("outputs", ())) - 1)
     finally:
         runner.forward_batch = inner
+        undo()
     steps = steps[2:]  # the first decode steps still see cold caches
-    return statistics.median(s for s, _ in steps), statistics.median(f for _, f in steps)
+    if pieces:
+        print("      host pieces of a step (median ms): " + ", ".join(
+            f"{k} {statistics.median(v[i] for i in kept[2:]):.3f}" for k, v in times.items()), flush=True)
+    return statistics.median(s for s, _ in steps), statistics.median(f for _, f in steps) if sync else None
 
 
 def main() -> None:
@@ -69,19 +115,25 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     ap.add_argument("--profile", action="store_true",
                     help="also print the host functions of the last mode's steps (cProfile, by own time)")
+    ap.add_argument("--pieces", action="store_true", help="also time the step's pieces (host clock)")
+    ap.add_argument("--sample-on", nargs="+", default=["host", "device"], choices=("host", "device"))
+    ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=("off", "on"),
+                    help="the engine's async_scheduling, each mode a separate engine")
     args = ap.parse_args()
     model = default_model_dir("v4", seed=0)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{name}, host threads {torch.get_num_threads()}; tiny V4, vocab 129280")
-    for where in ("host", "device"):
+    for where, mode in [(w, m) for w in args.sample_on for m in args.async_modes]:
         os.environ["DEEPINFER_SAMPLE_ON"] = where
         llm = LLM(model, numerics="fast", device=args.device, max_model_len=256, max_num_seqs=max(args.batches),
-                  max_num_batched_tokens=4096)
+                  max_num_batched_tokens=4096, async_scheduling=mode == "on")
         for b in args.batches:
             for name, params in MODES.items():
-                step, fwd = decode_steps(llm, b, params, args.new)
-                print(f"sample on {where:6s} B={b:4d} {name:30s} step {step:8.2f} ms  (forward {fwd:6.2f}, "
-                      f"sampling + engine {step - fwd:8.2f})  {b / step * 1e3:9.0f} tok/s", flush=True)
+                step, fwd = decode_steps(llm, b, params, args.new, args.pieces)
+                split = (f"(forward {fwd:6.2f}, sampling + engine {step - fwd:8.2f})" if fwd is not None else
+                         "(forward overlapped)" + " " * 27)
+                print(f"sample on {where:6s} async {mode:3s} B={b:4d} {name:30s} step {step:8.2f} ms  {split}  "
+                      f"{b / step * 1e3:9.0f} tok/s", flush=True)
         if args.profile and where == "device":  # a separate run: the profiler slows what it watches
             import cProfile
             import pstats
@@ -90,8 +142,8 @@ def main() -> None:
             prof.enable()
             decode_steps(llm, args.batches[-1], MODES["greedy"], args.new)
             prof.disable()
-            print(f"host functions of B={args.batches[-1]} greedy (cProfile, own time):")
-            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+            print(f"host functions of B={args.batches[-1]} greedy, async {mode} (cProfile, own time):")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         del llm
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -7,7 +7,10 @@ import random
 
 import pytest
 
+from dataclasses import replace
+
 from deepinfer.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from deepinfer.scheduler.request import PENDING_TOKEN
 
 VOCAB = 64
 STOP = 0  # the fake model's EOS: about one token in 64
@@ -243,6 +246,115 @@ def test_random_workloads_match_running_alone(drafts):
     assert sum(len(s.preempted_ids) for s in steps) > 0  # the workloads did exercise preemption
     if drafts:
         assert any(sr.num_draft_tokens for s in steps for sr in s.scheduled)
+
+
+# ---- asynchronous scheduling: step n+1 scheduled and advanced before step n's tokens are committed ---------
+def run_pending(runner: FakeRunner, out: SchedulerOutput, prev: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The device's part: a pending position takes the token its request sampled in the previous step."""
+    resolved = []
+    for sr in out.scheduled:
+        ids = list(sr.token_ids)
+        for j, t in enumerate(ids):
+            if t == PENDING_TOKEN:
+                ids[j] = prev[sr.request_id][-1]
+        resolved.append(replace(sr, token_ids=tuple(ids)))
+    return runner.run(replace(out, scheduled=tuple(resolved)))
+
+
+def drive_async(sched: Scheduler, runner: FakeRunner, late: list[Request] = (), seed: int = 0):
+    """The asynchronous engine's loop: schedule and advance step n+1, then commit step n."""
+    late, rng, steps, in_flight = list(late), random.Random(seed), [], None
+    while sched.has_unfinished() or late or in_flight:
+        if late and rng.random() < 0.3:
+            sched.add_request(late.pop(0))
+        out = sched.schedule()
+        launched = None
+        if not out.is_empty:
+            launched = (out, run_pending(runner, out, in_flight[1] if in_flight else {}))
+            sched.advance(out)
+            for sr in out.scheduled:  # a pending token never sits past a request's limits
+                r = sr.request
+                assert r.num_pending_tokens <= 2 and r.num_output_tokens + r.num_pending_tokens <= r.max_tokens
+        if in_flight:
+            sched.commit(*in_flight)
+        in_flight = launched
+        sched.block_pool.check_invariants()
+        assert all(r.num_pending_tokens <= 1 for r in sched.requests.values())
+        steps.append(out)
+        assert len(steps) < 5000, "no progress"
+    return steps
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_async_workloads_match_running_alone_and_compute_nothing_past_a_limit(seed):
+    """The same random workloads (preemptions, chunked prefill, late arrivals) through the asynchronous
+    loop: every request's tokens are those it makes alone, and no position past a length limit is computed
+    (a request ending by length computes exactly what the synchronous loop computes)."""
+    rng = random.Random(seed)
+    max_model_len = 48
+    block_size = rng.choice([2, 4, 8])
+    num_blocks = -(-max_model_len // block_size) + rng.randint(0, 6)
+    cfg = dict(max_num_seqs=rng.randint(1, 5), budget=rng.randint(8, 48), max_model_len=max_model_len,
+               block_size=block_size, num_blocks=num_blocks)
+    reqs = [req(f"r{i}", rng.randint(1, max_model_len), max_tokens=rng.randint(1, 24), seed=seed)
+            for i in range(12)]
+    sched, runner = make(**cfg)
+    for r in reqs[:6]:
+        sched.add_request(r)
+    steps = drive_async(sched, runner, reqs[6:], seed)
+    for r in reqs:
+        assert r.output_token_ids == alone(r.prompt_token_ids, r.max_tokens, max_model_len), r.request_id
+        assert r.status.finish_reason == ("stop" if r.output_token_ids[-1] == STOP else "length")
+        computed = max(sr.start_position + sr.num_new_tokens for s in steps for sr in s.scheduled
+                       if sr.request_id == r.request_id)
+        extra = 1 if r.status is RequestStatus.FINISHED_STOPPED and r.num_tokens < max_model_len else 0
+        assert computed <= r.num_tokens - 1 + extra, r.request_id  # the last token is computed only after a stop
+    assert_pool_full(sched)
+
+
+def test_commit_after_a_preemption_keeps_the_token():
+    """Step n+1's schedule preempts a request whose step-n token is still pending: the commit appends it,
+    and the request is recomputed with it later."""
+    sched, runner = make(max_num_seqs=3, budget=64, block_size=4, num_blocks=16)
+    a, b, c = (Request(rid, [i + 1] * 20, 30) for i, rid in enumerate("abc"))
+    for r in (a, b, c):
+        sched.add_request(r)
+    first = sched.schedule()
+    sampled = run_pending(runner, first, {})
+    sched.advance(first)
+    assert [r.num_pending_tokens for r in (a, b, c)] == [1, 1, 1]
+    assert c.token_ids_to_compute(20, 1) == [PENDING_TOKEN]
+    second = sched.schedule()  # every decode needs a 6th block: c is preempted with its token pending
+    assert second.preempted_ids == ("c",) and c.status is RequestStatus.PREEMPTED
+    sched.advance(second)
+    sched.commit(first, sampled)
+    assert c.num_pending_tokens == 0 and c.output_token_ids == [sampled["c"][0]] and c.num_computed_tokens == 0
+    assert a.num_pending_tokens == 1 and a.num_output_tokens == 1
+
+
+def test_a_preempted_request_with_a_pending_token_is_not_readmitted_before_its_commit():
+    sched, runner = make(max_num_seqs=3, budget=64, block_size=4, num_blocks=16)
+    a, b, c = (Request(rid, [i + 1] * 20, 30) for i, rid in enumerate("abc"))
+    for r in (a, b, c):
+        sched.add_request(r)
+    sched.advance(sched.schedule())
+    sched.advance(sched.schedule())  # preempts c, its first token pending
+    sched.abort("a")  # blocks free up: c would fit again
+    third = sched.schedule()
+    assert "c" not in [sr.request_id for sr in third.scheduled] and c.status is RequestStatus.PREEMPTED
+
+
+def test_commit_checks_its_order():
+    sched, runner = make()
+    sched.add_request(r := req("r", 5))
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="without a pending token"):
+        sched.commit(out, {"r": [1]})  # commit before advance
+    sched.advance(out)
+    sched.commit(out, {"r": [1]})
+    with pytest.raises(RuntimeError, match="without a pending token"):
+        sched.commit(out, {"r": [2]})  # twice
+    assert r.output_token_ids == [1]
 
 
 # ---- endings ---------------------------------------------------------------------------------------------

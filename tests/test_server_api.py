@@ -227,3 +227,22 @@ def test_fuzzed_bodies_never_5xx(server, path, body):
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_async_scheduling_server_streams_the_offline_text_and_frees_aborted_blocks(tiny_v4_dir, offline):
+    """The server's engine loop with asynchronous scheduling (the CUDA default; here forced on the CPU):
+    a stream equals the offline text, and a client leaving mid-stream, while a step of its request is in
+    flight, gets every block back."""
+    with ThreadedServer(ServerConfig(model=str(tiny_v4_dir), served_model_name=MODEL, port=0,
+                                     async_scheduling=True, **ENGINE)) as s:
+        assert s.engine.async_scheduling
+        ref = offline.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                                temperature=0, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+        body = {"prompt": "tell me a long story", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=30) as h, h.stream("POST", s.url + "/v1/completions", json=body) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data:"))
+        assert _idle(s, timeout=8)

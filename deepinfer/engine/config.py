@@ -28,6 +28,9 @@ class EngineConfig:
     # fast numerics on cuda: replay pure-decode steps from CUDA graphs captured per batch bucket at start
     # (model/decode_step.py); False, or DEEPINFER_CUDA_GRAPHS=0, runs the same decode path eagerly
     cuda_graphs: bool = True
+    # schedule step n+1 while step n runs on the device, doing the host's work on step n's tokens meanwhile
+    # (engine/llm_engine.py); None: on for one CUDA process without speculative decoding
+    async_scheduling: bool | None = None
     # parallelism (deepinfer/distributed, engine/distributed_*.py): one process per rank, world = tp * dp;
     # experts split in expert_parallel_size shards (1, tp or tp*dp)
     tensor_parallel_size: int = 1

@@ -1,9 +1,19 @@
-"""`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time (synchronous).
+"""`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
 
 Owns: request validation (a bad request raises for that request only; nothing in flight is touched),
 per-request sampling state (params, seeded generator, detokenizer, stop checker, logprobs), the step
 loop schedule -> run -> sample -> update -> detokenize/stop, and abort. Logprobs are taken from the same
 logits rows the sampler drew from (the seed's P5 shipped 0.0 for every token).
+
+Asynchronous scheduling (EngineConfig.async_scheduling; on by default for one CUDA process without
+drafting): `step()` schedules and queues step n+1 on the device, with the ids of its decode positions read
+there from step n's sampled tokens, and only then waits for step n's tokens and does the host's work on
+them (scheduler commit, detokenizing, stop strings, logprobs, outputs) while the device runs step n+1.
+Without it that host work (~3 ms a step at batch 128 on the H200's host, BENCHMARKS.md) adds to every
+step. Each step's outputs come one `step()` call later, and a request that ends at step n (a stop token
+or string) has had one more position computed in step n+1, whose token is dropped. The tokens are the
+same as in the synchronous loop: every request sees the same inputs and draws from its own generator in
+the same order.
 Must not: know tensor layouts (the runner does) or block accounting (the scheduler does).
 """
 from __future__ import annotations
@@ -17,15 +27,16 @@ from deepinfer import env
 from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.distributed_runner import is_parallel, start_parallel_runner
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.model_runner import ModelRunner, PendingTokens
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sampling import Sampler, SamplingParams
 from deepinfer.sampling.logprobs import prompt_logprobs
 from deepinfer.sampling.sampler import make_generator
 from deepinfer.sampling.stop import StopChecker
 from deepinfer.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from deepinfer.scheduler.output import SchedulerOutput
 from deepinfer.spec.config import SpeculativeConfig
-from deepinfer.spec.verify import verify
+from deepinfer.spec.verify import Verified, verify
 from deepinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -43,6 +54,17 @@ class _State:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    """A step queued on the device whose sampled tokens the host has not read yet (asynchronous mode)."""
+
+    out: SchedulerOutput
+    pending: PendingTokens | None  # the sampled tokens on the device, for the next step's inputs
+    host: object | None  # the SamplerOutput being copied to the host
+    ready: object | None  # the CUDA event after that copy (None: on the host already)
+    rows: dict[str, int]  # request id -> row of the sampled tokens
 
 
 def _rows_of(logits: torch.Tensor, rows) -> torch.Tensor:
@@ -84,6 +106,20 @@ class LLMEngine:
                                            self.runner.params, self.runner.numerics, config.max_num_seqs)
         self._requests: dict[str, Request] = {}
         self._seed_counter = count()
+        self.async_scheduling = self._async_mode(config.async_scheduling, spec, sample_on)
+        self._in_flight: _InFlight | None = None
+
+    def _async_mode(self, asked: bool | None, spec, sample_on: str) -> bool:
+        """Asynchronous scheduling: asked for, or (None) on for a one-process CUDA engine that samples on the
+        device. It needs one sampled token per request and step, on the runner's device: not with drafting
+        (a step's token count is known only after verification) or the parallel runner."""
+        possible = spec is None and not is_parallel(self.config)
+        if asked and not possible:
+            raise ValueError("async_scheduling needs one process without speculative decoding (drafts change "
+                             "how many tokens a step yields before the next step can be scheduled)")
+        if asked is None:
+            return possible and self.runner.device.type == "cuda" and sample_on == "device"
+        return bool(asked)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -119,7 +155,8 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not finished, or a step whose outputs have not been returned yet."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def spec_stats(self):
@@ -132,12 +169,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; returns an output for every request that progressed or finished."""
+        """One scheduling step; returns an output for every request that progressed or finished (with
+        asynchronous scheduling: in the previous step)."""
+        if self.async_scheduling:
+            return self._step_async()
         out = self.scheduler.schedule()
-        touched: dict[str, Request] = {}
-        for rid in out.finished_ids:  # aborted/failed since the last step: report them once
-            if rid in self._requests:
-                touched[rid] = self._requests[rid]
+        touched = self._finished_since_last_step(out)
         if out.is_empty:
             return [self._output(r) for r in touched.values()]
         want_prompt = {sr.request_id for sr in out.scheduled if sr.request.payload.prompt_logprobs is not None}
@@ -175,22 +212,87 @@ class LLMEngine:
         verified = verify(self.sampler, per_request, drafts,
                           [s.params for s in states], [s.generator for s in states])
         tokens = {sr.request_id: v.tokens for sr, v in zip(scheduled, verified)}
-        update = self.scheduler.update(out, tokens)
         by_id = dict(zip(tokens, verified))
+        self._absorb(self.scheduler.update(out, tokens), by_id, touched)
+        if self.spec is not None:
+            released = set(out.preempted_ids) | {r for r, q in touched.items() if q.is_finished}
+            self.spec.finish_step(self.scheduler, out, by_id, snapshots, hidden, released)
+        for sr in out.scheduled:
+            touched.setdefault(sr.request_id, sr.request)
+        return [self._output(r) for r in touched.values()]
+
+    def _finished_since_last_step(self, out: SchedulerOutput) -> dict[str, Request]:
+        """Requests aborted or failed since the last step (reported once), as the start of a step's outputs."""
+        return {rid: self._requests[rid] for rid in out.finished_ids if rid in self._requests}
+
+    def _absorb(self, update, by_id: dict[str, Verified], touched: dict[str, Request]) -> None:
+        """The host's work on committed tokens: detokenize (stop strings), logprobs of the tokens that stay."""
         for rid, new in update.new_token_ids.items():
             req = self._requests[rid]
             kept = self._detokenize(req, new)
             for sampled, row in by_id[rid].sampled[:kept]:  # logprobs of the tokens that stay, from their rows
                 self._record_logprobs(req.payload, sampled, row)
             touched[rid] = req
-        if self.spec is not None:
-            released = set(out.preempted_ids) | {r for r, q in touched.items() if q.is_finished}
-            self.spec.finish_step(self.scheduler, out, by_id, snapshots, hidden, released)
         for req in update.finished:
             touched[req.request_id] = req
-        for sr in out.scheduled:
-            touched.setdefault(sr.request_id, sr.request)
+
+    # ------------------------------------------------------------------ the asynchronous loop
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and queue step n+1, then finish step n on the host while the device runs n+1."""
+        out = self.scheduler.schedule()
+        touched = self._finished_since_last_step(out)
+        launched = self._launch(out, touched) if not out.is_empty else None
+        if self._in_flight is not None:
+            self._finish_in_flight(self._in_flight, touched)
+        self._in_flight = launched
         return [self._output(r) for r in touched.values()]
+
+    def _launch(self, out: SchedulerOutput, touched: dict[str, Request]) -> _InFlight | None:
+        """Run the step and sample it on the device without reading the tokens; the scheduler advances."""
+        want_prompt = {sr.request_id for sr in out.scheduled if sr.request.payload.prompt_logprobs is not None}
+        prev = self._in_flight.pending if self._in_flight is not None else None
+        try:
+            result = self.runner.execute(out, want_prompt, pending=prev)
+        except Exception as e:  # as in the synchronous step: the batch fails, the engine keeps serving
+            if getattr(e, "fatal", False):
+                raise
+            for sr in out.scheduled:
+                self.scheduler.fail(sr.request_id, e)
+                touched[sr.request_id] = sr.request
+            return None
+        for rid, logits in result.prompt_logits.items():  # (reads on the host: this step waits)
+            self._add_prompt_logprobs(self._requests[rid], logits, out)
+        rows = out.sample_rows()
+        scheduled = [sr for sr in out.scheduled if sr.request_id in rows]
+        assert all(rows[sr.request_id] == range(i, i + 1) for i, sr in enumerate(scheduled)), \
+            "asynchronous scheduling samples one row per request, in order"
+        sampled = host = ready = pending = None
+        if scheduled:
+            states = [sr.request.payload for sr in scheduled]
+            logits = result.sample_logits.to(self.sample_device)
+            sampled = self.sampler.sample(logits, [s.params for s in states], [s.generator for s in states],
+                                          to_host=False)
+            host, ready = sampled.to_host_async()  # queued before the next step: it does not wait for it
+            order = {sr.request_id: i for i, sr in enumerate(scheduled)}
+            pending = PendingTokens(sampled.token_ids.to(self.runner.device), order)
+        self.scheduler.advance(out)
+        return _InFlight(out, pending, host, ready, pending.rows if pending else {})
+
+    def _finish_in_flight(self, step: _InFlight, touched: dict[str, Request]) -> None:
+        """Read the step's tokens (waiting for its copy only) and do the host's work on them."""
+        tokens = {}
+        by_id: dict[str, Verified] = {}
+        if step.host is not None:
+            if step.ready is not None:
+                step.ready.synchronize()
+            ids = step.host.lists[0]
+            for rid, row in step.rows.items():
+                tokens[rid] = [ids[row]]
+                by_id[rid] = Verified(tokens=[ids[row]], sampled=[(step.host, row)])
+        self._absorb(self.scheduler.commit(step.out, tokens), by_id, touched)
+        for sr in step.out.scheduled:
+            if sr.request_id in self._requests:  # (one finished and reported since is not reported again)
+                touched.setdefault(sr.request_id, sr.request)
 
     # ------------------------------------------------------------------ helpers
     def _record_logprobs(self, state: _State, sampled, row: int) -> None:

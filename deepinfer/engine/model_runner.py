@@ -24,12 +24,22 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.distributed_load import load_rank_tensors
 from deepinfer.model.cache import V4Cache
-from deepinfer.model.context import ForwardContext, SeqContext, resolve_device
+from deepinfer.model.context import ForwardContext, SeqContext, host_to_device, resolve_device
 from deepinfer.model.decode_step import DecodeRunner
 from deepinfer.model.factory import v4_cache, v4_params, value_dtype
 from deepinfer.model.v4 import V4EngineModel
 from deepinfer.scheduler.output import SchedulerOutput
+from deepinfer.scheduler.request import PENDING_TOKEN
 from deepinfer.weights import load_tensors
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """The previous step's sampled tokens, still on the device (asynchronous scheduling): `token_ids[r]` is
+    the token of the request `rows` maps to r. A position scheduled with PENDING_TOKEN takes its id here."""
+
+    token_ids: torch.Tensor  # [R] long, on the runner's device
+    rows: dict[str, int]  # request id -> row of token_ids
 
 
 @dataclass
@@ -117,7 +127,9 @@ class ModelRunner:
         return int(num_blocks)
 
     # ------------------------------------------------------------------ one step
-    def execute(self, out: SchedulerOutput, want_prompt_logits: set[str] = frozenset()) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, want_prompt_logits: set[str] = frozenset(),
+                pending: PendingTokens | None = None) -> RunnerOutput:
+        """pending: where the ids of positions scheduled as PENDING_TOKEN are (asynchronous scheduling)."""
         seqs, ids = [], []
         for sr in out.scheduled:
             seqs.append(SeqContext.from_slots(sr.slots, sr.start_position, sr.num_new_tokens))
@@ -125,7 +137,7 @@ class ModelRunner:
         needs_rows = any(sr.num_sampled_rows > 1 for sr in out.scheduled)
         all_rows = needs_rows or any(sr.request_id in want_prompt_logits for sr in out.scheduled)
         ctx = ForwardContext(tuple(seqs), all_logits=all_rows)
-        logits = self.forward_batch(torch.tensor(ids, dtype=torch.long), ctx)
+        logits = self.forward_batch(self._token_ids(out, ids, pending), ctx)
         picked, prompt = [], {}  # the sampled rows' indices into `logits`, in scheduled order
         for i, sr in enumerate(out.scheduled):
             span = ctx.rows(i)
@@ -140,8 +152,30 @@ class ModelRunner:
         if picked == list(range(logits.shape[0])):
             sample_logits = logits
         else:
-            sample_logits = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
+            sample_logits = logits[host_to_device(torch.tensor(picked, dtype=torch.long), logits.device)]
         return RunnerOutput(sample_logits, prompt)
+
+    def _token_ids(self, out: SchedulerOutput, ids: list[int], pending: PendingTokens | None) -> torch.Tensor:
+        """The step's flat ids: on the host, or, when some are pending, on the device with those read from
+        the previous step's sampled tokens (one gather; the host never waits for them)."""
+        host = torch.tensor(ids, dtype=torch.long)
+        if PENDING_TOKEN not in ids:
+            return host
+        where, rows, flat = [], [], 0
+        for sr in out.scheduled:
+            for j, token in enumerate(sr.token_ids):
+                if token == PENDING_TOKEN:
+                    if pending is None or sr.request_id not in pending.rows:
+                        raise ValueError(f"request {sr.request_id!r}: position {sr.start_position + j} is "
+                                         f"pending but the previous step sampled no token for it")
+                    where.append(flat + j)
+                    rows.append(pending.rows[sr.request_id])
+            flat += len(sr.token_ids)
+        device = pending.token_ids.device
+        dev_ids = host_to_device(host, device)
+        dev_ids[host_to_device(torch.tensor(where), device)] = \
+            pending.token_ids[host_to_device(torch.tensor(rows), device)]
+        return dev_ids
 
     def forward_batch(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The step's logits rows on the runner's device (the engine samples there). The parallel runner

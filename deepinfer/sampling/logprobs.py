@@ -30,6 +30,18 @@ class TokenLogprobs:
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
+    def to_host_async(self):
+        """(copy, event): the rows copied to pinned host memory without waiting for the device, and the
+        CUDA event to synchronise on before reading them (None: already on the host). Queued right after
+        sampling, the copy does not wait for work queued later (a blocking `.to("cpu")` would)."""
+        if self.token_ids.device.type == "cpu":
+            return self, None
+        moved = {f.name: getattr(self, f.name).to("cpu", non_blocking=True) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.token_ids.device))
+        return replace(self, **moved), event
+
     @functools.cached_property
     def lists(self) -> tuple[list, list, list, list, list]:
         """The rows as Python lists (token ids, logprobs, ranks, top ids, top logprobs), converted once:

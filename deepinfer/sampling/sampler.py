@@ -46,6 +46,16 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def _small_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A per-row parameter tensor on `device` without waiting for the device: a plain `torch.tensor(...,
+    device="cuda")` copies from pageable memory, which waits for every kernel queued before it (with
+    asynchronous scheduling, the next step's whole forward)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class SamplerOutput(TokenLogprobs):
     num_top_logprobs: tuple[int, ...] = ()  # per row: how many top logprobs its request asked for
@@ -58,8 +68,10 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None] | None = None) -> SamplerOutput:
-        """`logits` [N, V] float; `params[i]` and `generators[i]` belong to row i (generators may be None)."""
+               generators: Sequence[torch.Generator | None] | None = None, to_host: bool = True) -> SamplerOutput:
+        """`logits` [N, V] float; `params[i]` and `generators[i]` belong to row i (generators may be None).
+        to_host=False leaves the rows on the logits' device (the asynchronous engine copies them later with
+        `TokenLogprobs.to_host_async`, after it has queued the next step)."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or not logits.is_floating_point():
             raise ValueError(f"logits must be float [N, V] with N = {len(params)} params, got "
                              f"{tuple(logits.shape)} {logits.dtype}")
@@ -73,7 +85,7 @@ class Sampler:
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = _small_tensor(random_rows, logits.device)
             scaled = self._filtered(logits[rows], [params[i] for i in random_rows])  # [R, V]
             probs = scaled.softmax(dim=-1)
             noise = self._noise(probs, [generators[i] if generators else None for i in random_rows])
@@ -87,22 +99,22 @@ class Sampler:
         out = gather_logprobs(logprobs, token_ids, max(num_top, default=0))
         # the tokens go to the scheduler and the logprobs to the outputs, both on the host: the [N, V] work
         # above stays on the logits' device, and only these [N] / [N, k] rows cross (see the module doc)
-        return SamplerOutput(out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs,
-                             num_top).to("cpu")
+        out = SamplerOutput(out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, num_top)
+        return out.to("cpu") if to_host else out
 
     @staticmethod
     def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Temperature-scaled and filtered rows (filters skipped entirely when no row uses them)."""
         dev, dt = logits.device, logits.dtype
-        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=dt)
+        temps = _small_tensor([p.temperature for p in params], dev, dt)
         scaled = logits / temps.unsqueeze(-1)
         top_k = top_p = min_p = None
         if any(p.top_k_or_off for p in params):
-            top_k = torch.tensor([p.top_k_or_off for p in params], device=dev, dtype=torch.long)
+            top_k = _small_tensor([p.top_k_or_off for p in params], dev, torch.long)
         if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=dt)
+            top_p = _small_tensor([p.top_p for p in params], dev, dt)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=dt)
+            min_p = _small_tensor([p.min_p for p in params], dev, dt)
         return apply_filters(scaled, top_k, top_p, min_p)
 
     @staticmethod
@@ -112,8 +124,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [j for j, g in enumerate(generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device,
-                                          dtype=probs.dtype).exponential_(1)
+            noise.index_copy_(0, _small_tensor(unseeded, probs.device),
+                              torch.empty((len(unseeded), probs.shape[1]), device=probs.device,
+                                          dtype=probs.dtype).exponential_(1))
         for j, gen in enumerate(generators):
             if gen is not None:
                 noise[j].exponential_(1, generator=gen)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+PENDING_TOKEN = -1  # the id of a position whose token was sampled on the device and is not yet known here
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -51,6 +54,10 @@ class Request:
     # Draft tokens proposed for the next step (set by the drafter between steps); computed together with
     # the last real token and verified by the sampler.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled on the device whose ids the host does not know yet (asynchronous scheduling: the next
+    # step is scheduled while this one runs). They count as positions to compute; their ids are
+    # PENDING_TOKEN until `Scheduler.commit` appends the real ones (the runner reads them on the device).
+    num_pending_tokens: int = 0
     arrival_index: int = -1  # FCFS order, set by Scheduler.add_request
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id, or the stop string
@@ -80,16 +87,23 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus those sampled on the device and not yet known (asynchronous scheduling)."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
     def num_tokens_with_drafts(self) -> int:
-        return self.num_tokens + len(self.draft_token_ids)
+        return self.num_tokens_with_pending + len(self.draft_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_to_compute(self, start: int, num: int) -> list[int]:
-        """Ids of positions [start, start + num): prompt, then outputs, then drafts."""
-        seq = self.prompt_token_ids + self.output_token_ids + self.draft_token_ids
+        """Ids of positions [start, start + num): prompt, then outputs, then pending (PENDING_TOKEN), then
+        drafts."""
+        seq = self.prompt_token_ids + self.output_token_ids + [PENDING_TOKEN] * self.num_pending_tokens \
+            + self.draft_token_ids
         assert start + num <= len(seq), (start, num, len(seq))
         return seq[start : start + num]
 

@@ -13,6 +13,11 @@ Policy (nano-vllm / vLLM v1, adapted to V4):
 - Length: prompts longer than `max_model_len` are rejected; generation stops (finish reason "length")
   once prompt + outputs reach `max_model_len` or outputs reach `max_tokens`. At most `max_model_len`
   positions are ever computed (the last sampled token is never computed).
+- Asynchronous scheduling (the engine schedules step n+1 while step n runs on the device): `update` is
+  `advance` (positions computed, one token pending per sampled request, at launch) then `commit` (the
+  sampled ids, stop and length checks, once the device has them). A pending token is a position to
+  compute whose id the runner reads on the device (`PENDING_TOKEN` here); a request whose pending tokens
+  already reach its length limit is not scheduled again, so nothing past the limit is ever computed.
 
 Must not: import a tensor library or sampling; run the model; detokenize (stop strings come in through
 `finish`). One `update` must follow each `schedule`, in order.
@@ -79,6 +84,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending_tokens and self._sampled_out(req):  # its last token is on the way: done
+                i += 1
+                continue
             self._trim_drafts(req)
             num_new = min(req.num_tokens_with_drafts - req.num_computed_tokens, budget,
                           cfg.max_model_len - req.num_computed_tokens)
@@ -100,6 +108,8 @@ class Scheduler:
         # FCFS admission; a preemption means blocks are short, so admitting more would only thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending_tokens:  # preempted with a token still on the way: admitted once it is known
+                break
             req.draft_token_ids.clear()  # drafts only follow a computed context
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > budget:
@@ -121,7 +131,8 @@ class Scheduler:
     def _trim_drafts(self, req: Request) -> None:
         """Drop drafts that could never be used: past max_model_len, or past the last token max_tokens allows
         (verifying k drafts yields up to k + 1 tokens)."""
-        room = min(self.config.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
+        room = min(self.config.max_model_len - req.num_tokens_with_pending,
+                   req.max_tokens - req.num_output_tokens - req.num_pending_tokens - 1)
         if len(req.draft_token_ids) > max(room, 0):
             del req.draft_token_ids[max(room, 0):]
 
@@ -129,11 +140,16 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + num_new
         slots = self.block_pool.allocate_for(req.request_id, end)
-        num_drafts = max(0, end - req.num_tokens)
+        num_drafts = max(0, end - req.num_tokens_with_pending)
         del req.draft_token_ids[num_drafts:]  # drafts cut off by the budget are dropped, not deferred
-        sampled_rows = num_drafts + 1 if end >= req.num_tokens else 0
+        sampled_rows = num_drafts + 1 if end >= req.num_tokens_with_pending else 0
         return ScheduledRequest(req, start, num_new, num_drafts, tuple(req.token_ids_to_compute(start, num_new)),
                                 slots, sampled_rows)
+
+    def _sampled_out(self, req: Request) -> bool:
+        """Whether the tokens already sampled (known and pending) reach the request's length limit."""
+        return (req.num_output_tokens + req.num_pending_tokens >= req.max_tokens
+                or req.num_tokens_with_pending >= self.config.max_model_len)
 
     def _preempt(self, req: Request) -> None:
         self.block_pool.free(req.request_id)
@@ -145,16 +161,19 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> StepResult:
-        """Advance every scheduled request by its computed tokens and append its sampled tokens.
+        """Advance every scheduled request by its computed tokens and append its sampled tokens (the
+        synchronous step: `advance` then `commit`).
 
         `sampled_token_ids[id]` holds, for a request with `num_sampled_rows > 0`, the accepted drafts
         followed by one sampled token (so 1 .. num_draft_tokens + 1 ids). Requests aborted since `schedule`
         are skipped. Tokens for a request that sampled no row are a row-mapping bug and raise."""
-        scheduled_ids = {sr.request_id for sr in output.scheduled if sr.num_sampled_rows}
-        unexpected = set(sampled_token_ids) - scheduled_ids
-        if unexpected:
-            raise ValueError(f"sampled tokens for requests that sampled no row this step: {sorted(unexpected)}")
-        result = StepResult()
+        self._check_sampled_ids(output, sampled_token_ids)
+        self.advance(output)
+        return self.commit(output, sampled_token_ids)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step was launched: its positions count as computed, and each request that samples a row has
+        one more token pending (its id comes with `commit`). Requests aborted since `schedule` are skipped."""
         for sr in output.scheduled:
             req = sr.request
             if req.status is not RequestStatus.RUNNING or self.requests.get(req.request_id) is not req:
@@ -163,15 +182,32 @@ class Scheduler:
                 raise RuntimeError(f"{req.request_id!r}: update out of order (computed {req.num_computed_tokens}, "
                                    f"scheduled from {sr.start_position})")
             req.num_computed_tokens += sr.num_new_tokens
-            if not sr.num_sampled_rows:
+            if sr.num_sampled_rows:
+                req.num_pending_tokens += 1
+
+    def commit(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> StepResult:
+        """The sampled ids of an advanced step: append them, roll back rejected drafts, apply stop tokens and
+        length limits. With asynchronous scheduling the next step may already be scheduled and advanced
+        (the request then has a later token pending, or was preempted meanwhile); a request finished or
+        aborted since is skipped, its token dropped."""
+        self._check_sampled_ids(output, sampled_token_ids)
+        result = StepResult()
+        for sr in output.scheduled:
+            req = sr.request
+            if not sr.num_sampled_rows or req.is_finished or self.requests.get(req.request_id) is not req:
                 continue
+            if req.num_pending_tokens <= 0:
+                raise RuntimeError(f"{req.request_id!r}: commit without a pending token (commit before advance, "
+                                   f"or twice)")
             tokens = list(sampled_token_ids.get(req.request_id, ()))
             if not 1 <= len(tokens) <= sr.num_draft_tokens + 1:
                 raise ValueError(f"{req.request_id!r}: expected 1..{sr.num_draft_tokens + 1} sampled tokens, "
                                  f"got {len(tokens)}")
-            # Rejected drafts were computed but are not part of the sequence: roll them back. The bonus
-            # (last) token is never computed yet.
-            req.num_computed_tokens -= sr.num_draft_tokens + 1 - len(tokens)
+            req.num_pending_tokens -= 1
+            if req.status is RequestStatus.RUNNING:
+                # Rejected drafts were computed but are not part of the sequence: roll them back. The bonus
+                # (last) token is never computed yet. (A preempted request recomputes from 0 anyway.)
+                req.num_computed_tokens -= sr.num_draft_tokens + 1 - len(tokens)
             req.draft_token_ids.clear()
             appended = result.new_token_ids.setdefault(req.request_id, [])
             for token in tokens:
@@ -183,6 +219,13 @@ class Scheduler:
                     result.finished.append(req)
                     break
         return result
+
+    @staticmethod
+    def _check_sampled_ids(output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> None:
+        scheduled_ids = {sr.request_id for sr in output.scheduled if sr.num_sampled_rows}
+        unexpected = set(sampled_token_ids) - scheduled_ids
+        if unexpected:
+            raise ValueError(f"sampled tokens for requests that sampled no row this step: {sorted(unexpected)}")
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         # A stop token wins over length, so an EOS that is also the last allowed token reports "stop".
@@ -234,5 +277,6 @@ class Scheduler:
         req.status = status
         req.stop_reason = stop_reason
         req.draft_token_ids.clear()
+        req.num_pending_tokens = 0  # a token still on the way is dropped
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)

@@ -50,6 +50,7 @@ class ServerConfig:
     tensor_parallel_size: int = 1  # parallel ranks: engine/distributed_runner.py
     expert_parallel_size: int = 1
     data_parallel_size: int = 1
+    async_scheduling: bool | None = None  # None: the engine's default (on for one CUDA process)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         return EngineConfig(model=model_dir, numerics=self.numerics, max_model_len=self.max_model_len,
@@ -57,7 +58,7 @@ class ServerConfig:
                             num_blocks=self.num_blocks, kv_cache_bytes=self.kv_cache_bytes, seed=self.seed,
                             tensor_parallel_size=self.tensor_parallel_size,
                             expert_parallel_size=self.expert_parallel_size,
-                            data_parallel_size=self.data_parallel_size)
+                            data_parallel_size=self.data_parallel_size, async_scheduling=self.async_scheduling)
 
 
 def build_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:

@@ -29,6 +29,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--speculative-method", choices=("mtp", "dspark"),
                    help="speculative decoding: draft with the checkpoint's MTP (v4) or DSpark (v41) layers")
     s.add_argument("--num-speculative-tokens", type=int, default=1, help="drafts per step")
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device runs this one (default: on for one CUDA "
+                        "process without speculative decoding)")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 429")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     s.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get on SIGTERM")
@@ -48,7 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_bytes, numerics=args.numerics, seed=args.seed, max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace,
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-        tensor_parallel_size=args.tp, expert_parallel_size=args.ep, data_parallel_size=args.dp)
+        tensor_parallel_size=args.tp, expert_parallel_size=args.ep, data_parallel_size=args.dp,
+        async_scheduling=args.async_scheduling)
     if int(os.environ.get("RANK", "0")) > 0:  # torchrun: ranks > 0 hold their model slices, no HTTP
         from deepinfer.engine.distributed_runner import start_parallel_runner
         from deepinfer.config import ModelConfig
