@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from engine_watch import record_preemptions
 
 LENGTHS = [1, 2, 3, 5, 8, 13, 17, 31, 64, 100, 127, 128, 129, 150, 200, 255, 256, 300, 350, 400]
 NEW = 48
@@ -108,15 +109,7 @@ def test_preemption_keeps_outputs(tiny_v4_dir):
     prompts = make_prompts([100, 110, 120, 125, 90], seed=9)
     _, free_run, _ = run_greedy(tiny_v4_dir, prompts, 5, 64)
     llm = LLM(tiny_v4_dir, max_model_len=512, max_num_seqs=5, max_num_batched_tokens=64, num_blocks=5)
-    preempted = []
-    step = llm.engine.scheduler.schedule
-
-    def watch():
-        out = step()
-        preempted.extend(out.preempted_ids)
-        return out
-
-    llm.engine.scheduler.schedule = watch
+    preempted = record_preemptions(llm)
     tight = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert preempted, "the block budget was meant to force preemption"
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in free_run]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from engine_watch import record_preemptions
 
 REL = 1e-9
 
@@ -108,14 +109,7 @@ def test_async_preemption_and_chunking_keep_the_tokens(tiny_v4_dir):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     free = engine(tiny_v4_dir, False, max_num_seqs=5, max_num_batched_tokens=64).generate(ps, params)
     llm = engine(tiny_v4_dir, True, max_num_seqs=5, max_num_batched_tokens=64, num_blocks=5)
-    preempted, schedule = [], llm.engine.scheduler.schedule
-
-    def watch():
-        out = schedule()
-        preempted.extend(out.preempted_ids)
-        return out
-
-    llm.engine.scheduler.schedule = watch
+    preempted = record_preemptions(llm)
     tight = llm.generate(ps, params)
     assert preempted, "the block budget was meant to force preemption"
     assert summary(tight) == summary(free)

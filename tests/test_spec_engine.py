@@ -10,6 +10,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.scheduler.output import SchedulerOutput
+from engine_watch import record_preemptions
 from spec_proposers import ForcedProposer
 
 LENGTHS = [1, 2, 3, 5, 8, 13, 15, 16, 17, 20, 31, 33, 60, 100, 120, 122, 123, 124, 125, 127]
@@ -149,15 +150,7 @@ def test_preemption_under_drafting(tiny_v4_dir, baseline):
     prompts, base = baseline
     llm = LLM(tiny_v4_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, num_blocks=5,
               speculative=forced(baseline, "mixed"))
-    preempted = []
-    schedule = llm.engine.scheduler.schedule
-
-    def counting():
-        out = schedule()
-        preempted.extend(out.preempted_ids)
-        return out
-
-    llm.engine.scheduler.schedule = counting
+    preempted = record_preemptions(llm)
     outs = llm.generate(prompts, GREEDY)
     assert preempted, "the test needs preemptions to happen"
     assert_same(base, outs)
