@@ -231,14 +231,22 @@ def _tokenizer_dir() -> Path:
 
 def write_tiny(out_dir: str | Path, family: str = "v4", seed: int = 0, max_shard_bytes: int = 64 << 20) -> Path:
     """Write a complete tiny checkpoint directory (atomically: a temp dir renamed into place)."""
+    cfg = tiny_config(family)
+    return write_model_dir(out_dir, cfg, make_tensors(cfg, seed), family, seed, max_shard_bytes)
+
+
+def write_model_dir(out_dir: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], family: str = "v4",
+                    seed: int = 0, max_shard_bytes: int = 64 << 20) -> Path:
+    """A complete checkpoint directory of `cfg` holding `tensors` (official names and formats, e.g. from
+    `make_tensors`), with the configs and the V4 tokenizer; written atomically (a temp dir renamed into
+    place). Benchmarks write real-dimension slices with it (benchmarks/bench_engine_slice.py)."""
     from deepinfer.weights.writer import write_checkpoint  # the writer imports nothing from here
 
     out = Path(out_dir)
-    cfg = tiny_config(family)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
     try:
-        write_checkpoint(tmp, make_tensors(cfg, seed), max_shard_bytes=max_shard_bytes)
+        write_checkpoint(tmp, tensors, max_shard_bytes=max_shard_bytes)
         (tmp / "inference").mkdir()
         _dump(tmp / "inference" / "config.json", cfg.to_inference_json())
         _dump(tmp / "config.json", hf_config(cfg))

@@ -1,0 +1,86 @@
+"""The serving engine itself (`LLMEngine.step`: scheduling, the batched decode replayed from its CUDA graph,
+sampling over the 129,280-token vocabulary, detokenizing, outputs) on the V4-Flash slice: real dimensions,
+random weights written as an official-format checkpoint directory and loaded by the engine's own loader.
+The slice benchmarks (run_slice.py, decode_anatomy.py) time the model's decode step alone; this is what a
+user of `LLM` / the server gets, synchronous loop against asynchronous scheduling.
+
+Every request has a `--context`-token prompt and decodes `--new` tokens (ignore_eos); each `step()` is
+timed with the host clock, median over the pure-decode steps of the whole batch (the first two dropped).
+
+    PYTHONPATH=$PWD python benchmarks/bench_engine_slice.py [--layers 4] [--batches 1 32 128]
+        [--context 256] [--new 24] [--async-modes off on] [--dir /tmp/v4_slice_ckpt]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from slice_config import slice_config  # noqa: E402
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.tiny import make_tensors, write_model_dir  # noqa: E402
+
+
+def write_slice(layers: int, out: str) -> str:
+    if os.path.exists(os.path.join(out, "deepinfer_tiny.json")):
+        return out
+    cfg = slice_config(layers)
+    t0 = time.perf_counter()
+    raw = {k: v.cpu() for k, v in make_tensors(cfg, seed=0, device="cuda").items()}
+    torch.cuda.empty_cache()
+    write_model_dir(out, cfg, raw, max_shard_bytes=4 << 30)
+    print(f"wrote {sum(t.numel() * t.element_size() for t in raw.values()) / 1e9:.1f} GB to {out} in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
+def decode_steps(llm: LLM, batch: int, context: int, new: int) -> float:
+    eng = llm.engine
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        eng.add_request(f"b{batch}-{i}", torch.randint(2, 120000, (context,), generator=g).tolist(),
+                        SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    steps = []
+    while eng.has_unfinished():
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dt = (time.perf_counter() - t0) * 1e3
+        if len(outs) == batch and all(len(o.outputs[0].token_ids) >= 2 for o in outs):
+            steps.append(dt)
+    return statistics.median(steps[2:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--new", type=int, default=24)
+    ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=("off", "on"))
+    ap.add_argument("--dir", default="/tmp/v4_slice_ckpt")
+    args = ap.parse_args()
+    path = write_slice(args.layers, args.dir)
+    print(f"{torch.cuda.get_device_name()}, V4-Flash slice of {args.layers} layers, prompts of {args.context}, "
+          f"greedy, {args.new} new tokens", flush=True)
+    for mode in args.async_modes:
+        t0 = time.perf_counter()
+        llm = LLM(path, numerics="fast", device="cuda", max_model_len=args.context + args.new + 64,
+                  max_num_seqs=max(args.batches), max_num_batched_tokens=8192, async_scheduling=mode == "on")
+        print(f"async {mode}: engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        for b in args.batches:
+            ms = decode_steps(llm, b, args.context, args.new)
+            print(f"async {mode:3s} B={b:4d} LLMEngine.step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s "
+                  f"({ms / args.layers:.3f} ms a layer, head and host included)", flush=True)
+        del llm
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
