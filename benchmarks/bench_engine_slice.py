@@ -8,11 +8,16 @@ Every request has a `--context`-token prompt and decodes `--new` tokens (ignore_
 timed with the host clock, median over the pure-decode steps of the whole batch (the first two dropped).
 
     PYTHONPATH=$PWD python benchmarks/bench_engine_slice.py [--layers 4] [--batches 1 32 128]
-        [--context 256] [--new 24] [--async-modes off on] [--dir /tmp/v4_slice_ckpt]
+        [--context 256] [--new 24] [--async-modes off on] [--dir /tmp/v4_slice_ckpt] [--transformers]
+
+--transformers: then the same slice through transformers' DeepseekV4ForCausalLM in the same process
+(hf_slice.py: its decode step at the same batches and prompt length; transformers' step moved between 35
+and 58 ms across runs at b128, so the ratio means something only within one run).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -65,21 +70,33 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=("off", "on"))
     ap.add_argument("--dir", default="/tmp/v4_slice_ckpt")
+    ap.add_argument("--transformers", action="store_true", help="also time transformers' slice (same process)")
     args = ap.parse_args()
     path = write_slice(args.layers, args.dir)
     print(f"{torch.cuda.get_device_name()}, V4-Flash slice of {args.layers} layers, prompts of {args.context}, "
           f"greedy, {args.new} new tokens", flush=True)
+    engine_ms = {}
     for mode in args.async_modes:
         t0 = time.perf_counter()
         llm = LLM(path, numerics="fast", device="cuda", max_model_len=args.context + args.new + 64,
                   max_num_seqs=max(args.batches), max_num_batched_tokens=8192, async_scheduling=mode == "on")
         print(f"async {mode}: engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
         for b in args.batches:
-            ms = decode_steps(llm, b, args.context, args.new)
+            ms = engine_ms[b] = decode_steps(llm, b, args.context, args.new)
             print(f"async {mode:3s} B={b:4d} LLMEngine.step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s "
                   f"({ms / args.layers:.3f} ms a layer, head and host included)", flush=True)
         del llm
+        gc.collect()  # the engine's graphs and caches hold GPU memory until collected
         torch.cuda.empty_cache()
+    if args.transformers:
+        import hf_slice
+
+        cfg = slice_config(args.layers)
+        model, _ = hf_slice.build(cfg.n_layers, list(cfg.compress_ratios[: cfg.n_layers]))
+        for b in args.batches:
+            ms = hf_slice.decode_ms(model, cfg.vocab_size, b, args.context)
+            print(f"transformers B={b:4d} decode step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s; the engine's last "
+                  f"mode ({args.async_modes[-1]}) {ms / engine_ms[b]:.1f}x", flush=True)
 
 
 if __name__ == "__main__":
