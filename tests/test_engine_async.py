@@ -166,3 +166,25 @@ def test_a_pending_position_without_a_sampled_token_is_named(tiny_v4_dir):
                               sr.slots, 1),), (), (), 3)
     with pytest.raises(ValueError, match="'r': position 2 is pending but the previous step sampled no token"):
         eng.runner.execute(bad)
+
+
+def test_an_id_reused_while_its_old_request_is_in_flight(tiny_v4_dir):
+    """A request that stops at step n (known only when step n is committed, with step n+1 already queued
+    for it) is reported finished; its id may then be used again at once. The old request's step n+1,
+    resolved afterwards, must not report it again nor touch the new request of that id."""
+    first = engine(tiny_v4_dir, False).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1))
+    stop_at = first[0].outputs[0].token_ids[0]
+    eng = engine(tiny_v4_dir, True).engine
+    eng.add_request("x", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))
+    assert eng.step() == []  # the prefill is queued
+    outs = eng.step()  # the decode step is queued with x's pending token, then x's first token: a stop
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [("x", True, "stop")]
+    assert "x" in eng._in_flight.rows  # the old x's extra step is still to be resolved
+    eng.add_request("x", [8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    reports = []
+    while eng.has_unfinished():
+        reports += [(o.request_id, o.prompt_token_ids, len(o.outputs[0].token_ids), o.finished) for o in eng.step()]
+    assert all(r[1] == [8, 9] for r in reports), reports  # only the new x is reported
+    assert all(r[2] >= 1 for r in reports), reports  # ... and not as "finished since the last step"
+    assert reports[-1] == ("x", [8, 9], 3, True)
+    assert eng.block_pool.num_free == eng.block_pool.num_blocks

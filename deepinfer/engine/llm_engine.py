@@ -226,8 +226,11 @@ class LLMEngine:
         return [self._output(r) for r in touched.values()]
 
     def _finished_since_last_step(self, out: SchedulerOutput) -> dict[str, Request]:
-        """Requests aborted or failed since the last step (reported once), as the start of a step's outputs."""
-        return {rid: self._requests[rid] for rid in out.finished_ids if rid in self._requests}
+        """Requests aborted or failed since the last step (reported once), as the start of a step's outputs.
+        (An id finished by the last step's update was reported by it; if it is in use again, that is a new
+        request, not finished.)"""
+        finished = (self._requests.get(rid) for rid in out.finished_ids)
+        return {req.request_id: req for req in finished if req is not None and req.is_finished}
 
     def _absorb(self, update, by_id: dict[str, Verified], touched: dict[str, Request]) -> None:
         """The host's work on committed tokens: detokenize (stop strings), logprobs of the tokens that stay."""
@@ -294,8 +297,8 @@ class LLMEngine:
                 tokens[rid] = [ids[row]]
                 by_id[rid] = Verified(tokens=[ids[row]], sampled=[(step.host, row)])
         self._absorb(self.scheduler.commit(step.out, tokens), by_id, touched)
-        for sr in step.out.scheduled:
-            if sr.request_id in self._requests:  # (one finished and reported since is not reported again)
+        for sr in step.out.scheduled:  # (one finished and reported since is not reported again; its id may
+            if self._requests.get(sr.request_id) is sr.request:  # even name a new request by now)
                 touched.setdefault(sr.request_id, sr.request)
 
     # ------------------------------------------------------------------ helpers
