@@ -303,11 +303,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ helpers
     def _record_logprobs(self, state: _State, sampled, row: int) -> None:
-        token, logprob, rank, top = sampled.row(row, sampled.num_top_logprobs[row])
-        state.cumulative_logprob += logprob
+        # (read from the step's lists directly: this runs for every token of every request with logprobs,
+        # and the row() tuple, its zip list and a method lookup per entry were most of its host time)
+        ids, lps, ranks, top_ids, top_lps = sampled.lists
+        state.cumulative_logprob += lps[row]
         if state.logprobs is not None:
-            entry = {t: Logprob(lp, i + 1, self.tokenizer.decode_token(t)) for i, (t, lp) in enumerate(top)}
-            entry[token] = Logprob(logprob, rank, self.tokenizer.decode_token(token))
+            k, decode = sampled.num_top_logprobs[row], self.tokenizer.decode_token
+            entry = {t: Logprob(lp, i, decode(t)) for i, t, lp in zip(range(1, k + 1), top_ids[row], top_lps[row])}
+            token = ids[row]
+            entry[token] = Logprob(lps[row], ranks[row], decode(token))
             state.logprobs.append(entry)
 
     def _add_prompt_logprobs(self, req: Request, logits: torch.Tensor, out) -> None:
