@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "deepinfer"
 # rank: a module may import modules of a strictly lower rank, or its own package/part (same top name)
 LAYERS = {
     "env": 0,
-    "config": 1, "config_keys": 1,
+    "config": 1, "config_keys": 1, "devices": 1,
     "formats": 2, "distributed": 2,
     "weights": 3, "kernels": 3, "cache": 3, "tokenizer": 3, "chat_encoding": 3,
     "tiny": 4, "reference": 4, "model": 4, "scheduler": 4, "sampling": 4,

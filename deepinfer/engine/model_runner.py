@@ -24,7 +24,8 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.distributed_load import load_rank_tensors
 from deepinfer.model.cache import V4Cache
-from deepinfer.model.context import ForwardContext, SeqContext, host_to_device, resolve_device
+from deepinfer.devices import host_to_device
+from deepinfer.model.context import ForwardContext, SeqContext, resolve_device
 from deepinfer.model.decode_step import DecodeRunner
 from deepinfer.model.factory import v4_cache, v4_params, value_dtype
 from deepinfer.model.v4 import V4EngineModel

@@ -16,6 +16,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from deepinfer.devices import host_to_device
+
 
 @dataclass(frozen=True)
 class SeqContext:
@@ -115,18 +117,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if d.index is None:
             d = torch.device("cuda", torch.cuda.current_device())
     return d
-
-
-def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device` without a stream sync on cuda: pinned, then a non-blocking copy (torch's
-    caching host allocator keeps the pinned block until the copy has run). A plain `.to("cuda")` of pageable
-    memory waits for the stream, i.e. for every kernel queued before it."""
-    device = torch.device(device)
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("deepinfer_forward_ctx", default=None)

@@ -26,8 +26,8 @@ from deepinfer import kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.attention import V4Attention, _sub
 from deepinfer.model.cache import V4Cache
-from deepinfer.model.context import (ForwardContext, check_batch, forward_context, get_forward_context,
-                                     host_to_device)
+from deepinfer.devices import host_to_device
+from deepinfer.model.context import ForwardContext, check_batch, forward_context, get_forward_context
 from deepinfer.model.extend_metadata import build_extend_rows, extend_step
 from deepinfer.model.moe import V4MoE
 

@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from deepinfer.devices import host_to_device
 from deepinfer.sampling.filters import apply_filters
 from deepinfer.sampling.logprobs import TokenLogprobs, gather_logprobs, log_softmax
 from deepinfer.sampling.params import SamplingParams
@@ -47,13 +48,9 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def _small_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A per-row parameter tensor on `device` without waiting for the device: a plain `torch.tensor(...,
-    device="cuda")` copies from pageable memory, which waits for every kernel queued before it (with
-    asynchronous scheduling, the next step's whole forward)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """A per-row parameter tensor on `device` (through pinned memory: `torch.tensor(..., device="cuda")`
+    would wait for every kernel queued before it)."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 @dataclass(frozen=True)
