@@ -67,7 +67,11 @@ class _InFlight:
     pending: PendingTokens | None  # the sampled tokens on the device, for the next step's inputs
     host: object | None  # the SamplerOutput being copied to the host
     ready: object | None  # the CUDA event after that copy (None: on the host already)
-    rows: dict[str, int]  # request id -> row of the sampled tokens
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """Request id -> row of the sampled tokens (none when the step sampled nothing)."""
+        return self.pending.rows if self.pending is not None else {}
 
 
 def _rows_of(logits: torch.Tensor, rows) -> torch.Tensor:
@@ -283,7 +287,7 @@ class LLMEngine:
             order = {sr.request_id: i for i, sr in enumerate(scheduled)}
             pending = PendingTokens(sampled.token_ids.to(self.runner.device), order)
         self.scheduler.advance(out)
-        return _InFlight(out, pending, host, ready, pending.rows if pending else {})
+        return _InFlight(out, pending, host, ready)
 
     def _finish_in_flight(self, step: _InFlight, touched: dict[str, Request]) -> None:
         """Read the step's tokens (waiting for its copy only) and do the host's work on them."""

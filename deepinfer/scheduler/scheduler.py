@@ -167,9 +167,9 @@ class Scheduler:
         `sampled_token_ids[id]` holds, for a request with `num_sampled_rows > 0`, the accepted drafts
         followed by one sampled token (so 1 .. num_draft_tokens + 1 ids). Requests aborted since `schedule`
         are skipped. Tokens for a request that sampled no row are a row-mapping bug and raise."""
-        self._check_sampled_ids(output, sampled_token_ids)
+        self._check_sampled_ids(output, sampled_token_ids)  # before advance: a bad map changes nothing
         self.advance(output)
-        return self.commit(output, sampled_token_ids)
+        return self._commit(output, sampled_token_ids)
 
     def advance(self, output: SchedulerOutput) -> None:
         """The step was launched: its positions count as computed, and each request that samples a row has
@@ -191,6 +191,9 @@ class Scheduler:
         (the request then has a later token pending, or was preempted meanwhile); a request finished or
         aborted since is skipped, its token dropped."""
         self._check_sampled_ids(output, sampled_token_ids)
+        return self._commit(output, sampled_token_ids)
+
+    def _commit(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> StepResult:
         result = StepResult()
         for sr in output.scheduled:
             req = sr.request
