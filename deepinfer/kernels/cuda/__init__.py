@@ -10,9 +10,10 @@ second, and the cubin is cached on disk.
 
 Owns: `runtime` (compile, load, launch on torch's current stream; CUDA-graph capturable) and one module
 per kernel family (`fp4_moe_mma`: the routed experts' GEMMs at decode up to 8 slots, `fp4_moe_tma`: the same
-above them, fed by TMA and a producer warp; `fp8_linear_mma`: the decode projections). Kernels register
-nothing here:
-the Triton op that dispatches to them (`kernels/triton/fp4_moe.py`) decides when they are used, so a
-machine without NVRTC runs the Triton kernels unchanged.
+above them, fed by TMA and a producer warp; `fp4_moe_wgmma`: the experts at prefill on warpgroup MMA;
+`fp8_linear_mma`: the decode projections up to 8 rows; `fp8_linear_wgmma`: the projections at 17..256 rows,
+TMA-fed, on warpgroup MMA). Kernels register nothing here: the Triton ops that dispatch to them
+(`kernels/triton/fp4_moe.py`, `fp8_gemm.py`) decide when they are used, so a machine without NVRTC runs the
+Triton kernels unchanged.
 Must not: import triton; compile or load anything at import time.
 """

@@ -145,16 +145,20 @@ def _wgmma_k_order_rows(y, G: tl.constexpr):
 @triton.jit
 def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slots, stride_xm, stride_om,
                              ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
-                             QUANT: tl.constexpr):
+                             QUANT: tl.constexpr, DENSE: tl.constexpr = False):
     """out[p, L] = act_quant's q * s of x[sorted[p] // ROW_DIV, wgmma_k_order(L)] (bf16; QUANT False: x's
     value as bf16), zeros for padding slots; nothing for the rows of unused routing blocks (block_expert -1:
-    their GEMM programs exit)."""
+    their GEMM programs exit). DENSE: row p of x itself (no routing: the dense linears' operand)."""
     p = tl.program_id(0)
-    if tl.load(block_expert_ptr + p // BT) < 0:
-        return
-    slot = tl.load(sorted_ptr + p)
-    valid = slot < n_slots
-    row = (tl.where(valid, slot, 0) // ROW_DIV).to(tl.int64)
+    if DENSE:
+        valid = p >= 0  # every row
+        row = p.to(tl.int64)
+    else:
+        if tl.load(block_expert_ptr + p // BT) < 0:
+            return
+        slot = tl.load(sorted_ptr + p)
+        valid = slot < n_slots
+        row = (tl.where(valid, slot, 0) // ROW_DIV).to(tl.int64)
     g = tl.program_id(1) * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)
     cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
@@ -190,4 +194,22 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     _act_quant_gather_kernel[(sorted_slots.numel(), k // cols)](
         x, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), ROW_DIV=row_div, BT=bt,
         BLOCK=block, COLS=cols, QUANT=quant)
+    return out
+
+
+def act_quant_wgmma(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The wgmma FP8 linear's activation operand (kernels/cuda/fp8_linear_wgmma.cu): bf16 [M, K], row m =
+    act_quant's exact q * s of x[m], columns in `wgmma_k_order` within each 128. x [M, K] bf16/fp32 with
+    K % 128 == 0 and block | 128."""
+    if x.dim() != 2 or x.shape[1] % WGMMA_K_GROUP or WGMMA_K_GROUP % block:
+        raise ValueError(f"act_quant_wgmma: x must be [M, K] with K a multiple of {WGMMA_K_GROUP} and block "
+                         f"{block} dividing it, got {tuple(x.shape)}")
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
+    if out.numel() == 0:
+        return out
+    cols = next(c for c in (1024, 512, 256, WGMMA_K_GROUP) if k % c == 0)
+    _act_quant_gather_kernel[(m, k // cols)](x, out, x, x, m, x.stride(0), out.stride(0), ROW_DIV=1, BT=1,
+                                             BLOCK=block, COLS=cols, QUANT=True, DENSE=True)
     return out
