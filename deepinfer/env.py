@@ -81,13 +81,15 @@ def decode_attn_split() -> str:
     return _kernel_choice("DEEPINFER_DECODE_ATTN_SPLIT", DECODE_ATTN_SPLIT_CHOICES)
 
 
-LINEAR_BATCH_FORM_CHOICES = ("auto", "bf16")
+LINEAR_BATCH_FORM_CHOICES = ("auto", "swap", "bf16")
 
 
 def linear_batch_form() -> str:
-    """DEEPINFER_LINEAR_BATCH_FORM: "auto" (the default) lets op fp8_linear run its "swap" form where an H200
-    sweep measured it faster (17..256 rows, large weights: kernels/triton/fp8_linear_swap.py `takes`);
-    "bf16" keeps the bf16 form there (the form before 2026-12-03, for A/B runs). Else a ValueError."""
+    """DEEPINFER_LINEAR_BATCH_FORM: "auto" (the default) lets op fp8_linear run the wgmma CUDA kernel at
+    17..256 rows where it can (kernels/cuda/fp8_linear_wgmma.cu: sm_90, NVRTC), else the Triton "swap" form
+    where an H200 sweep measured it faster (large weights: kernels/triton/fp8_linear_swap.py `takes`);
+    "swap" skips the wgmma kernel (the default before 2026-12-04), "bf16" keeps the bf16 form there (before
+    2026-12-03); both for A/B runs. Else a ValueError."""
     return _kernel_choice("DEEPINFER_LINEAR_BATCH_FORM", LINEAR_BATCH_FORM_CHOICES)
 
 

@@ -18,6 +18,10 @@ redo it). Three Triton tensor-core forms, chosen by `mma=` (module default `MMA`
 * "swap" (`kernels/triton/fp8_linear_swap.py`): the "bf16" form's math with the roles swapped, the converted
   weight tile as wgmma's register operand and the tokens as its N; faster for large weights at 17..256 rows
   (`fp8_linear_swap.takes`, from an H200 sweep).
+* "wgmma" (`kernels/cuda/fp8_linear_wgmma.cu`, not Triton): the swap form's roles and math in a TMA-fed,
+  warp-specialised CUDA kernel; the auto form at WGMMA_MIN_M..WGMMA_MAX_M rows where it can run (sm_90,
+  NVRTC, blocks 32 / 128, scales up to 2^7), 15-35% faster than "swap" on the V4-Flash shapes (H200,
+  2026-12-04: M=128 wq_b 32.8 -> 27.6 us, wo_b 36.4 -> 29.3, shared w13 29.3 -> 21.5; BENCHMARKS.md).
 Split-K (every Triton form): when the (M, N) tiles would not fill the SMs (decode), S programs per tile each
 reduce a K range into an fp32 workspace [S, M, N]; `_split_sum_kernel` adds the S partials in a fixed order
 and rounds to bf16. Deterministic (no atomics), no host sync, CUDA-graph capturable. Rule: `_split_k`.
@@ -54,8 +58,9 @@ from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch,
 from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 
-MMA_MODES = ("bf16", "fp8", "sync", "swap")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu);
-# "swap": the bf16 form with the weights as wgmma's register operand (kernels/triton/fp8_linear_swap.py)
+MMA_MODES = ("bf16", "fp8", "sync", "swap", "wgmma")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu);
+# "swap": the bf16 form with the weights as wgmma's register operand (kernels/triton/fp8_linear_swap.py);
+# "wgmma": the same roles in a TMA-fed, warp-specialised CUDA kernel (kernels/cuda/fp8_linear_wgmma.cu)
 MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below, and
 # "sync" up to SYNC_MAX_M rows where it can run and DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so
 SYNC_MAX_M = 8  # the sync kernel's CTA takes 8 rows of x (the MMA's n8): above, each 8 more re-read the weight
@@ -68,6 +73,9 @@ FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from
 # and the free-running tiny V4.1 on cuda kept 4 greedy tokens equal to the oracle's instead of >= 8 (the
 # reduced-precision FP8 accumulation). The bf16 form with the sweep's tiles (`_tiles`) gets M=32 to 130 us.
 FUSED_ACT_MAX_M = 64  # M up to this: act_quant fused into the GEMM; above: one act_quant pass first
+WGMMA_MIN_M, WGMMA_MAX_M = 17, 256  # rows "auto" runs on the wgmma CUDA kernel where it can (sm_90, its weight
+# checks): the swap form's regime, which it replaces (H200 sweep: BENCHMARKS.md, scripts/bench_gemm_kernels.py
+# --batch-wgmma)
 
 
 @triton.jit
@@ -321,6 +329,42 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     return out
 
 
+def _wgmma_usable(w: QuantLinearWeight, device: torch.device) -> bool:
+    """The wgmma CUDA kernel can run this weight here (sm_90 with NVRTC; `fp8_linear_wgmma.usable_weight`)."""
+    if device.type != "cuda":
+        return False
+    from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
+
+    return wg.usable(device) and wg.usable_weight(w)
+
+
+def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
+    """fp8_linear through the wgmma CUDA kernel: one act_quant pass into its operand order, the GEMM (one
+    launch when S = 1, else fp32 partials and `_split_sum_kernel`, the same fixed-order sum as every form)."""
+    from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
+    from deepinfer.kernels.triton.act_quant import act_quant_wgmma
+
+    m, k = x.shape
+    n = w.out_features
+    cfg = wg.plan(m, n, k, sm_count(x.device), config)
+    a = act_quant_wgmma(x, w.act_block)
+    split = cfg["SPLIT_K"]
+    if split == 1:
+        return wg.fp8_linear_partials(a, w, out, cfg)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    wg.fp8_linear_partials(a, w, part, cfg)
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
+                                                   num_warps=4)
+    return out
+
+
+def _batch_form() -> str:
+    from deepinfer import env
+
+    return env.linear_batch_form()
+
+
 def _decode_linear_form() -> str:
     from deepinfer import env
 
@@ -331,12 +375,13 @@ def _decode_linear_form() -> str:
 def auto_form(m: int, n: int, k: int) -> str:
     """The Triton tensor-core form mma="auto" takes for M rows of an N x K weight: "fp8" from FP8_MMA_MIN_M
     rows, "swap" where its sweep measured it faster (`fp8_linear_swap.takes`: 17..256 rows, large
-    weights; DEEPINFER_LINEAR_BATCH_FORM=bf16 turns it off), else "bf16"."""
+    weights; DEEPINFER_LINEAR_BATCH_FORM=bf16 turns it off), else "bf16". (Where the wgmma CUDA kernel can
+    run, `fp8_linear` takes it first for WGMMA_MIN_M..WGMMA_MAX_M rows.)"""
     from deepinfer import env
 
     if m >= FP8_MMA_MIN_M:
         return "fp8"
-    return "swap" if swap.takes(m, n, k) and env.linear_batch_form() == "auto" else "bf16"
+    return "swap" if swap.takes(m, n, k) and env.linear_batch_form() in ("auto", "swap") else "bf16"
 
 
 def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,
@@ -345,8 +390,10 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     through the kernels in Triton's interpreter, for tests at tiny shapes). config: launch override (the
     benchmark's sweep; see `plan`, or for "sync" kernels/cuda/fp8_linear_mma.plan). mma: "bf16" (exact
     products), "fp8" (FP8 tensor cores), "sync" (the mma.sync CUDA kernel: exact products, act_quant fused;
-    its regime is M <= SYNC_MAX_M) or "auto" (by M: "sync" up to SYNC_MAX_M where it can run and
-    DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so, "fp8" from FP8_MMA_MIN_M); None: `MMA`.
+    its regime is M <= SYNC_MAX_M), "swap", "wgmma" (the TMA-fed CUDA kernel: exact products; its regime is
+    WGMMA_MIN_M..WGMMA_MAX_M) or "auto" (by M: "sync" up to SYNC_MAX_M where it can run and
+    DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so, "wgmma" for WGMMA_MIN_M..WGMMA_MAX_M where it
+    can run and DEEPINFER_LINEAR_BATCH_FORM says so, "fp8" from FP8_MMA_MIN_M); None: `MMA`.
     out: optional bf16 [M, N] destination (tests poison it to check every element is written)."""
     if not x.is_cuda and not interpreting():
         return fp8_linear_torch(x, w)
@@ -368,6 +415,9 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     if mma == "sync" or (mma == "auto" and m <= SYNC_MAX_M and _decode_linear_form() == "mma"
                          and _sync_usable(w, x.device)):
         return _fp8_linear_sync(x, w, config, out)
+    if mma == "wgmma" or (mma == "auto" and WGMMA_MIN_M <= m <= WGMMA_MAX_M and _batch_form() == "auto"
+                          and _wgmma_usable(w, x.device)):
+        return _fp8_linear_wgmma(x, w, config, out)
     if mma == "auto":
         mma = auto_form(m, n, k)
     cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)
