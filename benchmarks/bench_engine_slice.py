@@ -9,6 +9,11 @@ timed with the host clock, median over the pure-decode steps of the whole batch 
 
     PYTHONPATH=$PWD python benchmarks/bench_engine_slice.py [--layers 4] [--batches 1 32 128]
         [--context 256] [--new 24] [--async-modes off on] [--dir /tmp/v4_slice_ckpt] [--transformers]
+        [--linear-batch-forms auto swap]
+
+--linear-batch-forms: one engine per DEEPINFER_LINEAR_BATCH_FORM value (the batched-decode linears' form,
+read when the engine captures its graphs: "auto" the wgmma CUDA kernel, "swap" the Triton swap form before
+it), for A/B runs in one process.
 
 --transformers: then the same slice through transformers' DeepseekV4ForCausalLM in the same process
 (hf_slice.py: its decode step at the same batches and prompt length; transformers' step moved between 35
@@ -46,7 +51,7 @@ def write_slice(layers: int, out: str) -> str:
     return out
 
 
-def decode_steps(llm: LLM, batch: int, context: int, new: int) -> float:
+def decode_steps(llm: LLM, batch: int, context: int, new: int) -> tuple[float, list[float]]:
     eng = llm.engine
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
@@ -59,7 +64,7 @@ def decode_steps(llm: LLM, batch: int, context: int, new: int) -> float:
         dt = (time.perf_counter() - t0) * 1e3
         if len(outs) == batch and all(len(o.outputs[0].token_ids) >= 2 for o in outs):
             steps.append(dt)
-    return statistics.median(steps[2:])
+    return statistics.median(steps[2:]), steps[2:]
 
 
 def main() -> None:
@@ -71,23 +76,34 @@ def main() -> None:
     ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=("off", "on"))
     ap.add_argument("--dir", default="/tmp/v4_slice_ckpt")
     ap.add_argument("--transformers", action="store_true", help="also time transformers' slice (same process)")
+    ap.add_argument("--linear-batch-forms", nargs="+", default=[None], choices=("auto", "swap", "bf16"),
+                    help="one engine per value, in order (repeat one to see the first engine's warm-up cost: in "
+                         "the 2026-12-04 runs the process's first engine drew 6.4-7.2 ms b128 steps, later ones "
+                         "5.4-5.5)")
     args = ap.parse_args()
     path = write_slice(args.layers, args.dir)
+    os.sync()  # the checkpoint's dirty pages written back before any timing, not during the first engine's
     print(f"{torch.cuda.get_device_name()}, V4-Flash slice of {args.layers} layers, prompts of {args.context}, "
           f"greedy, {args.new} new tokens", flush=True)
     engine_ms = {}
-    for mode in args.async_modes:
-        t0 = time.perf_counter()
-        llm = LLM(path, numerics="fast", device="cuda", max_model_len=args.context + args.new + 64,
-                  max_num_seqs=max(args.batches), max_num_batched_tokens=8192, async_scheduling=mode == "on")
-        print(f"async {mode}: engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
-        for b in args.batches:
-            ms = engine_ms[b] = decode_steps(llm, b, args.context, args.new)
-            print(f"async {mode:3s} B={b:4d} LLMEngine.step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s "
-                  f"({ms / args.layers:.3f} ms a layer, head and host included)", flush=True)
-        del llm
-        gc.collect()  # the engine's graphs and caches hold GPU memory until collected
-        torch.cuda.empty_cache()
+    for form in args.linear_batch_forms:
+        if form is not None:
+            os.environ["DEEPINFER_LINEAR_BATCH_FORM"] = form
+        label = "" if form is None else f"linears {form:4s} "
+        for mode in args.async_modes:
+            t0 = time.perf_counter()
+            llm = LLM(path, numerics="fast", device="cuda", max_model_len=args.context + args.new + 64,
+                      max_num_seqs=max(args.batches), max_num_batched_tokens=8192, async_scheduling=mode == "on")
+            print(f"{label}async {mode}: engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
+            for b in args.batches:
+                ms, steps = decode_steps(llm, b, args.context, args.new)
+                engine_ms[(label, mode, b)] = ms
+                print(f"{label}async {mode:3s} B={b:4d} LLMEngine.step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s "
+                      f"({ms / args.layers:.3f} ms a layer, head and host included; steps {min(steps):.2f}.."
+                      f"{max(steps):.2f} ms)", flush=True)
+            del llm
+            gc.collect()  # the engine's graphs and caches hold GPU memory until collected
+            torch.cuda.empty_cache()
     if args.transformers:
         import hf_slice
 
@@ -95,8 +111,10 @@ def main() -> None:
         model, _ = hf_slice.build(cfg.n_layers, list(cfg.compress_ratios[: cfg.n_layers]))
         for b in args.batches:
             ms = hf_slice.decode_ms(model, cfg.vocab_size, b, args.context)
-            print(f"transformers B={b:4d} decode step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s; the engine's last "
-                  f"mode ({args.async_modes[-1]}) {ms / engine_ms[b]:.1f}x", flush=True)
+            ratios = ", ".join(f"{label}async {mode} {ms / t:.1f}x" for (label, mode, bb), t in engine_ms.items()
+                               if bb == b)
+            print(f"transformers B={b:4d} decode step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s; the engine: {ratios}",
+                  flush=True)
 
 
 if __name__ == "__main__":

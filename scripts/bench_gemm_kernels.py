@@ -21,7 +21,8 @@ Again 2026-11-29, issue 7 (H8; one run, eager numbers are host-noisy, graph repl
   fp4_moe T=1 graph: expand 0 (before) 168 us, expand 1 (fp16 trick, default) 114 us, expand 2 (dot_scaled)
                         143 us; routing alone 18.8 us (one Triton program) vs 223-405 us of torch ops
           T=128: 3.03 ms (1081 GB/s; expand 2 4.13 ms);  T=8192: 16.2 ms = 153 TFLOP/s (expand 2 19.2 ms)
-Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --batch-fp8 | --batch-swap | --swap-wide | --linear-f32]   (--tiles: decode tile sweep
+Usage: python scripts/bench_gemm_kernels.py [--tiles | --decode-fp8 | --batch-fp8 | --batch-swap | --swap-wide |
+                                              --batch-wgmma | --linear-f32]   (--tiles: decode tile sweep
 with rel_err vs the twins; --decode-fp8: fp8_linear plans on the V4-Flash decode shapes; --linear-f32: the bf16
 weight GEMMs alone)
 """
@@ -292,6 +293,30 @@ def sweep_swap_wide(rows: list[str]) -> None:
         _sweep_plans(rows, "wide", STACKED_SHAPES, (m,), cands, live=True)
 
 
+def sweep_batch_wgmma(rows: list[str]) -> None:
+    """The wgmma CUDA kernel (kernels/cuda/fp8_linear_wgmma.cu: TMA ring, weights as wgmma's register operand)
+    against the Triton swap and bf16 forms on the stacked layer's shapes at batched decode M: one or two
+    consumer warpgroups, the default split rule, none, or twice it ("x2"), a shallower ring."""
+    from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
+
+    cands = [dict(), dict(mma="swap"), dict(mma="bf16")]
+    for cwg in (1, 2, 4):
+        for split in (None, 1, "x2"):
+            cands.append(dict(mma="wgmma", CWG=cwg) if split is None else dict(mma="wgmma", CWG=cwg, SPLIT_K=split))
+    for m in (128, 32, 64, 256, 16):
+        for name, k, n in STACKED_SHAPES:
+            resolved = []
+            for c in cands:
+                if c.get("SPLIT_K") == "x2":  # twice the default rule's split, where K allows it
+                    split = 2 * wg.plan(m, n, k, 132, {"CWG": c["CWG"]})["SPLIT_K"]
+                    if k % (128 * split):
+                        continue
+                    c = dict(c, SPLIT_K=split)
+                resolved.append(c)
+            _sweep_plans(rows, "wgmma", ((name, k, n),), (m,), resolved, live=True)
+        print("\n".join(r for r in rows if r.startswith("BEST wgmma") and f"M={m}:" in r), flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -304,6 +329,8 @@ def main() -> None:
         benches = (sweep_batch_swap,)
     elif "--swap-wide" in sys.argv:
         benches = (sweep_swap_wide,)
+    elif "--batch-wgmma" in sys.argv:
+        benches = (sweep_batch_wgmma,)
     elif "--linear-f32" in sys.argv:
         benches = (bench_bf16_weights,)
     else:
