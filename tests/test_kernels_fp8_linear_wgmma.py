@@ -26,42 +26,22 @@ import torch
 
 from deepinfer import formats
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch
+from test_kernels_fp8_linear_mma import _activation, _one_hot_weight, _ordered, _rel, _weight
+from test_kernels_fp8_linear_mma import _random_fp8_weight as _random_weight
 
 BF16 = torch.bfloat16
 TILE_CONFIGS = [dict(BT=128, CWG=2, STAGES=4, HALVES=0), dict(BT=128, CWG=4, STAGES=3, HALVES=1),
                 dict(BT=64, CWG=2, STAGES=6, HALVES=0), dict(BT=32, CWG=2, STAGES=8, HALVES=0),
                 dict(BT=16, CWG=1, STAGES=3, HALVES=0), dict(BT=64, CWG=4, STAGES=2, HALVES=1),
                 dict(BT=128, CWG=1, STAGES=5, HALVES=1), dict(BT=32, CWG=4, STAGES=4, HALVES=0)]
-NAN_CODES = (0x7F, 0xFF)
 
 
 def _tag(c: dict) -> str:
     return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}h{c['HALVES']}"
 
 
-def _weight(codes: torch.Tensor, scale: torch.Tensor, block: int, act_block: int) -> QuantLinearWeight:
-    return QuantLinearWeight(codes.view(torch.float8_e4m3fn), scale, block, act_block)
-
-
 def _random_fp8_weight(n: int, k: int, block: int, dev) -> QuantLinearWeight:
-    w = torch.randn(n, k, device=dev) * torch.exp(torch.randn(n, 1, device=dev))  # varied row magnitudes
-    q, s = formats.quant_fp8_blocks(w, block)
-    return QuantLinearWeight(q, formats.e8m0_to_float(s), block, block)
-
-
-def _activation(m: int, k: int, dev) -> torch.Tensor:
-    return (torch.randn(m, k, device=dev) * torch.exp(torch.randn(m, 1, device=dev))).to(BF16)  # heavy-tailed rows
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-300))
-
-
-def _ordered(v: torch.Tensor) -> torch.Tensor:
-    """bf16 bit patterns as integers in value order: differences are ulp distances."""
-    b = v.view(torch.int16).int()
-    return torch.where(b < 0, -(b & 0x7FFF), b)
+    return _random_weight(n, k, block, block, dev)
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -199,21 +179,6 @@ def _cuda():
     if torch.cuda.get_device_capability(dev) != (9, 0):
         pytest.skip("the wgmma form needs sm_90")
     return dev
-
-
-def _one_hot_weight(n: int, k: int, block: int, dev) -> QuantLinearWeight:
-    """Random non-NaN bytes, every row starting with all 254 non-NaN bytes (rotated by the row), block scales
-    2^-117 .. 2^7 (both ends present)."""
-    gen = torch.Generator().manual_seed(5)
-    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
-    every = torch.tensor([c for c in range(256) if c not in NAN_CODES], dtype=torch.uint8)
-    for r in range(n):
-        codes[r, :every.numel()] = every.roll(r)
-    codes[(codes == 0x7F) | (codes == 0xFF)] = 0x01
-    shape = (-(-n // block), k // block)
-    exps = (torch.arange(shape[0] * shape[1]) * 37) % 125 - 117
-    exps[:2] = torch.tensor([-117, 7])
-    return _weight(codes, torch.exp2(exps.float()).view(shape), block, block).to(dev)
 
 
 @pytest.mark.gpu

@@ -95,6 +95,29 @@ class QuantLinearWeight:
         return self._dequantised
 
 
+# The CUDA kernels' exact E4M3 -> bf16 expansion (kernels/cuda/fp8_linear_mma.cu, fp8_linear_wgmma.cu): the
+# codes as bf16 bit patterns E4M3 x 2^-120 times one bf16 2^120 x scale, which must be a finite bf16
+E4M3_EXPANSION_EXP_MAX = 134  # fp32 exponent field of the largest such scale (2^7)
+
+
+def check_e4m3_expansion(w: "QuantLinearWeight", who: str, scale_max_exp: int | None = None) -> None:
+    """ValueError (naming `who`) unless the weight's scales are powers of two up to 2^7 (`scale_max_exp`: the
+    exponent field if the caller knows it, else the weight's cached `scale_exponent_max`, one host sync)."""
+    exp = w.scale_exponent_max() if scale_max_exp is None else scale_max_exp
+    if exp > E4M3_EXPANSION_EXP_MAX:
+        raise ValueError(f"{who}: the E4M3 expansion is exact for weight scales up to 2^7 (fp32 exponent field "
+                         f"{E4M3_EXPANSION_EXP_MAX}); this weight has a scale 2^{exp - 127}")
+
+
+def e4m3_expansion_exact(w: "QuantLinearWeight") -> bool:
+    """`check_e4m3_expansion` as a yes / no (scales not powers of two: no)."""
+    try:
+        check_e4m3_expansion(w, "")
+    except ValueError:
+        return False
+    return True
+
+
 def fp8_scale_exponent_max(scale: torch.Tensor) -> int:
     """The largest fp32 exponent field of decoded FP8 block scales (one host sync). ValueError if a scale is
     not a non-negative power of two (what E8M0 decodes to; 0 allowed)."""

@@ -121,21 +121,13 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
 #endif
 
     extern __shared__ unsigned char smem_raw[];
-    const u32 raw = smem_u32(smem_raw);
-    unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // the swizzled boxes need 1024-byte alignment
+    unsigned char* smem = align_1024(smem_raw);  // the swizzled boxes need 1024-byte alignment
     unsigned char* a_ring = smem;                     // [STAGES][2][BT][128], 128-byte swizzled
     unsigned char* w_ring = smem + STAGES * A_STAGE;  // [STAGES][ROWS][64]
     u64* bars = reinterpret_cast<u64*>(w_ring + STAGES * W_STAGE);
     const u32 full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
 
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, 4 * CWG);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    }
+    if (threadIdx.x == 0) ring_init(full0, empty0, STAGES, 4 * CWG);  // empty: one arrival per consumer warp
     __syncthreads();
 
     if (warp == 4 * CWG) {

@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kernels.cuda.runtime import CudaKernel
-from deepinfer.kernels.quant_weights import QuantLinearWeight
+from deepinfer.kernels.quant_weights import E4M3_EXPANSION_EXP_MAX, QuantLinearWeight, check_e4m3_expansion
 
 SOURCE = "fp8_linear_mma.cu"
 TOKENS = 8  # rows of x per CTA: the MMA's n8
 K_STEP = 128  # K per pipeline stage (each lane: 32 K of 2 weight rows per m16 tile)
 MAX_SPLIT = 16
-SCALE_EXP_MAX = 134  # fp32 exponent field of the largest exact scale (2^7): 2^120 x scale must be a finite bf16
+SCALE_EXP_MAX = E4M3_EXPANSION_EXP_MAX  # fp32 exponent field of the largest exact scale (2^7)
 DEFAULT_TILES = dict(MT=1, WARPS=8, STAGES=2)  # H200 2026-12-02 (benchmarks/bench_linear_sync.py, HBM-cold
 # weights): the V4-Flash layer's seven decode projections 62.3 us at M=1 (MT2 w4 s2 66.1, MT1 w4 s2 66.4, MT4 w4
 # s2 69.2, MT2 w4 s4 75.5; the Triton bf16 form 75.8), 65.2 at M=8 (Triton 77.0)
@@ -128,10 +128,7 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
         problems.append("x and w.data must start 16-byte aligned")
     if problems:
         raise ValueError("fp8_linear_partials: " + "; ".join(problems))
-    exp = w.scale_exponent_max() if scale_max_exp is None else scale_max_exp
-    if exp > SCALE_EXP_MAX:
-        raise ValueError(f"fp8_linear_partials: the E4M3 expansion is exact for weight scales up to 2^7 (fp32 "
-                         f"exponent field {SCALE_EXP_MAX}); this weight has a scale 2^{exp - 127}")
+    check_e4m3_expansion(w, "fp8_linear_partials", scale_max_exp)
     if x.device.type != "cuda":
         raise ValueError(f"fp8_linear_partials: CUDA tensors only, got {x.device}")
     if m == 0 or n == 0:

@@ -17,11 +17,10 @@ import torch
 
 from deepinfer.kernels.cuda import runtime
 from deepinfer.kernels.cuda.runtime import CudaKernel
-from deepinfer.kernels.quant_weights import QuantLinearWeight
+from deepinfer.kernels.quant_weights import QuantLinearWeight, check_e4m3_expansion, e4m3_expansion_exact
 
 SOURCE = "fp8_linear_wgmma.cu"
 KSTEP = 128  # K per ring stage
-SCALE_EXP_MAX = 134  # fp32 exponent field of the largest exact scale (2^7): 2^120 x scale must be a finite bf16
 MAX_SPLIT = 16
 SMEM_BUDGET = 200 * 1024  # of an SM's 227 KB: one CTA an SM, as deep a ring as fits
 DEFAULT_TILES = dict(BT=128, CWG=2, STAGES=4, HALVES=0)
@@ -134,10 +133,7 @@ def usable_weight(w: QuantLinearWeight) -> bool:
     power-of-two scales up to 2^7 (checked once per weight: one host sync, before any graph capture)."""
     if w.block not in (32, 128) or w.act_block not in (32, 128) or w.in_features % KSTEP:
         return False
-    try:
-        return w.scale_exponent_max() <= SCALE_EXP_MAX
-    except ValueError:
-        return False
+    return e4m3_expansion_exact(w)
 
 
 def input_problems(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor) -> list[str]:
@@ -185,10 +181,7 @@ def fp8_linear_partials(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
         problems.append(why)
     if problems:
         raise ValueError("fp8_linear_wgmma: " + "; ".join(problems))
-    exp = w.scale_exponent_max() if scale_max_exp is None else scale_max_exp
-    if exp > SCALE_EXP_MAX:
-        raise ValueError(f"fp8_linear_wgmma: the E4M3 expansion is exact for weight scales up to 2^7 (fp32 "
-                         f"exponent field {SCALE_EXP_MAX}); this weight has a scale 2^{exp - 127}")
+    check_e4m3_expansion(w, "fp8_linear_wgmma", scale_max_exp)
     m, k = a.shape
     n = w.out_features
     if m == 0 or n == 0:

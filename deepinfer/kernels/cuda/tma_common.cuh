@@ -1,6 +1,7 @@
 // TMA and mbarrier helpers shared by the warp-specialised kernels of this package (fp4_moe_tma.cu,
-// fp4_moe_wgmma.cu): the 128-byte tensor-map parameter, shared-memory addresses, mbarrier init / arrive /
-// expect_tx / wait, and the bulk copies that complete on an mbarrier's transaction count.
+// fp4_moe_wgmma.cu, fp8_linear_wgmma.cu): the 128-byte tensor-map parameter, shared-memory addresses and
+// alignment, mbarrier init / arrive / expect_tx / wait and a ring's barriers, and the bulk copies that
+// complete on an mbarrier's transaction count.
 // (inlined once per kernel by runtime.read_source: no include guard needed)
 
 struct __align__(64) TensorMap {
@@ -32,6 +33,25 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n\t"
         "@!P bra WAIT_%=;\n}"
         ::"r"(bar), "r"(parity) : "memory");
+}
+
+// the first 1024-byte aligned address of dynamic shared memory (a 128-byte swizzled TMA box, as wgmma's
+// descriptors read it, must start 1024-byte aligned; the launchers allot 1024 bytes of slack for this)
+__device__ __forceinline__ unsigned char* align_1024(unsigned char* smem_raw) {
+    const u32 raw = smem_u32(smem_raw);
+    return smem_raw + (((raw + 1023u) & ~1023u) - raw);
+}
+
+// a TMA ring's mbarriers, from one thread before the block's first __syncthreads(): full[s] completes on the
+// producer's one expect_tx arrival and the copies' bytes, empty[s] on `consumers` arrivals; then made visible
+// to the async proxy (the TMA) that will complete them
+__device__ __forceinline__ void ring_init(u32 full0, u32 empty0, int stages, u32 consumers) {
+    for (int s = 0; s < stages; ++s) {
+        mbar_init(full0 + 8 * s, 1);
+        mbar_init(empty0 + 8 * s, consumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch, _check_activation
+from deepinfer.kernels.quant_weights import QuantLinearWeight, e4m3_expansion_exact, fp8_linear_torch, _check_activation
 from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 
@@ -304,10 +304,7 @@ def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
     if device.type != "cuda" or w.block not in (128, 32) or w.act_block not in (128, 32) \
             or w.in_features % sync.K_STEP or not runtime.available():
         return False
-    try:
-        return w.scale_exponent_max() <= sync.SCALE_EXP_MAX
-    except ValueError:
-        return False
+    return e4m3_expansion_exact(w)
 
 
 def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
@@ -316,13 +313,18 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
 
     m, k = x.shape
-    n = w.out_features
-    cfg = sync.plan(m, n, k, sm_count(x.device), config)
-    split = cfg["SPLIT_K"]
+    cfg = sync.plan(m, w.out_features, k, sm_count(x.device), config)
+    return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), cfg["SPLIT_K"], out)
+
+
+def _partials_then_sum(launch, split: int, out: torch.Tensor) -> torch.Tensor:
+    """`launch(dest)` straight into out (bf16 [M, N]) when split is 1, else into fp32 partials [split, M, N]
+    that `_split_sum_kernel` adds in a fixed order into out (the CUDA forms' split-K, like the Triton ones')."""
     if split == 1:
-        return sync.fp8_linear_partials(x, w, out, cfg)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    sync.fp8_linear_partials(x, w, part, cfg)
+        return launch(out)
+    m, n = out.shape
+    part = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    launch(part)
     block = 1024
     _split_sum_kernel[(triton.cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
                                                    num_warps=4)
@@ -345,18 +347,9 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     from deepinfer.kernels.triton.act_quant import act_quant_wgmma
 
     m, k = x.shape
-    n = w.out_features
-    cfg = wg.plan(m, n, k, sm_count(x.device), config)
+    cfg = wg.plan(m, w.out_features, k, sm_count(x.device), config)
     a = act_quant_wgmma(x, w.act_block)
-    split = cfg["SPLIT_K"]
-    if split == 1:
-        return wg.fp8_linear_partials(a, w, out, cfg)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    wg.fp8_linear_partials(a, w, part, cfg)
-    block = 1024
-    _split_sum_kernel[(triton.cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
-                                                   num_warps=4)
-    return out
+    return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), cfg["SPLIT_K"], out)
 
 
 def _batch_form() -> str:
