@@ -11,11 +11,13 @@ The act_quant pass before the kernel is not timed (the operand is made once).
 
     PYTHONPATH=$PWD python benchmarks/bench_linear_wgmma_parts.py     # results/fp8_linear_wgmma_parts_h200_*.log
 
-H200, 2026-12-04 (results/fp8_linear_wgmma_parts_h200_2026-12-04_s14.log), us:
-    M=128 wq_b (N=32768, K=1024)    26.4 | ring 19.9 | math 21.7 | wgmmas 18.7
-    M=128 N=32768 K=4096           67.7 | ring 48.1 | math 60.1 | wgmmas 46.3  (wgmmas: 743 TFLOP/s)
-    M=32  wq_b                      22.1 | ring 17.5 | math 15.4 | wgmmas 11.5
-So at decode sizes each part alone takes 70-80% of the whole. The wgmmas-only build grows 9.2 us per 1024
+H200, 2026-12-04 (results/fp8_linear_wgmma_parts_h200_2026-12-04_s14.log; the same diagnostic builds timed
+by an earlier probe with 2 warpgroups everywhere: *_s14_probe.log), us:
+    M=128 wq_b (N=32768, K=1024), 2 warpgroups    26.8 | ring 20.1 | math 22.0 | wgmmas 19.1
+    M=128 wq_b, 4 warpgroups (the default)       26.0 | ring 18.6 | math 21.8 | wgmmas 22.0
+    M=128 N=32768 K=4096, 2 warpgroups (probe)   67.7 | ring 48.1 | math 60.1 | wgmmas 46.3  (743 TFLOP/s)
+    M=32  wq_b, 2 warpgroups (probe)             22.1 | ring 17.5 | math 15.4 | wgmmas 11.5
+So at decode sizes each part alone takes 70-85% of the whole. The wgmmas-only build grows 9.2 us per 1024
 K (~750 TFLOP/s) on top of ~10 us that do not depend on K (an estimate of what is in it: the graph launch,
 the 8 MB bf16 output at 128 tokens, two waves of CTA ramps); the ring alone is as slow as the math alone
 (its L2 traffic: the activations are re-read by every weight tile, 2x the weight bytes at 128 tokens). The
@@ -39,6 +41,8 @@ from deepinfer.kernels.triton.act_quant import act_quant_wgmma  # noqa: E402
 
 CASES = ((128, 32768, 1024, {}), (128, 32768, 4096, {}), (128, 32768, 1024, {"CWG": 2}),
          (128, 32768, 1024, {"CWG": 1}), (32, 32768, 1024, {}), (128, 4096, 4096, {}), (128, 8192, 1024, {}))
+# (the default plans: `fp8_linear_wgmma.plan`; 4 warpgroups for wq_b, whose half-stage fragment buffers
+# serialise the wgmmas more: at K=4096 its wgmmas-only build runs at ~500 TFLOP/s against 2 warpgroups' ~750)
 
 
 def main() -> None:
