@@ -164,6 +164,19 @@ def test_tile_and_split_rules():
     assert not usable_weight(_weight(codes, torch.full((1, 4), 256.0), 128, 128))
 
 
+def test_the_op_refuses_the_diagnostic_builds():
+    """DIAG (benchmarks/bench_linear_wgmma_parts.py) builds parts of the kernel alone: the op must not run them."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.fp8_gemm import _fp8_linear_wgmma
+
+    codes = torch.randint(0, 0x7F, (64, 512), dtype=torch.uint8)
+    w = _weight(codes, torch.ones(1, 4), 128, 128)
+    x, out = torch.zeros(20, 512, dtype=BF16), torch.empty(20, 64, dtype=BF16)
+    for diag in (1, 2, 3):
+        with pytest.raises(ValueError, match="DIAG is a benchmark diagnostic"):
+            _fp8_linear_wgmma(x, w, {"DIAG": diag}, out)
+
+
 def test_source_compiles_for_sm90a_where_nvrtc_is_installed():
     from deepinfer.kernels.cuda.fp8_linear_wgmma import SOURCE
     from test_cuda_runtime import compile_configs

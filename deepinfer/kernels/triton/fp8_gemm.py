@@ -346,6 +346,9 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
     from deepinfer.kernels.triton.act_quant import act_quant_wgmma
 
+    if (config or {}).get("DIAG"):
+        raise ValueError("fp8_linear wgmma form: DIAG is a benchmark diagnostic (parts of the kernel alone, garbage "
+                         "out: benchmarks/bench_linear_wgmma_parts.py), not a plan the op runs")
     m, k = x.shape
     cfg = wg.plan(m, w.out_features, k, sm_count(x.device), config)
     a = act_quant_wgmma(x, w.act_block)
