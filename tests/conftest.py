@@ -2,12 +2,25 @@
 oracles over it in both numerics."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 # The tiny model's matrices are small: one thread is as fast, and immune to oversubscription when
 # another process shares the 2 cores (OpenMP spin-waits made runs 50x slower here).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _free_cycles_after_each_test():
+    """Collect reference cycles after every test. Tests that wrap an engine's methods in closures over the
+    engine (test_engine's logits capture, the distributed fixtures) leave engines, their KV caches and
+    models in cycles, which only a full collection frees, and Python's generational thresholds rarely run
+    one: the suite's resident memory reached 19 GB of the CI machine's 24 by test_engine (2026-12-04,
+    measured per module), against ~3-4 GB with this collection (and test_engine ran 250 s instead of 277)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
