@@ -28,9 +28,9 @@ def _resident_bytes() -> int | None:
 @pytest.fixture(autouse=True)
 def _free_cycles_after_tests():
     """Collect reference cycles once the process has grown by _GC_SLACK_BYTES since the last collection.
-    Tests that wrap an engine's methods in closures over the engine (test_engine's logits capture, the
-    distributed fixtures) leave engines, their KV caches and models in cycles, which only a full collection
-    frees, and Python's generational thresholds rarely run one: the suite's resident memory reached 19 GB
+    Tests that wrap an engine's methods in closures over the engine (test_engine's logits capture, among
+    others) leave engines, their KV caches and models in cycles, which only a full collection frees, and
+    Python's generational thresholds rarely run one: the suite's resident memory reached 19 GB
     of the CI machine's 24 by test_engine (2026-12-04, measured per module). A collection after every test
     kept it under 13 GB, but the suite took 20.3 minutes against 16.7 in the runs before (each full
     collection walks the whole heap); growth-triggered, it runs only after the tests that allocate."""
