@@ -6,7 +6,8 @@ operands, at the batched-decode shapes of V4-Flash:
 * DIAG1 the ring alone: the producer's TMA copies of weights and activations, consumers release each stage
   unread (what the loads cost with no math);
 * DIAG2 the math alone: no copies (stale shared memory), the expansion and the wgmmas;
-* DIAG3 the wgmmas alone: no copies, no expansion (the same registers every stage).
+* DIAG3 the wgmmas alone: no copies, no expansion (the same registers every stage); whole-stage fragment
+  buffers only, so "n/a" for plans with HALVES (the 4-warpgroup ones).
 The act_quant pass before the kernel is not timed (the operand is made once).
 
     PYTHONPATH=$PWD python benchmarks/bench_linear_wgmma_parts.py     # results/fp8_linear_wgmma_parts_h200_*.log
@@ -14,7 +15,7 @@ The act_quant pass before the kernel is not timed (the operand is made once).
 H200, 2026-12-04 (results/fp8_linear_wgmma_parts_h200_2026-12-04_s14.log; the same diagnostic builds timed
 by an earlier probe with 2 warpgroups everywhere: *_s14_probe.log), us:
     M=128 wq_b (N=32768, K=1024), 2 warpgroups    26.8 | ring 20.1 | math 22.0 | wgmmas 19.1
-    M=128 wq_b, 4 warpgroups (the default)       26.0 | ring 18.6 | math 21.8 | wgmmas 22.0
+    M=128 wq_b, 4 warpgroups (the default)       26.0 | ring 18.6 | math 21.8 | wgmmas n/a (*)
     M=128 N=32768 K=4096, 2 warpgroups (probe)   67.7 | ring 48.1 | math 60.1 | wgmmas 46.3  (743 TFLOP/s)
     M=32  wq_b, 2 warpgroups (probe)             22.1 | ring 17.5 | math 15.4 | wgmmas 11.5
 So at decode sizes each part alone takes 70-85% of the whole. The wgmmas-only build grows 9.2 us per 1024
@@ -22,6 +23,8 @@ K (~750 TFLOP/s) on top of ~10 us that do not depend on K (an estimate of what i
 the 8 MB bf16 output at 128 tokens, two waves of CTA ramps); the ring alone is as slow as the math alone
 (its L2 traffic: the activations are re-read by every weight tile, 2x the weight bytes at 128 tokens). The
 expansion adds ~3 us at K=1024 (math 21.7 vs wgmmas 18.7).
+(*) That run's build ignored DIAG 3 under HALVES and timed the math again (22.0 us at K=1024, 61.6 at 4096);
+DIAG 3 with HALVES is now refused (the .cu's #error, `fp8_linear_wgmma.tiles`).
 """
 from __future__ import annotations
 
@@ -41,8 +44,7 @@ from deepinfer.kernels.triton.act_quant import act_quant_wgmma  # noqa: E402
 
 CASES = ((128, 32768, 1024, {}), (128, 32768, 4096, {}), (128, 32768, 1024, {"CWG": 2}),
          (128, 32768, 1024, {"CWG": 1}), (32, 32768, 1024, {}), (128, 4096, 4096, {}), (128, 8192, 1024, {}))
-# (the default plans: `fp8_linear_wgmma.plan`; 4 warpgroups for wq_b, whose half-stage fragment buffers
-# serialise the wgmmas more: at K=4096 its wgmmas-only build runs at ~500 TFLOP/s against 2 warpgroups' ~750)
+# (the default plans: `fp8_linear_wgmma.plan`; 4 warpgroups with half-stage fragment buffers for wq_b)
 
 
 def main() -> None:
@@ -55,6 +57,9 @@ def main() -> None:
         a = act_quant_wgmma(torch.randn(m, k, device="cuda").to(torch.bfloat16), 128)
         times = []
         for diag in (0, 1, 2, 3):
+            if diag == 3 and wg.plan(m, n, k, sms, extra)["HALVES"]:
+                times.append(float("nan"))  # DIAG 3 needs whole-stage buffers
+                continue
             cfg = wg.plan(m, n, k, sms, dict(extra, DIAG=diag))
             split = cfg["SPLIT_K"]
             out = torch.empty((split, m, n), device="cuda") if split > 1 else \

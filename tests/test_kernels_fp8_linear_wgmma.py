@@ -139,6 +139,9 @@ def test_tile_and_split_rules():
         tiles(8, {"BT": 256})
     with pytest.raises(ValueError, match="shared memory"):
         tiles(128, {"STAGES": 6})
+    with pytest.raises(ValueError, match="DIAG 3 .* needs HALVES 0"):  # the .cu has no wgmmas-only half stages
+        tiles(128, {"CWG": 4, "DIAG": 3})
+    assert tiles(128, {"CWG": 2, "DIAG": 3})["HALVES"] == 0
 
     def s(m, n, k, config=None):
         return plan(m, n, k, 132, config)["SPLIT_K"]

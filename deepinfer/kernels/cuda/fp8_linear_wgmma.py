@@ -82,6 +82,8 @@ def tiles(m: int, config: dict | None = None, n: int = 0, k: int = 0) -> dict:
     if cfg["BT"] not in (16, 32, 64, 128) or cfg["CWG"] not in (1, 2, 4) or cfg["STAGES"] < 2 \
             or cfg["HALVES"] not in (0, 1):
         raise ValueError(f"fp8_linear_wgmma tiles: BT 16/32/64/128, CWG 1/2/4, STAGES >= 2, HALVES 0/1, got {cfg}")
+    if cfg.get("DIAG") == 3 and cfg["HALVES"]:
+        raise ValueError(f"fp8_linear_wgmma tiles {cfg}: DIAG 3 (the wgmmas alone) needs HALVES 0")
     if cfg["BT"] * (64 * cfg["CWG"] * 4 + 16) > cfg["STAGES"] * stage_bytes(cfg["BT"], cfg["CWG"]):
         raise ValueError(f"fp8_linear_wgmma tiles {cfg}: the epilogue's staging tile (BT x (64 CWG fp32 + 16 "
                          f"bytes)) does not fit in the ring")

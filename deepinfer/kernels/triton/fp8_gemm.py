@@ -20,8 +20,9 @@ redo it). Three Triton tensor-core forms, chosen by `mma=` (module default `MMA`
   (`fp8_linear_swap.takes`, from an H200 sweep).
 * "wgmma" (`kernels/cuda/fp8_linear_wgmma.cu`, not Triton): the swap form's roles and math in a TMA-fed,
   warp-specialised CUDA kernel; the auto form at WGMMA_MIN_M..WGMMA_MAX_M rows where it can run (sm_90,
-  NVRTC, blocks 32 / 128, scales up to 2^7), 15-35% faster than "swap" on the V4-Flash shapes (H200,
-  2026-12-04: M=128 wq_b 32.8 -> 27.6 us, wo_b 36.4 -> 29.3, shared w13 29.3 -> 21.5; BENCHMARKS.md).
+  NVRTC, blocks 32 / 128, scales up to 2^7), 3-36% faster per V4-Flash shape than the previous default and
+  13-27% over a layer's six linears at M = 32..256 (H200, 2026-12-04: M=128 wq_b 32.6 -> 27.8 us, wo_b
+  35.7 -> 29.8, shared w13 29.0 -> 21.7; BENCHMARKS.md).
 Split-K (every Triton form): when the (M, N) tiles would not fill the SMs (decode), S programs per tile each
 reduce a K range into an fp32 workspace [S, M, N]; `_split_sum_kernel` adds the S partials in a fixed order
 and rounds to bf16. Deterministic (no atomics), no host sync, CUDA-graph capturable. Rule: `_split_k`.
@@ -373,11 +374,9 @@ def auto_form(m: int, n: int, k: int) -> str:
     rows, "swap" where its sweep measured it faster (`fp8_linear_swap.takes`: 17..256 rows, large
     weights; DEEPINFER_LINEAR_BATCH_FORM=bf16 turns it off), else "bf16". (Where the wgmma CUDA kernel can
     run, `fp8_linear` takes it first for WGMMA_MIN_M..WGMMA_MAX_M rows.)"""
-    from deepinfer import env
-
     if m >= FP8_MMA_MIN_M:
         return "fp8"
-    return "swap" if swap.takes(m, n, k) and env.linear_batch_form() in ("auto", "swap") else "bf16"
+    return "swap" if swap.takes(m, n, k) and _batch_form() in ("auto", "swap") else "bf16"
 
 
 def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,

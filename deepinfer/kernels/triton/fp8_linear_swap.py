@@ -16,7 +16,7 @@ in bf16) accumulated in fp32; only the fp32 summation order differs from the tor
 `fp8_gemm`'s (`_split_k`, `_split_sum_kernel`); the activation is quantised inside the kernel
 (FUSED_ACT, per act_block of each token) or by one act_quant pass before it.
 Where the wgmma CUDA kernel can run (sm_90 with NVRTC) `fp8_linear` takes it instead for 17..256 rows
-(kernels/cuda/fp8_linear_wgmma.cu: the same roles, TMA-fed and warp-specialised, 15-35% faster); this form
+(kernels/cuda/fp8_linear_wgmma.cu: the same roles, TMA-fed and warp-specialised, 13-27% faster over a layer); this form
 stays the fallback there and the A/B baseline (DEEPINFER_LINEAR_BATCH_FORM=swap).
 Must not: be imported without triton.
 """
