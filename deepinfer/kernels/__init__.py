@@ -26,6 +26,12 @@ def get(op_name: str, device: str = "cpu") -> Callable:
     return fn
 
 
+def find(op_name: str, device: str) -> Callable | None:
+    """The implementation registered for exactly `device`, or None (no fallback to the torch version): for
+    callers whose twin is their own general path (the sampler's greedy step)."""
+    return _REGISTRY.get((op_name, device))
+
+
 def ops() -> list[str]:
     return sorted({n for n, _ in _REGISTRY})
 
@@ -42,6 +48,7 @@ from deepinfer.kernels import quant_weights  # noqa: E402  (it imports `official
 
 register("fp8_linear", quant_weights.fp8_linear_torch)
 register("fp4_moe", quant_weights.fp4_moe_torch)
+register("fp4_moe_shared", quant_weights.fp4_moe_shared_torch)
 
 # bf16-weight GEMMs of fast numerics: torch twins everywhere, cuBLAS on bf16 operands for cuda (no upcasts;
 # these cuda versions need no triton, so they register here rather than in kernels.triton)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 __all__ = [
     "rms_norm", "head_rms_norm", "rope_inv_freq", "rope", "hadamard", "hc_mix", "hc_split_sinkhorn",
     "hc_collapse", "hc_post", "compress_pool", "indexer_scores", "stable_topk", "sparse_attn_sink", "swiglu",
+    "greedy_sample",
 ]
 
 
@@ -172,3 +173,13 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     if weight is not None:
         h = weight * h  # the routing weight multiplies before the down projection
     return h @ w2.T
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of op "greedy_sample" (kernels/triton/greedy.py): logits [N, V] -> (the first argmax [N] int64,
+    its raw log_softmax value [N], its rank [N] int64: 1 + the count of strictly higher logprobs), the
+    sampler's general path for all-greedy rows (`sampling.logprobs.gather_logprobs`)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tok = logits.argmax(dim=-1)
+    chosen = lp.gather(1, tok.unsqueeze(-1)).squeeze(-1)
+    return tok, chosen, (lp > chosen.unsqueeze(-1)).sum(dim=-1) + 1

@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from deepinfer import kernels
 from deepinfer.devices import host_to_device
 from deepinfer.sampling.filters import apply_filters
 from deepinfer.sampling.logprobs import TokenLogprobs, gather_logprobs, log_softmax
@@ -76,6 +77,16 @@ class Sampler:
             raise ValueError(f"{len(generators)} generators for {len(params)} rows")
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
+        num_top = tuple(p.logprobs or 0 for p in params)
+        fused = kernels.find("greedy_sample", "cuda") if logits.is_cuda and logits.dtype == torch.float32 else None
+        if fused is not None and not any(num_top) and all(p.greedy for p in params):
+            # every row greedy, no top logprobs: token, raw logprob and rank from one read of each row (the
+            # general path below writes and re-reads [N, V] fp32 four times); the same tokens, the logprobs
+            # up to the fp32 sum's order (kernels/triton/greedy.py)
+            tok, lp, ranks = fused(logits)
+            out = SamplerOutput(tok, lp, ranks, tok.new_empty((len(params), 0)), lp.new_empty((len(params), 0)),
+                                num_top)
+            return out.to("cpu") if to_host else out
         raw_logprobs = log_softmax(logits)  # [N, V]
         token_ids = logits.argmax(dim=-1)  # greedy rows keep this; random rows are overwritten
         logprobs = raw_logprobs
@@ -92,7 +103,6 @@ class Sampler:
             if self.logprobs_mode == "processed_logprobs":
                 logprobs = raw_logprobs.index_copy(0, rows, torch.log_softmax(scaled, dim=-1))
 
-        num_top = tuple(p.logprobs or 0 for p in params)
         out = gather_logprobs(logprobs, token_ids, max(num_top, default=0))
         # the tokens go to the scheduler and the logprobs to the outputs, both on the host: the [N, V] work
         # above stays on the logits' device, and only these [N] / [N, k] rows cross (see the module doc)
