@@ -157,6 +157,24 @@ def _hc_pre_errors(T, D, config=None, device="cuda"):
     return rel_err(y, ry), rel_err(post, rpost), rel_err(comb, rcomb)
 
 
+def _hc_head_error(T, D, device="cuda"):
+    """rel_err of norm_hc.hc_head_fused against its twin (the head's collapse: hc pre weights only)."""
+    from deepinfer.kernels.triton import norm_hc
+
+    g = torch.Generator(device=device).manual_seed(T * 3 + D)
+    x, fn, scale, base, nw = _hc_inputs(g, T, D, device=device)
+    hc = x.shape[1]
+    fn, scale, base = fn[:hc].contiguous(), scale[:1].contiguous(), base[:hc].contiguous()
+    y = norm_hc.hc_head_fused(x, fn, scale, base, nw, 1e-6, 1e-6)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, D)
+    try:
+        norm_hc.hc_head_fused(x.float(), fn, scale, base, nw, 1e-6, 1e-6)
+        raise AssertionError("fp32 streams were accepted")
+    except ValueError as err:
+        assert "bf16" in str(err)
+    return rel_err(y, official_fused.hc_head_fused(x, fn, scale, base, nw, 1e-6, 1e-6))
+
+
 def _check_hc_mix_exact(device):
     """The mix kernel's fp32 products are exact (fn split into three bf16 parts in the kernel): token t is a
     one-hot row x[t] = 2^e_t at column k_t, so its partials must sum to exactly 2^e_t * fn[:, k_t] and its
@@ -198,6 +216,10 @@ for T, D, config in [(5, 64, None), (70, 256, None), (5, 48, None),
     e = t._hc_pre_errors(T, D, config, device="cpu")
     print(f"hc_pre T={T} D={D} {config}: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
     assert e[0] <= t.BF16_BOUND and e[1] <= t.F32_BOUND and e[2] <= t.F32_BOUND, (T, D, config, e)
+for T, D in [(3, 64), (70, 256)]:
+    e = t._hc_head_error(T, D, device="cpu")
+    print(f"hc_head T={T} D={D}: y {e:.2e}")
+    assert e <= t.BF16_BOUND, (T, D, e)
 print("ok")
 """
 
@@ -249,6 +271,15 @@ def test_hc_pre_fused_matches_twin(T, D, config):
     print(f"hc_pre T={T} D={D} {config}: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
     # the mix GEMM sums 4D products in another order than cuBLAS: fp32-level, amplified a little by Sinkhorn
     assert e[0] <= BF16_BOUND and e[1] <= 1e-4 and e[2] <= 1e-4
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T,D", [(1, 4096), (32, 4096), (128, 4096), (300, 256)])
+def test_hc_head_fused_matches_twin(T, D):
+    e = _hc_head_error(T, D)
+    print(f"hc_head T={T} D={D}: y {e:.2e}")
+    assert e <= BF16_BOUND
 
 
 @gpu

@@ -2,7 +2,8 @@
 (the CPU fallback) and the references the Triton versions in `kernels/triton/norm_hc.py` are tested against.
 
 Owns: `hc_pre_fused` (hc mixes, Sinkhorn split, collapse, bf16 round, RMSNorm, bf16 round: exactly the
-steps `V4Block._hc_official` runs before a sublayer), `hc_post_fused` (hc_post rounded once to bf16), and
+steps `V4Block._hc_official` runs before a sublayer), `hc_head_fused` (the model head's collapse and final
+norm, exactly `V4EngineModel.logits`' steps before the head GEMM), `hc_post_fused` (hc_post rounded once to bf16), and
 `kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace),
 `moe_gate_sqrtsoftplus` (the V4 gate after its logits GEMM: sqrt-softplus, bias-only selection, top-k,
 renormalise, scale: exactly `V4MoE.route`'s ops), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
@@ -20,7 +21,7 @@ import torch
 from deepinfer import formats
 from deepinfer.kernels import official, torch_ops
 
-__all__ = ["hc_pre_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
+__all__ = ["hc_pre_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged"]
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -38,6 +39,16 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     pre, post, comb = torch_ops.hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
     y = torch_ops.hc_collapse(xf, pre).to(BF16).to(F32)
     return torch_ops.rms_norm(y, norm_weight, norm_eps).to(BF16), post, comb
+
+
+def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                  norm_weight: torch.Tensor, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """The model head's collapse in official rounding: x [N, hc, D] -> bf16 [N, D]: fp32 r-normalised mixes
+    (fn [hc, hc*D]), pre = sigmoid(mix * scale + base) + hc_eps, collapse, bf16 round, RMSNorm, bf16 round."""
+    xf = x.to(F32)
+    pre = torch.sigmoid(torch_ops.hc_mix(xf, fn, norm_eps) * scale + base) + hc_eps
+    y = torch_ops.hc_collapse(xf, pre).to(BF16).to(F32)
+    return torch_ops.rms_norm(y, norm_weight, norm_eps).to(BF16)
 
 
 def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -197,40 +197,45 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
 @triton.jit
 def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
                                  T, D, splits, iters, hc_eps, norm_eps,
-                                 HC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One token: the r-normalised mixes from the split-K partials (summed in split order: deterministic),
-    Sinkhorn split, collapse of its hc streams, bf16 round, RMSNorm, bf16 round. (Tried 2026-12-02: loading
-    the streams first, to overlap their latency with the Sinkhorn chain: H200 8k prefill 152 -> 197 us per
-    call, decode b1 8.1 -> 9.2 us, b128 10.9 -> 9.5 us; reverted.)"""
+                                 HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr):
+    """One token: the r-normalised mixes from the split-K partials, Sinkhorn split, collapse of its hc
+    streams, bf16 round, RMSNorm, bf16 round. The partials of all splits are loaded at once ([SP, ...], SP
+    the splits' power of two) and summed as a tree (deterministic: a fixed order); a loop over the splits
+    waited one L2 round trip per split. (Tried 2026-12-02: loading the streams first, to overlap their
+    latency with the Sinkhorn chain: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 -> 9.2 us, b128
+    10.9 -> 9.5 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre
+    weights alone, no post, comb or Sinkhorn."""
     t = tl.program_id(0).to(tl.int64)
-    n_mix = (2 + HC) * HC
+    if HEAD:
+        n_mix = HC
+    else:
+        n_mix = (2 + HC) * HC
     j = tl.arange(0, HC)
     cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
-    m_pre = tl.zeros((HC,), tl.float32)
-    m_post = tl.zeros((HC,), tl.float32)
-    m_comb = tl.zeros((HC, HC), tl.float32)
-    ssq = 0.0
-    for sp in range(0, splits):
-        row = (sp * T + t) * n_mix
-        m_pre += tl.load(part_ptr + row + j)
-        m_post += tl.load(part_ptr + row + HC + j)
-        m_comb += tl.load(part_ptr + row + cidx)
-        ssq += tl.load(ssq_ptr + sp * T + t)
+    sp = tl.arange(0, SP)
+    live = sp < splits
+    row = (sp.to(tl.int64) * T + t) * n_mix  # [SP]
+    m_pre = tl.sum(tl.load(part_ptr + row[:, None] + j[None, :], mask=live[:, None], other=0.0), axis=0)
+    ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
     r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
     s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
     pre = tl.sigmoid(m_pre * r * s0 + tl.load(base_ptr + j)) + hc_eps
-    post = 2.0 * tl.sigmoid(m_post * r * s1 + tl.load(base_ptr + HC + j))
-    c = m_comb * r * s2 + tl.load(base_ptr + cidx)
-    c = tl.exp(c - tl.max(c, axis=1)[:, None])
-    c = c / tl.sum(c, axis=1)[:, None] + hc_eps
-    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)  # the first pass normalises columns only
-    for _ in range(iters - 1):
-        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-    tl.store(post_ptr + t * HC + j, post)
-    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
+    if not HEAD:
+        m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + j[None, :], mask=live[:, None], other=0.0), axis=0)
+        m_comb = tl.sum(tl.load(part_ptr + row[:, None, None] + cidx[None, :, :], mask=live[:, None, None],
+                                other=0.0), axis=0)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        post = 2.0 * tl.sigmoid(m_post * r * s1 + tl.load(base_ptr + HC + j))
+        c = m_comb * r * s2 + tl.load(base_ptr + cidx)
+        c = tl.exp(c - tl.max(c, axis=1)[:, None])
+        c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)  # the first pass normalises columns only
+        for _ in range(iters - 1):
+            c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+        tl.store(post_ptr + t * HC + j, post)
+        tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
 
     cols = tl.arange(0, BLOCK_D)
     dmask = cols < D
@@ -312,7 +317,7 @@ def hc_mix_partials(x2: torch.Tensor, fn: torch.Tensor, plan: dict) -> tuple[tor
     ssq = torch.empty(splits, T, dtype=F32, device=x2.device)
     _hc_mix_partial_kernel[(triton.cdiv(T, plan["BLOCK_T"]), splits)](
         x2, fn.to(F32).contiguous(), part, ssq, T, KD, n_out, plan["K_CHUNK"],
-        BLOCK_T=plan["BLOCK_T"], BLOCK_O=triton.next_power_of_2(n_out), BLOCK_K=plan["BLOCK_K"],
+        BLOCK_T=plan["BLOCK_T"], BLOCK_O=max(16, triton.next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"],
         INTERPRET=_interpreting(), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     return part, ssq
 
@@ -341,8 +346,40 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     _hc_sinkhorn_collapse_kernel[(T,)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
         y, post, comb, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_D=block_d, num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
+        HC=hc, BLOCK_D=block_d, SP=max(2, triton.next_power_of_2(plan["SPLITS"])), HEAD=False,
+        num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
     return y, post, comb
+
+
+def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                  norm_weight: torch.Tensor, hc_eps: float, norm_eps: float,
+                  config: dict | None = None) -> torch.Tensor:
+    """The model head's collapse and final norm: x [N, hc, D] bf16 -> y [N, D] bf16 (twin:
+    `official_fused.hc_head_fused`), the two launches of `hc_pre_fused` with the head's hc mixes (fn [hc,
+    hc*D]: pre weights only) instead of ~12 torch launches (an fp32 upcast, an fp32 SIMT GEMM, ...)."""
+    _need(x.dim() == 3 and tuple(fn.shape) == (x.shape[1], x.shape[1] * x.shape[2]),
+          f"hc_head: want x [N, hc, D] and fn [hc, hc*D], got {tuple(x.shape)} and {tuple(fn.shape)}")
+    hc, D = x.shape[1], x.shape[2]
+    _need(hc & (hc - 1) == 0, f"hc_head: hc={hc} must be a power of two")
+    _need(scale.numel() == 1 and base.numel() == hc and tuple(norm_weight.shape) == (D,),
+          f"hc_head: want scale [1], base [{hc}], norm weight [{D}], got {tuple(scale.shape)}, "
+          f"{tuple(base.shape)}, {tuple(norm_weight.shape)}")
+    _need(x.dtype == BF16, f"hc_head: x must be bf16 (fast numerics' residual streams), got {x.dtype}")
+    T = x.shape[0]
+    x = x.contiguous()
+    y = torch.empty(T, D, dtype=BF16, device=x.device)
+    if T == 0:
+        return y
+    plan = mix_plan(T, hc * D, config)
+    part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
+    block_d = triton.next_power_of_2(D)
+    f32 = scale.to(F32).contiguous()
+    _hc_sinkhorn_collapse_kernel[(T,)](
+        part, ssq, f32, base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(), y, f32, f32, T, D,
+        plan["SPLITS"], 0, float(hc_eps), float(norm_eps), HC=hc, BLOCK_D=block_d,
+        SP=max(2, triton.next_power_of_2(plan["SPLITS"])), HEAD=True,
+        num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))  # post / comb never written
+    return y
 
 
 # ---------------------------------------------------------------------------------------------- hc_post
@@ -398,6 +435,7 @@ REGISTRATIONS = {
     "rms_norm_bf16": rms_norm_bf16,
     "head_rms_norm": head_rms_norm,
     "hc_pre_fused": hc_pre_fused,
+    "hc_head_fused": hc_head_fused,
     "hc_post": hc_post,
     "hc_post_fused": hc_post_fused,
 }
