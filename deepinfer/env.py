@@ -97,3 +97,10 @@ def stack_weights() -> bool:
     """DEEPINFER_STACK_WEIGHTS=0 keeps the fast params' weight pairs apart (model/params_fast.py `STACKS`:
     two GEMMs per pair as before 2026-12-03, for A/B runs); default on (one GEMM per pair)."""
     return os.environ.get("DEEPINFER_STACK_WEIGHTS", "1") not in ("0", "false", "no")
+
+
+def side_streams_enabled() -> bool:
+    """DEEPINFER_SIDE_STREAMS=0 runs a CUDA layer's independent branches (the shared expert; the compressors
+    and the indexer) inline on the main stream instead of on a second stream beside it (model/side_stream.py;
+    for A/B runs); default on."""
+    return os.environ.get("DEEPINFER_SIDE_STREAMS", "1") not in ("0", "false", "no")

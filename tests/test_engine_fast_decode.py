@@ -273,3 +273,36 @@ def test_fast_decode_cuda_matches_the_oracle_within_its_noise(tiny_v4_raw, oracl
         out.append(runner(tokens[k], seqs).clone())
     tef.judge("fast decode path (cuda graphs) vs oracle official", torch.stack(out).to("cpu", torch.float64),
               oracle_run)
+
+
+@pytest.mark.gpu
+def test_side_streams_change_no_bit(tiny_v4_raw, cuda_kernels, monkeypatch):
+    """The layer's independent branches on the side stream (model/side_stream.py: the shared expert, the
+    compressors and the indexer) change only the order of independent kernels: graphs captured with side
+    streams, replayed, against the eager path with everything on one stream: logits and every cache tensor
+    bit-identical after each step; and the eager path with side streams against the one without."""
+    cfg, raw = tiny_v4_raw
+    params = v4_params(raw, cfg, "fast", "cuda")
+    models, tok, lens = prefilled_pair(cfg, params, LENS, "cuda")
+    third = prefilled_pair(cfg, params, LENS, "cuda")[0][0]
+    monkeypatch.setenv("DEEPINFER_SIDE_STREAMS", "1")
+    mk = dict(max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1, scratch_block=BPS * (SLOTS - 1))
+    # every runner captures its graphs (the capture runs steps into the scratch rows), so that the caches
+    # match row for row at the end, stale rows too; two of them are then called eagerly
+    graphed, eager_side, inline = (DecodeRunner(m, cuda_graphs=True, **mk) for m in (models[1], third, models[0]))
+    pos, tok = list(lens), tok.clone()
+    for k in range(STEPS):
+        seqs = [SeqContext(pos[i], 1, i, i, table(i)) for i in range(len(LENS))]
+        monkeypatch.setenv("DEEPINFER_SIDE_STREAMS", "0")
+        ref = inline(tok, seqs, graphs=False).clone()
+        monkeypatch.setenv("DEEPINFER_SIDE_STREAMS", "1")
+        side = eager_side(tok, seqs, graphs=False).clone()
+        replay = graphed(tok, seqs).clone()
+        assert torch.equal(side, ref), f"step {k}: eager with side streams"
+        assert torch.equal(replay, ref), f"step {k}: graph replay with side streams"
+        tok = ref.argmax(-1)
+        for i in range(len(LENS)):
+            pos[i] += 1
+    for name, ref in cache_tensors(models[0]).items():
+        assert torch.equal(cache_tensors(models[1])[name], ref), name
+        assert torch.equal(cache_tensors(third)[name], ref), name

@@ -263,6 +263,19 @@ def check_routing(op: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
 
 
+def fp4_moe_shared_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
+                         swiglu_limit: float, shared: torch.Tensor, ready=None) -> torch.Tensor:
+    """Twin of op "fp4_moe_shared": the routed experts' fp32 sum (`fp4_moe_torch`), the shared expert's bf16
+    rows added last (upcast inside the add: exact), rounded to bf16 once: `V4MoE._forward_fast`'s steps.
+    ready: called once before `shared` is read (the caller's stream join)."""
+    if ready is not None:
+        ready()
+    if shared.shape != x.shape or shared.dtype != torch.bfloat16:
+        raise ValueError(f"fp4_moe_shared: shared must be bf16 {tuple(x.shape)}, got {shared.dtype} "
+                         f"{tuple(shared.shape)}")
+    return fp4_moe_torch(x, topk_ids, topk_weights, bank, swiglu_limit).add_(shared).to(torch.bfloat16)
+
+
 def fp4_moe_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
                   swiglu_limit: float) -> torch.Tensor:
     """Twin of op "fp4_moe": the routed experts of `_forward_official`, fp32 [T, D] (the caller adds the

@@ -30,6 +30,7 @@ from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.compressor import project
 from deepinfer.model.decode_metadata import DecodeRows, RatioRows
+from deepinfer.model.side_stream import beside, join, on_side
 from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.stacked import pair
 
@@ -102,36 +103,47 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     B = x.shape[0]
     q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
     qr = rms(q_lora, p["q_norm.weight"])
-    q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
-    q = rope(k("head_rms_norm")(q, attn.eps))
-    kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [B, hd]
-    _store(attn, lc, "window", kv, lc.ring.flatten(0, 1), rows.ring_row)  # write first: the query sees it
-    idx = rows.window_rows  # a window-only layer attends over these alone (no cat: it would be a copy)
-    comp = None
-    if r:
+
+    def select() -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Advance the compressors and pick the rows to attend: (index rows, compressed cache or None)."""
+        idx = rows.window_rows  # a window-only layer attends over these alone (no cat: it would be a copy)
+        if not r:
+            return idx, None
         compress_decode(attn, lc, x, rows)  # entries this token completes are visible to it
         rr = rows.ratios[r]
         E = rr.entry_rows.shape[1]
         n_ring = lc.ring.shape[0] * lc.ring.shape[1]  # compressed row c is attention row n_ring + c
-        if E:
-            comp = lc.comp
-            if attn.has_indexer:
-                ihd, nh = cfg.index_head_dim, cfg.index_n_heads
-                q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
-                q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
-                w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
-                # straight from the packed key cache (cuda: one kernel; hidden entries -inf, never read)
-                scores = k("indexer_scores_paged_bf16")(q_idx, w_idx, lc.index_keys, rr.entry_rows, rr.hidden,
-                                                        lc.layouts["index"])
-                top = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K], every pick in [0, E)
-                hid = top >= rr.visible.unsqueeze(1)  # picks past the visible entries
-                # = where(sel >= 0, row of sel, -1) of the official sel = where(hid, -1, top)
-                chosen = rr.entry_rows.gather(1, torch.where(hid, 0, top))  # [B, K] cache rows of the selection
-                idx = torch.cat([idx, torch.where(hid, -1, chosen + n_ring)], dim=1)
-            else:  # every entry ascending: the same rows for every layer of this ratio in the step
-                def build_ascending() -> torch.Tensor:
-                    return torch.cat([idx, torch.where(rr.hidden, -1, rr.entry_rows + n_ring)], dim=1)
-                idx = step_memo(rows, ("ascending", r), build_ascending)
+        if not E:
+            return idx, None
+        if attn.has_indexer:
+            ihd, nh = cfg.index_head_dim, cfg.index_n_heads
+            q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
+            q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
+            w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+            # straight from the packed key cache (cuda: one kernel; hidden entries -inf, never read)
+            scores = k("indexer_scores_paged_bf16")(q_idx, w_idx, lc.index_keys, rr.entry_rows, rr.hidden,
+                                                    lc.layouts["index"])
+            top = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K], every pick in [0, E)
+            hid = top >= rr.visible.unsqueeze(1)  # picks past the visible entries
+            # = where(sel >= 0, row of sel, -1) of the official sel = where(hid, -1, top)
+            chosen = rr.entry_rows.gather(1, torch.where(hid, 0, top))  # [B, K] cache rows of the selection
+            return torch.cat([idx, torch.where(hid, -1, chosen + n_ring)], dim=1), lc.comp
+
+        def build_ascending() -> torch.Tensor:  # every entry ascending: the same rows for every layer of r
+            return torch.cat([idx, torch.where(rr.hidden, -1, rr.entry_rows + n_ring)], dim=1)
+        return step_memo(rows, ("ascending", r), build_ascending), lc.comp
+
+    # The compressors and the indexer need only x and qr, and the query path does not need them until the
+    # attention: on CUDA they run on the side stream beside it (model/side_stream.py); their cache writes
+    # (compressed entries, index keys) and the window write below touch different caches.
+    branch = beside(x.device)
+    with on_side(branch):
+        idx, comp = select()
+    q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
+    q = rope(k("head_rms_norm")(q, attn.eps))
+    kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [B, hd]
+    _store(attn, lc, "window", kv, lc.ring.flatten(0, 1), rows.ring_row)  # write first: the query sees it
+    join(branch)
     layout = lc.layouts["window"]  # fast numerics stores the packed layouts (model/cache.py: cache_layouts)
     if comp is not None and layout != lc.layouts["compressed"]:
         raise ValueError(f"decode attention reads the ring and the compressed cache as one layout; got "

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
+from deepinfer.model.side_stream import beside, join, on_side
 
 
 class V41MoE:
@@ -83,11 +84,14 @@ class V41MoE:
     def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
         """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts in
         ascending expert order, as official), the clamped shared expert added in fp32, rounded to bf16 once."""
+        branch = beside(x.device)  # the shared expert beside the routing and the routed experts (as V4MoE)
+        with on_side(branch):
+            shared = self._swiglu_official(x, "shared_experts.", None)
         weights, indices = self.route(x)
-        y = kernels.get("fp4_moe", self.kdev)(x, indices, weights.to(torch.float32), self.p["experts"],
-                                              self.cfg.swiglu_limit)
-        y = y + self._swiglu_official(x, "shared_experts.", None).to(torch.float32)
-        return y.to(torch.bfloat16)
+        # the shared rows added last in fp32 and the bf16 rounding inside the op's combine, which joins the
+        # side stream just before it
+        return kernels.get("fp4_moe_shared", self.kdev)(x, indices, weights.to(torch.float32), self.p["experts"],
+                                                        self.cfg.swiglu_limit, shared, lambda: join(branch))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast:

@@ -57,6 +57,7 @@ Must not: be imported without triton; know about gates, hash routing or the shar
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -537,11 +538,13 @@ def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, st
 
 
 @triton.jit
-def _combine_kernel(y_ptr, p_ptr, ids_ptr, D, stride_ps, S: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-                    BD: tl.constexpr, PARTIAL: tl.constexpr):
+def _combine_kernel(y_ptr, p_ptr, ids_ptr, sh_ptr, D, stride_ps, S: tl.constexpr, TOPK: tl.constexpr,
+                    KP: tl.constexpr, BD: tl.constexpr, PARTIAL: tl.constexpr, SHARED: tl.constexpr):
     """y[t] = fp32 sum over token t's k slots in ascending expert id (stable: ties by position, like a stable
     argsort; computed here, no torch argsort launch) of its w2 row. PARTIAL: the row is bf16(sum_s p[s, slot])
-    (s = 0..S-1 in that order, fp32: the split w2's reduce, fused); else p holds the bf16 rows."""
+    (s = 0..S-1 in that order, fp32: the split w2's reduce, fused); else p holds the bf16 rows. SHARED: the
+    shared expert's bf16 row sh[t] is added last (fp32) and y is stored in its dtype (bf16): the official
+    `y += shared; y.to(bf16)` of the MoE, in the same order."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = offs < D
@@ -561,7 +564,9 @@ def _combine_kernel(y_ptr, p_ptr, ids_ptr, D, stride_ps, S: tl.constexpr, TOPK: 
             acc += row.to(tl.bfloat16).to(tl.float32)
         else:
             acc += tl.load(p_ptr + slot * D + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * D + offs, acc, mask=ok)
+    if SHARED:
+        acc += tl.load(sh_ptr + t * D + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * D + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -676,21 +681,28 @@ def _w2_rows(s2, n_slots, d, device):
     return torch.empty((n_slots, d), dtype=torch.bfloat16, device=device)
 
 
-def _combine_rows(y, rows, topk_ids):
+def _combine_rows(y, rows, topk_ids, shared=None):
     """y[t] = the ordered fp32 sum of token t's k w2 rows (`_combine_kernel`): rows fp32 split partials
-    [S2, slots, D] (3-D, any S2 >= 1: their fixed-order sum rounded to bf16 per row, fused) or bf16 [slots, D]."""
+    [S2, slots, D] (3-D, any S2 >= 1: their fixed-order sum rounded to bf16 per row, fused) or bf16 [slots, D].
+    shared (bf16 [T, D], op fp4_moe_shared): added last in fp32, y bf16 (the MoE's one rounding, fused)."""
     t, topk = topk_ids.shape
     d = y.shape[1]
     partial = rows.dim() == 3
     s2 = rows.shape[0] if partial else 1
     bd = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), d, rows.stride(0) if partial else 0,
+    if (shared is None) != (y.dtype == torch.float32):
+        raise ValueError(f"fp4_moe: the output is fp32 without a shared expert and bf16 with one, got {y.dtype} "
+                         f"with shared={'given' if shared is not None else None}")
+    if shared is not None:
+        shared = shared.wait()  # the caller's side stream joins here: after every expert GEMM was queued
+    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), shared if shared is not None else y, d,
+                                             rows.stride(0) if partial else 0,
                                              S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
-                                             PARTIAL=partial, num_warps=4)
+                                             PARTIAL=partial, SHARED=shared is not None, num_warps=4)
     return y
 
 
-def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y):
+def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y, shared=None):
     """The v2 path (variants under measurement, same function as the default path): pre-dequantised bf16
     activations (A_BF16), one gate+up tile per program, split-K with fixed-order reduce kernels (the w13
     reduce fuses the SwiGLU epilogue and act_quant(h), the w2 reduce fuses the k-row sum), and the k-row sum
@@ -728,7 +740,7 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     rows = _w2_rows(s2, n_slots, d, x.device)
     _v2_gemm(ha, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter, 0.0, 1,
              ab, a_bf16, False, s2, cfg, expand)
-    return _combine_rows(y, rows, topk_ids)
+    return _combine_rows(y, rows, topk_ids, shared)
 
 
 MMA_KEYS = ("MMA_SYNC",)  # a config with any of these takes the mma.sync kernels (`_fp4_moe_mma`)
@@ -823,7 +835,7 @@ def tma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
             and tma.usable(device))
 
 
-def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
+def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared=None):
     """The CUDA forms of the decode regime: the mma.sync kernel (kernels/cuda/fp4_moe_mma.cu, config MMA_SYNC)
     or the TMA-fed one (fp4_moe_tma.cu, config TMA), which share the contract: routing in blocks of 8 slots,
     bf16 activations (act_quant's exact q * s), both GEMMs as fp32 split partials (S >= 1) on mma.sync with
@@ -853,7 +865,7 @@ def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     ha, _ = _reduce_split_w13(part, route_w, ab, swiglu_limit, True)
     rows = torch.empty((cfg["S2"], n_slots, d), dtype=torch.float32, device=x.device)
     mma.expert_gemm_partials(ha, bank.w2, bank.w2_scale, rows, sorted_slots, block_expert, n_slots, 1, cfg)
-    return _combine_rows(y, rows, topk_ids)
+    return _combine_rows(y, rows, topk_ids, shared)
 
 
 WGMMA_KEYS = ("WGMMA",)  # a config with any of these takes the wgmma prefill form (kernels/cuda/fp4_moe_wgmma.cu)
@@ -890,7 +902,7 @@ def plan_wgmma(n_slots: int, n_experts: int, config: dict) -> dict:
     return wg.tiles({**(WGMMA_TILES_FEW if few else WGMMA_TILES), **config})
 
 
-def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
+def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared=None):
     """The wgmma form of the prefill regime (kernels/cuda/fp4_moe_wgmma.cu): routing in blocks of BT slots,
     the activations act_quant'ed, gathered into sorted order and permuted into the kernel's K order in one
     pass (`act_quant_gather`), w13 with the SwiGLU epilogue in the kernel -> h bf16 [slots, I], act_quant(h)
@@ -914,7 +926,7 @@ def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     hg = act_quant_gather(h, ab, sorted_slots, block_expert, n_slots, 1, bt)
     rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
     wg.expert_gemm(hg, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, False, 0.0, cfg)
-    return _combine_rows(y, rows, topk_ids)
+    return _combine_rows(y, rows, topk_ids, shared)
 
 
 FP8_KEYS = ("FP8",)  # a config with any of these takes the FP8 form (`_fp4_moe_fp8`)
@@ -929,7 +941,7 @@ def plan_fp8(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config:
     return _plan_splits(cfg, n_routing_blocks(n_slots, n_experts, cfg["BT"]), cfg["BW"], d, inter, sms)
 
 
-def _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
+def _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared=None):
     """The FP8 form (`fp4_fp8_gemm.py`: the official fp4_gemm math on the FP8 tensor cores, the weights as
     the dot's left operand): activations quantised once into perm32 column order, w13 with the SwiGLU
     epilogue (or split-K partials + the split reduce, which quantises h into perm32 order), act_quant(h),
@@ -956,7 +968,7 @@ def _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y):
     rows = _w2_rows(s2, n_slots, d, x.device)
     fp4_fp8_grouped_gemm(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d,
                          0.0, 1, ab, False, s2, cfg)
-    return _combine_rows(y, rows, topk_ids)
+    return _combine_rows(y, rows, topk_ids, shared)
 
 
 PREFILL_V2 = dict(A_BF16=True)  # the default plan above 16 slots per expert (`_config`'s tiles), expand 6
@@ -995,8 +1007,44 @@ def _prefill_form() -> str:
     return PREFILL_FORM if choice == "auto" else choice
 
 
+class _SharedRows:
+    """The shared expert's bf16 rows and the caller's join, run just before the rows are first read (its
+    rows may still be in flight on a side stream while the expert GEMMs are queued)."""
+
+    def __init__(self, rows: torch.Tensor, ready: Callable[[], None] | None) -> None:
+        self.rows, self.ready = rows, ready
+
+    def wait(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready()
+        return self.rows
+
+
+def fp4_moe_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
+                   swiglu_limit: float, shared: torch.Tensor, ready: Callable[[], None] | None = None,
+                   expand: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Op "fp4_moe_shared": bf16(fp4_moe(...) + shared), the MoE's output with the shared expert's bf16 rows
+    added last in fp32 and one rounding (twin: `quant_weights.fp4_moe_shared_torch`). The forms that end in
+    `_combine_kernel` do both in it (two launches fewer than an add and a cast); the others add after.
+    ready: called once before anything reads `shared` (model/moe.py passes its side stream's join, so the
+    shared expert runs beside the routing and the expert GEMMs)."""
+    if shared.shape != x.shape or shared.dtype != torch.bfloat16 or shared.device != x.device:
+        raise ValueError(f"fp4_moe_shared: shared must be bf16 {tuple(x.shape)} on {x.device} like x, got "
+                         f"{shared.dtype} {tuple(shared.shape)} on {shared.device}")
+    if not shared.is_contiguous():
+        raise ValueError("fp4_moe_shared: shared must be contiguous")
+    return fp4_moe(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config,
+                   shared=_SharedRows(shared, ready))
+
+
+def _add_shared(y: torch.Tensor, shared: _SharedRows | None) -> torch.Tensor:
+    """The unfused end of fp4_moe_shared: y fp32 += shared (upcast inside the add: exact), one bf16 rounding."""
+    return y if shared is None else y.add_(shared.wait()).to(torch.bfloat16)
+
+
 def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
-            swiglu_limit: float, expand: int | None = None, config: dict | None = None) -> torch.Tensor:
+            swiglu_limit: float, expand: int | None = None, config: dict | None = None,
+            shared: _SharedRows | None = None) -> torch.Tensor:
     """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
     topk_ids must lie in [0, E) (not checked on the device: that would force a host sync).
     expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`; with config None too: the measured default,
@@ -1022,7 +1070,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"fp4_moe: expand 6 is exact for E8M0 scale bytes up to {EXPAND6_SCALE_MAX} (scale 2); "
                          f"this bank has {bank.scale_max}")
     if not x.is_cuda and not interpreting():
-        return fp4_moe_torch(x, topk_ids, topk_weights, bank, swiglu_limit)
+        return _add_shared(fp4_moe_torch(x, topk_ids, topk_weights, bank, swiglu_limit), shared)
     check_routing("fp4_moe", x, topk_ids, topk_weights, bank)
     if bank.w13.device != x.device:
         raise ValueError(f"fp4_moe: the expert bank is on {bank.w13.device}, x on {x.device} (FP4ExpertBank.to)")
@@ -1031,17 +1079,18 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if d % 128 or inter % 128 or 128 % bank.act_block:
         raise ValueError(f"fp4_moe kernel needs D={d} and I={inter} multiples of 128 and act_block "
                          f"{bank.act_block} dividing 128")
-    y = torch.empty((t, d), dtype=torch.float32, device=x.device)
+    y = torch.empty((t, d), dtype=torch.float32 if shared is None else torch.bfloat16, device=x.device)
     if t == 0:
         return y
     if config and any(key in config for key in MMA_KEYS + TMA_KEYS):
-        return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
+        return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
     if config and any(key in config for key in WGMMA_KEYS):
-        return _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
+        return _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
     if config and any(key in config for key in FP8_KEYS):
-        return _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y)
+        return _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
     if config and any(key in config for key in V2_KEYS):
-        return _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y)
+        return _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y, shared)
+    y = y if shared is None else torch.empty((t, d), dtype=torch.float32, device=x.device)
     cfg = config or _config(n_slots, bank.plan_experts)
     sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, cfg["BM"])
     route_w = topk_weights.contiguous().view(-1)
@@ -1056,7 +1105,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     order = torch.argsort(topk_ids, dim=1).to(torch.int32).contiguous()
     bd = min(1024, triton.next_power_of_2(d))
     _sum_expert_rows_kernel[(t, triton.cdiv(d, bd))](y, rows, order, d, TOPK=topk, BD=bd)
-    return y
+    return _add_shared(y, shared)
 
 
-REGISTRATIONS = {"fp4_moe": fp4_moe}
+REGISTRATIONS = {"fp4_moe": fp4_moe, "fp4_moe_shared": fp4_moe_shared}

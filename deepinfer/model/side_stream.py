@@ -1,0 +1,80 @@
+"""A second CUDA stream per device for work that does not depend on the main chain of a layer.
+
+Why: at decode most of a layer's kernels are latency-bound (a few µs each, a few CTAs), and the chain runs
+them one after the other while most SMs idle. Work that the chain does not need until later can run on a
+side stream at the same time: the shared expert beside the gate, routing and routed experts; the
+compressors and the indexer beside the query path. Same kernels, same inputs, same results: only the
+order in which independent kernels run changes (no kernel here reads another's output without a join).
+
+Use:
+    branch = beside(device)          # None: run inline (CPU, disabled, or already on the side stream)
+    with on_side(branch):
+        s = work(x)                  # queued on the side stream, after everything queued on main so far
+    ...main-chain work...
+    join(branch)                     # main waits for the side's work; s may be read from here on
+
+Memory: a tensor made on the side stream and read on main after `join` is freed to the side stream's pool
+when Python drops it; the side stream reuses it only after its next fork, which main queues after every
+read queued so far, so no reuse can overtake a read. Inputs made on main (x) must stay referenced until
+`join` (the callers keep them in local variables) so that main cannot reuse them under the side's reads.
+CUDA-graph capture: the fork (`wait_stream` on the capturing stream) pulls the side stream into the
+capture and the join returns it, so one graph holds both streams (as SGLang's shared-expert overlap).
+DEEPINFER_SIDE_STREAMS=0 runs everything inline (the A/B baseline).
+Must not: be used around collectives (the ranks' streams would order them differently).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from deepinfer import env
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(device=index)
+    return _SIDE[index]
+
+
+class Branch:
+    """The side stream forked from the device's current stream at construction."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.main = torch.cuda.current_stream(device)
+        self.side = _side(device)
+        self.side.wait_stream(self.main)  # the side's work starts after everything queued on main so far
+        self.joined = False
+
+
+def beside(device: torch.device | str) -> Branch | None:
+    """Fork the device's side stream here, or None where work must run inline: not CUDA, disabled by
+    DEEPINFER_SIDE_STREAMS=0, or the current stream is already the side stream (a nested fork)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not env.side_streams_enabled():
+        return None
+    if torch.cuda.current_stream(device) == _side(device):
+        return None
+    return Branch(device)
+
+
+@contextlib.contextmanager
+def on_side(branch: Branch | None):
+    """Queue the block's work on the branch's side stream (inline when branch is None)."""
+    if branch is None:
+        yield
+        return
+    if branch.joined:
+        raise RuntimeError("on_side: this branch was already joined; fork a new one with beside()")
+    with torch.cuda.stream(branch.side):
+        yield
+
+
+def join(branch: Branch | None) -> None:
+    """Main waits for everything queued on the side stream so far (nothing for an inline branch)."""
+    if branch is not None and not branch.joined:
+        branch.main.wait_stream(branch.side)
+        branch.joined = True

@@ -1,0 +1,79 @@
+"""`model/side_stream.py`: where a fork runs inline, the branch's contract, and (GPU) that work on the side
+stream is ordered after main's work before the fork and before main's work after the join.
+The engine-level check (graph replay with side streams == eager without them, bit for bit) is in
+tests/test_engine_fast_decode.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.model import side_stream
+from deepinfer.model.side_stream import beside, join, on_side
+
+
+def test_cpu_and_disabled_forks_run_inline(monkeypatch):
+    assert beside("cpu") is None
+    with on_side(None):  # an inline branch: the block runs where it is
+        x = torch.ones(3) * 2
+    join(None)
+    assert x.sum().item() == 6
+    monkeypatch.setenv("DEEPINFER_SIDE_STREAMS", "0")
+    assert beside(torch.device("cuda", 0)) is None  # disabled before any CUDA call: no device needed
+
+
+@pytest.mark.gpu
+def test_side_stream_orders_against_main():
+    dev = torch.device("cuda")
+    branch = beside(dev)
+    assert branch is not None and branch.side != branch.main
+    # main: a long chain of writes into a; the side must see its final value (ordered after the fork)
+    a = torch.zeros(1 << 22, device=dev)
+    for _ in range(50):
+        a.add_(1.0)
+    branch = beside(dev)
+    with on_side(branch):
+        assert torch.cuda.current_stream(dev) == branch.side
+        assert beside(dev) is None  # nested: inline on the side stream
+        b = a * 2  # reads a after main's 50 adds
+        for _ in range(50):
+            b.add_(1.0)
+    join(branch)
+    c = b + 0  # main, after the join: sees the side's 50 adds
+    assert torch.cuda.current_stream(dev) == branch.main
+    assert torch.all(c == 150.0)
+    with pytest.raises(RuntimeError, match="already joined"):
+        with on_side(branch):
+            pass
+    assert set(side_stream._SIDE) == {torch.cuda.current_device()}
+
+
+@pytest.mark.gpu
+def test_side_stream_is_captured_in_a_cuda_graph():
+    dev = torch.device("cuda")
+    x = torch.randn(1 << 20, device=dev)
+    side_stream_out = {}
+
+    def step():
+        branch = beside(dev)
+        with on_side(branch):
+            s = (x * 3).sin()
+        m = (x * 2).cos()
+        join(branch)
+        side_stream_out["y"] = m + s
+        return side_stream_out["y"]
+
+    ref = step().clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s0 = torch.cuda.Stream()
+    s0.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s0):
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(s0)
+    with torch.cuda.graph(g):
+        out = step()
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, (x * 2).cos() + (x * 3).sin())
+    assert not torch.equal(out, ref)
