@@ -8,6 +8,7 @@ steps run back to back with no synchronisation between them (the host's work the
     PYTHONPATH=$PWD python benchmarks/decode_anatomy.py --layers 4 [--batches 1 32 128] [--top 12]
         [--moe-kernels triton mma]   # each batch once per DEEPINFER_MOE_DECODE_KERNEL choice, same model
         [--env-sets "DEEPINFER_MOE_DECODE_KERNEL=triton,DEEPINFER_LINEAR_DECODE_KERNEL=triton" ""]   # or any sets
+        [--ops 60]   # + an eager step's profiler table: ops by input shape and own device time
 
 Needs CUDA and triton. Prints one block per batch; writes `$OUT/decode_anatomy.json`.
 """
@@ -51,8 +52,23 @@ def graph_kernels(replay, top: int) -> dict:
             "span_us": max(ends) - min(starts), "top": rows[:top]}
 
 
+def eager_ops_table(step, rows: int) -> str:
+    """One eager step under the profiler with input shapes: the torch ops (and the Triton / CUDA launches
+    the registry's ops make) by their own device time, grouped by input shape: which call a kernel of the
+    replay's list comes from."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=rows,
+                                                              max_name_column_width=48, max_shapes_column_width=70)
+
+
 @torch.no_grad()
-def anatomy(runner, batch: int, context: int, top: int) -> dict:
+def anatomy(runner, batch: int, context: int, top: int, ops: int = 0) -> dict:
     from deepinfer.model.context import SeqContext
     from deepinfer.model.decode_step import DecodeRunner
 
@@ -110,6 +126,9 @@ def anatomy(runner, batch: int, context: int, top: int) -> dict:
            "host_pieces_ms": {k: statistics.median(v) for k, v in pieces.items()},
            "pipelined_step_ms": pipelined_ms}
     out.update(graph_kernels(graph.replay, top))
+    if ops:
+        pos[0] = context
+        out["ops_table"] = eager_ops_table(lambda: dec(ids, seqs(), graphs=False), ops)
     return out
 
 
@@ -119,6 +138,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--ops", type=int, default=0,
+                    help="also print this many rows of an eager step's profiler table (ops by input shape)")
     ap.add_argument("--moe-kernels", nargs="+", default=None,
                     help="DEEPINFER_MOE_DECODE_KERNEL values to run each batch with (default: the environment's)")
     ap.add_argument("--env-sets", nargs="+", default=None,
@@ -148,7 +169,7 @@ def main() -> None:
                 os.environ.update(env_set)
             tag = f"b{b}" + (" " + ",".join(f"{k.split('_')[1].lower()}={v}" for k, v in env_set.items())
                              if env_set else "")
-            r = res[tag] = anatomy(runner, b, args.context, args.top)
+            r = res[tag] = anatomy(runner, b, args.context, args.top, args.ops)
             line = (f"{tag:<5} step {r['step_ms']:.3f} ms = prepare (host) {r['prepare_host_ms']:.3f} + graph replay "
                     f"{r['replay_ms']:.3f} ms")
             if r.get("kernels"):
@@ -165,6 +186,8 @@ def main() -> None:
                   f"a step", flush=True)
             for name, n, us in r.get("top", []):
                 print(f"   {us:9.1f} us {n:5d}x  {name}")
+            if r.get("ops_table"):
+                print(r.pop("ops_table"), flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "decode_anatomy.json"), "w") as f:
         json.dump(res, f, indent=1)
 
