@@ -106,16 +106,6 @@ def side_streams_enabled() -> bool:
     return os.environ.get("DEEPINFER_SIDE_STREAMS", "1") not in ("0", "false", "no")
 
 
-LINEAR_F32_FORM_CHOICES = ("auto", "cublas")
-
-
-def linear_f32_form() -> str:
-    """DEEPINFER_LINEAR_F32_FORM: "auto" (the default) runs ops linear_f32 / blinear at 9..256 rows on a bf16
-    weight as the Triton swap-AB GEMM (kernels/triton/bf16_linear_swap.py); "cublas" keeps cuBLAS there (the
-    form before 2026-12-04, for A/B runs). Else a ValueError."""
-    return _kernel_choice("DEEPINFER_LINEAR_F32_FORM", LINEAR_F32_FORM_CHOICES)
-
-
 def fused_greedy_enabled() -> bool:
     """DEEPINFER_FUSED_GREEDY=0 makes the sampler take its general path (log_softmax, argmax, gather, rank)
     for all-greedy steps too, instead of op greedy_sample (sampling/sampler.py; for A/B runs); default on."""

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import bf16_gemm
-from deepinfer.kernels.triton import bf16_linear_swap
 from deepinfer.kernels.triton.act_quant import interpreting
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -114,12 +113,6 @@ def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.stride(1) == 1 and w.stride(0) == w.shape[1])
 
 
-def _swap_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the swap-AB tensor-core form (bf16_linear_swap.py: 9..256 rows) runs the call (else cuBLAS)."""
-    return ((x.is_cuda or interpreting()) and x.dtype == BF16 and x.stride(1) == 1 and w.is_contiguous()
-            and bf16_linear_swap.takes(x.shape[0], w.shape[0], w.shape[1]))
-
-
 def takes_shape(m: int, n: int) -> bool:
     """Whether M rows times an N-row weight take the GEMV (GEMV_MAX_ROWS, GEMV_MAX_WORK: the H200 measurement)."""
     return m <= GEMV_MAX_ROWS and m * n <= GEMV_MAX_WORK
@@ -133,8 +126,6 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         bf16_gemm._check("linear_f32", x, w, 2, 2, (BF16, F32))
         if _takes(x, w):
             return _launch(x, w, F32)
-        if _swap_takes(x, w):
-            return bf16_linear_swap.linear(x, w, F32)
     return bf16_gemm.linear_f32_cublas(x, w)
 
 
@@ -146,8 +137,6 @@ def blinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         bf16_gemm._check("blinear", x, w, 2, 2, (BF16, F32))
         if _takes(x, w):
             return _launch(x, w, BF16)
-        if _swap_takes(x, w):
-            return bf16_linear_swap.linear(x, w, BF16)
     return bf16_gemm.blinear_cublas(x, w)
 
 

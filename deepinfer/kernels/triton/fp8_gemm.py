@@ -200,14 +200,13 @@ def _fp8_linear_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N,
 
 @triton.jit
 def _split_sum_kernel(ws_ptr, out_ptr, N, MN, stride_om, S: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = sum over s = 0, 1, ..., S-1 of ws[s, m, n] in that fixed order (fp32), stored in out's
-    dtype (bf16 for the FP8 linears; fp32 for the bf16 swap linear's linear_f32)."""
+    """out[m, n] = bf16(sum over s = 0, 1, ..., S-1 of ws[s, m, n]) in that fixed order (fp32)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, S):
         acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + (offs // N) * stride_om + offs % N, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + (offs // N) * stride_om + offs % N, acc.to(tl.bfloat16), mask=mask)
 
 
 @lru_cache(maxsize=16)
@@ -320,7 +319,7 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
 
 
 def _partials_then_sum(launch, split: int, out: torch.Tensor) -> torch.Tensor:
-    """`launch(dest)` straight into out ([M, N], bf16 or fp32) when split is 1, else into fp32 partials [split, M, N]
+    """`launch(dest)` straight into out (bf16 [M, N]) when split is 1, else into fp32 partials [split, M, N]
     that `_split_sum_kernel` adds in a fixed order into out (the CUDA forms' split-K, like the Triton ones')."""
     if split == 1:
         return launch(out)
