@@ -9,11 +9,11 @@ timed with the host clock, median over the pure-decode steps of the whole batch 
 
     PYTHONPATH=$PWD python benchmarks/bench_engine_slice.py [--layers 4] [--batches 1 32 128]
         [--context 256] [--new 24] [--async-modes off on] [--dir /tmp/v4_slice_ckpt] [--transformers]
-        [--linear-batch-forms auto swap]
+        [--linear-batch-forms auto swap] [--env-sets "DEEPINFER_SIDE_STREAMS=0,DEEPINFER_FUSED_GREEDY=0" ""]
 
 --linear-batch-forms: one engine per DEEPINFER_LINEAR_BATCH_FORM value (the batched-decode linears' form,
 read when the engine captures its graphs: "auto" the wgmma CUDA kernel, "swap" the Triton swap form before
-it), for A/B runs in one process.
+it), for A/B runs in one process. --env-sets: the same with any variables, one engine per set.
 
 --transformers: then the same slice through transformers' DeepseekV4ForCausalLM in the same process
 (hf_slice.py: its decode step at the same batches and prompt length; transformers' step moved between 35
@@ -80,16 +80,27 @@ def main() -> None:
                     help="one engine per value, in order (repeat one to see the first engine's warm-up cost: in "
                          "the 2026-12-04 runs the process's first engine drew 6.4-7.2 ms b128 steps, later ones "
                          "5.4-5.5)")
+    ap.add_argument("--env-sets", nargs="+", default=None,
+                    help="comma-separated KEY=VALUE sets (\"\" = none), one engine per set in order, the set's "
+                         "variables in the environment and every other set's removed (instead of "
+                         "--linear-batch-forms)")
     args = ap.parse_args()
+    if args.env_sets is not None:
+        sets = [dict(kv.split("=", 1) for kv in es.split(",") if kv) for es in args.env_sets]
+    else:
+        sets = [None if f is None else {"DEEPINFER_LINEAR_BATCH_FORM": f} for f in args.linear_batch_forms]
     path = write_slice(args.layers, args.dir)
     os.sync()  # the checkpoint's dirty pages written back before any timing, not during the first engine's
     print(f"{torch.cuda.get_device_name()}, V4-Flash slice of {args.layers} layers, prompts of {args.context}, "
           f"greedy, {args.new} new tokens", flush=True)
     engine_ms = {}
-    for form in args.linear_batch_forms:
-        if form is not None:
-            os.environ["DEEPINFER_LINEAR_BATCH_FORM"] = form
-        label = "" if form is None else f"linears {form:4s} "
+    for i, env_set in enumerate(sets):
+        if env_set is not None:  # read by the ops at each call (at capture) and by the sampler per step
+            for key in {k for st in sets if st for k in st}:
+                os.environ.pop(key, None)
+            os.environ.update(env_set)
+        label = "" if env_set is None else f"[{i}] " + (",".join(f"{k[len('DEEPINFER_'):].lower()}={v}"
+                                                                   for k, v in env_set.items()) or "default") + " "
         for mode in args.async_modes:
             t0 = time.perf_counter()
             llm = LLM(path, numerics="fast", device="cuda", max_model_len=args.context + args.new + 64,

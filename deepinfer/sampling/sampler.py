@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from deepinfer import kernels
+from deepinfer import env, kernels
 from deepinfer.devices import host_to_device
 from deepinfer.sampling.filters import apply_filters
 from deepinfer.sampling.logprobs import TokenLogprobs, gather_logprobs, log_softmax
@@ -78,7 +78,8 @@ class Sampler:
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         num_top = tuple(p.logprobs or 0 for p in params)
-        fused = kernels.find("greedy_sample", "cuda") if logits.is_cuda and logits.dtype == torch.float32 else None
+        fused = (kernels.find("greedy_sample", "cuda") if logits.is_cuda and logits.dtype == torch.float32
+                 and env.fused_greedy_enabled() else None)
         if fused is not None and not any(num_top) and all(p.greedy for p in params):
             # every row greedy, no top logprobs: token, raw logprob and rank from one read of each row (the
             # general path below writes and re-reads [N, V] fp32 four times); the same tokens, the logprobs
