@@ -51,8 +51,13 @@ def write_slice(layers: int, out: str) -> str:
     return out
 
 
-def decode_steps(llm: LLM, batch: int, context: int, new: int) -> tuple[float, list[float]]:
+def decode_steps(llm: LLM, batch: int, context: int, new: int) -> tuple[float, list[float], str]:
+    """(median step ms, the steps, a note: decode steps replayed / eager, gen-2 collections in the series, the
+    last decode bucket) -- the note tells a host-side slow series (eager steps, collections) from a device one."""
     eng = llm.engine
+    dec = getattr(eng.runner, "decoder", None)
+    before = (dec.replayed, dec.eager) if dec is not None else (0, 0)
+    gen2 = gc.get_stats()[2]["collections"]
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         eng.add_request(f"b{batch}-{i}", torch.randint(2, 120000, (context,), generator=g).tolist(),
@@ -64,7 +69,11 @@ def decode_steps(llm: LLM, batch: int, context: int, new: int) -> tuple[float, l
         dt = (time.perf_counter() - t0) * 1e3
         if len(outs) == batch and all(len(o.outputs[0].token_ids) >= 2 for o in outs):
             steps.append(dt)
-    return statistics.median(steps[2:]), steps[2:]
+    note = f"gen-2 collections {gc.get_stats()[2]['collections'] - gen2}"
+    if dec is not None:
+        note = (f"decode steps replayed {dec.replayed - before[0]} / eager {dec.eager - before[1]}, bucket "
+                f"{dec.last_bucket}, " + note)
+    return statistics.median(steps[2:]), steps[2:], note
 
 
 def main() -> None:
@@ -107,11 +116,11 @@ def main() -> None:
                       max_num_seqs=max(args.batches), max_num_batched_tokens=8192, async_scheduling=mode == "on")
             print(f"{label}async {mode}: engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
             for b in args.batches:
-                ms, steps = decode_steps(llm, b, args.context, args.new)
+                ms, steps, note = decode_steps(llm, b, args.context, args.new)
                 engine_ms[(label, mode, b)] = ms
                 print(f"{label}async {mode:3s} B={b:4d} LLMEngine.step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s "
                       f"({ms / args.layers:.3f} ms a layer, head and host included; steps {min(steps):.2f}.."
-                      f"{max(steps):.2f} ms)", flush=True)
+                      f"{max(steps):.2f} ms; {note})", flush=True)
             del llm
             gc.collect()  # the engine's graphs and caches hold GPU memory until collected
             torch.cuda.empty_cache()

@@ -245,7 +245,7 @@ def test_v41_cuda_kernels_match_their_twins_on_model_inputs(parts, cuda_kernels,
     ctx = ForwardContext(tuple(SeqContext(len(p), 1, i, i, (2 * i, 2 * i + 1)) for i, p in enumerate(ps)))
     model(torch.tensor([7, 8, 9]), ctx)
     print("\nv41 cuda kernels vs twins (max rel_err):", {k: f"{v:.2e}" for k, v in sorted(errors.items())})
-    for op in ("fp8_linear", "fp4_moe", "sparse_attn_sink_official_v41", "rms_norm", "hc_post_fused",
+    for op in ("fp8_linear", "fp4_moe_shared", "sparse_attn_sink_official_v41", "rms_norm", "hc_post_fused",
                "grouped_proj_bf16", "linear_f32"):
         assert op in errors, f"{op} was not called on cuda"
     bad = {k: v for k, v in errors.items() if not v <= 2e-2}

@@ -79,6 +79,7 @@ class DecodeRunner:
         self._ids = {b: torch.zeros(b, dtype=torch.long, device=model.device) for b in self.buckets}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.last_bucket: tuple[int, int] | None = None  # the (batch, context) bucket of the last step
+        self.replayed = self.eager = 0  # steps run from a captured graph / eagerly (benchmarks read them)
         if self.graphs_on:
             self.capture()
 
@@ -155,6 +156,8 @@ class DecodeRunner:
         if (self.graphs_on if graphs is None else graphs) and (b, c) in self._graphs:
             graph, out = self._graphs[(b, c)]
             graph.replay()
+            self.replayed += 1
         else:
             out = decode_logits(self.model, self._ids[b], self._meta[(b, c)])
+            self.eager += 1
         return out[: len(seqs)]
