@@ -137,13 +137,15 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     # attention: on CUDA they run on the side stream beside it (model/side_stream.py); their cache writes
     # (compressed entries, index keys) and the window write below touch different caches.
     branch = beside(x.device)
-    with on_side(branch):
-        idx, comp = select()
-    q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
-    q = rope(k("head_rms_norm")(q, attn.eps))
-    kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [B, hd]
-    _store(attn, lc, "window", kv, lc.ring.flatten(0, 1), rows.ring_row)  # write first: the query sees it
-    join(branch)
+    try:
+        with on_side(branch):
+            idx, comp = select()
+        q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
+        q = rope(k("head_rms_norm")(q, attn.eps))
+        kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [B, hd]
+        _store(attn, lc, "window", kv, lc.ring.flatten(0, 1), rows.ring_row)  # write first: the query sees it
+    finally:  # also on an error: main never runs ahead of the side's reads of x and qr
+        join(branch)
     layout = lc.layouts["window"]  # fast numerics stores the packed layouts (model/cache.py: cache_layouts)
     if comp is not None and layout != lc.layouts["compressed"]:
         raise ValueError(f"decode attention reads the ring and the compressed cache as one layout; got "

@@ -118,22 +118,25 @@ class V4MoE:
         # The shared expert needs only x: on CUDA it runs on the side stream beside the gate, the routing and
         # the routed experts (model/side_stream.py), and joins before its fp32 add. Same kernels, same bits.
         branch = beside(x.device)
-        with on_side(branch):
-            shared = self._swiglu_official(x, "shared_experts.", self.shared_limit, None)
-        xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
-        weights, indices = self.route(xr, idr)
-        weights = weights.to(torch.float32)
-        if self.expert_shard is not None:  # this rank's experts only; the others' slots contribute 0
-            indices, weights = local_routing(indices, weights, *self.expert_shard)
-        bank, limit = self.p["experts"], self.cfg.swiglu_limit
-        if self.comm is None:  # the shared rows added last in fp32 and the bf16 rounding, inside the op's combine;
-            # the op joins the side stream just before that combine (after queueing the expert GEMMs)
-            return kernels.get("fp4_moe_shared", self.kdev)(xr, indices, weights, bank, limit, shared,
-                                                            lambda: join(branch))
-        y = kernels.get("fp4_moe", self.kdev)(xr, indices, weights, bank, limit)
-        y = self.comm.moe_combine(y)  # fp32 partial sums over the expert shards, this rank's rows
-        # in place, the bf16 shared output upcast inside the add (exact, the same sum as adding its fp32 copy):
-        # no fp32 copy of it and no second [T, dim] fp32 buffer (y is this call's own fp32 result)
-        join(branch)
-        y.add_(shared)
-        return y.to(torch.bfloat16)
+        try:
+            with on_side(branch):
+                shared = self._swiglu_official(x, "shared_experts.", self.shared_limit, None)
+            xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
+            weights, indices = self.route(xr, idr)
+            weights = weights.to(torch.float32)
+            if self.expert_shard is not None:  # this rank's experts only; the others' slots contribute 0
+                indices, weights = local_routing(indices, weights, *self.expert_shard)
+            bank, limit = self.p["experts"], self.cfg.swiglu_limit
+            if self.comm is None:  # the shared rows added last in fp32 and the bf16 rounding inside the op's
+                # combine; the op joins the side stream just before that combine (after queueing the GEMMs)
+                return kernels.get("fp4_moe_shared", self.kdev)(xr, indices, weights, bank, limit, shared,
+                                                                lambda: join(branch))
+            y = kernels.get("fp4_moe", self.kdev)(xr, indices, weights, bank, limit)
+            y = self.comm.moe_combine(y)  # fp32 partial sums over the expert shards, this rank's rows
+            # in place, the bf16 shared output upcast inside the add (exact, the same sum as adding its fp32
+            # copy): no fp32 copy of it and no second [T, dim] fp32 buffer (y is this call's own fp32 result)
+            join(branch)
+            y.add_(shared)
+            return y.to(torch.bfloat16)
+        finally:  # also on an error (a no-op once joined): main never runs ahead of the side's reads of x
+            join(branch)

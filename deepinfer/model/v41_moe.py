@@ -85,13 +85,17 @@ class V41MoE:
         """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts in
         ascending expert order, as official), the clamped shared expert added in fp32, rounded to bf16 once."""
         branch = beside(x.device)  # the shared expert beside the routing and the routed experts (as V4MoE)
-        with on_side(branch):
-            shared = self._swiglu_official(x, "shared_experts.", None)
-        weights, indices = self.route(x)
-        # the shared rows added last in fp32 and the bf16 rounding inside the op's combine, which joins the
-        # side stream just before it
-        return kernels.get("fp4_moe_shared", self.kdev)(x, indices, weights.to(torch.float32), self.p["experts"],
-                                                        self.cfg.swiglu_limit, shared, lambda: join(branch))
+        try:
+            with on_side(branch):
+                shared = self._swiglu_official(x, "shared_experts.", None)
+            weights, indices = self.route(x)
+            # the shared rows added last in fp32 and the bf16 rounding inside the op's combine, which joins the
+            # side stream just before it
+            return kernels.get("fp4_moe_shared", self.kdev)(x, indices, weights.to(torch.float32),
+                                                            self.p["experts"], self.cfg.swiglu_limit, shared,
+                                                            lambda: join(branch))
+        finally:  # also on an error (a no-op once joined)
+            join(branch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast:
