@@ -77,3 +77,19 @@ def test_side_stream_is_captured_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, (x * 2).cos() + (x * 3).sin())
     assert not torch.equal(out, ref)
+
+
+def test_forked_is_inline_on_cpu():
+    with side_stream.forked("cpu") as branch:
+        assert branch is None
+
+
+@pytest.mark.gpu
+def test_forked_joins_when_the_block_ends_even_on_an_error():
+    dev = torch.device("cuda")
+    with pytest.raises(ValueError, match="planted"):
+        with side_stream.forked(dev) as branch:
+            with on_side(branch):
+                torch.ones(4, device=dev).add_(1)
+            raise ValueError("planted")
+    assert branch.joined and torch.cuda.current_stream(dev) == branch.main

@@ -30,7 +30,7 @@ from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.compressor import project
 from deepinfer.model.decode_metadata import DecodeRows, RatioRows
-from deepinfer.model.side_stream import beside, join, on_side
+from deepinfer.model.side_stream import forked, on_side
 from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.stacked import pair
 
@@ -136,16 +136,13 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     # The compressors and the indexer need only x and qr, and the query path does not need them until the
     # attention: on CUDA they run on the side stream beside it (model/side_stream.py); their cache writes
     # (compressed entries, index keys) and the window write below touch different caches.
-    branch = beside(x.device)
-    try:
+    with forked(x.device) as branch:  # joined at the block's end
         with on_side(branch):
             idx, comp = select()
         q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
         q = rope(k("head_rms_norm")(q, attn.eps))
         kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [B, hd]
         _store(attn, lc, "window", kv, lc.ring.flatten(0, 1), rows.ring_row)  # write first: the query sees it
-    finally:  # also on an error: main never runs ahead of the side's reads of x and qr
-        join(branch)
     layout = lc.layouts["window"]  # fast numerics stores the packed layouts (model/cache.py: cache_layouts)
     if comp is not None and layout != lc.layouts["compressed"]:
         raise ValueError(f"decode attention reads the ring and the compressed cache as one layout; got "

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.expert_parallel_fast import expert_shard, local_routing
-from deepinfer.model.side_stream import beside, join, on_side
+from deepinfer.model.side_stream import forked, join, on_side
 from deepinfer.model.stacked import pair
 
 
@@ -117,8 +117,7 @@ class V4MoE:
         the shared expert added in fp32, rounded to bf16 once."""
         # The shared expert needs only x: on CUDA it runs on the side stream beside the gate, the routing and
         # the routed experts (model/side_stream.py), and joins before its fp32 add. Same kernels, same bits.
-        branch = beside(x.device)
-        try:
+        with forked(x.device) as branch:  # joined at the latest when the block ends
             with on_side(branch):
                 shared = self._swiglu_official(x, "shared_experts.", self.shared_limit, None)
             xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
@@ -138,5 +137,3 @@ class V4MoE:
             join(branch)
             y.add_(shared)
             return y.to(torch.bfloat16)
-        finally:  # also on an error (a no-op once joined): main never runs ahead of the side's reads of x
-            join(branch)

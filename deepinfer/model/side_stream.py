@@ -7,11 +7,12 @@ compressors and the indexer beside the query path. Same kernels, same inputs, sa
 order in which independent kernels run changes (no kernel here reads another's output without a join).
 
 Use:
-    branch = beside(device)          # None: run inline (CPU, disabled, or already on the side stream)
-    with on_side(branch):
-        s = work(x)                  # queued on the side stream, after everything queued on main so far
-    ...main-chain work...
-    join(branch)                     # main waits for the side's work; s may be read from here on
+    with forked(device) as branch:   # branch None: run inline (CPU, disabled, or already on the side stream)
+        with on_side(branch):
+            s = work(x)              # queued on the side stream, after everything queued on main so far
+        ...main-chain work...
+        join(branch)                 # main waits for the side's work; s may be read from here on
+    # leaving the block joins too (a no-op once joined; on an error, main never runs ahead of the side)
 
 Memory: a tensor made on the side stream and read on main after `join` is freed to the side stream's pool
 when Python drops it; the side stream reuses it only after its next fork, which main queues after every
@@ -71,6 +72,17 @@ def on_side(branch: Branch | None):
         raise RuntimeError("on_side: this branch was already joined; fork a new one with beside()")
     with torch.cuda.stream(branch.side):
         yield
+
+
+@contextlib.contextmanager
+def forked(device: torch.device | str):
+    """`beside(device)` for the block, joined when the block ends however it ends (an early return, an
+    error): main never runs ahead of reads the side stream may still make of main's tensors."""
+    branch = beside(device)
+    try:
+        yield branch
+    finally:
+        join(branch)
 
 
 def join(branch: Branch | None) -> None:

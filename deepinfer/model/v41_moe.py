@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
-from deepinfer.model.side_stream import beside, join, on_side
+from deepinfer.model.side_stream import forked, join, on_side
 
 
 class V41MoE:
@@ -84,8 +84,7 @@ class V41MoE:
     def _forward_fast(self, x: torch.Tensor) -> torch.Tensor:
         """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts in
         ascending expert order, as official), the clamped shared expert added in fp32, rounded to bf16 once."""
-        branch = beside(x.device)  # the shared expert beside the routing and the routed experts (as V4MoE)
-        try:
+        with forked(x.device) as branch:  # the shared expert beside the routing and routed experts (as V4MoE)
             with on_side(branch):
                 shared = self._swiglu_official(x, "shared_experts.", None)
             weights, indices = self.route(x)
@@ -94,8 +93,6 @@ class V41MoE:
             return kernels.get("fp4_moe_shared", self.kdev)(x, indices, weights.to(torch.float32),
                                                             self.p["experts"], self.cfg.swiglu_limit, shared,
                                                             lambda: join(branch))
-        finally:  # also on an error (a no-op once joined)
-            join(branch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast:
