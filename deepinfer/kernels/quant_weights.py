@@ -263,6 +263,15 @@ def check_routing(op: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
 
 
+def check_shared(op: str, x: torch.Tensor, shared: torch.Tensor) -> None:
+    """The shared expert's rows of an fp4_moe_shared call: bf16, contiguous, x's shape and device."""
+    if (shared.shape != x.shape or shared.dtype != torch.bfloat16 or shared.device != x.device
+            or not shared.is_contiguous()):
+        raise ValueError(f"{op}: shared must be bf16, contiguous, {tuple(x.shape)} on {x.device} like x, got "
+                         f"{shared.dtype} {tuple(shared.shape)} on {shared.device}"
+                         f"{'' if shared.is_contiguous() else ' (not contiguous)'}")
+
+
 def fp4_moe_shared_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
                          swiglu_limit: float, shared: torch.Tensor, ready=None) -> torch.Tensor:
     """Twin of op "fp4_moe_shared": the routed experts' fp32 sum (`fp4_moe_torch`), the shared expert's bf16
@@ -270,9 +279,7 @@ def fp4_moe_shared_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
     ready: called once before `shared` is read (the caller's stream join)."""
     if ready is not None:
         ready()
-    if shared.shape != x.shape or shared.dtype != torch.bfloat16:
-        raise ValueError(f"fp4_moe_shared: shared must be bf16 {tuple(x.shape)}, got {shared.dtype} "
-                         f"{tuple(shared.shape)}")
+    check_shared("fp4_moe_shared", x, shared)
     return fp4_moe_torch(x, topk_ids, topk_weights, bank, swiglu_limit).add_(shared).to(torch.bfloat16)
 
 

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import env
-from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, fp4_moe_torch
+from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, check_shared, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, act_quant_gather,
                                                e8m0_to_f32, interpreting, quantise_rows)
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
@@ -1028,11 +1028,7 @@ def fp4_moe_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     `_combine_kernel` do both in it (two launches fewer than an add and a cast); the others add after.
     ready: called once before anything reads `shared` (model/moe.py passes its side stream's join, so the
     shared expert runs beside the routing and the expert GEMMs)."""
-    if shared.shape != x.shape or shared.dtype != torch.bfloat16 or shared.device != x.device:
-        raise ValueError(f"fp4_moe_shared: shared must be bf16 {tuple(x.shape)} on {x.device} like x, got "
-                         f"{shared.dtype} {tuple(shared.shape)} on {shared.device}")
-    if not shared.is_contiguous():
-        raise ValueError("fp4_moe_shared: shared must be contiguous")
+    check_shared("fp4_moe_shared", x, shared)
     return fp4_moe(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config,
                    shared=_SharedRows(shared, ready))
 

@@ -340,15 +340,24 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     comb = torch.empty(T, hc, hc, dtype=F32, device=dev)
     if T == 0:
         return y, post, comb
+    _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, config)
+    return y, post, comb
+
+
+def _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, config,
+                      head: bool = False) -> None:
+    """The two launches of hc_pre_fused / hc_head_fused: the split-K mix partials, then one collapse program
+    per token into y (and post / comb unless `head`: the head has its pre weights only, and post / comb are
+    never written then)."""
+    T, hc, D = x.shape
     plan = mix_plan(T, hc * D, config)
     part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
     block_d = triton.next_power_of_2(D)
     _hc_sinkhorn_collapse_kernel[(T,)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
         y, post, comb, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_D=block_d, SP=max(2, triton.next_power_of_2(plan["SPLITS"])), HEAD=False,
+        HC=hc, BLOCK_D=block_d, SP=max(2, triton.next_power_of_2(plan["SPLITS"])), HEAD=head,
         num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
-    return y, post, comb
 
 
 def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -370,15 +379,7 @@ def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     y = torch.empty(T, D, dtype=BF16, device=x.device)
     if T == 0:
         return y
-    plan = mix_plan(T, hc * D, config)
-    part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
-    block_d = triton.next_power_of_2(D)
-    f32 = scale.to(F32).contiguous()
-    _hc_sinkhorn_collapse_kernel[(T,)](
-        part, ssq, f32, base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(), y, f32, f32, T, D,
-        plan["SPLITS"], 0, float(hc_eps), float(norm_eps), HC=hc, BLOCK_D=block_d,
-        SP=max(2, triton.next_power_of_2(plan["SPLITS"])), HEAD=True,
-        num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))  # post / comb never written
+    _mix_and_collapse(x, fn, scale, base, norm_weight, y, y, y, 0, hc_eps, norm_eps, config, head=True)
     return y
 
 
