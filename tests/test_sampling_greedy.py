@@ -2,7 +2,8 @@
 sampler's general path (`log_softmax`, `argmax`, `gather_logprobs`).
 
 Triton under the interpreter (CPU) and compiled (-m gpu), fresh random rows: token ids and ranks equal,
-logprobs within 2e-6 of the float64 log_softmax (5e-5 of the twin's fp32); planted ties (the first wins), a NaN, +inf and an all -inf row behave as torch's;
+logprobs within 2e-6 of the float64 log_softmax (5e-5 of the twin's fp32); planted ties within a step,
+across the steps of a chunk and across chunks (the first wins), a NaN, +inf and an all -inf row behave as torch's;
 a strided row view. The sampler takes the fast path only for all-greedy rows without top logprobs, and
 then returns the general path's tokens and ranks (-m gpu).
 """
@@ -55,6 +56,17 @@ def run_all(fn, device, big):
     x[1, 2999] = float("inf")
     x[2] = -float("inf")
     check(fn, x, "nan / inf / -inf rows")
+    # ties across the steps of one chunk and across chunks: 264 rows of 16384 split into 4 chunks of 4096,
+    # each two 2048-wide steps, so the online max must keep the first of equal maxima
+    from deepinfer.kernels.triton.greedy import chunks_for
+    assert chunks_for(264, 16384, 132) == (4096, 4)
+    x = rows(264, 16384, 11, device)
+    x[5, 100] = x[5, 3000] = 99.0  # same chunk, different steps
+    x[6, 3000] = x[6, 5000] = 99.0  # different chunks
+    x[7, 2047] = x[7, 2048] = 99.0  # the two sides of a step boundary
+    check(fn, x, "ties across steps and chunks")
+    tok = fn(x)[0]
+    assert tok[5].item() == 100 and tok[6].item() == 3000 and tok[7].item() == 2047
     wide = rows(3, 6000, 9, device)
     check(fn, wide[:, :5000], "a strided view")
     try:
