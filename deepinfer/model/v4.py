@@ -178,22 +178,23 @@ class V4EngineModel:
         def k(name: str):
             return kernels.get(name, self.kdev)
 
-        if self.fast:  # the same steps as below in one op (two Triton launches on cuda; the twin elsewhere)
+        if self.fast:  # the official steps below in one op (two Triton launches on cuda; the twin elsewhere),
+            # then the checkpoint's bf16 head with fp32 sums and logits
             y = k("hc_head_fused")(x, p["hc_head_fn"], p["hc_head_scale"], p["hc_head_base"], p["norm.weight"],
                                    cfg.hc_eps, cfg.norm_eps)
-            logits = k("linear_f32")(y, p["head.weight"])  # the checkpoint's bf16 head, fp32 sums and logits
-            return logits if self.comm is None else self.comm.gather_vocab(logits)  # vocab-parallel head
-        if self.official:  # fp32 mixes and head, bf16 rounding after the collapse and the norm
-            x = x.to(torch.float32)
-        mixes = k("hc_mix")(x, p["hc_head_fn"], cfg.norm_eps)
-        pre = torch.sigmoid(mixes * p["hc_head_scale"] + p["hc_head_base"]) + cfg.hc_eps
-        y = k("hc_collapse")(x, pre)
-        if self.official:
-            y = y.to(torch.bfloat16).to(torch.float32)
-            y = k("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
+            logits = k("linear_f32")(y, p["head.weight"])
         else:
-            y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
-        logits = y @ p["head.weight"].T
+            if self.official:  # fp32 mixes and head, bf16 rounding after the collapse and the norm
+                x = x.to(torch.float32)
+            mixes = k("hc_mix")(x, p["hc_head_fn"], cfg.norm_eps)
+            pre = torch.sigmoid(mixes * p["hc_head_scale"] + p["hc_head_base"]) + cfg.hc_eps
+            y = k("hc_collapse")(x, pre)
+            if self.official:
+                y = y.to(torch.bfloat16).to(torch.float32)
+                y = k("rms_norm")(y, p["norm.weight"], cfg.norm_eps).to(torch.bfloat16).to(torch.float32)
+            else:
+                y = kernels.get("rms_norm")(y, p["norm.weight"], cfg.norm_eps)
+            logits = y @ p["head.weight"].T
         return logits if self.comm is None else self.comm.gather_vocab(logits)  # vocab-parallel head
 
     def idle_moe(self) -> None:
