@@ -76,3 +76,55 @@ def test_fill_checks_slots_and_scratch_naming_the_sequence():
         assert str(bad) in str(err.value)
         assert torch.equal(meta.buf, before)
     meta.fill([SeqContext(10, 1, 1, 1, (5, 6)), SeqContext(3, 1, 2, 2, (7,))], 0, 1)  # no num_slots: no check
+
+
+def test_refills_rewrite_only_changed_rows_and_still_match_the_reference():
+    """Step after step, fill rewrites a row's table only when its sequence brings a different table object
+    (SequenceSlots.table keeps one tuple per unchanged table): over a random walk of sequences that keep,
+    grow or swap their tables, change rows (finishing, joining, reordering), fill fewer rows than before and
+    change the scratch block, the packed buffer equals the row-by-row reference after every step."""
+    rng = random.Random(11)
+    meta = DecodeMetadata(8, 2048, 256, 128, (4, 128), "cpu")  # 8 blocks per table
+    blocks = iter(range(10, 10_000))
+    live = {}  # id -> [position, table tuple]
+    next_id = 0
+    scratch_block = 1
+    for step in range(60):
+        while len(live) < rng.randrange(0, 9):
+            pos = rng.randrange(0, 1500)
+            live[next_id] = [pos, tuple(next(blocks) for _ in range(pos // 256 + 1))]
+            next_id += 1
+        for key in list(live):
+            if rng.random() < 0.1:
+                del live[key]  # finished
+                continue
+            pos, table = live[key]
+            pos += 1
+            if len(table) <= pos // 256:  # a new block: a new tuple (the pool's cache rebuilds it)
+                table = table + (next(blocks),)
+            elif rng.random() < 0.05:
+                table = tuple(table)[:-1] + (next(blocks),) if len(table) > pos // 256 + 1 else table
+            live[key] = [pos, table]
+            if pos >= 2000:
+                del live[key]
+        order = list(live)
+        if rng.random() < 0.3:
+            rng.shuffle(order)
+        if step == 40:
+            scratch_block = 2  # the remembered rows were written for another scratch block: all rewritten
+        seqs = [SeqContext(live[k][0], 1, k % 7 + 1, k % 7 + 1, live[k][1]) for k in order]
+        meta.fill(seqs, 0, scratch_block, num_slots=16)
+        assert torch.equal(meta.host, _reference(meta, seqs, 0, scratch_block)), step
+
+
+def test_an_unchanged_row_is_not_rewritten():
+    """The point of the row memory: the same table object again leaves its columns alone (a poisoned column
+    survives), a different object with the same values is written again."""
+    meta = DecodeMetadata(2, 1024, 256, 128, (4,), "cpu")
+    table = (5, 6)
+    meta.fill([SeqContext(10, 1, 1, 1, table)], 0, 1)
+    meta.host[0, TABLE + 3] = -7  # only a rewrite puts the first block back here
+    meta.fill([SeqContext(11, 1, 1, 1, table)], 0, 1)
+    assert meta.host[0, TABLE + 3] == -7 and meta.host[0, POS] == 11
+    meta.fill([SeqContext(12, 1, 1, 1, tuple([5, 6]))], 0, 1)
+    assert meta.host[0, TABLE:].tolist() == [5, 6, 5, 5]

@@ -188,3 +188,35 @@ def test_an_id_reused_while_its_old_request_is_in_flight(tiny_v4_dir):
     assert all(r[2] >= 1 for r in reports), reports  # ... and not as "finished since the last step"
     assert reports[-1] == ("x", [8, 9], 3, True)
     assert eng.block_pool.num_free == eng.block_pool.num_blocks
+
+
+def test_step_ids_from_the_previous_steps_tokens():
+    """The runner's step ids with pending positions: the steady decode step (one pending token per request,
+    in the previous step's order) takes the previous step's token tensor as it is; a reordered batch, a
+    batch with a prefill chunk or with fewer requests gathers the same values the general way."""
+    from deepinfer.cache.block_pool import BlockPool
+    from deepinfer.engine.model_runner import ModelRunner, PendingTokens
+    from deepinfer.scheduler.output import ScheduledRequest, SchedulerOutput
+    from deepinfer.scheduler.request import PENDING_TOKEN, Request
+
+    pool = BlockPool(num_blocks=32, block_size=4, max_num_seqs=8)
+
+    def sched(rid, tokens):
+        req = Request(rid, [1, 2, 3], max_tokens=9)
+        return ScheduledRequest(req, 3, len(tokens), 0, tuple(tokens), pool.allocate_for(rid, 3 + len(tokens)), 1)
+
+    prev = PendingTokens(torch.tensor([50, 51, 52]), {"a": 0, "b": 1, "c": 2})
+
+    def ids(scheduled):
+        out = SchedulerOutput(tuple(scheduled), (), (), sum(s.num_new_tokens for s in scheduled))
+        flat = [t for s in scheduled for t in s.token_ids]
+        return ModelRunner._token_ids(None, out, flat, prev)
+
+    steady = ids([sched(r, [PENDING_TOKEN]) for r in "abc"])
+    assert steady is prev.token_ids  # nothing copied
+    assert ids([sched(r, [PENDING_TOKEN]) for r in "cab"]).tolist() == [52, 50, 51]
+    assert ids([sched(r, [PENDING_TOKEN]) for r in "ab"]).tolist() == [50, 51]
+    assert ids([sched("a", [PENDING_TOKEN]), sched("d", [7, 8]), sched("c", [PENDING_TOKEN])]).tolist() == \
+        [50, 7, 8, 52]
+    with pytest.raises(ValueError, match="pending but the previous step sampled no token"):
+        ids([sched("a", [PENDING_TOKEN]), sched("e", [PENDING_TOKEN])])

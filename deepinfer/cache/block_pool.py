@@ -37,8 +37,20 @@ class SequenceSlots:
     block_size: int
     window_slot: int  # index into the engine's window rings: one ring of window_size per layer
     state_slot: int  # index into the engine's compressor partial-block states
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # append-only (the pool grows it, never rewrites it)
     num_tokens: int = 0  # token positions the table must cover; len(block_table) == cdiv(num_tokens, bs)
+    _table: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    @property
+    def table(self) -> tuple[int, ...]:
+        """`block_table` as a tuple, rebuilt only when the table has grown. The pool only ever appends to a
+        table (a fork starts a fresh list), so an unchanged length is an unchanged table: a decode step
+        reads each running sequence's table without copying it (a per-step copy grew with the context),
+        and the same tuple object step after step tells `DecodeMetadata.fill` that a row is unchanged."""
+        t = self._table
+        if len(t) != len(self.block_table):
+            t = self._table = tuple(self.block_table)
+        return t
 
     def slot(self, position: int) -> int:
         """Flat cache slot of a token position (block id * block_size + offset): the engine's slot_mapping."""
@@ -150,15 +162,17 @@ class BlockPool:
         ring and a compressor-state slot) on first use. Never shrinks. All-or-nothing on failure."""
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        if not self.can_allocate_for(seq_id, num_tokens):
-            raise BlockPoolError(
-                f"cannot cover {num_tokens} tokens for {seq_id!r}: need {self.blocks_needed(seq_id, num_tokens)} "
-                f"blocks, {self.num_free} free; {self.num_free_seq_slots} sequence slots free")
         seq = self._seqs.get(seq_id)
+        # (can_allocate_for's test, computed once: this runs for every scheduled sequence of every step)
+        need = max(0, cdiv(num_tokens, self.block_size) - (len(seq.block_table) if seq is not None else 0))
+        if need > len(self._free) or (seq is None and self.num_free_seq_slots == 0):
+            raise BlockPoolError(
+                f"cannot cover {num_tokens} tokens for {seq_id!r}: need {need} "
+                f"blocks, {self.num_free} free; {self.num_free_seq_slots} sequence slots free")
         if seq is None:
             seq = SequenceSlots(seq_id, self.block_size, self._window_slots.take(), self._state_slots.take())
             self._seqs[seq_id] = seq
-        for _ in range(self.blocks_needed(seq_id, num_tokens)):
+        for _ in range(need):
             block = self._free.popleft()
             assert self._ref_counts[block] == 0, f"block {block} on the free list with refs"
             self._ref_counts[block] = 1
@@ -210,6 +224,8 @@ class BlockPool:
         for seq in self._seqs.values():
             assert len(seq.block_table) == cdiv(seq.num_tokens, self.block_size), f"{seq.seq_id}: table size"
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.seq_id}: a block twice in a table"
+            assert len(seq._table) != len(seq.block_table) or seq._table == tuple(seq.block_table), \
+                f"{seq.seq_id}: block_table rewritten in place (it is append-only; the cached tuple is stale)"
             for block in seq.block_table:
                 owners[block] += 1
         for block in range(self.num_blocks):

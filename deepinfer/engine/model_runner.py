@@ -159,6 +159,13 @@ class ModelRunner:
     def _token_ids(self, out: SchedulerOutput, ids: list[int], pending: PendingTokens | None) -> torch.Tensor:
         """The step's flat ids: on the host, or, when some are pending, on the device with those read from
         the previous step's sampled tokens (one gather; the host never waits for them)."""
+        if pending is not None and len(ids) == len(out.scheduled) == pending.token_ids.shape[0] \
+                and pending.token_ids.dtype == torch.long and all(
+                    t == PENDING_TOKEN and pending.rows.get(sr.request_id) == i
+                    for i, (t, sr) in enumerate(zip(ids, out.scheduled))):
+            # the steady decode step: the previous step's tokens, in the same order, are this step's ids
+            # (no host tensor, no copies, no gather: ~0.1 ms of host work per b128 step)
+            return pending.token_ids
         host = torch.tensor(ids, dtype=torch.long)
         if PENDING_TOKEN not in ids:
             return host

@@ -56,6 +56,9 @@ class DecodeRows:
     memo: dict = field(default_factory=dict, repr=False)
 
 
+_PADDING = object()  # DecodeMetadata._written's mark of a padding row (its table columns hold the scratch block)
+
+
 def _check(bad: np.ndarray, message: Callable[[int], str]) -> None:
     """Raise ValueError(message(i)) for the first row i where `bad` holds (fill's per-sequence checks)."""
     if bad.any():
@@ -79,6 +82,11 @@ class DecodeMetadata:
         self._host_np = self.host.numpy()  # the same memory: fill writes it through numpy (see there)
         self.buf = torch.zeros(batch, cols, dtype=torch.long, device=self.device)  # the static device copy
         self.num_real = 0
+        # per row, the block-table object its table columns were last written from (_PADDING: the scratch
+        # block): a row whose sequence brings the same (cached, immutable) tuple again is not rewritten, so a
+        # step's host work does not grow with the context (SequenceSlots.table keeps one tuple per table)
+        self._written: list[object] = [None] * batch
+        self._written_scratch: int | None = None
         # the previous step's host-to-device copy: the host buffer is rewritten only once it has been read
         self._copied = torch.cuda.Event() if pin else None
 
@@ -103,39 +111,52 @@ class DecodeMetadata:
             new = np.fromiter((s.num_new for s in seqs), dtype=np.int64, count=n)
             win = np.fromiter((s.window_slot for s in seqs), dtype=np.int64, count=n)
             state = np.fromiter((s.state_slot for s in seqs), dtype=np.int64, count=n)
-            tlen = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+            tables = [s.block_table for s in seqs]
+            tlen = np.fromiter(map(len, tables), dtype=np.int64, count=n)
             _check(new != 1, lambda i: f"the decode path takes one new token per sequence, got {seqs[i]}")
             _check(pos >= self.max_context, lambda i: f"position {pos[i]} is past the decode path's max_context "
                                                       f"{self.max_context}")
             _check(tlen <= pos // self.block_size,
                    lambda i: f"block table of {tlen[i]} blocks does not cover position {pos[i]}")
-            lens = np.minimum(tlen, mb)
+            written = self._written if self._written_scratch == scratch_block else [None] * self.batch
+            changed = [i for i in range(n) if tables[i] is not written[i]]  # rows whose table columns change
+            ch = np.array(changed, dtype=np.int64)
+            lens = np.minimum(tlen[ch], mb)
             total = int(lens.sum())
-            flat = np.fromiter(chain.from_iterable(s.block_table[:mb] for s in seqs), dtype=np.int64, count=total)
+            flat = np.fromiter(chain.from_iterable(tables[i][:mb] for i in changed), dtype=np.int64, count=total)
             if num_slots is not None:
                 _check((win < 0) | (win >= num_slots) | (state < 0) | (state >= num_slots),
                        lambda i: f"slot out of range in {seqs[i]}")
-                on_scratch = np.zeros(n, dtype=bool)
+                on_scratch = np.zeros(n, dtype=bool)  # (an unchanged row's table was checked when written)
                 hits = np.flatnonzero(flat == scratch_block)
                 if hits.size:  # which rows those table entries belong to
-                    on_scratch[np.searchsorted(np.cumsum(lens), hits, side="right")] = True
+                    on_scratch[ch[np.searchsorted(np.cumsum(lens), hits, side="right")]] = True
                 scratch = (scratch_slot, scratch_block)
                 _check((win == scratch_slot) | (state == scratch_slot) | on_scratch,
                        lambda i: f"{seqs[i]} uses the decode path's scratch slot/block {scratch}")
             hn[:n, _POS] = pos
             hn[:n, _WIN] = win
             hn[:n, _STATE] = state
-            if total == n * mb:
-                hn[:n, _TABLE:] = flat.reshape(n, mb)
-            else:  # shorter tables: past its end a row repeats its first block (a row of its own, masked)
+            if total == ch.size * mb:
+                hn[ch, _TABLE:] = flat.reshape(ch.size, mb)
+            elif ch.size:  # shorter tables: past its end a row repeats its first block (a row of its own, masked)
                 starts = np.cumsum(lens) - lens
-                hn[:n, _TABLE:] = flat[starts][:, None]
+                hn[ch, _TABLE:] = flat[starts][:, None]
                 cols = np.arange(total) - np.repeat(starts, lens)
-                hn[np.repeat(np.arange(n), lens), _TABLE + cols] = flat
+                hn[np.repeat(ch, lens), _TABLE + cols] = flat
+            for i in changed:
+                written[i] = tables[i]
+        else:
+            written = self._written if self._written_scratch == scratch_block else [None] * self.batch
         h[n:, _POS] = 0
         h[n:, _WIN] = scratch_slot
         h[n:, _STATE] = scratch_slot
-        h[n:, _TABLE:] = scratch_block
+        pad = [i for i in range(n, self.batch) if written[i] is not _PADDING]
+        if pad:
+            h[pad[0]:, _TABLE:] = scratch_block  # (rows past n that were already padding hold it already)
+            for i in range(pad[0], self.batch):
+                written[i] = _PADDING
+        self._written, self._written_scratch = written, scratch_block
         self.buf.copy_(h, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -87,7 +87,8 @@ class Scheduler:
             if req.num_pending_tokens and self._sampled_out(req):  # its last token is on the way: done
                 i += 1
                 continue
-            self._trim_drafts(req)
+            if req.draft_token_ids:  # (nothing to trim without drafts: the common decode step skips it)
+                self._trim_drafts(req)
             num_new = min(req.num_tokens_with_drafts - req.num_computed_tokens, budget,
                           cfg.max_model_len - req.num_computed_tokens)
             if num_new <= 0:  # nothing to compute (no update since the last step)

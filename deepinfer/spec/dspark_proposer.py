@@ -65,7 +65,7 @@ class DSparkProposer(Proposer):
             return {}
         block = self.dspark.draft([self.slot[r.request_id] for r in ready],
                                   [self.done[r.request_id] - 1 for r in ready],
-                                  [r.all_token_ids[-1] for r in ready])
+                                  [r.last_token_id for r in ready])
         out = {}
         for i, r in enumerate(ready):
             out[r.request_id] = block.tokens[i][:k]

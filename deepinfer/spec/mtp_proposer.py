@@ -57,10 +57,9 @@ class MTPProposer(Proposer):
             hi = min(start + hidden.shape[0], req.num_tokens - 1)
             if hi <= lo:
                 continue
-            tokens = req.all_token_ids
             seqs.append(SeqContext(lo, hi - lo, slot, slot))
             hid.append(hidden[lo - start : hi - start])
-            nxt += tokens[lo + 1 : hi + 1]
+            nxt += req.known_token_ids(lo + 1, hi + 1)  # (hi < num_tokens: every id is known)
             rids.append(rid)
         if not seqs:
             return
