@@ -16,6 +16,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from deepinfer.kernels.triton.launch import fast_launch
 
 
 
@@ -65,6 +66,7 @@ def _perm32(cols):
     return (cols & ~31) | (((cols >> 2) & 1) << 4) | (((cols >> 3) & 3) << 2) | (cols & 3)
 
 
+@fast_launch
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, stride_sm,
                       BLOCK: tl.constexpr, GROUPS: tl.constexpr, DEQUANT: tl.constexpr,
@@ -142,6 +144,7 @@ def _wgmma_k_order_rows(y, G: tl.constexpr):
     return tl.reshape(y, [G, 128])
 
 
+@fast_launch
 @triton.jit
 def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slots, stride_xm, stride_om,
                              ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from deepinfer.kernels import bf16_gemm
 from deepinfer.kernels.triton.act_quant import interpreting
+from deepinfer.kernels.triton.launch import fast_launch
 
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_MAX_ROWS = 8  # rows of x one program holds (its [M_PAD, BN, BK] fp32 accumulator lives in registers)
@@ -40,6 +41,7 @@ GEMV_MAX_ROWS = 8  # rows of x one program holds (its [M_PAD, BN, BK] fp32 accum
 GEMV_MAX_WORK = 2048  # M x N up to this (and M <= 8) take the GEMV; above, cuBLAS is as fast or faster
 
 
+@fast_launch
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_om,
                  M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):

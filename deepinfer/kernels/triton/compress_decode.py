@@ -25,10 +25,12 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import official_fused
+from deepinfer.kernels.triton.launch import fast_launch
 
 F32, BF16 = torch.float32, torch.bfloat16
 
 
+@fast_launch
 @triton.jit
 def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_ptr, pos_ptr, done_ptr, nw_ptr,
                             out_ptr, eps, stride_kv, stride_gate, stride_s, stride_r, stride_slot, stride_pos,

@@ -15,8 +15,10 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import torch_ops
+from deepinfer.kernels.triton.launch import fast_launch
 
 
+@fast_launch
 @triton.jit
 def _compress_pool_kernel(kv_ptr, sc_ptr, out_ptr, R, W, CW, stride_b, stride_r, OVERLAP: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):

@@ -14,10 +14,12 @@ import triton.language as tl
 
 from deepinfer.kernels.decode_rows import TABLE, decode_rows_torch
 from deepinfer.kernels.triton.act_quant import interpreting
+from deepinfer.kernels.triton.launch import fast_launch
 
 ENTRY_BLOCK = 1024  # entry columns per loop step of a program
 
 
+@fast_launch
 @triton.jit
 def _decode_rows_kernel(buf_ptr, ring_ptr, win_ptr, entry_ptr, vis_ptr, hidden_ptr, complete_ptr, new_ptr, bpos_ptr,
                         COLS: tl.constexpr, T0: tl.constexpr, WINDOW: tl.constexpr, WIN_P2: tl.constexpr, DO_WINDOW: tl.constexpr,

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from deepinfer.kernels.triton.act_quant import e8m0_to_f32, interpreting
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
+from deepinfer.kernels.triton.launch import fast_launch
 
 _ASM = tl.constexpr(not interpreting())  # PTX prmt only on the GPU; the interpreter takes the tl twin below
 K_STEP = 128  # K per loop step: four 32-K dots (one per E8M0 weight scale)
@@ -105,6 +106,7 @@ def _k32_dot(w_ptrs, ws_ptrs, a_ptrs, k, n_ok, valid, ASM: tl.constexpr):
     return part, sw
 
 
+@fast_launch
 @triton.jit
 def _fp4_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sorted_slots_ptr, block_expert_ptr,
                          n_slots, N, limit, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,

@@ -70,6 +70,7 @@ from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_de
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 from deepinfer.kernels.triton.fp4_fp8_gemm import fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
+from deepinfer.kernels.triton.launch import fast_launch
 
 _ASM = tl.constexpr(not interpreting())  # inline PTX (expand 6) only on the GPU: the interpreter runs no asm
 FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotion of the fp32 partial sum
@@ -122,6 +123,7 @@ ONE_PROGRAM_ROUTING_SLOTS = 8  # and route_slots takes it up to this many: 6 slo
 # kernel's 6.9; 48 slots 10.1 vs 7.0 (H200, results/routing_h200_2026-12-02_s4.log)
 
 
+@fast_launch
 @triton.jit
 def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
                         BM: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr):
@@ -154,6 +156,7 @@ PARALLEL_ROUTING_SLOTS = 24576  # up to this many slots the one-program-per-expe
 PARALLEL_CHUNK = 1024  # slots per pass of each program
 
 
+@fast_launch
 @triton.jit
 def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
                              BM: tl.constexpr, CH: tl.constexpr, EB: tl.constexpr, PB: tl.constexpr,
@@ -383,6 +386,7 @@ def _store_expert_rows(acc, acc_up, out_ptr, route_w_ptr, slots, valid, offs_n, 
     tl.store(out_ptrs, result.to(tl.bfloat16), mask=valid[:, None] & n_ok[None, :])
 
 
+@fast_launch
 @triton.jit
 def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sorted_slots_ptr,
                              block_expert_ptr, n_slots, N, limit,
@@ -429,6 +433,7 @@ def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
     _store_expert_rows(acc, acc_up, out_ptr, route_w_ptr, slots, valid, offs_n, n_ok, stride_om, limit, GATED)
 
 
+@fast_launch
 @triton.jit
 def _sum_expert_rows_kernel(y_ptr, rows_ptr, order_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr):
     """y[t] = fp32 sum of rows[t*k + order[t, j]] for j = 0..k-1, sequentially from 0 (the twin's order)."""
@@ -442,6 +447,7 @@ def _sum_expert_rows_kernel(y_ptr, rows_ptr, order_ptr, D, TOPK: tl.constexpr, B
     tl.store(y_ptr + t.to(tl.int64) * D + offs, acc, mask=ok)
 
 
+@fast_launch
 @triton.jit
 def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sorted_slots_ptr, block_expert_ptr,
                         n_slots, N, limit, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
@@ -503,6 +509,7 @@ def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sort
         tl.store(ptrs, acc.to(tl.bfloat16), mask=valid[:, None] & n_ok[None, :])
 
 
+@fast_launch
 @triton.jit
 def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, stride_ps, stride_pm, stride_hq,
                                 stride_hs, S: tl.constexpr, ACT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
@@ -537,6 +544,7 @@ def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, st
         tl.store(hs_ptr + slot * stride_hs + g, scale, mask=g * ACT_BLOCK < N)
 
 
+@fast_launch
 @triton.jit
 def _combine_kernel(y_ptr, p_ptr, ids_ptr, sh_ptr, D, stride_ps, S: tl.constexpr, TOPK: tl.constexpr,
                     KP: tl.constexpr, BD: tl.constexpr, PARTIAL: tl.constexpr, SHARED: tl.constexpr):

@@ -22,9 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.triton.launch import fast_launch
+
 BLOCK = 32
 
 
+@fast_launch
 @triton.jit
 def _fp4_fake_quant_kernel(x_ptr, out_ptr, n_blocks, BB: tl.constexpr, BLK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
@@ -68,6 +71,7 @@ def _fp4_value(code):
     return mag * tl.where((code & 8) != 0, -1.0, 1.0)  # a product keeps -0.0 (Triton's negation is 0 - x)
 
 
+@fast_launch
 @triton.jit
 def _fp4_encode_kernel(x_ptr, out_ptr, stride_x, BPT, dst_ptr, keep_ptr, NB: tl.constexpr, NB_P2: tl.constexpr,
                        HALF: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr, INTO: tl.constexpr,
@@ -100,6 +104,7 @@ def _fp4_encode_kernel(x_ptr, out_ptr, stride_x, BPT, dst_ptr, keep_ptr, NB: tl.
         tl.store(out_ptr + base + NB * HALF + NB + p, tl.zeros([PAD_P2], dtype=tl.uint8), mask=p < PAD)
 
 
+@fast_launch
 @triton.jit
 def _fp4_decode_kernel(p_ptr, out_ptr, BPT, NB: tl.constexpr, NB_P2: tl.constexpr, HALF: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

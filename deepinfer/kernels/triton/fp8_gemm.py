@@ -58,6 +58,7 @@ import triton.language as tl
 from deepinfer.kernels.quant_weights import QuantLinearWeight, e4m3_expansion_exact, fp8_linear_torch, _check_activation
 from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
+from deepinfer.kernels.triton.launch import fast_launch
 
 MMA_MODES = ("bf16", "fp8", "sync", "swap", "wgmma")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu);
 # "swap": the bf16 form with the weights as wgmma's register operand (kernels/triton/fp8_linear_swap.py);
@@ -106,6 +107,7 @@ def _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, stride_os, 
         tl.store(ptrs, acc.to(tl.bfloat16), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
                        stride_xm, stride_wn, stride_wsn, stride_om, stride_os, K: tl.constexpr,
@@ -146,6 +148,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
     _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, stride_os, SPLIT_OUT)
 
 
+@fast_launch
 @triton.jit
 def _fp8_linear_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N,
                            stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os, K: tl.constexpr,
@@ -198,6 +201,7 @@ def _fp8_linear_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N,
     _store_tile(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_om, stride_os, SPLIT_OUT)
 
 
+@fast_launch
 @triton.jit
 def _split_sum_kernel(ws_ptr, out_ptr, N, MN, stride_om, S: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = bf16(sum over s = 0, 1, ..., S-1 of ws[s, m, n]) in that fixed order (fp32)."""

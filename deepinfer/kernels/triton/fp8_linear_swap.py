@@ -26,10 +26,12 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.act_quant import quantise_rows
+from deepinfer.kernels.triton.launch import fast_launch
 
 MAX_TOKENS_TILE = 128  # wgmma N of one tile; more rows take several token tiles
 
 
+@fast_launch
 @triton.jit
 def _fp8_linear_swap_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
                             stride_xm, stride_wn, stride_wsn, stride_om, stride_os, K: tl.constexpr,

@@ -23,12 +23,14 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.fp8_gemm import sm_count
+from deepinfer.kernels.triton.launch import fast_launch
 
 BLOCK = 2048  # elements per step of a chunk program
 PROGRAMS_PER_SM = 8  # a chunk's steps wait on each other (the online max and sum): many short chunks in flight.
 # H200 2026-12-04 (benchmarks/bench_greedy.py): at 2 per SM, B=128 took 56.8 us (1.17 TB/s, 28% of copy)
 
 
+@fast_launch
 @triton.jit
 def _greedy_chunk_kernel(x_ptr, stride_row, V, m_ptr, idx_ptr, s_ptr, nan_ptr, n_chunks,
                          CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -59,6 +61,7 @@ def _greedy_chunk_kernel(x_ptr, stride_row, V, m_ptr, idx_ptr, s_ptr, nan_ptr, n
     tl.store(nan_ptr + at, nan_at)
 
 
+@fast_launch
 @triton.jit
 def _greedy_finish_kernel(m_ptr, idx_ptr, s_ptr, nan_ptr, tok_ptr, lp_ptr, rank_ptr, V, n_chunks,
                           NC: tl.constexpr):

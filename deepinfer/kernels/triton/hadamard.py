@@ -21,11 +21,13 @@ import triton.language as tl
 
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.act_quant import interpreting
+from deepinfer.kernels.triton.launch import fast_launch
 
 MIN_D, MAX_D = 16, 256  # tl.dot needs every dim >= 16; above 256 the [d, d] H no longer fits one program
 BLOCK_N = 128  # output columns per MMA: d = 256 runs two, so the fp32 accumulator stays [BM, 128]
 
 
+@fast_launch
 @triton.jit
 def _hadamard_kernel(x_ptr, h_ptr, out_ptr, M, stride_xm, scale, D: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, INTERPRET: tl.constexpr):

@@ -29,6 +29,7 @@ import triton.language as tl
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported
 from deepinfer.kernels.triton.kv_pack import e8m0_value
+from deepinfer.kernels.triton.launch import fast_launch
 
 
 def _interpreting() -> bool:
@@ -48,6 +49,7 @@ def head_sum(q, keys, w, INTERPRET: tl.constexpr):
     return tl.sum((s * w[:, None]).to(tl.bfloat16).to(tl.float32), axis=0)
 
 
+@fast_launch
 @triton.jit
 def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, NH, E, stride_qt, stride_qh, stride_wt, stride_ke,
                            stride_ot, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -102,6 +104,7 @@ def _e2m1_pair(byte):
     return lo, hi
 
 
+@fast_launch
 @triton.jit
 def _indexer_scores_paged_kernel(q_ptr, w_ptr, store_ptr, rows_ptr, hidden_ptr, out_ptr, NH, E, stride_qb, stride_qh,
                                  stride_wb, stride_rb, stride_hb, stride_ob, STRIDE_S: tl.constexpr,

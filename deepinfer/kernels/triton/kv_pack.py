@@ -22,11 +22,13 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported, fp4_kv_decode, fp4_kv_encode
+from deepinfer.kernels.triton.launch import fast_launch
 
 FP8_MAX = tl.constexpr(448.0)  # jit code reads module globals only as constexpr
 FP8_AMAX_FLOOR = tl.constexpr(1e-4)
 
 
+@fast_launch
 @triton.jit
 def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT, dst_ptr, keep_ptr,
                    QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
@@ -73,6 +75,7 @@ def e8m0_value(byte):
     return tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23)).to(tl.float32, bitcast=True)
 
 
+@fast_launch
 @triton.jit
 def _decode_kernel(in8_ptr, in16_ptr, out_ptr, BPT,
                    QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,

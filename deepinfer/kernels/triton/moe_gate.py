@@ -17,7 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.triton.launch import fast_launch
 
+
+@fast_launch
 @triton.jit
 def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
                  K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import official, official_fused, torch_ops
+from deepinfer.kernels.triton.launch import fast_launch
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -45,6 +46,7 @@ def _need(cond: bool, msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
+@fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_o,
                      HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -98,6 +100,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     return _rms_norm_launch("rms_norm_bf16", x, weight, eps, BF16)
 
 
+@fast_launch
 @triton.jit
 def _head_rms_norm_kernel(x_ptr, out_ptr, n_rows, D, eps, stride_x, stride_o,
                           ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -153,6 +156,7 @@ def _bf16_split3(w):
     return hi, mid, lo
 
 
+@fast_launch
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chunk,
                            BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -194,6 +198,7 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
     tl.store(ssq_ptr + base + toks, tl.sum(sq, axis=1), mask=tmask)
 
 
+@fast_launch
 @triton.jit
 def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
                                  T, D, splits, iters, hc_eps, norm_eps,
@@ -384,6 +389,7 @@ def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
 
 
 # ---------------------------------------------------------------------------------------------- hc_post
+@fast_launch
 @triton.jit
 def _hc_post_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * r[t, j] (fp32 math, stored in out's dtype)."""

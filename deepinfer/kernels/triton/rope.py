@@ -22,8 +22,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from deepinfer.kernels import official
+from deepinfer.kernels.triton.launch import fast_launch
 
 
+@fast_launch
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, R, stride_xt, stride_xr, stride_ot, stride_or,
                  D: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -64,6 +66,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, R, stride_xt, stride_xr, s
 ROPE_ELEMENTS = 4096  # rope channels per program (tokens x rows x 2*HALF): 8 KB of bf16 in, 8 KB out
 
 
+@fast_launch
 @triton.jit
 def _rope_table_kernel(pos_ptr, freq_ptr, table_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
     """table[0, t] = cos(fp32(p_t) * f), table[1, t] = sin(...): the fp32 angles as torch.outer forms them (one

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.triton.launch import fast_launch
+
 SPARSE_ATTN_BLOCK = 64  # indices per online-softmax step, as the official kernel
 
 
@@ -69,6 +71,7 @@ def finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims
              mask=hmask[:, None])
 
 
+@fast_launch
 @triton.jit
 def _sparse_attn_sink_kernel(
     q_ptr, kv_ptr, sink_ptr, idx_ptr, out_ptr,

@@ -27,6 +27,7 @@ import triton.language as tl
 from deepinfer import env
 from deepinfer.kernels.official_fused import paged_rows
 from deepinfer.kernels.triton.kv_pack import e8m0_value, kv_decode
+from deepinfer.kernels.triton.launch import fast_launch
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
                                                   attend_block, finish_heads, head_block, sparse_attn_sink_triton)
 
@@ -62,6 +63,7 @@ def _paged_block(ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, idx_ptr, t, stride_
     return kv, valid
 
 
+@fast_launch
 @triton.jit
 def _sparse_attn_paged_kernel(
     q_ptr, ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, sink_ptr, idx_ptr, out_ptr,
@@ -90,6 +92,7 @@ def _sparse_attn_paged_kernel(
         finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
 
 
+@fast_launch
 @triton.jit
 def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr, H, S,
                            stride_ot, stride_oh, D: tl.constexpr, BLOCK_H: tl.constexpr):

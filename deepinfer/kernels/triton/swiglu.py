@@ -18,10 +18,12 @@ import triton.language as tl
 
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.act_quant import interpreting
+from deepinfer.kernels.triton.launch import fast_launch
 
 BF16 = torch.bfloat16
 
 
+@fast_launch
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, out_ptr, N, stride_g, stride_u, stride_o, limit,
                    HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):

@@ -1,0 +1,137 @@
+"""Triton launches without the JIT's per-call dispatch: `@fast_launch` over `@triton.jit` on a kernel that
+host code launches (`kernel[grid](...)`, unchanged at the call sites).
+
+Why: an eager step (prefill, extend, a mixed batch) issues a few hundred launches, and Triton 3.6's
+`JITFunction.run` costs tens of microseconds of host time per launch (binding, specialisation, cache key,
+launch metadata, hook chains). On the H200's host an op around one Triton kernel took ~60 us against ~8 us
+for a torch op, and the 4-layer V4-Flash slice's 1k-token prefill was host-bound: 32 ms of host calls for
+12.5 ms of kernels (benchmarks/launch_overhead.py, prefill_host.py; 2026-12-04). A CUDA-graph replay does
+not pay this; eager steps do.
+
+How: the first call with a given specialisation goes through the JIT (which compiles if needed, launches and
+returns the compiled kernel); later calls with the same specialisation call the compiled kernel's launcher
+directly. The specialisation key here is at least as fine as Triton's own, so a cached kernel is never
+launched with arguments the JIT would have compiled differently:
+* constexpr parameters: their values;
+* tensors: dtype and whether data_ptr() is 16-byte aligned (Triton's pointer specialisation);
+* ints: == 1, divisible by 16, and the integer type Triton picks by range (i32 / i64 / u64);
+* bools, floats, None: their type (Triton does not specialise float values);
+* launch options (num_warps, num_stages, ...): their values; and the current CUDA device.
+An argument of any other type takes the JIT path every time (correct, just not fast). So do launches while
+a launch hook is installed (profilers such as proton), and every launch when `ENABLED` is False.
+
+Opt-in for now: `DEEPINFER_FAST_LAUNCH=1` (or `launch.ENABLED = True`). Written on 2026-12-04 when the
+device machine was withdrawn before its GPU tests (tests/test_kernels_launch.py -m gpu) could run; it becomes
+the default once they pass and benchmarks/prefill_host.py has measured it. Off, a decorated kernel's launch
+is the JIT's own plus one flag test. Under TRITON_INTERPRET=1 the decorator returns the interpreter's
+function.
+
+Must not: be used on a @triton.jit helper that other kernels call (only launched kernels: the compiler
+needs the JITFunction itself); change what any kernel computes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+ENABLED = os.environ.get("DEEPINFER_FAST_LAUNCH", "0") == "1"
+_MISSING = object()
+_I32 = (-(2**31), 2**31)
+_I64_MAX = 2**63
+
+
+def _spec(v):
+    """A hashable key of what Triton specialises a runtime argument on (None: not handled here)."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    t = type(v)
+    if t is int:
+        kind = 0 if _I32[0] <= v < _I32[1] else (1 if v < _I64_MAX else 2)
+        return (kind, v == 1, v % 16 == 0)
+    if t is float or t is bool or v is None:
+        return t
+    return _MISSING
+
+
+class FastLaunch:
+    """A launched Triton kernel with a per-specialisation cache of its compiled form (see the module doc)."""
+
+    def __init__(self, fn: JITFunction) -> None:
+        self.fn = fn
+        self.names = [p.name for p in fn.params]
+        self.constexpr = tuple(p.is_constexpr for p in fn.params)
+        self.defaults = [p.default if p.has_default else _MISSING for p in fn.params]
+        self.kernels: dict[tuple, object] = {}
+        self.hits = self.misses = 0  # (tests read them)
+
+    def __getattr__(self, name: str):  # warmup, run, params, ... of the JIT function
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[list, tuple] | None:
+        """All parameter values in order (defaults filled in) and the launch options, or None when the call
+        names something that is neither (the JIT then reports it)."""
+        vals = list(args)
+        if len(vals) > len(self.names):
+            return None
+        options = ()
+        if kwargs:
+            for name, default in zip(self.names[len(vals):], self.defaults[len(vals):]):
+                v = kwargs.get(name, default)
+                if v is _MISSING:
+                    return None
+                vals.append(v)
+            options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.names))
+        elif len(vals) < len(self.names):
+            for default in self.defaults[len(vals):]:
+                if default is _MISSING:
+                    return None
+                vals.append(default)
+        return vals, options
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        if not ENABLED or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+            return self.fn[grid](*args, **kwargs)
+        bound = self._bind(args, kwargs)
+        if bound is None:
+            return self.fn[grid](*args, **kwargs)
+        vals, options = bound
+        spec = []
+        for v, is_const in zip(vals, self.constexpr):
+            s = v if is_const else _spec(v)
+            if s is _MISSING:
+                return self.fn[grid](*args, **kwargs)
+            spec.append(s)
+        device = torch.cuda.current_device()
+        key = (device, options, tuple(spec))
+        try:
+            kernel = self.kernels.get(key)
+        except TypeError:  # an unhashable constexpr value
+            return self.fn[grid](*args, **kwargs)
+        if kernel is None:
+            self.misses += 1
+            kernel = self.kernels[key] = self.fn[grid](*args, **kwargs)
+            return kernel
+        self.hits += 1
+        if callable(grid):
+            grid = grid(dict(zip(self.names, vals)))
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        kernel.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *vals)
+        return kernel
+
+
+def fast_launch(fn):
+    """Decorator over @triton.jit for kernels launched from host code (see the module doc)."""
+    if not isinstance(fn, JITFunction):  # the interpreter's function (TRITON_INTERPRET=1): as it is
+        return fn
+    return FastLaunch(fn)
+
+
+__all__ = ["ENABLED", "FastLaunch", "fast_launch"]
