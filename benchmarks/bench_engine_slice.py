@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_engine_step import timed_pieces  # noqa: E402
 from slice_config import slice_config  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
@@ -51,9 +52,44 @@ def write_slice(layers: int, out: str) -> str:
     return out
 
 
-def decode_steps(llm: LLM, batch: int, context: int, new: int) -> tuple[float, list[float], str]:
+def host_probe_ms() -> float:
+    """ms of a fixed pure-Python loop (median of 5): a slow series on a host that is slow right then shows here."""
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(100_000):
+            acc += i & 7
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def thread_cpu_ms() -> dict[str, float]:
+    """CPU ms (user + system) each of this process's threads has used so far, keyed "name/tid" (Linux /proc;
+    empty elsewhere): a series slowed by a busy thread of our own (the GIL) shows that thread here."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) * 1e3 / tick  # utime, stime
+    return out
+
+
+def decode_steps(llm: LLM, batch: int, context: int, new: int,
+                 pieces: bool = False) -> tuple[float, list[float], str]:
     """(median step ms, the steps, a note: decode steps replayed / eager, gen-2 collections in the series, the
-    last decode bucket) -- the note tells a host-side slow series (eager steps, collections) from a device one."""
+    last decode bucket; with `pieces` the median host ms of each piece of the step) -- the note tells a
+    host-side slow series (eager steps, collections, a host piece near the step's time) from a device one."""
     eng = llm.engine
     dec = getattr(eng.runner, "decoder", None)
     before = (dec.replayed, dec.eager) if dec is not None else (0, 0)
@@ -62,14 +98,29 @@ def decode_steps(llm: LLM, batch: int, context: int, new: int) -> tuple[float, l
     for i in range(batch):
         eng.add_request(f"b{batch}-{i}", torch.randint(2, 120000, (context,), generator=g).tolist(),
                         SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-    steps = []
-    while eng.has_unfinished():
-        t0 = time.perf_counter()
-        outs = eng.step()
-        dt = (time.perf_counter() - t0) * 1e3
-        if len(outs) == batch and all(len(o.outputs[0].token_ids) >= 2 for o in outs):
-            steps.append(dt)
-    note = f"gen-2 collections {gc.get_stats()[2]['collections'] - gen2}"
+    cpu0, wall0 = thread_cpu_ms(), time.perf_counter()
+    steps, kept = [], []
+    times, undo = timed_pieces(eng) if pieces else ({}, lambda: None)
+    try:
+        while eng.has_unfinished():
+            for v in times.values():
+                v.append(0.0)
+            t0 = time.perf_counter()
+            outs = eng.step()
+            dt = (time.perf_counter() - t0) * 1e3
+            if len(outs) == batch and all(len(o.outputs[0].token_ids) >= 2 for o in outs):
+                steps.append(dt)
+                kept.append(len(next(iter(times.values()), [0])) - 1)
+    finally:
+        undo()
+    wall = (time.perf_counter() - wall0) * 1e3
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in thread_cpu_ms().items()}
+    busy = ", ".join(f"{k} {v / wall:.0%}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])[:4] if v > 0)
+    note = (f"gen-2 collections {gc.get_stats()[2]['collections'] - gen2}, host probe {host_probe_ms():.2f} ms, "
+            f"threads' CPU over the series' {wall:.0f} ms: {busy or 'n/a'}, load {os.getloadavg()[0]:.1f}")
+    if pieces:
+        note += "; host pieces (median ms): " + ", ".join(
+            f"{k} {statistics.median(v[i] for i in kept[2:]):.2f}" for k, v in times.items())
     if dec is not None:
         note = (f"decode steps replayed {dec.replayed - before[0]} / eager {dec.eager - before[1]}, bucket "
                 f"{dec.last_bucket}, " + note)
@@ -84,6 +135,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=("off", "on"))
     ap.add_argument("--dir", default="/tmp/v4_slice_ckpt")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.collect() + gc.freeze() after each engine's start-up (gc.unfreeze() after it)")
+    ap.add_argument("--pieces", action="store_true", help="also time the step's host pieces (bench_engine_step's)")
     ap.add_argument("--transformers", action="store_true", help="also time transformers' slice (same process)")
     ap.add_argument("--linear-batch-forms", nargs="+", default=[None], choices=("auto", "swap", "bf16"),
                     help="one engine per value, in order (repeat one to see the first engine's warm-up cost: in "
@@ -115,13 +169,17 @@ def main() -> None:
             llm = LLM(path, numerics="fast", device="cuda", max_model_len=args.context + args.new + 64,
                       max_num_seqs=max(args.batches), max_num_batched_tokens=8192, async_scheduling=mode == "on")
             print(f"{label}async {mode}: engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
+            if args.gc_freeze:
+                gc.collect()
+                gc.freeze()
             for b in args.batches:
-                ms, steps, note = decode_steps(llm, b, args.context, args.new)
+                ms, steps, note = decode_steps(llm, b, args.context, args.new, args.pieces)
                 engine_ms[(label, mode, b)] = ms
                 print(f"{label}async {mode:3s} B={b:4d} LLMEngine.step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s "
                       f"({ms / args.layers:.3f} ms a layer, head and host included; steps {min(steps):.2f}.."
                       f"{max(steps):.2f} ms; {note})", flush=True)
             del llm
+            gc.unfreeze()
             gc.collect()  # the engine's graphs and caches hold GPU memory until collected
             torch.cuda.empty_cache()
     if args.transformers:
