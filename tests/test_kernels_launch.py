@@ -52,6 +52,27 @@ def test_specialisation_key_is_at_least_as_fine_as_tritons():
     assert _spec((1, 2)) is launch._MISSING  # anything else: the JIT every time
 
 
+def test_equal_keys_mean_equal_triton_specialisations():
+    """Soundness against Triton itself: whenever two arguments get the same key here, Triton's own
+    specialiser (the native one the JIT's binder calls, with the CUDA backend) gives them the same
+    specialisation, so a cached kernel is never launched with an argument it was not compiled for."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
+            2**63 - 16, 2**63, 2**63 + 16, -(2**31), -(2**31) - 16]
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base, base[1:], base[4:], base[8:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
+               base.to(torch.bfloat16)[1:], base.to(torch.int64)]
+    values = ints + tensors + [True, False, 0.5, 3.0, None]
+    for a in values:
+        for b in values:
+            if _spec(a) == _spec(b):
+                ta = native_specialize_impl(CUDABackend, a, False, True, True)
+                tb = native_specialize_impl(CUDABackend, b, False, True, True)
+                assert ta == tb, (a, b, ta, tb)
+
+
 @pytest.mark.gpu
 def test_every_specialisation_launches_the_right_kernel(monkeypatch):
     monkeypatch.setattr(launch, "ENABLED", True)
