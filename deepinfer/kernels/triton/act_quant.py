@@ -16,8 +16,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.triton.launch import fast_launch
 
+from deepinfer.kernels.triton.launch import fast_launch
 
 
 def interpreting() -> bool:

@@ -44,7 +44,7 @@ _I64_MAX = 2**63
 
 
 def _spec(v):
-    """A hashable key of what Triton specialises a runtime argument on (None: not handled here)."""
+    """A hashable key of what Triton specialises a runtime argument on (_MISSING: a type not handled here)."""
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
     t = type(v)
