@@ -140,17 +140,20 @@ class ModelRunner:
         ctx = ForwardContext(tuple(seqs), all_logits=all_rows)
         logits = self.forward_batch(self._token_ids(out, ids, pending), ctx)
         picked, prompt = [], {}  # the sampled rows' indices into `logits`, in scheduled order
-        for i, sr in enumerate(out.scheduled):
-            span = ctx.rows(i)
-            rows = range(span.start, span.stop) if all_rows else range(i, i + 1)
-            picked.extend(rows[len(rows) - sr.num_sampled_rows :] if sr.num_sampled_rows else ())
-            if all_rows and sr.request_id in want_prompt_logits:
-                prompt_len = sr.request.num_prompt_tokens
-                n_prompt = max(0, min(sr.num_new_tokens, prompt_len - sr.start_position))
-                prompt[sr.request_id] = logits[rows.start : rows.start + n_prompt]
+        if not all_rows:  # one row per sequence (its last token's), each sampling at most one
+            picked = [i for i, sr in enumerate(out.scheduled) if sr.num_sampled_rows]
+        else:
+            for i, sr in enumerate(out.scheduled):
+                span = ctx.rows(i)
+                rows = range(span.start, span.stop)
+                picked.extend(rows[len(rows) - sr.num_sampled_rows :] if sr.num_sampled_rows else ())
+                if sr.request_id in want_prompt_logits:
+                    prompt_len = sr.request.num_prompt_tokens
+                    n_prompt = max(0, min(sr.num_new_tokens, prompt_len - sr.start_position))
+                    prompt[sr.request_id] = logits[rows.start : rows.start + n_prompt]
         # one gather for the whole step (a view when every row is sampled in order, as in pure decode):
         # on a GPU a slice and a concatenation per request cost more host time than the batch's sampling
-        if picked == list(range(logits.shape[0])):
+        if len(picked) == logits.shape[0] and (not all_rows or picked == list(range(logits.shape[0]))):
             sample_logits = logits
         else:
             sample_logits = logits[host_to_device(torch.tensor(picked, dtype=torch.long), logits.device)]
