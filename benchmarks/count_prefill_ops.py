@@ -122,6 +122,62 @@ class CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _model(n_seqs: int, tokens: int):
+    from deepinfer.config import ModelConfig
+    from deepinfer.model.factory import build_v4_model
+    from deepinfer.tiny import default_model_dir
+    from deepinfer.weights import load_tensors
+
+    path = default_model_dir("v4")
+    cfg = ModelConfig.from_checkpoint(path)
+    raw = load_tensors(path, cfg, progress=False)
+    blocks = -(-(tokens + 1) // 128)
+    # one slot and one block more than the sequences use: the batched decode path's scratch (--split)
+    model = build_v4_model(cfg, raw, "fast", "cpu", num_blocks=blocks * n_seqs + 1, max_num_seqs=n_seqs + 1)
+    return cfg, model, blocks
+
+
+def _report(counter, what: str, dt: float, top: int) -> None:
+    print(f"{what}: {counter.total} torch calls, {sum(counter.syncs.values())} syncs, {dt * 1e3:.0f} ms (with counting)")
+    print("\n-- by function --")
+    for k, v in counter.by_function.most_common(top):
+        print(f"{v:7d}  {k}")
+    print("\n-- syncs --")
+    for k, v in sorted(counter.syncs.items()):
+        print(f"{v:7d}  {k}")
+
+
+def mixed_step(args) -> None:
+    """One step of `args.mixed` decoding sequences and one fresh prefill of `args.tokens` (the extend path:
+    a step with any prefill in it is not a pure-decode step)."""
+    from deepinfer.model import ForwardContext, SeqContext
+
+    torch.set_num_threads(1)
+    n = args.mixed + 1
+    cfg, model, blocks = _model(n, args.tokens)
+    table = lambda i: tuple(range(i * blocks, (i + 1) * blocks))  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, cfg.vocab_size, (n, args.tokens + 1), generator=g)
+    ctx = ForwardContext(tuple(SeqContext(0, args.tokens, i, i, table(i)) for i in range(args.mixed)))
+    model(ids[: args.mixed, : args.tokens].flatten(), ctx)  # the decoding sequences' prompts (not counted)
+    seqs = [SeqContext(args.tokens, 1, i, i, table(i)) for i in range(args.mixed)]
+    seqs.append(SeqContext(0, args.tokens, args.mixed, args.mixed, table(args.mixed)))
+    step_ids = torch.cat([ids[: args.mixed, args.tokens], ids[args.mixed, : args.tokens]])
+    forward = model
+    if args.split:  # the engine's way since 2026-12-04: decode rows through the batched decode path
+        from deepinfer.model.decode_step import DecodeRunner
+        from deepinfer.model.mixed_step import forward_split
+
+        runner = DecodeRunner(model, n, args.tokens + 64, scratch_slot=n, scratch_block=blocks * n)
+        forward = lambda i, c: forward_split(model, runner, i, c)  # noqa: E731
+    counter = CallCounter()
+    t0 = time.perf_counter()
+    with counter:
+        forward(step_ids, ForwardContext(tuple(seqs)))
+    _report(counter, f"one mixed step{' (split)' if args.split else ''}: {args.mixed} decoding + one "
+                     f"{args.tokens}-token prefill", time.perf_counter() - t0, args.top)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=512)
@@ -129,7 +185,14 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--per-sequence", action="store_true", help="the per-sequence attention path (reference)")
+    ap.add_argument("--mixed", type=int, default=0,
+                    help="count one mixed step instead: this many sequences decoding one token each (prefilled "
+                         "with --tokens first, not counted) beside one fresh --tokens prefill (continuous batching)")
+    ap.add_argument("--split", action="store_true", help="with --mixed: the decode rows through the batched "
+                                                         "decode path (model/mixed_step.py), as the engine runs it")
     args = ap.parse_args()
+    if args.mixed:
+        return mixed_step(args)
     torch.set_num_threads(1)
     from deepinfer.model.attention import V4Attention
 

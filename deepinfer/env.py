@@ -110,3 +110,26 @@ def fused_greedy_enabled() -> bool:
     """DEEPINFER_FUSED_GREEDY=0 makes the sampler take its general path (log_softmax, argmax, gather, rank)
     for all-greedy steps too, instead of op greedy_sample (sampling/sampler.py; for A/B runs); default on."""
     return os.environ.get("DEEPINFER_FUSED_GREEDY", "1") not in ("0", "false", "no")
+
+
+def fast_launch_enabled() -> bool:
+    """DEEPINFER_FAST_LAUNCH=1 launches the decorated Triton kernels through kernels/triton/launch.py's
+    per-specialisation cache instead of Triton's per-call JIT dispatch; default off until its GPU tests have
+    run (read once, at import; `launch.ENABLED` switches it at run time)."""
+    return os.environ.get("DEEPINFER_FAST_LAUNCH", "0") in ("1", "true", "yes")
+
+
+SPLIT_MIXED_CHOICES = ("auto", "on", "off")
+
+
+def split_mixed_steps() -> str:
+    """DEEPINFER_SPLIT_MIXED_STEPS: whether a step that mixes decoding sequences with prefills / extends runs
+    its decode rows through the batched decode path (model/mixed_step.py): "auto" (the default: on CUDA,
+    where each decode row in the extend path costs launches and the decode path replays a graph; not on
+    the CPU, where the extend path's math is cheaper than a second forward), "on", or "off" (the whole step
+    through the extend path, as before 2026-12-04; for A/B runs). Anything else is a ValueError."""
+    value = os.environ.get("DEEPINFER_SPLIT_MIXED_STEPS", "auto").strip().lower() or "auto"
+    value = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(value, value)
+    if value not in SPLIT_MIXED_CHOICES:
+        raise ValueError(f"DEEPINFER_SPLIT_MIXED_STEPS={value!r}: expected one of {SPLIT_MIXED_CHOICES}")
+    return value

@@ -28,6 +28,7 @@ from deepinfer.devices import host_to_device
 from deepinfer.model.context import ForwardContext, SeqContext, resolve_device
 from deepinfer.model.decode_step import DecodeRunner
 from deepinfer.model.factory import v4_cache, v4_params, value_dtype
+from deepinfer.model.mixed_step import can_split, forward_split
 from deepinfer.model.v4 import V4EngineModel
 from deepinfer.scheduler.output import SchedulerOutput
 from deepinfer.scheduler.request import PENDING_TOKEN
@@ -193,8 +194,12 @@ class ModelRunner:
         overrides this.
         A pure-decode step (one new token per sequence) takes the batched decode path when there is one."""
         decoder = getattr(self, "decoder", None)  # V4.1 runners have none
-        if decoder is not None and self.model.tap is None and all(s.num_new == 1 for s in ctx.seqs):
-            return decoder(ids, ctx.seqs)  # one logits row per sequence (== its last token's)
+        if decoder is not None and self.model.tap is None:
+            if all(s.num_new == 1 for s in ctx.seqs):
+                return decoder(ids, ctx.seqs)  # one logits row per sequence (== its last token's)
+            split = env.split_mixed_steps()  # decode rows beside prefills: model/mixed_step.py
+            if (split == "on" or (split == "auto" and self.device.type == "cuda")) and can_split(ctx):
+                return forward_split(self.model.forward, decoder, ids, ctx)
         return self.model.forward(ids, ctx)
 
 

@@ -31,13 +31,13 @@ needs the JITFunction itself); change what any kernel computes.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-ENABLED = os.environ.get("DEEPINFER_FAST_LAUNCH", "0") == "1"
+from deepinfer import env
+
+ENABLED = env.fast_launch_enabled()
 _MISSING = object()
 _I32 = (-(2**31), 2**31)
 _I64_MAX = 2**63
