@@ -127,6 +127,51 @@ def decode_steps(llm: LLM, batch: int, context: int, new: int,
     return statistics.median(steps[2:]), steps[2:], note
 
 
+def arrival_steps(llm: LLM, batch: int, context: int, new: int, every: int = 3) -> str:
+    """Continuous batching: `batch` requests decoding, and a new `context`-token prompt arriving every `every`
+    steps (each one joins the decoding batch when its prefill is done; a request that finishes is not
+    replaced). Returns a line: median host-clock ms of the steps that mixed decode rows with a prefill and
+    of the pure-decode steps in between, and how many of each (the runner's `forward_batch` tells them)."""
+    eng = llm.engine
+    kinds = []
+    inner = eng.runner.forward_batch
+
+    def watched(ids, ctx):
+        n_dec = sum(1 for s in ctx.seqs if s.num_new == 1)
+        kinds.append("mixed" if 0 < n_dec < len(ctx.seqs) else ("decode" if n_dec else "prefill"))
+        return inner(ids, ctx)
+
+    eng.runner.forward_batch = watched
+    g = torch.Generator().manual_seed(batch + 1)
+    prompt = lambda: torch.randint(2, 120000, (context,), generator=g).tolist()  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    try:
+        for i in range(batch):
+            eng.add_request(f"a{batch}-{i}", prompt(), params)
+        while len(kinds) < 3 or kinds[-1] != "decode":  # every first batch request prefilled
+            eng.step()
+        times: dict[str, list[float]] = {"mixed": [], "decode": []}
+        arrived = 0
+        for n in range(new - 2):
+            if n % every == 0:
+                eng.add_request(f"a{batch}-new{arrived}", prompt(), params)
+                arrived += 1
+            k = len(kinds)
+            t0 = time.perf_counter()
+            eng.step()
+            dt = (time.perf_counter() - t0) * 1e3
+            step_kinds = set(kinds[k:])
+            if step_kinds <= {"mixed", "decode"} and step_kinds:
+                times["mixed" if "mixed" in step_kinds else "decode"].append(dt)
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        eng.runner.forward_batch = inner
+    med = {k: (statistics.median(v) if v else float("nan"), len(v)) for k, v in times.items()}
+    return (f"B={batch:4d} + a {context}-token prompt every {every} steps: mixed steps {med['mixed'][0]:7.2f} ms "
+            f"(n={med['mixed'][1]}), pure-decode steps {med['decode'][0]:7.2f} ms (n={med['decode'][1]})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -138,6 +183,9 @@ def main() -> None:
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.collect() + gc.freeze() after each engine's start-up (gc.unfreeze() after it)")
     ap.add_argument("--pieces", action="store_true", help="also time the step's host pieces (bench_engine_step's)")
+    ap.add_argument("--arrivals", action="store_true",
+                    help="also time steps with a prompt arriving every 3 steps beside each batch (mixed steps; "
+                         "A/B with --env-sets DEEPINFER_SPLIT_MIXED_STEPS=off \"\")")
     ap.add_argument("--transformers", action="store_true", help="also time transformers' slice (same process)")
     ap.add_argument("--linear-batch-forms", nargs="+", default=[None], choices=("auto", "swap", "bf16"),
                     help="one engine per value, in order (repeat one to see the first engine's warm-up cost: in "
@@ -178,6 +226,8 @@ def main() -> None:
                 print(f"{label}async {mode:3s} B={b:4d} LLMEngine.step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s "
                       f"({ms / args.layers:.3f} ms a layer, head and host included; steps {min(steps):.2f}.."
                       f"{max(steps):.2f} ms; {note})", flush=True)
+                if args.arrivals:
+                    print(f"{label}async {mode:3s} {arrival_steps(llm, b, args.context, args.new)}", flush=True)
             del llm
             gc.unfreeze()
             gc.collect()  # the engine's graphs and caches hold GPU memory until collected
