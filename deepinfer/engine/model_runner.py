@@ -89,6 +89,9 @@ class ModelRunner:
         cache = self._cache(self.num_blocks + extra, config.max_num_seqs + extra)
         self.model = V4EngineModel(cfg, self.params, cache, self.numerics, comm=comm)
         self.decoder = None
+        # (read once: a bad DEEPINFER_SPLIT_MIXED_STEPS fails the engine's start, not every mixed step)
+        split = env.split_mixed_steps()
+        self.split_mixed = split == "on" or (split == "auto" and self.device.type == "cuda")
         if batched_decode:
             self.decoder = DecodeRunner(self.model, config.max_num_seqs, config.max_model_len,
                                         scratch_slot=config.max_num_seqs, scratch_block=self.num_blocks,
@@ -192,13 +195,13 @@ class ModelRunner:
     def forward_batch(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The step's logits rows on the runner's device (the engine samples there). The parallel runner
         overrides this.
-        A pure-decode step (one new token per sequence) takes the batched decode path when there is one."""
+        A pure-decode step (one new token per sequence) takes the batched decode path when there is one; a
+        step mixing decode rows with prefills / extends sends its decode rows there too (`split_mixed`)."""
         decoder = getattr(self, "decoder", None)  # V4.1 runners have none
         if decoder is not None and self.model.tap is None:
             if all(s.num_new == 1 for s in ctx.seqs):
                 return decoder(ids, ctx.seqs)  # one logits row per sequence (== its last token's)
-            split = env.split_mixed_steps()  # decode rows beside prefills: model/mixed_step.py
-            if (split == "on" or (split == "auto" and self.device.type == "cuda")) and can_split(ctx):
+            if self.split_mixed and can_split(ctx):  # decode rows beside prefills: model/mixed_step.py
                 return forward_split(self.model.forward, decoder, ids, ctx)
         return self.model.forward(ids, ctx)
 
