@@ -152,9 +152,11 @@ class BlockPool:
 
     def can_allocate_for(self, seq_id: str, num_tokens: int) -> bool:
         """Whether `allocate_for(seq_id, num_tokens)` would succeed (a new sequence also needs its slots)."""
-        if seq_id not in self._seqs and self.num_free_seq_slots == 0:
-            return False
-        return self.can_allocate(self.blocks_needed(seq_id, num_tokens))
+        return self._can_cover(seq_id, self.blocks_needed(seq_id, num_tokens))
+
+    def _can_cover(self, seq_id: str, need: int) -> bool:
+        """Whether `need` new blocks for `seq_id` are free, and its slots when it is a new sequence."""
+        return (seq_id in self._seqs or self.num_free_seq_slots > 0) and self.can_allocate(need)
 
     # ---- mutation ------------------------------------------------------------------------------------
     def allocate_for(self, seq_id: str, num_tokens: int) -> SequenceSlots:
@@ -162,13 +164,12 @@ class BlockPool:
         ring and a compressor-state slot) on first use. Never shrinks. All-or-nothing on failure."""
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        seq = self._seqs.get(seq_id)
-        # (can_allocate_for's test, computed once: this runs for every scheduled sequence of every step)
-        need = max(0, cdiv(num_tokens, self.block_size) - (len(seq.block_table) if seq is not None else 0))
-        if need > len(self._free) or (seq is None and self.num_free_seq_slots == 0):
+        need = self.blocks_needed(seq_id, num_tokens)  # (once: this runs for every sequence of every step)
+        if not self._can_cover(seq_id, need):
             raise BlockPoolError(
                 f"cannot cover {num_tokens} tokens for {seq_id!r}: need {need} "
                 f"blocks, {self.num_free} free; {self.num_free_seq_slots} sequence slots free")
+        seq = self._seqs.get(seq_id)
         if seq is None:
             seq = SequenceSlots(seq_id, self.block_size, self._window_slots.take(), self._state_slots.take())
             self._seqs[seq_id] = seq

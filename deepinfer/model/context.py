@@ -45,11 +45,9 @@ class SeqContext:
 
     @classmethod
     def from_slots(cls, slots, start_pos: int, num_new: int) -> "SeqContext":
-        """From a `cache.block_pool.SequenceSlots` (duck-typed: no import of the pool needed); its cached
-        `table` tuple when it has one (no per-step copy of a table that grows with the context)."""
-        table = getattr(slots, "table", None)
-        return cls(start_pos, num_new, slots.window_slot, slots.state_slot,
-                   table if table is not None else tuple(slots.block_table))
+        """From a `cache.block_pool.SequenceSlots` (duck-typed: no import of the pool needed), with its cached
+        `table` tuple (no per-step copy of a table that grows with the context)."""
+        return cls(start_pos, num_new, slots.window_slot, slots.state_slot, slots.table)
 
 
 @dataclass(frozen=True)

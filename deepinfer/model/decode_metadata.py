@@ -103,6 +103,8 @@ class DecodeMetadata:
         if self._copied is not None:
             self._copied.synchronize()
         mb = self.max_blocks
+        # the row memory holds only for the scratch block it was written with
+        written = self._written if self._written_scratch == scratch_block else [None] * self.batch
         if n:
             # every per-sequence field read once into numpy, checked and written as columns: at b128 a Python
             # loop of checks per sequence cost ~0.1-0.2 ms of a step's host time (H200 host, 2026-12-03)
@@ -118,7 +120,6 @@ class DecodeMetadata:
                                                       f"{self.max_context}")
             _check(tlen <= pos // self.block_size,
                    lambda i: f"block table of {tlen[i]} blocks does not cover position {pos[i]}")
-            written = self._written if self._written_scratch == scratch_block else [None] * self.batch
             changed = [i for i in range(n) if tables[i] is not written[i]]  # rows whose table columns change
             ch = np.array(changed, dtype=np.int64)
             lens = np.minimum(tlen[ch], mb)
@@ -146,8 +147,6 @@ class DecodeMetadata:
                 hn[np.repeat(ch, lens), _TABLE + cols] = flat
             for i in changed:
                 written[i] = tables[i]
-        else:
-            written = self._written if self._written_scratch == scratch_block else [None] * self.batch
         h[n:, _POS] = 0
         h[n:, _WIN] = scratch_slot
         h[n:, _STATE] = scratch_slot

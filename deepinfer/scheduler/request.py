@@ -119,11 +119,8 @@ class Request:
         if start < 0 or num < 0:
             raise ValueError(f"{self.request_id!r}: positions [{start}, {end}) are not a span")
         known = len(self.prompt_token_ids) + len(self.output_token_ids)
-        if not known_only and not self.draft_token_ids and start >= known:  # a decode step's pending token(s)
-            if end > known + self.num_pending_tokens:
-                raise ValueError(f"{self.request_id!r}: positions [{start}, {end}) pass the "
-                                 f"{known + self.num_pending_tokens} it has")
-            return [PENDING_TOKEN] * num
+        if not known_only and not self.draft_token_ids and known <= start and end <= known + self.num_pending_tokens:
+            return [PENDING_TOKEN] * num  # a decode step's pending token(s)
         parts = (self.prompt_token_ids, self.output_token_ids) if known_only else \
             (self.prompt_token_ids, self.output_token_ids, None, self.draft_token_ids)
         out: list[int] = []
