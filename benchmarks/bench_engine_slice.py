@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_engine_step import timed_pieces  # noqa: E402
+from bench_engine_step import pure_decode_steps  # noqa: E402
 from slice_config import slice_config  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
@@ -99,32 +99,19 @@ def decode_steps(llm: LLM, batch: int, context: int, new: int,
         eng.add_request(f"b{batch}-{i}", torch.randint(2, 120000, (context,), generator=g).tolist(),
                         SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     cpu0, wall0 = thread_cpu_ms(), time.perf_counter()
-    steps, kept = [], []
-    times, undo = timed_pieces(eng) if pieces else ({}, lambda: None)
-    try:
-        while eng.has_unfinished():
-            for v in times.values():
-                v.append(0.0)
-            t0 = time.perf_counter()
-            outs = eng.step()
-            dt = (time.perf_counter() - t0) * 1e3
-            if len(outs) == batch and all(len(o.outputs[0].token_ids) >= 2 for o in outs):
-                steps.append(dt)
-                kept.append(len(next(iter(times.values()), [0])) - 1)
-    finally:
-        undo()
+    steps, medians = pure_decode_steps(eng, batch, pieces)
+    steps = [dt for dt, _ in steps]
     wall = (time.perf_counter() - wall0) * 1e3
     cpu = {k: v - cpu0.get(k, 0.0) for k, v in thread_cpu_ms().items()}
     busy = ", ".join(f"{k} {v / wall:.0%}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])[:4] if v > 0)
     note = (f"gen-2 collections {gc.get_stats()[2]['collections'] - gen2}, host probe {host_probe_ms():.2f} ms, "
             f"threads' CPU over the series' {wall:.0f} ms: {busy or 'n/a'}, load {os.getloadavg()[0]:.1f}")
     if pieces:
-        note += "; host pieces (median ms): " + ", ".join(
-            f"{k} {statistics.median(v[i] for i in kept[2:]):.2f}" for k, v in times.items())
+        note += "; host pieces (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items())
     if dec is not None:
         note = (f"decode steps replayed {dec.replayed - before[0]} / eager {dec.eager - before[1]}, bucket "
                 f"{dec.last_bucket}, " + note)
-    return statistics.median(steps[2:]), steps[2:], note
+    return statistics.median(steps), steps, note
 
 
 def arrival_steps(llm: LLM, batch: int, context: int, new: int, every: int = 3) -> str:

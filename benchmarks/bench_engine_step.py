@@ -27,6 +27,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tiny import default_model_dir
+from timing import host_timed  # (this directory: run as a script, or imported by bench_engine_slice.py)
 
 MODES = {
     "greedy": SamplingParams(temperature=0.0),
@@ -46,14 +47,10 @@ def timed_pieces(eng) -> tuple[dict[str, list[float]], callable]:
     def wrap(obj, name, key):
         inner = getattr(obj, name)
 
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                times[key][-1] += (time.perf_counter() - t0) * 1e3
+        def add(ms: float) -> None:
+            times[key][-1] += ms
 
-        setattr(obj, name, timed)
+        setattr(obj, name, host_timed(inner, add))
         undo.append(lambda: setattr(obj, name, inner))
 
     wrap(eng.scheduler, "schedule", "scheduler.schedule")
@@ -64,6 +61,29 @@ def timed_pieces(eng) -> tuple[dict[str, list[float]], callable]:
     wrap(eng, "_absorb", "detokenize + logprobs")
     wrap(eng, "_output", "outputs")
     return times, lambda: [u() for u in reversed(undo)]
+
+
+def pure_decode_steps(eng, batch: int, pieces: bool, extra=lambda: None) -> tuple[list[tuple], dict[str, float]]:
+    """Step `eng` until every request is done. Returns, for each pure-decode step of the whole batch (every
+    request has >= 2 tokens) but the first two (cold caches), (host-clock ms of `step()`, `extra()` read
+    right after it); and with `pieces` each step piece's median host ms over those steps."""
+    times, undo = timed_pieces(eng) if pieces else ({}, lambda: None)
+    steps, kept, n = [], [], 0
+    try:
+        while eng.has_unfinished():
+            for v in times.values():
+                v.append(0.0)
+            n += 1  # the step's index in the pieces' lists (their entry 0 is the time before the first step)
+            t0 = time.perf_counter()
+            outs = eng.step()
+            dt = (time.perf_counter() - t0) * 1e3
+            if len(outs) == batch and all(len(o.outputs[0].token_ids) >= 2 for o in outs):
+                steps.append((dt, extra()))
+                kept.append(n)
+    finally:
+        undo()
+    medians = {k: statistics.median(v[i] for i in kept[2:]) for k, v in times.items()}
+    return steps[2:], medians
 
 
 def decode_steps(llm: LLM, batch: int, params: SamplingParams, new: int,
@@ -86,25 +106,13 @@ def decode_steps(llm: LLM, batch: int, params: SamplingParams, new: int,
         return out
 
     runner.forward_batch = timed
-    times, undo = timed_pieces(eng) if pieces else ({}, lambda: None)
-    steps, kept = [], []
     try:
-        while eng.has_unfinished():
-            for v in times.values():
-                v.append(0.0)
-            t0 = time.perf_counter()
-            outs = eng.step()
-            dt = (time.perf_counter() - t0) * 1e3
-            if all(len(o.outputs[0].token_ids) >= 2 for o in outs) and len(outs) == batch:
-                steps.append((dt, forward[-1]))  # a pure-decode step of the whole batch
-                kept.append(len(times.get("outputs", ())) - 1)
+        steps, medians = pure_decode_steps(eng, batch, pieces, lambda: forward[-1])
     finally:
         runner.forward_batch = inner
-        undo()
-    steps = steps[2:]  # the first decode steps still see cold caches
     if pieces:
         print("      host pieces of a step (median ms): " + ", ".join(
-            f"{k} {statistics.median(v[i] for i in kept[2:]):.3f}" for k, v in times.items()), flush=True)
+            f"{k} {v:.3f}" for k, v in medians.items()), flush=True)
     return statistics.median(s for s, _ in steps), statistics.median(f for _, f in steps) if sync else None
 
 

@@ -22,6 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import host_timed  # noqa: E402
 
 
 def per_call_us(fn, calls: int = 2000, rounds: int = 5) -> float:
@@ -82,33 +83,19 @@ def prefill_pieces(layers: int, tokens: int) -> None:
     model = runner.model
     times: dict[str, float] = {}
 
-    def wrap(obj, attr, key):
-        inner = getattr(obj, attr)
+    def timer(fn, key: str):
+        def add(ms: float) -> None:
+            times[key] = times.get(key, 0.0) + ms
 
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                times[key] = times.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
-        setattr(obj, attr, timed)
+        return host_timed(fn, add)
 
     from deepinfer import kernels
     for b in model.layers:
-        wrap(b, "attn", "attention (all of it)")
-        wrap(b, "ffn", "moe (all of it)")
+        b.attn = timer(b.attn, "attention (all of it)")
+        b.ffn = timer(b.ffn, "moe (all of it)")
     for op in ("hc_pre_fused", "hc_post_fused"):
-        fn = kernels.get(op, "cuda")
-        key = f"{op} (each side of a sublayer)"
-
-        def timed(*a, _fn=fn, _key=key, **k):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                times[_key] = times.get(_key, 0.0) + (time.perf_counter() - t0) * 1e3
-        kernels.register(op, timed, "cuda")
-    wrap(model, "logits", "head (logits)")
+        kernels.register(op, timer(kernels.get(op, "cuda"), f"{op} (each side of a sublayer)"), "cuda")
+    model.logits = timer(model.logits, "head (logits)")
     ctx = ForwardContext((SeqContext(0, tokens, 0, 0, runner._table(0)),))
     ids = runner._ids(tokens)
     model.forward(ids, ctx)

@@ -3,9 +3,23 @@ asynchronous work, never a single run)."""
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
+
+
+def host_timed(fn: Callable, add: Callable[[float], None]) -> Callable:
+    """`fn` wrapped to hand its host-clock ms to `add` after each call (returned or raised); nothing is
+    synchronised, so on asynchronous work it is the host's share only."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            add((time.perf_counter() - t0) * 1e3)
+
+    return timed
 
 
 def cuda_time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> float:
