@@ -11,11 +11,12 @@ def __getattr__(name: str):
         from deepinfer import engine
 
         return getattr(engine, name)
-    if name == "SamplingParams":
-        from deepinfer.sampling import SamplingParams
+    if name in ("SamplingParams", "RequestOutputKind"):
+        from deepinfer import sampling
 
-        return SamplingParams
+        return getattr(sampling, name)
     raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams",
+           "RequestOutputKind"]

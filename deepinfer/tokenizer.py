@@ -259,31 +259,23 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # no record of the text emitted: the caller keeps what it needs (the engine's OutputText); a list
+        # of every delta here held one small string per generated token for the request's lifetime
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._parts: list[str] = []
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return "".join(self._parts)
 
     def push(self, token_id: int) -> str:
         """Feed one id; return the newly completed text (possibly '')."""
         data = self._tokenizer.token_bytes(token_id)  # also rejects invalid ids
         if self._skip_special and self._tokenizer.is_special(token_id):
             return ""
-        delta = self._decoder.decode(data)
-        self._parts.append(delta)
-        return delta
+        return self._decoder.decode(data)
 
     def push_many(self, ids: Sequence[int]) -> str:
         return "".join(self.push(i) for i in ids)
 
     def flush(self) -> str:
         """End of stream: emit held-back bytes (as U+FFFD if they never formed a character)."""
-        delta = self._decoder.decode(b"", final=True)
-        self._parts.append(delta)
-        return delta
+        return self._decoder.decode(b"", final=True)
 
 
 @functools.lru_cache(maxsize=1)

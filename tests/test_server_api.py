@@ -117,6 +117,30 @@ def test_n_seed_and_stop(client):
     assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
 
 
+def test_streaming_holds_back_a_stop_string_across_tokens(client, offline):
+    """The stream carries DELTA outputs: a stop string whose first characters end one token is not sent
+    before the next token decides it; the chunks join to the offline text, token ids and logprobs."""
+    prompt = "Once upon a time"
+    free = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    pieces = [offline.get_tokenizer().decode_token(t) for t in free.token_ids]
+    k = next(k for k in range(len(pieces) // 2, len(pieces) - 1) if len(pieces[k]) >= 2 and pieces[k + 1])
+    stop = pieces[k][-2:] + pieces[k + 1][0]
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                  logprobs=1))[0].outputs[0]
+    assert ref.finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                            logprobs=1, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    sent = ""
+    for ch in chunks:
+        sent += ch.choices[0].text
+        assert ref.text.startswith(sent), "a chunk sent text the stop string cuts away"
+    assert sent == ref.text and chunks[-1].choices[0].finish_reason == "stop"
+    assert sum((ch.choices[0].model_extra["token_ids"] for ch in chunks), []) == ref.token_ids
+    lps = sum((ch.choices[0].logprobs.token_logprobs for ch in chunks if ch.choices[0].logprobs), [])
+    assert lps == pytest.approx([e[t].logprob for e, t in zip(ref.logprobs, ref.token_ids)])
+
+
 def test_models_health_metrics_tokenize(server):
     with httpx.Client(base_url=server.url, timeout=30) as h:
         assert h.get("/health").status_code == 200

@@ -11,7 +11,7 @@ from typing import Sequence
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
-from deepinfer.sampling import SamplingParams
+from deepinfer.sampling import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -47,7 +47,10 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
                 for k in range(p.n):
-                    child = replace(p, n=1, seed=None if p.seed is None else p.seed + k)
+                    # FINAL_ONLY: generate() returns finished requests only, so the engine builds no output
+                    # before a request ends (a per-step cumulative copy grows with the output's length)
+                    child = replace(p, n=1, seed=None if p.seed is None else p.seed + k,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
                     rid = f"gen-{self._counter}-{i}-{k}"
                     self.engine.add_request(rid, list(prompt) if not isinstance(prompt, str) else prompt, child)
                     children[rid] = (i, k)

@@ -18,6 +18,7 @@ Must not: know tensor layouts (the runner does) or block accounting (the schedul
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -28,8 +29,9 @@ from deepinfer.config import ModelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.distributed_runner import is_parallel, start_parallel_runner
 from deepinfer.engine.model_runner import ModelRunner, PendingTokens
+from deepinfer.engine.output_text import OutputText
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer.sampling import Sampler, SamplingParams
+from deepinfer.sampling import RequestOutputKind, Sampler, SamplingParams
 from deepinfer.sampling.logprobs import prompt_logprobs
 from deepinfer.sampling.sampler import make_generator
 from deepinfer.sampling.stop import StopChecker
@@ -49,7 +51,7 @@ class _State:
     generator: torch.Generator | None
     detok: IncrementalDetokenizer
     stop: StopChecker
-    text: str = ""
+    text: OutputText = field(default_factory=OutputText)
     # the prompt's ids as every output reports them: one copy per request, shared by its outputs (a copy
     # per output and step cost ~3 us per 2,000 prompt tokens, per request and step)
     prompt_ids: list[int] = field(default_factory=list)
@@ -57,6 +59,12 @@ class _State:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     extra: dict = field(default_factory=dict)
+    first_token_time: float | None = None
+    # what the request's DELTA outputs have carried so far
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -184,7 +192,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         touched = self._finished_since_last_step(out)
         if out.is_empty:
-            return [self._output(r) for r in touched.values()]
+            return self._outputs(touched)
         want_prompt = {sr.request_id for sr in out.scheduled if sr.request.payload.prompt_logprobs is not None}
         snapshots = self.spec.snapshot(out) if self.spec else {}  # state to restore if a draft is rejected
         hidden = None
@@ -203,7 +211,7 @@ class LLMEngine:
             for sr in out.scheduled:
                 self.scheduler.fail(sr.request_id, e)
                 touched[sr.request_id] = sr.request
-            return [self._output(r) for r in touched.values()]
+            return self._outputs(touched)
         for rid, logits in prompt_logits.items():
             self._add_prompt_logprobs(self._requests[rid], logits, out)
         sample_logits = sample_logits.to(self.sample_device)  # (a no-op unless sampling on the host)
@@ -227,7 +235,7 @@ class LLMEngine:
             self.spec.finish_step(self.scheduler, out, by_id, snapshots, hidden, released)
         for sr in out.scheduled:
             touched.setdefault(sr.request_id, sr.request)
-        return [self._output(r) for r in touched.values()]
+        return self._outputs(touched)
 
     def _finished_since_last_step(self, out: SchedulerOutput) -> dict[str, Request]:
         """Requests aborted or failed since the last step (reported once), as the start of a step's outputs.
@@ -238,8 +246,12 @@ class LLMEngine:
 
     def _absorb(self, update, by_id: dict[str, Verified], touched: dict[str, Request]) -> None:
         """The host's work on committed tokens: detokenize (stop strings), logprobs of the tokens that stay."""
+        now = None
         for rid, new in update.new_token_ids.items():
             req = self._requests[rid]
+            if new and req.payload.first_token_time is None:
+                now = now or time.monotonic()
+                req.payload.first_token_time = now
             kept = self._detokenize(req, new)
             for sampled, row in by_id[rid].sampled[:kept]:  # logprobs of the tokens that stay, from their rows
                 self._record_logprobs(req.payload, sampled, row)
@@ -256,7 +268,7 @@ class LLMEngine:
         if self._in_flight is not None:
             self._finish_in_flight(self._in_flight, touched)
         self._in_flight = launched
-        return [self._output(r) for r in touched.values()]
+        return self._outputs(touched)
 
     def _launch(self, out: SchedulerOutput, touched: dict[str, Request]) -> _InFlight | None:
         """Run the step and sample it on the device without reading the tokens; the scheduler advances."""
@@ -340,29 +352,70 @@ class LLMEngine:
         request there: tokens after it (accepted drafts a one-token step would never have produced) are
         dropped from the output."""
         state: _State = req.payload
+        text, stop = state.text, state.stop
         for i, token in enumerate(new_ids):
             if token in req.stop_token_ids and not state.params.include_stop_str_in_output:
                 continue  # as vLLM: the stop token is in token_ids but not in the text
             delta = state.detok.push(token)
-            state.text += delta
-            match = state.stop.check_text(state.text, len(delta))
-            if match is not None:
-                state.text = match.text
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, match.stop)
+            text.append(delta)
+            if not delta or not stop.stop:
+                continue
+            # only the tail a match can lie in: the new characters and lookback before them
+            window = text.since(len(text) - len(delta) - stop.lookback)
+            found = stop.find(window, len(delta))
+            if found is not None:
+                at, s = found
+                text.truncate(len(text) - len(window) + stop.cut(at, s))
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED, s)
                 extra = len(new_ids) - i - 1
                 if extra:
                     del req.output_token_ids[-extra:]
                 return i + 1
         return len(new_ids)
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """The step's outputs: one per request that progressed or finished, as its output kind asks (a
+        FINAL_ONLY request has none before its end, a DELTA request none without anything new)."""
+        outputs = []
+        for req in touched.values():
+            out = self._output(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput | None:
         state: _State = req.payload
         finished = req.is_finished
+        kind = state.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        tokens = req.output_token_ids
+        prompt_logprobs = state.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:
+            # what is new since the last output; the text's last lookback characters wait (they may begin
+            # a stop string) unless the request has ended
+            upto = max(state.sent_chars, state.stop.safe_length(len(state.text), finished))
+            if not finished and upto == state.sent_chars and len(tokens) == state.sent_tokens:
+                return None
+            text = state.text.since(state.sent_chars)[: upto - state.sent_chars]
+            token_ids = tokens[state.sent_tokens:]
+            logprobs = None
+            if state.logprobs is not None:
+                logprobs = state.logprobs[state.sent_logprobs:]
+                state.sent_logprobs = len(state.logprobs)
+            if state.sent_prompt_logprobs:
+                prompt_logprobs = None  # sent with the first output
+            state.sent_chars, state.sent_tokens, state.sent_prompt_logprobs = upto, len(tokens), True
+        else:  # (a cumulative text holds back the same characters: no output shows what a later one cuts)
+            text, token_ids, logprobs = state.text.value(), list(tokens), state.logprobs
+            if not finished and state.stop.lookback:
+                text = text[: state.stop.safe_length(len(text), finished)]
         completion = CompletionOutput(
-            index=state.extra.get("index", 0), text=state.text, token_ids=list(req.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob, logprobs=state.logprobs,
+            index=state.extra.get("index", 0), text=text, token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
             finish_reason=req.status.finish_reason if finished else None, stop_reason=req.stop_reason)
         if finished:
             self._requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, state.prompt, state.prompt_ids, [completion],
-                             prompt_logprobs=state.prompt_logprobs, finished=finished, error=req.error)
+                             prompt_logprobs=prompt_logprobs, finished=finished, error=req.error,
+                             num_output_tokens=len(tokens), first_token_time=state.first_token_time)

@@ -1,5 +1,7 @@
 """What the engine hands back, shaped as vLLM users expect (`out.outputs[0].token_ids`, `.text`,
-`.finish_reason`, `.logprobs` = one dict per generated token: token id -> `Logprob`).
+`.finish_reason`, `.logprobs` = one dict per generated token: token id -> `Logprob`). What an output holds
+depends on its request's `SamplingParams.output_kind`: everything so far (CUMULATIVE, the default), what is
+new since the request's last output (DELTA), or the whole result once, at the end (FINAL_ONLY).
 
 Must not: compute anything; values come from the sampler's output for the very logits that were sampled.
 """
@@ -38,3 +40,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None (no context)
     finished: bool = False
     error: str | None = None
+    # whatever the output kind carries (sampling.RequestOutputKind): the request's generated tokens so far,
+    # and when its first token reached the host (time.monotonic()), for usage and latency metrics
+    num_output_tokens: int = 0
+    first_token_time: float | None = None

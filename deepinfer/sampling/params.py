@@ -9,6 +9,7 @@ Must not: touch tensors (building generators is the sampler's job).
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,22 @@ def _is_int(x: object) -> bool:
 
 def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's outputs carries (vLLM's names and meanings).
+
+    CUMULATIVE: everything so far (text, token ids, logprobs) at every step: a copy that grows with the output,
+    per request and step (a 32K-token output at batch 128 costs tens of ms of host time a step in copies).
+    DELTA: only what is new since the request's last output; the server's streaming form.
+    Both hold the text's last (longest stop string - 1) characters back until the request ends or they are
+    safe, so no output shows text a stop string completed by a later token cuts away.
+    FINAL_ONLY: one output, when the request finishes; the offline `LLM.generate` and non-streaming form.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,7 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or self.temperature < 0:
@@ -63,6 +81,13 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        try:
+            if isinstance(self.output_kind, bool):
+                raise ValueError
+            kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), "
+                             f"got {self.output_kind!r}") from None
         # frozen: normalise through object.__setattr__ so the stored value is hashable and uniform
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
@@ -72,6 +97,7 @@ class SamplingParams:
         if any(not _is_int(t) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "output_kind", kind)
 
     @property
     def greedy(self) -> bool:

@@ -42,8 +42,15 @@ class StopChecker:
         """True when this sampled token ends the request (it stays in output_token_ids)."""
         return token_id in self.stop_token_ids
 
-    def check_text(self, text: str, num_new_chars: int) -> StopMatch | None:
-        """Look for a stop string ending within the last `num_new_chars` characters of `text`."""
+    @property
+    def lookback(self) -> int:
+        """How many characters before the new ones a match may start in: the longest stop string - 1. A
+        caller holding a long text passes `find` only its tail of lookback + new characters."""
+        return max((len(s) for s in self.stop), default=1) - 1
+
+    def find(self, text: str, num_new_chars: int) -> tuple[int, str] | None:
+        """(start, stop string) of the earliest stop string ending within the last `num_new_chars`
+        characters of `text`, or None."""
         if num_new_chars <= 0 or not self.stop:
             return None
         best: tuple[int, str] | None = None
@@ -53,11 +60,24 @@ class StopChecker:
             at = text.find(s, begin)
             if at != -1 and (best is None or at < best[0]):
                 best = (at, s)
-        if best is None:
+        return best
+
+    def cut(self, start: int, stop: str) -> int:
+        """Where the output text ends for a match of `stop` at `start` (after it when it is included)."""
+        return start + len(stop) if self.include_stop_str_in_output else start
+
+    def check_text(self, text: str, num_new_chars: int) -> StopMatch | None:
+        """Look for a stop string ending within the last `num_new_chars` characters of `text`."""
+        found = self.find(text, num_new_chars)
+        if found is None:
             return None
-        at, s = best
-        return StopMatch(s, text[: at + len(s)] if self.include_stop_str_in_output else text[:at])
+        at, s = found
+        return StopMatch(s, text[: self.cut(at, s)])
 
     def streamable_length(self, text: str, finished: bool) -> int:
         """How many leading characters of `text` are safe to send now (all of them once finished)."""
-        return len(text) if finished else max(0, len(text) - self._hold_back)
+        return self.safe_length(len(text), finished)
+
+    def safe_length(self, length: int, finished: bool) -> int:
+        """`streamable_length` of a text of `length` characters."""
+        return length if finished else max(0, length - self._hold_back)

@@ -149,13 +149,16 @@ class AsyncEngine:
             return
         now = time.monotonic()
         completion = out.outputs[0]
-        new = len(completion.token_ids) - tracked.num_output
+        # counted from the engine's totals, whatever the output carries (a DELTA or FINAL_ONLY output
+        # holds only part of the tokens); the first token's time is when the engine had it, not when a
+        # (FINAL_ONLY) output brought it here
+        new = out.num_output_tokens - tracked.num_output
         if new > 0:
             if tracked.first_token is None:
-                tracked.first_token = now
-                self.metrics.ttft.observe(now - tracked.arrival)
+                tracked.first_token = out.first_token_time if out.first_token_time is not None else now
+                self.metrics.ttft.observe(max(0.0, tracked.first_token - tracked.arrival))
             self.metrics.generation_tokens.inc(new)
-            tracked.num_output = len(completion.token_ids)
+            tracked.num_output = out.num_output_tokens
         if out.finished:
             del self._tracked[out.request_id]
             self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))

@@ -113,7 +113,7 @@ def _model_name(request: Request, asked: str | None) -> str:
 
 
 async def _respond(request: Request, gen: Generation, stream: bool, include_usage: bool):
-    await gen.start()
+    await gen.start(stream)
     if stream:
         return StreamingResponse(gen.stream(include_usage), media_type="text/event-stream")
     return JSONResponse(await gen.collect())

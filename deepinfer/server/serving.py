@@ -2,19 +2,21 @@
 engine requests (prompts x n choices), then either wait for all of them or stream their deltas as SSE.
 
 Route modules give a `Formatter` that turns one choice's progress into the endpoint's JSON shape.
-Streaming text is held back by (longest stop string - 1) characters so a stop string that is completed
-by a later token is never half sent (the engine trims it from the final text).
+A streaming request asks the engine for DELTA outputs (what is new each step; the engine holds text back by
+the longest stop string - 1 characters, so a stop string completed by a later token is never half sent),
+a non-streaming one for FINAL_ONLY (one output at the end): neither copies the whole output each step,
+which a long generation would pay for at every token.
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Protocol
 
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
-from deepinfer.sampling import SamplingParams
+from deepinfer.sampling import RequestOutputKind, SamplingParams
 from deepinfer.server.async_engine import AsyncEngine
 from deepinfer.server.errors import APIError, bad_request
 
@@ -25,12 +27,31 @@ class Choice:
     index: int
     prompt_len: int
     params: SamplingParams
-    hold_back: int
     sent_chars: int = 0
     sent_tokens: int = 0
+    # a non-streaming choice: the engine's final output; a streaming one: the deltas so far merged (token
+    # ids and logprobs appended; the text is not kept, only what is still to send)
     output: CompletionOutput | None = None
+    unsent_text: str = ""
     finished: bool = False
     state: dict = field(default_factory=dict)  # per-formatter scratch (the reasoning splitter)
+
+    def absorb(self, new: CompletionOutput, finished: bool, delta: bool) -> None:
+        """Take one engine output of this choice (a DELTA output when streaming, else the final one)."""
+        self.finished = finished
+        if not delta:
+            self.output = new
+            return
+        if self.output is None:
+            self.output = CompletionOutput(self.index, token_ids=[],
+                                           logprobs=[] if new.logprobs is not None else None)
+        merged = self.output
+        merged.token_ids.extend(new.token_ids)
+        if new.logprobs is not None and merged.logprobs is not None:
+            merged.logprobs.extend(new.logprobs)
+        merged.cumulative_logprob, merged.finish_reason, merged.stop_reason = \
+            new.cumulative_logprob, new.finish_reason, new.stop_reason
+        self.unsent_text += new.text
 
 
 class Formatter(Protocol):
@@ -61,13 +82,15 @@ class Generation:
         self.prompt_tokens += len(prompt_ids)
         for p in params:
             rid = f"{self.id}-{len(self.items)}"
-            hold = max((len(s) for s in p.stop), default=1) - 1
-            self.choices[rid] = Choice(len(self.items), len(prompt_ids), p, hold)
+            self.choices[rid] = Choice(len(self.items), len(prompt_ids), p)
             self.items.append((rid, prompt_ids, p))
 
-    async def start(self) -> None:
+    async def start(self, stream: bool) -> None:
+        self.streaming = stream
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        items = [(rid, ids, replace(p, output_kind=kind)) for rid, ids, p in self.items]
         try:
-            self.queue = await self.engine.add(self.items)
+            self.queue = await self.engine.add(items)
         except ValueError as e:  # the engine's own validation (token ids out of range, ...)
             raise bad_request(str(e)) from None
 
@@ -82,8 +105,7 @@ class Generation:
     async def _next(self) -> RequestOutput | None:
         out = await self.queue.get()
         if out is not None:
-            c = self.choices[out.request_id]
-            c.output, c.finished = out.outputs[0], out.finished
+            self.choices[out.request_id].absorb(out.outputs[0], out.finished, self.streaming)
         return out
 
     async def collect(self) -> dict:
@@ -132,14 +154,12 @@ class Generation:
             self.engine.abort(self._unfinished())
 
     def _deltas(self, c: Choice) -> list[dict]:
-        o = c.output
-        text = o.text if o is not None else ""
-        upto = len(text) if c.finished else max(c.sent_chars, len(text) - c.hold_back)
-        ntok = len(o.token_ids) if o is not None else 0
-        if upto == c.sent_chars and ntok == c.sent_tokens and not c.finished:
+        text = c.unsent_text
+        ntok = len(c.output.token_ids) if c.output is not None else 0
+        if not text and ntok == c.sent_tokens and not c.finished:
             return []
-        parts = self.fmt.deltas(c, text[c.sent_chars:upto], c.sent_tokens, ntok)
-        c.sent_chars, c.sent_tokens = upto, ntok
+        parts = self.fmt.deltas(c, text, c.sent_tokens, ntok)
+        c.sent_chars, c.sent_tokens, c.unsent_text = c.sent_chars + len(text), ntok, ""
         return parts
 
 
