@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine_step import pure_decode_steps  # noqa: E402
 from slice_config import slice_config  # noqa: E402
 
-from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from deepinfer.tiny import make_tensors, write_model_dir  # noqa: E402
 
 
@@ -85,8 +85,8 @@ def thread_cpu_ms() -> dict[str, float]:
     return out
 
 
-def decode_steps(llm: LLM, batch: int, context: int, new: int,
-                 pieces: bool = False) -> tuple[float, list[float], str]:
+def decode_steps(llm: LLM, batch: int, context: int, new: int, pieces: bool = False,
+                 kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> tuple[float, list[float], str]:
     """(median step ms, the steps, a note: decode steps replayed / eager, gen-2 collections in the series, the
     last decode bucket; with `pieces` the median host ms of each piece of the step) -- the note tells a
     host-side slow series (eager steps, collections, a host piece near the step's time) from a device one."""
@@ -97,7 +97,7 @@ def decode_steps(llm: LLM, batch: int, context: int, new: int,
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         eng.add_request(f"b{batch}-{i}", torch.randint(2, 120000, (context,), generator=g).tolist(),
-                        SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+                        SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, output_kind=kind))
     cpu0, wall0 = thread_cpu_ms(), time.perf_counter()
     steps, medians = pure_decode_steps(eng, batch, pieces)
     steps = [dt for dt, _ in steps]
@@ -114,7 +114,8 @@ def decode_steps(llm: LLM, batch: int, context: int, new: int,
     return statistics.median(steps), steps, note
 
 
-def arrival_steps(llm: LLM, batch: int, context: int, new: int, every: int = 3) -> str:
+def arrival_steps(llm: LLM, batch: int, context: int, new: int, every: int = 3,
+                  kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
     """Continuous batching: `batch` requests decoding, and a new `context`-token prompt arriving every `every`
     steps (each one joins the decoding batch when its prefill is done; a request that finishes is not
     replaced). Returns a line: median host-clock ms of the steps that mixed decode rows with a prefill and
@@ -131,7 +132,7 @@ def arrival_steps(llm: LLM, batch: int, context: int, new: int, every: int = 3) 
     eng.runner.forward_batch = watched
     g = torch.Generator().manual_seed(batch + 1)
     prompt = lambda: torch.randint(2, 120000, (context,), generator=g).tolist()  # noqa: E731
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, output_kind=kind)
     try:
         for i in range(batch):
             eng.add_request(f"a{batch}-{i}", prompt(), params)
@@ -165,6 +166,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--new", type=int, default=24)
+    ap.add_argument("--output-kind", default="cumulative", choices=("cumulative", "delta", "final_only"),
+                    help="the requests' SamplingParams.output_kind (LLM.generate asks final_only, a stream delta)")
     ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=("off", "on"))
     ap.add_argument("--dir", default="/tmp/v4_slice_ckpt")
     ap.add_argument("--gc-freeze", action="store_true",
@@ -183,6 +186,7 @@ def main() -> None:
                          "variables in the environment and every other set's removed (instead of "
                          "--linear-batch-forms)")
     args = ap.parse_args()
+    kind = RequestOutputKind[args.output_kind.upper()]
     if args.env_sets is not None:
         sets = [dict(kv.split("=", 1) for kv in es.split(",") if kv) for es in args.env_sets]
     else:
@@ -190,7 +194,7 @@ def main() -> None:
     path = write_slice(args.layers, args.dir)
     os.sync()  # the checkpoint's dirty pages written back before any timing, not during the first engine's
     print(f"{torch.cuda.get_device_name()}, V4-Flash slice of {args.layers} layers, prompts of {args.context}, "
-          f"greedy, {args.new} new tokens", flush=True)
+          f"greedy, {args.new} new tokens, {args.output_kind} outputs", flush=True)
     engine_ms = {}
     for i, env_set in enumerate(sets):
         if env_set is not None:  # read by the ops at each call (at capture) and by the sampler per step
@@ -208,13 +212,14 @@ def main() -> None:
                 gc.collect()
                 gc.freeze()
             for b in args.batches:
-                ms, steps, note = decode_steps(llm, b, args.context, args.new, args.pieces)
+                ms, steps, note = decode_steps(llm, b, args.context, args.new, args.pieces, kind)
                 engine_ms[(label, mode, b)] = ms
                 print(f"{label}async {mode:3s} B={b:4d} LLMEngine.step {ms:7.2f} ms  {b / ms * 1e3:8.0f} tok/s "
                       f"({ms / args.layers:.3f} ms a layer, head and host included; steps {min(steps):.2f}.."
                       f"{max(steps):.2f} ms; {note})", flush=True)
                 if args.arrivals:
-                    print(f"{label}async {mode:3s} {arrival_steps(llm, b, args.context, args.new)}", flush=True)
+                    print(f"{label}async {mode:3s} {arrival_steps(llm, b, args.context, args.new, kind=kind)}",
+                          flush=True)
             del llm
             gc.unfreeze()
             gc.collect()  # the engine's graphs and caches hold GPU memory until collected

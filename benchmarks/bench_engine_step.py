@@ -25,10 +25,11 @@ import time
 
 import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, RequestOutputKind, SamplingParams
 from deepinfer.tiny import default_model_dir
 from timing import host_timed  # (this directory: run as a script, or imported by bench_engine_slice.py)
 
+OUTPUT_KIND = RequestOutputKind.CUMULATIVE  # --output-kind: what each step's outputs carry (the host builds them)
 MODES = {
     "greedy": SamplingParams(temperature=0.0),
     "T=0.8 top-p 0.95, 5 logprobs": SamplingParams(temperature=0.8, top_p=0.95, logprobs=5),
@@ -64,9 +65,10 @@ def timed_pieces(eng) -> tuple[dict[str, list[float]], callable]:
 
 
 def pure_decode_steps(eng, batch: int, pieces: bool, extra=lambda: None) -> tuple[list[tuple], dict[str, float]]:
-    """Step `eng` until every request is done. Returns, for each pure-decode step of the whole batch (every
-    request has >= 2 tokens) but the first two (cold caches), (host-clock ms of `step()`, `extra()` read
-    right after it); and with `pieces` each step piece's median host ms over those steps."""
+    """Step `eng` until every request is done. Returns, for each pure-decode step of the whole batch (all
+    `batch` requests running, each with >= 2 tokens committed: read from the scheduler, as outputs differ by
+    output kind) but the first two (cold caches), (host-clock ms of `step()`, `extra()` read right after
+    it); and with `pieces` each step piece's median host ms over those steps."""
     times, undo = timed_pieces(eng) if pieces else ({}, lambda: None)
     steps, kept, n = [], [], 0
     try:
@@ -75,9 +77,10 @@ def pure_decode_steps(eng, batch: int, pieces: bool, extra=lambda: None) -> tupl
                 v.append(0.0)
             n += 1  # the step's index in the pieces' lists (their entry 0 is the time before the first step)
             t0 = time.perf_counter()
-            outs = eng.step()
+            eng.step()
             dt = (time.perf_counter() - t0) * 1e3
-            if len(outs) == batch and all(len(o.outputs[0].token_ids) >= 2 for o in outs):
+            running = eng.scheduler.running
+            if len(running) == batch and all(r.num_output_tokens >= 2 for r in running):
                 steps.append((dt, extra()))
                 kept.append(n)
     finally:
@@ -93,7 +96,7 @@ def decode_steps(llm: LLM, batch: int, params: SamplingParams, new: int,
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         eng.add_request(f"r{i}", torch.randint(2, 120000, (16,), generator=g).tolist(),
-                        replace(params, max_tokens=new, ignore_eos=True))
+                        replace(params, max_tokens=new, ignore_eos=True, output_kind=OUTPUT_KIND))
     runner, forward = eng.runner, []
     inner = runner.forward_batch
 
@@ -120,6 +123,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--new", type=int, default=24)
+    ap.add_argument("--output-kind", default="cumulative", choices=("cumulative", "delta", "final_only"),
+                    help="the requests' SamplingParams.output_kind (LLM.generate asks final_only, a stream delta)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     ap.add_argument("--profile", action="store_true",
                     help="also print the host functions of the last mode's steps (cProfile, by own time)")
@@ -128,6 +133,8 @@ def main() -> None:
     ap.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=("off", "on"),
                     help="the engine's async_scheduling, each mode a separate engine")
     args = ap.parse_args()
+    global OUTPUT_KIND
+    OUTPUT_KIND = RequestOutputKind[args.output_kind.upper()]
     model = default_model_dir("v4", seed=0)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{name}, host threads {torch.get_num_threads()}; tiny V4, vocab 129280")

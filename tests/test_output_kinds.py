@@ -94,7 +94,7 @@ def merged_deltas(outs, stops, final_text):
 
 @pytest.mark.parametrize("async_on", [False, True])
 def test_kinds_read_the_same(tiny_v4_dir, async_on):
-    ps = prompts([3, 17, 40, 9, 25])
+    ps = prompts([3, 17, 40, 9, 25, 12])
     llm = LLM(tiny_v4_dir, max_model_len=256, max_num_seqs=3, max_num_batched_tokens=32, async_scheduling=async_on)
     free = llm.generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     t2 = free[2].outputs[0].text
@@ -104,13 +104,19 @@ def test_kinds_read_the_same(tiny_v4_dir, async_on):
     k = next(k for k in range(len(pieces) // 2, len(pieces) - 1) if len(pieces[k]) >= 2 and pieces[k + 1])
     stop3 = pieces[k][-2:] + pieces[k + 1][0]
     stop_in = t2[len(t2) // 3: len(t2) // 3 + 2]
+    # a stop string that never fires, held back by one character more than the text has after some token k
+    # (so an unfinished output's text is shorter than the hold-back, but not less than half of it)
+    tok, ids5 = llm.get_tokenizer(), free[5].outputs[0].token_ids
+    shown = next(n for n in (len(tok.decode(ids5[:j])) for j in range(1, len(ids5))) if n >= 2)
+    long_stop = "\x00" * (shown + 2)
     params = [
         SamplingParams(temperature=0, max_tokens=16, logprobs=2, prompt_logprobs=1, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=16, stop=[stop3, "\x00never"], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, stop=[stop3, "\x00never"], ignore_eos=True),  # holds back 6
         SamplingParams(temperature=0, max_tokens=16, stop=[stop_in], include_stop_str_in_output=True,
                        ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, logprobs=1),
         SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=16, stop=[long_stop], ignore_eos=True),
     ]
     runs = {kind: run(llm, ps, params, kind) for kind in KINDS}
     cumulative, delta, final = (runs[k] for k in KINDS)
@@ -119,10 +125,16 @@ def test_kinds_read_the_same(tiny_v4_dir, async_on):
         assert len(final[i]) == 1 and final[i][0].finished, f"request {i}: FINAL_ONLY gave {len(final[i])} outputs"
         assert final_view(final[i]) == want, f"request {i}: FINAL_ONLY"
         assert merged_deltas(delta[i], sp.stop, want[0]) == want, f"request {i}: DELTA"
-        # a cumulative output is a prefix of the final one at every step
+        # a cumulative output is a prefix of the final one at every step, and shows what the deltas had sent
+        # by the same token (the same characters held back)
+        streamed, sent = {}, ""
+        for o in delta[i]:
+            sent += o.outputs[0].text
+            streamed[o.num_output_tokens] = sent
         for o in cumulative[i]:
             c = o.outputs[0]
             assert want[0].startswith(c.text) and want[1][: len(c.token_ids)] == c.token_ids
+            assert c.text == streamed.get(len(c.token_ids), c.text), f"request {i} at {len(c.token_ids)} tokens"
     assert cumulative[1][-1].outputs[0].finish_reason == "stop" and cumulative[1][-1].outputs[0].stop_reason == stop3
     assert cumulative[2][-1].outputs[0].text.endswith(stop_in)
     assert len(delta[0]) > 2, "DELTA outputs come every step"

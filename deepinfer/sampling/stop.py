@@ -32,7 +32,10 @@ class StopChecker:
             raise ValueError("stop strings must be non-empty")
         self.stop_token_ids = frozenset(stop_token_ids)
         self.include_stop_str_in_output = include_stop_str_in_output
-        self._hold_back = 0 if include_stop_str_in_output else max((len(s) for s in self.stop), default=1) - 1
+        # how many characters before the new ones a match may start in (the longest stop string - 1): a
+        # caller holding a long text passes `find` only its tail of lookback + new characters
+        self.lookback = max((len(s) for s in self.stop), default=1) - 1
+        self._hold_back = 0 if include_stop_str_in_output else self.lookback
 
     @classmethod
     def from_params(cls, params: SamplingParams, eos_token_id: int | None) -> StopChecker:
@@ -41,12 +44,6 @@ class StopChecker:
     def check_token(self, token_id: int) -> bool:
         """True when this sampled token ends the request (it stays in output_token_ids)."""
         return token_id in self.stop_token_ids
-
-    @property
-    def lookback(self) -> int:
-        """How many characters before the new ones a match may start in: the longest stop string - 1. A
-        caller holding a long text passes `find` only its tail of lookback + new characters."""
-        return max((len(s) for s in self.stop), default=1) - 1
 
     def find(self, text: str, num_new_chars: int) -> tuple[int, str] | None:
         """(start, stop string) of the earliest stop string ending within the last `num_new_chars`
@@ -77,6 +74,11 @@ class StopChecker:
     def streamable_length(self, text: str, finished: bool) -> int:
         """How many leading characters of `text` are safe to send now (all of them once finished)."""
         return self.safe_length(len(text), finished)
+
+    @property
+    def hold_back(self) -> int:
+        """Characters at the end of an unfinished text not to show yet (they may begin a stop string)."""
+        return self._hold_back
 
     def safe_length(self, length: int, finished: bool) -> int:
         """`streamable_length` of a text of `length` characters."""
