@@ -161,8 +161,10 @@ def mixed_step(args) -> None:
     ctx = ForwardContext(tuple(SeqContext(0, args.tokens, i, i, table(i)) for i in range(args.mixed)))
     model(ids[: args.mixed, : args.tokens].flatten(), ctx)  # the decoding sequences' prompts (not counted)
     seqs = [SeqContext(args.tokens, 1, i, i, table(i)) for i in range(args.mixed)]
-    seqs.append(SeqContext(0, args.tokens, args.mixed, args.mixed, table(args.mixed)))
-    step_ids = torch.cat([ids[: args.mixed, args.tokens], ids[args.mixed, : args.tokens]])
+    step_ids = ids[: args.mixed, args.tokens]
+    if not args.no_prefill:
+        seqs.append(SeqContext(0, args.tokens, args.mixed, args.mixed, table(args.mixed)))
+        step_ids = torch.cat([step_ids, ids[args.mixed, : args.tokens]])
     forward = model
     if args.split:  # the engine's way since 2026-12-04: decode rows through the batched decode path
         from deepinfer.model.decode_step import DecodeRunner
@@ -170,12 +172,16 @@ def mixed_step(args) -> None:
 
         runner = DecodeRunner(model, n, args.tokens + 64, scratch_slot=n, scratch_block=blocks * n)
         forward = lambda i, c: forward_split(model, runner, i, c)  # noqa: E731
+        if args.no_prefill:  # a pure-decode step: the runner itself, as ModelRunner.forward_batch calls it
+            forward = lambda i, c: runner(i, c.seqs)  # noqa: E731
     counter = CallCounter()
     t0 = time.perf_counter()
     with counter:
         forward(step_ids, ForwardContext(tuple(seqs)))
-    _report(counter, f"one mixed step{' (split)' if args.split else ''}: {args.mixed} decoding + one "
-                     f"{args.tokens}-token prefill", time.perf_counter() - t0, args.top)
+    what = "one pure-decode step" if args.no_prefill else "one mixed step"
+    path = (" (batched decode path)" if args.no_prefill else " (split)") if args.split else ""
+    rest = "" if args.no_prefill else f" + one {args.tokens}-token prefill"
+    _report(counter, f"{what}{path}: {args.mixed} decoding{rest}", time.perf_counter() - t0, args.top)
 
 
 def main() -> None:
@@ -190,6 +196,9 @@ def main() -> None:
                          "with --tokens first, not counted) beside one fresh --tokens prefill (continuous batching)")
     ap.add_argument("--split", action="store_true", help="with --mixed: the decode rows through the batched "
                                                          "decode path (model/mixed_step.py), as the engine runs it")
+    ap.add_argument("--no-prefill", action="store_true",
+                    help="with --mixed: a pure-decode step (without --split: the general varlen path, which a "
+                         "parallel group took before 2026-12-05; with it: the batched decode path)")
     args = ap.parse_args()
     if args.mixed:
         return mixed_step(args)

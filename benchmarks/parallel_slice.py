@@ -1,6 +1,7 @@
 """Scaling of the fast engine over GPUs (issue 10): the real-dimension V4-Flash slice (slice_config.py) at
 world size 1 and at tensor parallel T (one process per GPU, NCCL), decode and prefill through the general
-varlen path (the batched CUDA-graph decode path does not take a communicator yet), with the time spent in
+varlen path (the engine's parallel runner now decodes through the batched decode path, eagerly: its CUDA
+graphs stay off under a communicator; this script times the general path's forward), with the time spent in
 collectives measured separately: CUDA events on the compute stream around every Communicator call, so a
 collective's time includes waiting for the slowest rank.
 

@@ -22,6 +22,13 @@ def cuda_graphs_enabled() -> bool:
     return os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") not in ("0", "false", "no")
 
 
+def batched_decode_enabled() -> bool:
+    """DEEPINFER_BATCHED_DECODE=0 sends the fast engine's pure-decode steps through the general varlen path
+    instead of the batched decode path (model/decode_step.py), in one process and in a parallel group: the
+    A/B of that path; default on."""
+    return os.environ.get("DEEPINFER_BATCHED_DECODE", "1") not in ("0", "false", "no")
+
+
 SAMPLE_ON_CHOICES = ("device", "host")
 
 

@@ -6,9 +6,15 @@ turning any rank's failure into one clear `GroupFailure` on rank 0 instead of a 
 
 Protocol (chosen: the scheduler and the sampler run on rank 0 only):
 1. rank 0's `LLMEngine` schedules as in one process; `ParallelRunner.forward_batch` broadcasts the step
-   (token ids, the `SeqContext`s, all_logits) to every rank (`broadcast_object_list`);
+   (token ids, the `SeqContext`s, all_logits) to every rank (`broadcast_object_list`), block tables as
+   changes against what the workers hold (engine/step_message.py: whole tables every step grew with the
+   context);
 2. every rank runs the forward on its share: the whole batch when dp = 1 (the tp group splits heads,
-   vocabulary and experts inside the model), else the sequences whose state slot is its dp group's
+   vocabulary and experts inside the model; with fast numerics a pure-decode step takes the batched decode
+   path on every rank, as in one process: every rank decides from the same broadcast batch, so the
+   collectives inside come in the same order), else the sequences whose state slot is its dp group's (a
+   share that is all decode takes the batched path; every path makes one MoE exchange per layer, the
+   only collective between dp groups)
    (`ParallelConfig.owns_sequence`). A dp group with nothing to run still joins each layer's MoE token
    exchange (`idle_moe`) when experts span the dp groups; official numerics runs one call per sequence,
    so every dp group makes as many calls as the busiest one;
@@ -50,6 +56,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.distributed import Communicator, ParallelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.step_message import StepDecoder, StepEncoder
 from deepinfer.model.context import ForwardContext
 
 FAULT_ENV = "DEEPINFER_FAULT_INJECT"
@@ -86,13 +93,18 @@ class ParallelRunner(ModelRunner):
         self.failure: str | None = None
         self.steps = 0
         self._closed = False
+        self._encoder, self._decoder = StepEncoder(), StepDecoder()  # rank 0's / a worker's side of the steps
 
     # ------------------------------------------------------------------ rank 0
     def forward_batch(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.failure:
             raise GroupFailure(self.failure)
+        if getattr(self.model, "tap", None) is not None:  # rank-local state the workers would not see
+            raise RuntimeError("a tapped model (the parity tools) runs in one process: the ranks of a parallel "
+                               "group must take the same path through every step")
         try:
-            dist.broadcast_object_list([("step", ids.tolist(), ctx.seqs, ctx.all_logits)], src=0)
+            message = self._encoder.encode(ids.tolist(), ctx.seqs, ctx.all_logits)
+            dist.broadcast_object_list([("step", message)], src=0)
             return self.run_step(ids, ctx)
         except Exception as err:  # any rank's failure ends the group: collectives cannot resynchronise
             raise GroupFailure(self._fail(err)) from err
@@ -151,7 +163,9 @@ class ParallelRunner(ModelRunner):
         self.steps += 1
         pc = self.pc
         if pc.dp == 1:  # rank 0 keeps its logits on its device, where the engine samples
-            logits = self.model.forward(ids, ctx)
+            # (the one-process choice of path: the batched decode path for a pure-decode step, every rank
+            # deciding the same on the same batch)
+            logits = ModelRunner.forward_batch(self, ids, ctx)
             return logits if pc.rank == 0 else None
         owner = [s.state_slot % pc.dp for s in ctx.seqs]
         mine = [i for i, d in enumerate(owner) if d == pc.dp_rank]
@@ -167,7 +181,14 @@ class ParallelRunner(ModelRunner):
                 continue
             sub = ForwardContext(tuple(ctx.seqs[i] for i in calls[k]), ctx.all_logits)
             sub_ids = torch.cat([ids[ctx.rows(i)] for i in calls[k]])
-            logits = self.model.forward(sub_ids, sub).to("cpu")
+            # a dp group's share that is all decode takes the batched decode path; never the mixed-step
+            # split: the MoE exchange spans the dp groups, and every path here makes one MoE call per layer
+            # (as idle_moe does), where a split share would make two
+            decoder = getattr(self, "decoder", None)
+            if decoder is not None and all(s.num_new == 1 for s in sub.seqs):
+                logits = decoder(sub_ids, sub.seqs).to("cpu")
+            else:
+                logits = self.model.forward(sub_ids, sub).to("cpu")
             for j, i in enumerate(calls[k]):
                 rows[i] = logits[sub.rows(j)] if ctx.all_logits else logits[j : j + 1]
         sent = rows if pc.tp_rank == 0 else None
@@ -190,8 +211,8 @@ class ParallelRunner(ModelRunner):
             if msg == _STOP:
                 dist.barrier()  # rank 0's shutdown waits here too (see shutdown)
                 return
-            _, ids, seqs, all_logits = msg
-            self.run_step(torch.tensor(ids, dtype=torch.long), ForwardContext(tuple(seqs), all_logits))
+            ids, seqs, all_logits = self._decoder.decode(msg[1])
+            self.run_step(torch.tensor(ids, dtype=torch.long), ForwardContext(seqs, all_logits))
 
 
 # ---------------------------------------------------------------------- launch

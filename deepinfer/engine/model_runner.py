@@ -82,9 +82,10 @@ class ModelRunner:
             raw = load_rank_tensors(config.model, cfg, comm.parallel)
         self.params = v4_params(raw, cfg, self.numerics, self.device)
         self.num_blocks = config.num_blocks or self._size_kv_cache()
-        # fast numerics in one process: pure-decode steps take the batched decode path, whose padding rows
-        # need a window/state slot and a block the scheduler never hands out (the cache's last ones)
-        batched_decode = self.numerics == "fast" and comm is None
+        # fast numerics: pure-decode steps take the batched decode path, whose padding rows need a window/state
+        # slot and a block the scheduler never hands out (the cache's last ones). In a parallel group every
+        # rank runs it too (engine/distributed_runner.py says how the ranks keep their collectives in step)
+        batched_decode = self.numerics == "fast" and env.batched_decode_enabled()
         extra = 1 if batched_decode else 0
         cache = self._cache(self.num_blocks + extra, config.max_num_seqs + extra)
         self.model = V4EngineModel(cfg, self.params, cache, self.numerics, comm=comm)
