@@ -48,7 +48,7 @@ def measure(batch: int, context: int, block: int = 128, n: int = 256) -> dict[st
     size, send, recv = [], [], []
     for ids, seqs in steps(batch, context, block, n):
         t0 = time.perf_counter()
-        wire = pickle.dumps([("step", enc.encode(ids, seqs, False))])
+        wire = pickle.dumps([("step", enc.encode(len(ids), seqs, False))])  # (+ the ids: a tensor broadcast)
         t1 = time.perf_counter()
         dec.decode(pickle.loads(wire)[0][1])
         t2 = time.perf_counter()

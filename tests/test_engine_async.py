@@ -148,7 +148,7 @@ def test_async_request_at_max_model_len(tiny_v4_dir):
 
 
 def test_async_scheduling_settings(tiny_v4_dir):
-    with pytest.raises(ValueError, match="async_scheduling needs one process without speculative decoding"):
+    with pytest.raises(ValueError, match="async_scheduling does not run with speculative decoding"):
         LLM(tiny_v4_dir, max_model_len=256, async_scheduling=True,
             speculative={"method": "mtp", "num_speculative_tokens": 1})
     assert LLM(tiny_v4_dir, max_model_len=256).engine.async_scheduling is False  # default: on for CUDA only

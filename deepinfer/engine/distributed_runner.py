@@ -6,9 +6,11 @@ turning any rank's failure into one clear `GroupFailure` on rank 0 instead of a 
 
 Protocol (chosen: the scheduler and the sampler run on rank 0 only):
 1. rank 0's `LLMEngine` schedules as in one process; `ParallelRunner.forward_batch` broadcasts the step
-   (token ids, the `SeqContext`s, all_logits) to every rank (`broadcast_object_list`), block tables as
-   changes against what the workers hold (engine/step_message.py: whole tables every step grew with the
-   context);
+   (the `SeqContext`s, all_logits, the number of ids) to every rank (`broadcast_object_list`), block
+   tables as changes against what the workers hold (engine/step_message.py: whole tables every step grew
+   with the context), then the token ids as a tensor broadcast from rank 0's device: with asynchronous
+   scheduling some are the previous step's sampled tokens, still on the device, and reading them on the
+   host would wait for that step;
 2. every rank runs the forward on its share: the whole batch when dp = 1 (the tp group splits heads,
    vocabulary and experts inside the model; with fast numerics a pure-decode step takes the batched decode
    path on every rank, as in one process: every rank decides from the same broadcast batch, so the
@@ -53,6 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.config import ModelConfig
+from deepinfer.devices import host_to_device
 from deepinfer.distributed import Communicator, ParallelConfig
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.model_runner import ModelRunner
@@ -103,8 +106,10 @@ class ParallelRunner(ModelRunner):
             raise RuntimeError("a tapped model (the parity tools) runs in one process: the ranks of a parallel "
                                "group must take the same path through every step")
         try:
-            message = self._encoder.encode(ids.tolist(), ctx.seqs, ctx.all_logits)
+            message = self._encoder.encode(ids.shape[0], ctx.seqs, ctx.all_logits)
             dist.broadcast_object_list([("step", message)], src=0)
+            ids = host_to_device(ids.long(), self.device) if ids.device != self.device else ids.long()
+            dist.broadcast(ids, src=0)  # (nccl: on the device, in stream order; no host sync)
             return self.run_step(ids, ctx)
         except Exception as err:  # any rank's failure ends the group: collectives cannot resynchronise
             raise GroupFailure(self._fail(err)) from err
@@ -211,8 +216,10 @@ class ParallelRunner(ModelRunner):
             if msg == _STOP:
                 dist.barrier()  # rank 0's shutdown waits here too (see shutdown)
                 return
-            ids, seqs, all_logits = self._decoder.decode(msg[1])
-            self.run_step(torch.tensor(ids, dtype=torch.long), ForwardContext(seqs, all_logits))
+            num_ids, seqs, all_logits = self._decoder.decode(msg[1])
+            ids = torch.empty(num_ids, dtype=torch.long, device=self.device)
+            dist.broadcast(ids, src=0)
+            self.run_step(ids, ForwardContext(seqs, all_logits))
 
 
 # ---------------------------------------------------------------------- launch

@@ -127,13 +127,16 @@ class LLMEngine:
     def _async_mode(self, asked: bool | None, spec, sample_on: str) -> bool:
         """Asynchronous scheduling: asked for, or (None) on for a one-process CUDA engine that samples on the
         device. It needs one sampled token per request and step, on the runner's device: not with drafting
-        (a step's token count is known only after verification) or the parallel runner."""
-        possible = spec is None and not is_parallel(self.config)
+        (a step's token count is known only after verification). A parallel group runs it when asked (rank
+        0 broadcasts the step's ids from its device, engine/distributed_runner.py; tested on CPU, gloo); it is
+        not its default until it has run on GPUs (no multi-GPU machine has been lent: issue 10)."""
+        possible = spec is None
         if asked and not possible:
-            raise ValueError("async_scheduling needs one process without speculative decoding (drafts change "
-                             "how many tokens a step yields before the next step can be scheduled)")
+            raise ValueError("async_scheduling does not run with speculative decoding (drafts change how many "
+                             "tokens a step yields before the next step can be scheduled)")
         if asked is None:
-            return possible and self.runner.device.type == "cuda" and sample_on == "device"
+            return (possible and not is_parallel(self.config) and self.runner.device.type == "cuda"
+                    and sample_on == "device")
         return bool(asked)
 
     # ------------------------------------------------------------------ requests

@@ -23,12 +23,13 @@ _SAME, _TAIL, _WHOLE = 0, 1, 2
 
 
 class StepEncoder:
-    """Rank 0: (ids, seqs, all_logits) -> a compact picklable message."""
+    """Rank 0: (number of token ids, seqs, all_logits) -> a compact picklable message (the ids themselves
+    follow as a tensor broadcast: they may still be on their way from the device, asynchronous scheduling)."""
 
     def __init__(self) -> None:
         self._sent: dict[int, tuple[int, ...]] = {}  # state slot -> the table the workers hold for it
 
-    def encode(self, ids: list[int], seqs: Sequence[SeqContext], all_logits: bool) -> tuple:
+    def encode(self, num_ids: int, seqs: Sequence[SeqContext], all_logits: bool) -> tuple:
         rows = []
         for s in seqs:
             table, held = s.block_table, self._sent.get(s.state_slot)
@@ -41,17 +42,17 @@ class StepEncoder:
             else:
                 rows.append((s.start_pos, s.num_new, s.window_slot, s.state_slot, _WHOLE, table))
             self._sent[s.state_slot] = table
-        return ids, rows, all_logits
+        return num_ids, rows, all_logits
 
 
 class StepDecoder:
-    """A worker: the message -> (ids, seqs, all_logits), with the tables it holds brought up to date."""
+    """A worker: the message -> (number of ids, seqs, all_logits), with the tables it holds brought up to date."""
 
     def __init__(self) -> None:
         self._tables: dict[int, tuple[int, ...]] = {}
 
-    def decode(self, message: tuple) -> tuple[list[int], tuple[SeqContext, ...], bool]:
-        ids, rows, all_logits = message
+    def decode(self, message: tuple) -> tuple[int, tuple[SeqContext, ...], bool]:
+        num_ids, rows, all_logits = message
         seqs = []
         for start, num_new, window_slot, state_slot, kind, payload in rows:
             if kind == _SAME:
@@ -62,4 +63,4 @@ class StepDecoder:
                 table = payload
             self._tables[state_slot] = table
             seqs.append(SeqContext(start, num_new, window_slot, state_slot, table))
-        return ids, tuple(seqs), all_logits
+        return num_ids, tuple(seqs), all_logits
