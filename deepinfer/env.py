@@ -29,6 +29,13 @@ def batched_decode_enabled() -> bool:
     return os.environ.get("DEEPINFER_BATCHED_DECODE", "1") not in ("0", "false", "no")
 
 
+def parallel_cuda_graphs() -> bool:
+    """DEEPINFER_PARALLEL_CUDA_GRAPHS=1 captures the batched decode path's CUDA graphs in a parallel group too
+    (dp = 1: its collectives are tensor collectives on the device; with dp > 1 the MoE exchange reads row
+    counts on the host). Off by default: never run on several GPUs (no multi-GPU machine lent, issue 10)."""
+    return os.environ.get("DEEPINFER_PARALLEL_CUDA_GRAPHS", "0") in ("1", "true", "yes")
+
+
 SAMPLE_ON_CHOICES = ("device", "host")
 
 

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from deepinfer import env
 from deepinfer.model.context import SeqContext
 from deepinfer.model.decode_attention import decode_attention
 from deepinfer.model.decode_metadata import DecodeMetadata
@@ -69,7 +70,10 @@ class DecodeRunner:
             raise ValueError(f"DecodeRunner needs max_batch > 0 and max_context > 0, got {max_batch}, {max_context}")
         self.model, self.max_batch, self.max_context = model, max_batch, max_context
         self.scratch = (scratch_slot, scratch_block)
-        self.graphs_on = cuda_graphs and model.device.type == "cuda" and model.comm is None
+        # in a parallel group only when asked (env.parallel_cuda_graphs: not yet run on several GPUs) and with
+        # dp = 1 (the MoE exchange between dp groups reads row counts on the host, which a graph cannot)
+        in_group_ok = model.comm is not None and model.comm.parallel.dp == 1 and env.parallel_cuda_graphs()
+        self.graphs_on = cuda_graphs and model.device.type == "cuda" and (model.comm is None or in_group_ok)
         self.buckets = tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
         if contexts is None:
             contexts = context_buckets(max_context, cache.block_size)
