@@ -37,6 +37,7 @@ import torch
 
 from deepinfer.cache.layouts import KVLayout, layouts_for
 from deepinfer.config import ModelConfig
+from deepinfer.devices import host_to_device
 
 STATE_DTYPE_OFFICIAL = torch.float32  # the official compressor keeps its partial blocks in fp32
 
@@ -76,6 +77,11 @@ class CompressorState:
     def reset(self, slot: int) -> None:
         self.kv[slot].zero_()
         self.score[slot].fill_(float("-inf"))
+
+    def reset_many(self, slots: torch.Tensor) -> None:
+        """`reset` of every slot in `slots` (a long tensor on the state's device): one fill per tensor."""
+        self.kv.index_fill_(0, slots, 0)
+        self.score.index_fill_(0, slots, float("-inf"))
 
 
 class PackedStore:
@@ -139,6 +145,13 @@ class LayerCache(PackedStore):
         for state in (self.comp_state, self.index_state):
             if state is not None:
                 state.reset(state_slot)
+
+    def reset_many(self, window_slots: torch.Tensor, state_slots: torch.Tensor) -> None:
+        """`reset` of several sequences (long tensors on the cache's device): one fill per tensor."""
+        self.ring.index_fill_(0, window_slots, 0)
+        for state in (self.comp_state, self.index_state):
+            if state is not None:
+                state.reset_many(state_slots)
 
 
 class EntryRowMemo:
@@ -225,3 +238,16 @@ class V4Cache(EntryRowMemo):
     def reset(self, window_slot: int, state_slot: int) -> None:
         for layer in self.layers:
             layer.reset(window_slot, state_slot)
+
+    def reset_fresh(self, seqs) -> None:
+        """Reset the slots of the step's sequences that start at position 0 (nothing of a slot's previous
+        owner may leak in): several at once with one fill per cache tensor (a prefill step of 16 new prompts
+        made 36 small fills per sequence on the tiny model's 6 layers, ~200 on V4-Flash's 43)."""
+        fresh = [s for s in seqs if s.start_pos == 0]
+        if len(fresh) == 1:
+            self.reset(fresh[0].window_slot, fresh[0].state_slot)
+        elif fresh:
+            ws = host_to_device(torch.tensor([s.window_slot for s in fresh]), self.device)
+            ss = host_to_device(torch.tensor([s.state_slot for s in fresh]), self.device)
+            for layer in self.layers:
+                layer.reset_many(ws, ss)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from deepinfer import kernels
 from deepinfer.model.cache import LayerCache, V4Cache
+from deepinfer.model.compress_batch import build_plan, compress_batch
 from deepinfer.model.compressor import compress_extend, project
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, current_extend_rows
@@ -32,6 +33,7 @@ from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.stacked import pair
 
 F32, BF16 = torch.float32, torch.bfloat16
+BATCH_COMPRESSORS = True  # several sequences' compressors in one pass (compress_batch); tests compare both
 
 
 def _encode(attn, lc: LayerCache, role: str, x: torch.Tensor) -> torch.Tensor:
@@ -42,13 +44,26 @@ def _decode(attn, lc: LayerCache, role: str, stored: torch.Tensor) -> torch.Tens
     return stored if lc.layouts is None else kernels.get("kv_decode", attn.kdev)(lc.layouts[role], stored)
 
 
-def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr: RatioExtendRows) -> None:
+def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr: RatioExtendRows,
+                  rows: ExtendRows | None = None) -> None:
     """Run both compressors of every sequence (one projection GEMM each for the batch) and store the entries
-    the step completes: one encode and one scatter per compressor."""
+    the step completes: one encode and one scatter per compressor. Several sequences go through
+    `compress_batch` (a fixed number of ops for the batch, its plan built once per step and ratio); one
+    sequence through `compress_extend` (views of its rows, no gathers)."""
     jobs = [(attn.comp_p, lc.comp_state, lc.comp, False, "compressed")]
     if attn.has_indexer:
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
     lin = kernels.get("linear_f32", attn.kdev)  # the official fp32 matmul of the bf16 x and weights
+    if BATCH_COMPRESSORS and rows is not None and len(ctx.seqs) > 1:
+        plan = step_memo(rows, ("compress plan", attn.ratio), lambda: build_plan(
+            ctx, attn.ratio, lc.comp_state.kv.shape[1], rr.ent_start, x.device))
+        for p, state, store, rotate, role in jobs:
+            kv_all, gate_all = project(lin, x, p)
+            e = compress_batch(p, state, plan, kv_all, gate_all, rows.positions, attn.inv_freq, attn.eps, rotate,
+                               attn.kdev)
+            if plan.num_entries:
+                store[rr.entry_rows[plan.entry_index]] = _encode(attn, lc, role, e)
+        return
     for p, state, store, rotate, role in jobs:
         kv_all, gate_all = project(lin, x, p)
         entries, where = [], []
@@ -167,7 +182,7 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     comp_cols, comp_width, idx = None, (), None  # idx: set here when the step already built it
     if r:
         rr = rows.ratios[r]
-        compress_step(attn, lc, ctx, x, rr)  # entries completed by this step are visible to it
+        compress_step(attn, lc, ctx, x, rr, rows)  # entries completed by this step are visible to it
         base = ring_kv.shape[0] + T  # the compressed entries' first pool row
         if any(rr.n_ent):
             if attn.has_indexer:

@@ -142,9 +142,7 @@ class V4EngineModel:
         self._check(token_ids, ctx)  # on the ids as given (the runner passes host ids: no device sync)
         token_ids, ctx = host_to_device(token_ids, self.device), ctx.on(self.device)
         self.cache.begin_step()
-        for s in ctx.seqs:
-            if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
-                self.cache.reset(s.window_slot, s.state_slot)
+        self.cache.reset_fresh(ctx.seqs)  # fresh sequences: nothing of a slot's previous owner may leak in
         table = self.p["embed.weight"]
         x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
         x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [T, hc, D]

@@ -1,0 +1,85 @@
+"""The compressors of a multi-sequence extend step in one pass (`model/compress_batch.py`) against running
+`compress_extend` sequence by sequence, inside the same fast-numerics model on the same batches (CPU torch
+twins): logits and every cache tensor bit-identical, over steps that start fresh sequences, resume partial
+ratio-4 and ratio-128 blocks, complete several blocks at once, and leave sequences with no completed block
+beside ones with many (the overlap pooling's cross-sequence pairs must be dropped, the state rows must be
+read before any is written)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer.model.extend_attention as extend_attention
+from deepinfer.model import ForwardContext, SeqContext, V4EngineModel
+from deepinfer.model.factory import v4_cache, v4_params
+
+BPS, SLOTS = 3, 5  # 384 positions per sequence
+
+
+def table(i: int) -> tuple[int, ...]:
+    return tuple(range(BPS * i, BPS * (i + 1)))
+
+
+@pytest.fixture(scope="module")
+def fast_params(tiny_v4_raw):
+    cfg, raw = tiny_v4_raw
+    return cfg, v4_params(raw, cfg, "fast", "cpu")
+
+
+@pytest.fixture(scope="module")
+def fast_params_cuda(tiny_v4_raw, cuda_kernels):
+    cfg, raw = tiny_v4_raw
+    return cfg, v4_params(raw, cfg, "fast", "cuda")
+
+
+# each step: (slot, start position, new tokens); a sequence's start is its previous end (or 0: fresh)
+STEPS = [
+    [(0, 0, 5), (1, 0, 130), (2, 0, 64), (3, 0, 3)],
+    [(0, 5, 1), (1, 130, 7), (2, 64, 70), (3, 3, 200)],  # partial blocks resumed, many blocks completed
+    [(1, 137, 1), (2, 134, 2), (3, 203, 1), (4, 0, 9)],  # decode-like rows beside a fresh prompt
+    [(0, 6, 250), (4, 9, 4)],
+]
+
+
+def run(cfg, params, batched: bool, monkeypatch, device="cpu"):
+    monkeypatch.setattr(extend_attention, "BATCH_COMPRESSORS", batched)
+    model = V4EngineModel(cfg, params, v4_cache(cfg, "fast", BPS * SLOTS, 128, SLOTS, device), "fast")
+    g = torch.Generator().manual_seed(4)
+    outs = []
+    for step in STEPS:
+        ctx = ForwardContext(tuple(SeqContext(start, n, slot, slot, table(slot)) for slot, start, n in step))
+        ids = torch.randint(2, cfg.vocab_size, (sum(n for _, _, n in step),), generator=g)
+        outs.append(model(ids.to(device), ctx).cpu())
+    return outs, model
+
+
+def test_batched_compressors_are_the_per_sequence_ones_bit_for_bit(fast_params, monkeypatch):
+    check(fast_params, monkeypatch, "cpu")
+
+
+@pytest.mark.gpu
+def test_batched_compressors_on_cuda_bit_for_bit(fast_params_cuda, monkeypatch):
+    """The same on cuda: compress_pool, rms_norm, rope32 and hadamard32 are the Triton kernels (row-wise,
+    so a batched call must give each row the per-sequence call's bits). Written 2026-12-05 without a
+    device: not run yet."""
+    check(fast_params_cuda, monkeypatch, "cuda")
+
+
+def check(cfg_params, monkeypatch, device):
+    cfg, params = cfg_params
+    calls = []
+    inner = extend_attention.compress_batch
+    monkeypatch.setattr(extend_attention, "compress_batch", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    got, got_model = run(cfg, params, True, monkeypatch, device)
+    assert calls, "the batched compressors did not run"
+    ref, ref_model = run(cfg, params, False, monkeypatch, device)
+    for k, (a, b) in enumerate(zip(got, ref)):
+        assert torch.equal(a, b), f"step {k}: logits max diff {float((a - b).abs().max()):.3g}"
+    for i, (lg, lr) in enumerate(zip(got_model.cache.layers, ref_model.cache.layers)):
+        for name in ("ring", "comp", "index_keys"):
+            if getattr(lr, name) is not None:
+                assert torch.equal(getattr(lg, name), getattr(lr, name)), f"layer {i} {name}"
+        for name in ("comp_state", "index_state"):
+            sg, sr = getattr(lg, name), getattr(lr, name)
+            if sr is not None:
+                assert torch.equal(sg.kv, sr.kv) and torch.equal(sg.score, sr.score), f"layer {i} {name}"
