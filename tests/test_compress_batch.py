@@ -1,9 +1,10 @@
-"""The compressors of a multi-sequence extend step in one pass (`model/compress_batch.py`) against running
-`compress_extend` sequence by sequence, inside the same fast-numerics model on the same batches (CPU torch
-twins): logits and every cache tensor bit-identical, over steps that start fresh sequences, resume partial
-ratio-4 and ratio-128 blocks, complete several blocks at once, and leave sequences with no completed block
-beside ones with many (the overlap pooling's cross-sequence pairs must be dropped, the state rows must be
-read before any is written)."""
+"""The compressors and the indexer selection of a multi-sequence extend step in one pass each
+(`model/compress_batch.py`, `model/indexer_select.py`) against running them sequence by sequence, inside the
+same fast-numerics model on the same batches (CPU torch twins): logits and every cache tensor bit-identical,
+over steps that start fresh sequences, resume partial ratio-4 and ratio-128 blocks, complete several blocks
+at once, and leave sequences with no completed block beside ones with many (the overlap pooling's
+cross-sequence pairs must be dropped, the state rows must be read before any is written), with both of the
+indexer's pool layouts (all entries; only the picked rows)."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,7 @@ STEPS = [
 
 
 def run(cfg, params, batched: bool, monkeypatch, device="cpu"):
-    monkeypatch.setattr(extend_attention, "BATCH_COMPRESSORS", batched)
+    monkeypatch.setattr(extend_attention, "BATCH_SEQUENCES", batched)
     model = V4EngineModel(cfg, params, v4_cache(cfg, "fast", BPS * SLOTS, 128, SLOTS, device), "fast")
     g = torch.Generator().manual_seed(4)
     outs = []
@@ -67,11 +68,22 @@ def test_batched_compressors_on_cuda_bit_for_bit(fast_params_cuda, monkeypatch):
 
 def check(cfg_params, monkeypatch, device):
     cfg, params = cfg_params
-    calls = []
+    calls, modes = [], set()
     inner = extend_attention.compress_batch
     monkeypatch.setattr(extend_attention, "compress_batch", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    plan_of = extend_attention.build_select_plan
+
+    def planned(*a, **k):
+        plan = plan_of(*a, **k)
+        modes.update(bool(v) for v in plan.all_rows[plan.kmax > 0].tolist())
+        return plan
+
+    monkeypatch.setattr(extend_attention, "build_select_plan", planned)
     got, got_model = run(cfg, params, True, monkeypatch, device)
     assert calls, "the batched compressors did not run"
+    # the indexer's two pool layouts both ran: sequences putting all their entries in the pool (prefills)
+    # and sequences putting only their picked rows there (few queries, more entries than picks)
+    assert modes == {True, False}, modes
     ref, ref_model = run(cfg, params, False, monkeypatch, device)
     for k, (a, b) in enumerate(zip(got, ref)):
         assert torch.equal(a, b), f"step {k}: logits max diff {float((a - b).abs().max()):.3g}"

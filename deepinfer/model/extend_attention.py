@@ -29,11 +29,14 @@ from deepinfer.model.compress_batch import build_plan, compress_batch
 from deepinfer.model.compressor import compress_extend, project
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, current_extend_rows
+from deepinfer.model.indexer_select import build_select_plan, select_batched
 from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.stacked import pair
 
 F32, BF16 = torch.float32, torch.bfloat16
-BATCH_COMPRESSORS = True  # several sequences' compressors in one pass (compress_batch); tests compare both
+# several sequences' compressors (compress_batch) and indexer selection (indexer_select) in one pass each;
+# False: sequence by sequence (the tests' reference)
+BATCH_SEQUENCES = True
 
 
 def _encode(attn, lc: LayerCache, role: str, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +57,7 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr
     if attn.has_indexer:
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
     lin = kernels.get("linear_f32", attn.kdev)  # the official fp32 matmul of the bf16 x and weights
-    if BATCH_COMPRESSORS and rows is not None and len(ctx.seqs) > 1:
+    if BATCH_SEQUENCES and rows is not None and len(ctx.seqs) > 1:
         plan = step_memo(rows, ("compress plan", attn.ratio), lambda: build_plan(
             ctx, attn.ratio, lc.comp_state.kv.shape[1], rr.ent_start, x.device))
         for p, state, store, rotate, role in jobs:
@@ -77,6 +80,22 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr
                 where.append(rr.entry_rows[start : start + e.shape[0]])
         if entries:
             store[torch.cat(where)] = _encode(attn, lc, role, torch.cat(entries))
+
+
+def _indexer_selection_batched(attn, lc: LayerCache, ctx: ForwardContext, rows: ExtendRows, rr: RatioExtendRows,
+                               q_idx: torch.Tensor, w_idx: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_indexer_selection` of several sequences in a fixed number of ops besides one scoring call per
+    sequence (model/indexer_select.py): the same pool rows and columns."""
+    keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])
+    plan = step_memo(rows, ("select plan", attn.ratio, base), lambda: build_select_plan(
+        ctx, rr.n_ent, rr.ent_start, attn.cfg.index_topk, base, q_idx.device))
+
+    def build_hidden() -> torch.Tensor:  # [T, N] entries past what each query sees, and the padding
+        return torch.arange(plan.widest, device=q_idx.device) >= rr.visible.unsqueeze(1)
+
+    hidden = step_memo(rows, ("hidden, padded", attn.ratio), build_hidden)
+    return select_batched(lambda name: kernels.get(name, attn.kdev), plan, q_idx, w_idx, keys, rr.visible, hidden,
+                          rr.entry_rows, lc.comp)
 
 
 def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rows: ExtendRows, rr: RatioExtendRows,
@@ -190,7 +209,8 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(T, nh, ihd)
                 q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
-                stored, comp_cols = _indexer_selection(attn, lc, ctx, rows, rr, q_idx, w_idx, base)
+                select = _indexer_selection_batched if BATCH_SEQUENCES and len(ctx.seqs) > 1 else _indexer_selection
+                stored, comp_cols = select(attn, lc, ctx, rows, rr, q_idx, w_idx, base)
                 comp_width = tuple(min(cfg.index_topk, n) for n in rr.n_ent)
             else:  # every visible entry, ascending: the same index rows for every layer of this ratio
                 stored = lc.comp[rr.entry_rows]
