@@ -22,9 +22,9 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
-from deepinfer.model.cache import paged_entry_rows
 from deepinfer.model.context import ForwardContext
 
 
@@ -59,22 +59,38 @@ class ExtendRows:
 def _window_host(ctx: ForwardContext, win: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:
     """Host rows: ring reads, ring writes, their kv rows, per-token columns [5, T] (start_pos, lowest
     window position, first ring row in the pool, first new row in the pool, window width) -> and the
-    window width of each sequence."""
+    window width of each sequence. Built with numpy: a handful of host torch calls per sequence (each a few
+    us) made a 16-prompt step's row building cost milliseconds."""
     ring_read, ring_write, kv_write, per_tok, widths = [], [], [], [], []
     n_ring = sum(s.start_pos - max(0, s.start_pos - win + 1) for s in ctx.seqs)
     ring_base = 0
     for i, s in enumerate(ctx.seqs):
         P, S, end = s.start_pos, s.num_new, s.end_pos
         lo = max(0, P - win + 1)
-        ring_read.append(s.window_slot * win + torch.arange(lo, P) % win)
+        ring_read.append(s.window_slot * win + np.arange(lo, P) % win)
         keep = max(P, end - win)  # the ring keeps the last `win` positions, p at slot p % win
-        ring_write.append(s.window_slot * win + torch.arange(keep, end) % win)
-        kv_write.append(ctx.cu_tokens[i] + torch.arange(keep - P, S))
+        ring_write.append(s.window_slot * win + np.arange(keep, end) % win)
+        kv_write.append(ctx.cu_tokens[i] + np.arange(keep - P, S))
         widths.append(min(S, win) if P == 0 else win)
-        row = torch.tensor([P, lo, ring_base, n_ring + ctx.cu_tokens[i], widths[-1]])
-        per_tok.append(row.unsqueeze(1).expand(5, S))
+        per_tok.append(np.repeat(np.array([[P], [lo], [ring_base], [n_ring + ctx.cu_tokens[i]], [widths[-1]]]), S, 1))
         ring_base += P - lo
-    return [torch.cat(ring_read), torch.cat(ring_write), torch.cat(kv_write), torch.cat(per_tok, 1)], tuple(widths)
+    host = [torch.from_numpy(np.concatenate(part).astype(np.int64)) for part in (ring_read, ring_write, kv_write)]
+    return host + [torch.from_numpy(np.concatenate(per_tok, 1).astype(np.int64))], tuple(widths)
+
+
+def _entry_rows_host(ctx: ForwardContext, block_size: int, ratio: int, n_ent: tuple[int, ...]) -> torch.Tensor:
+    """Every sequence's entry rows for one ratio, sequence order (`cache.paged_entry_rows` of each, joined):
+    entry j at block_table[j // epb] * epb + j % epb."""
+    epb = block_size // ratio
+    parts = []
+    for s, n in zip(ctx.seqs, n_ent):
+        if n:
+            need = -(-n // epb)
+            if len(s.block_table) < need:
+                raise ValueError(f"block table of {len(s.block_table)} blocks cannot hold {n} entries of ratio {ratio}")
+            j = np.arange(n)
+            parts.append(np.asarray(s.block_table[:need], dtype=np.int64)[j // epb] * epb + j % epb)
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
 
 
 def build_extend_rows(ctx: ForwardContext, win: int, block_size: int, ratios: tuple[int, ...],
@@ -83,19 +99,19 @@ def build_extend_rows(ctx: ForwardContext, win: int, block_size: int, ratios: tu
     T = ctx.num_tokens
     (ring_read, ring_write, kv_write, per_tok), widths = _window_host(ctx, win)
     # host positions from the batch description: ctx.positions may already live on the device (ctx.on)
-    positions = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in ctx.seqs])
+    positions = torch.from_numpy(np.concatenate([np.arange(s.start_pos, s.end_pos) for s in ctx.seqs]).astype(np.int64))
     parts = [positions, ring_read, ring_write, kv_write, per_tok.flatten()]
     ratio_host = {}
+    counts = [s.num_new for s in ctx.seqs]
     for r in ratios:
         n_ent = tuple(s.end_pos // r for s in ctx.seqs)
         starts, acc = [], 0
         for n in n_ent:
             starts.append(acc)
             acc += n
-        rows = [paged_entry_rows(s.block_table, block_size, r, n) for s, n in zip(ctx.seqs, n_ent) if n]
-        start_row = torch.cat([torch.full((s.num_new,), st) for s, st in zip(ctx.seqs, starts)])
+        start_row = torch.from_numpy(np.repeat(np.asarray(starts, dtype=np.int64), counts))
         ratio_host[r] = (tuple(starts), n_ent)
-        parts += [torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long), start_row]
+        parts += [_entry_rows_host(ctx, block_size, r, n_ent), start_row]
     host = torch.cat([p.to(torch.long) for p in parts])
     if device.type == "cuda":  # pinned + non_blocking: no stream sync (the caching host allocator keeps the
         host = host.pin_memory()  # pinned block until the copy's event has passed)
