@@ -156,6 +156,41 @@ def test_generate_asks_for_final_outputs_only(tiny_v4_dir):
                                                        output_kind=RequestOutputKind.DELTA))
     assert len(res.outputs[0].token_ids) == 10
     assert sum(made) == 1, "generate() returns final results: no output is built before a request ends"
+    assert res.num_output_tokens == 10 and res.first_token_time is not None
+    (two,) = llm.generate(prompts([8]), SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=4, ignore_eos=True))
+    assert two.num_output_tokens == 8  # over the prompt's two completions
+
+
+def test_the_server_loop_never_idles_while_the_engine_is_busy(tiny_v4_dir, monkeypatch):
+    """FINAL_ONLY (non-streaming) requests give no output before they end: the server's engine loop must step
+    again at once, not take an empty step for an idle engine and sleep (it did, 5 ms a step)."""
+    import asyncio
+
+    import deepinfer.server.async_engine as ae
+    from deepinfer.server.metrics import Metrics
+
+    llm = LLM(tiny_v4_dir, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64)
+    engine = ae.AsyncEngine(llm.engine, Metrics())
+    idle_naps = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds, *a, **k):
+        idle_naps.append(llm.engine.has_unfinished())
+        return await real_sleep(seconds, *a, **k)
+
+    monkeypatch.setattr(ae.asyncio, "sleep", sleep)
+
+    async def main():
+        engine.start()
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        queue = await engine.add([("r0", prompts([20])[0], params)])
+        out = await asyncio.wait_for(queue.get(), 120)
+        await engine.shutdown()
+        return out
+
+    out = asyncio.run(main())
+    assert out.finished and len(out.outputs[0].token_ids) == 12
+    assert not any(idle_naps), f"the loop slept {sum(idle_naps)} times while the engine had work"
 
 
 @pytest.mark.parametrize("bad", [True, 3, "DELTA", None])

@@ -73,7 +73,12 @@ class LLM:
                 if results[i] is None:
                     results[i] = RequestOutput(f"gen-{self._counter - 1}-{i}", out.prompt, out.prompt_token_ids,
                                                [], out.prompt_logprobs, finished=True)
-                results[i].outputs.append(completion)
+                merged = results[i]
+                merged.outputs.append(completion)
+                merged.num_output_tokens += out.num_output_tokens  # (over the prompt's n completions)
+                if out.first_token_time is not None and (merged.first_token_time is None
+                                                         or out.first_token_time < merged.first_token_time):
+                    merged.first_token_time = out.first_token_time
                 if out.error and not results[i].error:
                     results[i].error = out.error
         for r in results:

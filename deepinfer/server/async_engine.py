@@ -125,7 +125,7 @@ class AsyncEngine:
                 await self._wake.wait()
                 continue
             try:
-                outputs, waiting, running, usage = await loop.run_in_executor(self._executor, self._step)
+                outputs, busy, waiting, running, usage = await loop.run_in_executor(self._executor, self._step)
             except Exception:  # the engine isolates request failures; anything else must not kill the loop
                 log.exception("engine step failed")
                 await asyncio.sleep(0.05)
@@ -134,14 +134,16 @@ class AsyncEngine:
             self.metrics.set_spec(getattr(self.engine, "spec_stats", None))  # the step is done: no race
             for out in outputs:
                 self._dispatch(out)
-            if not outputs:
-                await asyncio.sleep(0.005)  # only an add is pending: do not spin on empty steps
+            if not busy:
+                # only an add is pending: do not spin on empty steps. (Not "no outputs": a FINAL_ONLY request
+                # has none until it ends, a DELTA one none on a prefill chunk, and the engine is busy then.)
+                await asyncio.sleep(0.005)
 
     def _step(self):
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         pool, sched = self.engine.block_pool, self.engine.scheduler
         usage = 1.0 - pool.num_free / pool.num_blocks if pool.num_blocks else 0.0
-        return outputs, sched.num_waiting, sched.num_running, usage
+        return outputs, self.engine.has_unfinished(), sched.num_waiting, sched.num_running, usage
 
     def _dispatch(self, out: RequestOutput) -> None:
         tracked = self._tracked.get(out.request_id)
