@@ -95,3 +95,69 @@ def check(cfg_params, monkeypatch, device):
             sg, sr = getattr(lg, name), getattr(lr, name)
             if sr is not None:
                 assert torch.equal(sg.kv, sr.kv) and torch.equal(sg.score, sr.score), f"layer {i} {name}"
+
+
+_BATCHED_ROWS_UNDER_INTERPRETER = """
+from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's fp32 -> bf16 rounding (the interpreter truncates)
+exec(_INTERPRETER_FIXES)
+import torch
+from deepinfer.kernels.triton import compress_pool as cp, hadamard, norm_hc, rope
+
+launched = {}
+for mod, name in ((cp, "_compress_pool_kernel"), (norm_hc, "_rms_norm_kernel"), (rope, "_rope_kernel"),
+                  (hadamard, "_hadamard_kernel")):
+    kernel = getattr(mod, name)
+
+    class Counted:
+        def __init__(self, k, n):
+            self.k, self.n = k, n
+
+        def __getitem__(self, grid):
+            launched[self.n] = launched.get(self.n, 0) + 1
+            return self.k[grid]
+
+    setattr(mod, name, Counted(kernel, name))
+
+def same(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int32 if a.dtype == torch.float32 else torch.int16),
+                                              b.view(torch.int32 if b.dtype == torch.float32 else torch.int16))
+
+g = torch.Generator().manual_seed(0)
+r, w = 4, 64
+for overlap in (True, False):
+    blocks = [3, 1, 4] if overlap else [2, 1, 3]  # per sequence: its blocks (with overlap: previous + completed)
+    kv = [torch.randn(n, r, (2 if overlap else 1) * w, generator=g) for n in blocks]
+    sc = [torch.randn(n, r, (2 if overlap else 1) * w, generator=g) for n in blocks]
+    whole = cp.compress_pool(torch.cat(kv), torch.cat(sc), overlap)
+    at = 0
+    for k, s in zip(kv, sc):
+        own = cp.compress_pool(k, s, overlap)
+        assert same(whole[at : at + own.shape[0]], own), ("compress_pool", overlap)
+        at += own.shape[0] + (1 if overlap else 0)  # the pair across a sequence boundary is dropped
+rows = [torch.randn(n, 128, generator=g).float() for n in (3, 1, 5)]
+wt = torch.randn(128, generator=g)
+whole = norm_hc.rms_norm(torch.cat(rows), wt, 1e-6)
+parts = [norm_hc.rms_norm(x, wt, 1e-6) for x in rows]
+assert same(whole, torch.cat(parts)), "rms_norm"
+xs = [torch.randn(n, 128, generator=g).bfloat16() for n in (3, 1, 5)]
+pos = [torch.tensor([4, 8, 12]), torch.tensor([0]), torch.tensor([128, 132, 136, 140, 144])]
+freqs = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+whole = rope.rope32(torch.cat(xs), torch.cat(pos), freqs)
+assert same(whole, torch.cat([rope.rope32(x, p, freqs) for x, p in zip(xs, pos)])), "rope32"
+whole = hadamard.hadamard32(torch.cat(xs))
+assert same(whole, torch.cat([hadamard.hadamard32(x) for x in xs])), "hadamard32"
+assert set(launched) == {"_compress_pool_kernel", "_rms_norm_kernel", "_rope_kernel", "_hadamard_kernel"}, launched
+print("ok")
+"""
+
+
+def test_triton_kernels_give_batched_rows_the_per_sequence_bits_under_the_interpreter():
+    """The kernels the batched compressors call on cuda (compress_pool, rms_norm, rope32, hadamard32), run by
+    Triton's interpreter on the CPU: a call over several sequences' rows gives each its per-sequence call's
+    bits (compress_pool: once the pair across each boundary is dropped). The kernels' own code, not the
+    twins'; the GPU run of the whole path is the -m gpu test above."""
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    res = run_interpreted(_BATCHED_ROWS_UNDER_INTERPRETER, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
