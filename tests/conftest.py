@@ -58,6 +58,15 @@ def tiny_v4_raw(tiny_v4_dir):
     return cfg, load_tensors(tiny_v4_dir, cfg, progress=False)
 
 
+@pytest.fixture(scope="session")
+def fast_params(tiny_v4_raw):
+    """(cfg, the tiny V4 checkpoint's fast-numerics params on the CPU)."""
+    from deepinfer.model.factory import v4_params
+
+    cfg, raw = tiny_v4_raw
+    return cfg, v4_params(raw, cfg, "fast", "cpu")
+
+
     num = Numerics(numerics, revision, cfg.act_block)
     return V4Model(cfg, prepare_params(raw, cfg, num), num, max_batch, max_seq_len,
                    keep_stale_state=quirks == "official")

@@ -22,12 +22,6 @@ def table(i: int) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="module")
-def fast_params(tiny_v4_raw):
-    cfg, raw = tiny_v4_raw
-    return cfg, v4_params(raw, cfg, "fast", "cpu")
-
-
-@pytest.fixture(scope="module")
 def fast_params_cuda(tiny_v4_raw, cuda_kernels):
     cfg, raw = tiny_v4_raw
     return cfg, v4_params(raw, cfg, "fast", "cuda")

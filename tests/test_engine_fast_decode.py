@@ -33,12 +33,6 @@ def table(i: int) -> tuple[int, ...]:
     return tuple(range(BPS * i, BPS * (i + 1)))
 
 
-@pytest.fixture(scope="module")
-def fast_params(tiny_v4_raw):
-    cfg, raw = tiny_v4_raw
-    return cfg, v4_params(raw, cfg, "fast", "cpu")
-
-
 def fresh_model(cfg, params, device="cpu") -> V4EngineModel:
     return V4EngineModel(cfg, params, v4_cache(cfg, "fast", BPS * SLOTS, 128, SLOTS, device), "fast")
 

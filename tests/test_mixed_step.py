@@ -18,9 +18,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.decode_step import DecodeRunner
 from deepinfer.model.mixed_step import can_split, forward_split
-from test_engine_fast_decode import BPS, LENS, SLOTS, assert_caches_equal, fast_params, prefilled_pair, table
-
-__all__ = ["fast_params"]  # (the fixture, imported for this module's tests)
+from test_engine_fast_decode import BPS, LENS, SLOTS, assert_caches_equal, prefilled_pair, table
 
 
 def _runner(model) -> DecodeRunner:

@@ -168,9 +168,8 @@ class ParallelRunner(ModelRunner):
         self.steps += 1
         pc = self.pc
         if pc.dp == 1:  # rank 0 keeps its logits on its device, where the engine samples
-            # (the one-process choice of path: the batched decode path for a pure-decode step, every rank
-            # deciding the same on the same batch)
-            logits = ModelRunner.forward_batch(self, ids, ctx)
+            # (the one-process choice of path, every rank deciding the same on the same batch)
+            logits = self.route(ids, ctx, self.split_mixed)
             return logits if pc.rank == 0 else None
         owner = [s.state_slot % pc.dp for s in ctx.seqs]
         mine = [i for i, d in enumerate(owner) if d == pc.dp_rank]
@@ -186,14 +185,9 @@ class ParallelRunner(ModelRunner):
                 continue
             sub = ForwardContext(tuple(ctx.seqs[i] for i in calls[k]), ctx.all_logits)
             sub_ids = torch.cat([ids[ctx.rows(i)] for i in calls[k]])
-            # a dp group's share that is all decode takes the batched decode path; never the mixed-step
-            # split: the MoE exchange spans the dp groups, and every path here makes one MoE call per layer
-            # (as idle_moe does), where a split share would make two
-            decoder = getattr(self, "decoder", None)
-            if decoder is not None and all(s.num_new == 1 for s in sub.seqs):
-                logits = decoder(sub_ids, sub.seqs).to("cpu")
-            else:
-                logits = self.model.forward(sub_ids, sub).to("cpu")
+            # never the mixed-step split here: the MoE exchange spans the dp groups, and every path makes
+            # one MoE call per layer (as idle_moe does), where a split share would make two
+            logits = self.route(sub_ids, sub, split_mixed=False).to("cpu")
             for j, i in enumerate(calls[k]):
                 rows[i] = logits[sub.rows(j)] if ctx.all_logits else logits[j : j + 1]
         sent = rows if pc.tp_rank == 0 else None

@@ -411,8 +411,7 @@ class LLMEngine:
             state.sent_chars, state.sent_tokens, state.sent_prompt_logprobs = upto, len(tokens), True
         else:  # (a cumulative text holds back the same characters: no output shows what a later one cuts)
             text, token_ids, logprobs = state.text.value(), list(tokens), state.logprobs
-            if not finished and state.stop.hold_back:
-                text = text[: max(0, len(text) - state.stop.hold_back)]
+            text = text[: state.stop.safe_length(len(text), finished)]  # (the whole text: no copy)
         completion = CompletionOutput(
             index=state.extra.get("index", 0), text=text, token_ids=token_ids,
             cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,

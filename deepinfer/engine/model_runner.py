@@ -195,14 +195,19 @@ class ModelRunner:
 
     def forward_batch(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The step's logits rows on the runner's device (the engine samples there). The parallel runner
-        overrides this.
-        A pure-decode step (one new token per sequence) takes the batched decode path when there is one; a
-        step mixing decode rows with prefills / extends sends its decode rows there too (`split_mixed`)."""
+        overrides this (and runs `route` on every rank)."""
+        return self.route(ids, ctx, self.split_mixed)
+
+    def route(self, ids: torch.Tensor, ctx: ForwardContext, split_mixed: bool) -> torch.Tensor:
+        """The batch through the model's paths: a pure-decode step (one new token per sequence) through the
+        batched decode path when there is one; with `split_mixed`, a step mixing decode rows with prefills /
+        extends sends its decode rows there too (model/mixed_step.py); the rest through the general path.
+        The choice depends on the batch and the runner's settings only, so every rank of a group makes it alike."""
         decoder = getattr(self, "decoder", None)  # V4.1 runners have none
         if decoder is not None and self.model.tap is None:
             if all(s.num_new == 1 for s in ctx.seqs):
                 return decoder(ids, ctx.seqs)  # one logits row per sequence (== its last token's)
-            if self.split_mixed and can_split(ctx):  # decode rows beside prefills: model/mixed_step.py
+            if split_mixed and can_split(ctx):
                 return forward_split(self.model.forward, decoder, ids, ctx)
         return self.model.forward(ids, ctx)
 

@@ -3,8 +3,9 @@ before it.
 
 Why not a `str` with `+=`: CPython appends in place only to a string nothing else holds (and never through an
 attribute), so every token copied the request's whole text, and a cumulative output holding the previous
-text forced the copy anyway: at batch 128 and 32K-token outputs (V4's thinking traces) the engine spent
-~12 ms a step re-copying texts (BENCHMARKS.md, "outputs that grow"). Here an append is a list append; the
+text forced the copy anyway: at batch 128 and 32K-token outputs (V4's thinking traces) that was ~12 ms a
+step of text copies, beside the outputs' list copies (BENCHMARKS.md, the seventeenth session's section at
+the top of the engine's step). Here an append is a list append; the
 stop-string check and a streaming delta read only the tail they need (`since`), and the whole text is
 joined only when an output asks for it (`value`, once per step for a CUMULATIVE output, once at the end
 otherwise).

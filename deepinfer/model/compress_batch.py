@@ -89,10 +89,10 @@ def build_plan(ctx: ForwardContext, ratio: int, rows_per_slot: int, ent_start: t
 
 def compress_batch(p: dict[str, torch.Tensor], state: CompressorState, plan: CompressPlan, kv: torch.Tensor,
                    gate: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float, rotate: bool,
-                   kernel_device: str) -> torch.Tensor:
+                   kernel_device: str) -> torch.Tensor | None:
     """kv, gate [T, c*width] (the step's projected rows, fp32), positions [T] -> the step's entries [N, width]
-    in plan order (bf16, not yet fake-quantised), the state updated in place: `compress_extend(..., official=
-    True, projected=...)` of every sequence, bit for bit."""
+    in plan order (bf16, not yet fake-quantised; None when the step completes no block), the state updated
+    in place: `compress_extend(..., official=True, projected=...)` of every sequence, bit for bit."""
     def k(name: str):
         return kernels.get(name, kernel_device)
 
@@ -102,7 +102,7 @@ def compress_batch(p: dict[str, torch.Tensor], state: CompressorState, plan: Com
     # the batch's stored rows first, then the new ones: one source per tensor for every gather below
     src_kv = torch.cat([state.kv[plan.slots].flatten(0, 1), kv])
     src_score = torch.cat([state.score[plan.slots].flatten(0, 1), score])
-    entries = kv.new_zeros(0, state.kv.shape[-1] // (2 if state.overlap else 1)).to(torch.bfloat16)
+    entries = None
     if plan.num_entries:
         kv_b = src_kv[plan.pool_rows].view(-1, r, cw)
         sc_b = src_score[plan.pool_rows].view(-1, r, cw)

@@ -64,7 +64,7 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr
             kv_all, gate_all = project(lin, x, p)
             e = compress_batch(p, state, plan, kv_all, gate_all, rows.positions, attn.inv_freq, attn.eps, rotate,
                                attn.kdev)
-            if plan.num_entries:
+            if e is not None:
                 store[rr.entry_rows[plan.entry_index]] = _encode(attn, lc, role, e)
         return
     for p, state, store, rotate, role in jobs:

@@ -75,11 +75,6 @@ class StopChecker:
         """How many leading characters of `text` are safe to send now (all of them once finished)."""
         return self.safe_length(len(text), finished)
 
-    @property
-    def hold_back(self) -> int:
-        """Characters at the end of an unfinished text not to show yet (they may begin a stop string)."""
-        return self._hold_back
-
     def safe_length(self, length: int, finished: bool) -> int:
         """`streamable_length` of a text of `length` characters."""
         return length if finished else max(0, length - self._hold_back)
