@@ -59,6 +59,10 @@ class ModelRunner:
         this rank's slices of the checkpoint); None in one process."""
         self.comm = comm
         self.device = resolve_device(config.device)
+        self.decoder = None  # the batched decode path (fast numerics, family v4)
+        # (read once: a bad DEEPINFER_SPLIT_MIXED_STEPS fails the engine's start, not every mixed step)
+        split = env.split_mixed_steps()
+        self.split_mixed = split == "on" or (split == "auto" and self.device.type == "cuda")
         if cfg.is_v41:  # family v41: its own model, cache and sizing (any numerics; no batched decode path)
             from deepinfer.model.v41 import build_for_runner
 
@@ -89,10 +93,6 @@ class ModelRunner:
         extra = 1 if batched_decode else 0
         cache = self._cache(self.num_blocks + extra, config.max_num_seqs + extra)
         self.model = V4EngineModel(cfg, self.params, cache, self.numerics, comm=comm)
-        self.decoder = None
-        # (read once: a bad DEEPINFER_SPLIT_MIXED_STEPS fails the engine's start, not every mixed step)
-        split = env.split_mixed_steps()
-        self.split_mixed = split == "on" or (split == "auto" and self.device.type == "cuda")
         if batched_decode:
             self.decoder = DecodeRunner(self.model, config.max_num_seqs, config.max_model_len,
                                         scratch_slot=config.max_num_seqs, scratch_block=self.num_blocks,
@@ -203,7 +203,7 @@ class ModelRunner:
         batched decode path when there is one; with `split_mixed`, a step mixing decode rows with prefills /
         extends sends its decode rows there too (model/mixed_step.py); the rest through the general path.
         The choice depends on the batch and the runner's settings only, so every rank of a group makes it alike."""
-        decoder = getattr(self, "decoder", None)  # V4.1 runners have none
+        decoder = self.decoder  # (None: V4.1, or not fast numerics)
         if decoder is not None and self.model.tap is None:
             if all(s.num_new == 1 for s in ctx.seqs):
                 return decoder(ids, ctx.seqs)  # one logits row per sequence (== its last token's)
