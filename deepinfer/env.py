@@ -127,10 +127,11 @@ def fused_greedy_enabled() -> bool:
 
 
 def fast_launch_enabled() -> bool:
-    """DEEPINFER_FAST_LAUNCH=1 launches the decorated Triton kernels through kernels/triton/launch.py's
-    per-specialisation cache instead of Triton's per-call JIT dispatch; default off until its GPU tests have
-    run (read once, at import; `launch.ENABLED` switches it at run time)."""
-    return os.environ.get("DEEPINFER_FAST_LAUNCH", "0") in ("1", "true", "yes")
+    """The decorated Triton kernels launch through kernels/triton/launch.py's per-specialisation cache
+    instead of Triton's per-call JIT dispatch; default on since its GPU tests passed on the H200 (2026-12-05);
+    DEEPINFER_FAST_LAUNCH=0 takes Triton's own dispatch (A/B runs; read once, at import; `launch.ENABLED`
+    switches it at run time)."""
+    return os.environ.get("DEEPINFER_FAST_LAUNCH", "1") not in ("0", "false", "no")
 
 
 SPLIT_MIXED_CHOICES = ("auto", "on", "off")
