@@ -106,12 +106,11 @@ def bench_others(lines: list[str]) -> None:
 
 # hc_pre's mix kernel plans to sweep per T (None = mix_plan's default; keys as mix_plan's config)
 HC_MIX_CONFIGS = {
-    1: [None, dict(COLLAPSE_WARPS=4), dict(COLLAPSE_WARPS=8), dict(COLLAPSE_WARPS=2), dict(num_stages=2),
-        dict(SPLITS=16, num_stages=8), dict(SPLITS=16, COLLAPSE_WARPS=4)],
-    8: [None, dict(COLLAPSE_WARPS=4), dict(COLLAPSE_WARPS=8)],
-    128: [None, dict(COLLAPSE_WARPS=4), dict(COLLAPSE_WARPS=8), dict(SPLITS=32, BLOCK_K=128, num_stages=2),
-          dict(BLOCK_T=16, SPLITS=16)],
-    8192: [None, dict(COLLAPSE_WARPS=4), dict(COLLAPSE_WARPS=8), dict(SPLITS=2), dict(num_stages=3)],
+    1: [None, dict(SPLITS=64), dict(SPLITS=128), dict(SPLITS=64, BLOCK_K=64), dict(SPLITS=128, BLOCK_K=64),
+        dict(SPLITS=256, BLOCK_K=64), dict(SPLITS=128, num_warps=2)],
+    8: [None, dict(SPLITS=64), dict(SPLITS=128), dict(SPLITS=128, BLOCK_K=64)],
+    128: [None, dict(SPLITS=64), dict(SPLITS=128), dict(BLOCK_T=32, SPLITS=64)],
+    8192: [None, dict(SPLITS=8), dict(num_stages=3)],
 }
 
 

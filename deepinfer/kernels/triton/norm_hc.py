@@ -203,36 +203,46 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
 def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
                                  T, D, splits, iters, hc_eps, norm_eps,
                                  HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr):
-    """One token: the r-normalised mixes from the split-K partials, Sinkhorn split, collapse of its hc
-    streams, bf16 round, RMSNorm, bf16 round. The partials of all splits are loaded at once ([SP, ...], SP
-    the splits' power of two) and summed as a tree (deterministic: a fixed order); a loop over the splits
-    waited one L2 round trip per split. (Tried 2026-12-02: loading the streams first, to overlap their
-    latency with the Sinkhorn chain: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 -> 9.2 us, b128
-    10.9 -> 9.5 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre
-    weights alone, no post, comb or Sinkhorn."""
+    """One token, in two programs (grid (T, 2); (T, 1) for HEAD): both sum the split-K partials they need
+    and r-normalise them; program 0 collapses the token's hc streams with the pre weights, rounds to bf16,
+    RMSNorms and rounds again (y); program 1 runs the Sinkhorn split (post, comb), which y does not need.
+    One program did both one after the other until 2026-12-05: at decode the Sinkhorn's chain of 2 x iters
+    dependent reductions and the collapse's stream loads were the two halves of a ~7 us critical path.
+    The partials of all splits are loaded at once ([SP, ...], SP the splits' power of two) and summed as a
+    tree (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first, to overlap their
+    latency with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 ->
+    9.2 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre weights
+    alone, no post, comb or Sinkhorn."""
     t = tl.program_id(0).to(tl.int64)
     if HEAD:
         n_mix = HC
     else:
         n_mix = (2 + HC) * HC
     j = tl.arange(0, HC)
-    cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
     sp = tl.arange(0, SP)
     live = sp < splits
     row = (sp.to(tl.int64) * T + t) * n_mix  # [SP]
-    m_pre = tl.sum(tl.load(part_ptr + row[:, None] + j[None, :], mask=live[:, None], other=0.0), axis=0)
     ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
     r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
-    s0 = tl.load(scale_ptr)
-    pre = tl.sigmoid(m_pre * r * s0 + tl.load(base_ptr + j)) + hc_eps
-    if not HEAD:
+    if tl.program_id(1) == 0:
+        m_pre = tl.sum(tl.load(part_ptr + row[:, None] + j[None, :], mask=live[:, None], other=0.0), axis=0)
+        pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
+        cols = tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        x = tl.load(x_ptr + t * HC * D + j[:, None] * D + cols[None, :], mask=dmask[None, :],
+                    other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, None] * x, axis=0)
+        y = y.to(tl.bfloat16).to(tl.float32)  # the collapse is rounded to bf16 before the norm
+        rn = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + norm_eps)
+        y = tl.load(nw_ptr + cols, mask=dmask, other=0.0) * (y * rn)
+        tl.store(y_ptr + t * D + cols, y.to(tl.bfloat16), mask=dmask)
+    elif not HEAD:
+        cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
         m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + j[None, :], mask=live[:, None], other=0.0), axis=0)
         m_comb = tl.sum(tl.load(part_ptr + row[:, None, None] + cidx[None, :, :], mask=live[:, None, None],
                                 other=0.0), axis=0)
-        s1 = tl.load(scale_ptr + 1)
-        s2 = tl.load(scale_ptr + 2)
-        post = 2.0 * tl.sigmoid(m_post * r * s1 + tl.load(base_ptr + HC + j))
-        c = m_comb * r * s2 + tl.load(base_ptr + cidx)
+        post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j))
+        c = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)
         c = tl.exp(c - tl.max(c, axis=1)[:, None])
         c = c / tl.sum(c, axis=1)[:, None] + hc_eps
         c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)  # the first pass normalises columns only
@@ -241,15 +251,6 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
             c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
         tl.store(post_ptr + t * HC + j, post)
         tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
-
-    cols = tl.arange(0, BLOCK_D)
-    dmask = cols < D
-    x = tl.load(x_ptr + t * HC * D + j[:, None] * D + cols[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
-    y = tl.sum(pre[:, None] * x, axis=0)
-    y = y.to(tl.bfloat16).to(tl.float32)  # the collapse is rounded to bf16 before the norm
-    r = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / D + norm_eps)
-    y = tl.load(nw_ptr + cols, mask=dmask, other=0.0) * (y * r)
-    tl.store(y_ptr + t * D + cols, y.to(tl.bfloat16), mask=dmask)
 
 
 def _check_hc_pre(x, fn, scale, base, norm_weight, hc):
@@ -351,14 +352,14 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
 
 def _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, config,
                       head: bool = False) -> None:
-    """The two launches of hc_pre_fused / hc_head_fused: the split-K mix partials, then one collapse program
-    per token into y (and post / comb unless `head`: the head has its pre weights only, and post / comb are
-    never written then)."""
+    """The two launches of hc_pre_fused / hc_head_fused: the split-K mix partials, then per token a collapse
+    program into y and (unless `head`: the head has its pre weights only, and post / comb are never written
+    then) a Sinkhorn program into post / comb."""
     T, hc, D = x.shape
     plan = mix_plan(T, hc * D, config)
     part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
     block_d = triton.next_power_of_2(D)
-    _hc_sinkhorn_collapse_kernel[(T,)](
+    _hc_sinkhorn_collapse_kernel[(T, 1 if head else 2)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
         y, post, comb, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
         HC=hc, BLOCK_D=block_d, SP=max(2, triton.next_power_of_2(plan["SPLITS"])), HEAD=head,
