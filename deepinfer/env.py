@@ -134,6 +134,13 @@ def fast_launch_enabled() -> bool:
     return os.environ.get("DEEPINFER_FAST_LAUNCH", "1") not in ("0", "false", "no")
 
 
+def wo_a_fp8_enabled() -> bool:
+    """Fast numerics keeps the attention's `wo_a` as its checkpoint FP8 bytes + block scales (op
+    "grouped_proj_fp8", model/out_lora.py); DEEPINFER_WO_A_FP8=0 holds convert.py's bf16 value instead (the
+    path before 2026-12-05, for A/B runs; the same values, twice the memory). Read when params are made."""
+    return os.environ.get("DEEPINFER_WO_A_FP8", "1") not in ("0", "false", "no")
+
+
 SPLIT_MIXED_CHOICES = ("auto", "on", "off")
 
 

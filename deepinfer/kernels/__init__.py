@@ -49,6 +49,7 @@ from deepinfer.kernels import quant_weights  # noqa: E402  (it imports `official
 register("fp8_linear", quant_weights.fp8_linear_torch)
 register("fp4_moe", quant_weights.fp4_moe_torch)
 register("fp4_moe_shared", quant_weights.fp4_moe_shared_torch)
+register("grouped_proj_fp8", quant_weights.grouped_proj_fp8_torch)  # wo_a kept FP8 (model/out_lora.py)
 
 # bf16-weight GEMMs of fast numerics: torch twins everywhere, cuBLAS on bf16 operands for cuda (no upcasts;
 # these cuda versions need no triton, so they register here rather than in kernels.triton)

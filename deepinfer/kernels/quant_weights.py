@@ -136,6 +136,34 @@ def fp8_linear_torch(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     return official.qlinear(x, w.dequant(), w.act_block)
 
 
+def check_grouped_proj_fp8(o: torch.Tensor, w: QuantLinearWeight) -> int:
+    """R, the rows of wo_a per group, after checking o bf16 [T, G, d] against w [G * R, d] (ValueError naming
+    what does not fit)."""
+    if not isinstance(w, QuantLinearWeight):
+        raise ValueError(f"grouped_proj_fp8: the weight must be a QuantLinearWeight, got {type(w).__name__}")
+    if o.dtype != torch.bfloat16 or o.dim() != 3:
+        raise ValueError(f"grouped_proj_fp8: o must be bf16 [T, G, d], got {o.dtype} {tuple(o.shape)}")
+    T, G, d = o.shape
+    if w.in_features != d or G == 0 or w.out_features % G:
+        raise ValueError(f"grouped_proj_fp8: o {tuple(o.shape)} does not fit the weight [{w.out_features}, "
+                         f"{w.in_features}] (want [G * R, d] with G = {G}, d = {d})")
+    if o.device != w.data.device:
+        raise ValueError(f"grouped_proj_fp8: o on {o.device}, the weight on {w.data.device}")
+    return w.out_features // G
+
+
+def grouped_proj_fp8_torch(o: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
+    """Twin of op "grouped_proj_fp8": the official grouped output LoRA `einsum("tgd,grd->tgr", o, wo_a)` on
+    bf16 operands, with wo_a held as its checkpoint FP8 bytes + block scales instead of convert.py's bf16
+    dequantisation. The bf16 weight is convert.py's `bf16(fp32(E4M3) x scale)` (exact: 4 significant bits x
+    a power of two), the products of bf16 values are exact in fp32, summed in fp32, one bf16 rounding:
+    `bf16_gemm.grouped_proj_bf16_torch` on those values. o bf16 [T, G, d], w [G * R, d] -> bf16 [T, G, R]."""
+    R = check_grouped_proj_fp8(o, w)
+    G, d = o.shape[1], o.shape[2]
+    wa = w.dequant().to(torch.bfloat16).view(G, R, d)
+    return torch.einsum("tgd,grd->tgr", o.to(torch.float32), wa.to(torch.float32)).to(torch.bfloat16)
+
+
 def _check_activation(op: str, x: torch.Tensor, k: int) -> None:
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{op}: x must be [M, {k}], got {tuple(x.shape)}")

@@ -29,6 +29,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.model.cache import LayerCache, V4Cache
 from deepinfer.model.compressor import compress_extend, project
 from deepinfer.model.context import ForwardContext
+from deepinfer.model.out_lora import out_lora
 from deepinfer.model.stacked import pair
 
 
@@ -59,7 +60,8 @@ class V4Attention:
         wq_b = params["wq_b.weight"]  # a tensor, or a QuantLinearWeight in fast numerics
         self.H = getattr(wq_b, "out_features", None) or wq_b.shape[0]
         self.H //= cfg.head_dim
-        self.G = params["wo_a.weight"].shape[0] // cfg.o_lora_rank
+        wo_a = params["wo_a.weight"]  # a tensor, or a QuantLinearWeight in fast numerics (model/out_lora.py)
+        self.G = (getattr(wo_a, "out_features", None) or wo_a.shape[0]) // cfg.o_lora_rank
         self.eps = cfg.norm_eps
         original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0  # window-only layers: plain RoPE
         self.inv_freq = kernels.get("rope_inv_freq")(
@@ -254,10 +256,10 @@ class V4Attention:
             o = torch.cat(outs)
         o = rope(o, pos, self.inv_freq, inverse=True)
         G = self.G
-        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # fast: held in bf16, same values as official's fp32
-        if self.fast:  # the official bf16 einsum (fp32 accumulation, bf16 out), no per-call fp32 copy of wo_a
-            z = k("grouped_proj_bf16")(o.reshape(T, G, -1), wo_a)  # o is bf16, as official
+        if self.fast:  # the official bf16 einsum's math (fp32 accumulation, bf16 out), wo_a kept FP8 (out_lora)
+            z = out_lora(k, o.reshape(T, G, -1), p["wo_a.weight"])  # o is bf16, as official
         else:
+            wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # the same values as official's fp32
             z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(f32), wo_a.to(f32)).to(bf16)  # bf16 einsum
         out = qlinear(z.flatten(1), p["wo_b.weight"])
         return out if self.comm is None else self.comm.attn_out(out)

@@ -30,6 +30,7 @@ from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.compressor import project
 from deepinfer.model.decode_metadata import DecodeRows, RatioRows
+from deepinfer.model.out_lora import out_lora
 from deepinfer.model.side_stream import forked, on_side
 from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.stacked import pair
@@ -150,7 +151,6 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     o = k("sparse_attn_sink_paged")(q, lc.ring, comp, layout, p["attn_sink"], idx, attn.hd**-0.5)
     o = rope(o, inverse=True)
     G = attn.G
-    wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-    z = k("grouped_proj_bf16")(o.reshape(B, G, -1), wo_a)  # the official bf16 einsum: no fp32 copy of wo_a
+    z = out_lora(k, o.reshape(B, G, -1), p["wo_a.weight"])  # the official bf16 einsum's math, wo_a kept FP8
     out = qlinear(z.flatten(1), p["wo_b.weight"])
     return out if attn.comm is None else attn.comm.attn_out(out)

@@ -30,6 +30,7 @@ from deepinfer.model.compressor import compress_extend, project
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, current_extend_rows
 from deepinfer.model.indexer_select import build_select_plan, select_batched
+from deepinfer.model.out_lora import out_lora
 from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.stacked import pair
 
@@ -227,7 +228,6 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     o = k("sparse_attn_sink_official")(q, torch.cat(pool), p["attn_sink"], idx, attn.hd**-0.5)
     o = rope(o, inverse=True)
     G = attn.G
-    wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-    z = k("grouped_proj_bf16")(o.reshape(T, G, -1), wo_a)  # the official bf16 einsum, no fp32 copy of wo_a
+    z = out_lora(k, o.reshape(T, G, -1), p["wo_a.weight"])  # the official bf16 einsum's math, wo_a kept FP8
     out = qlinear(z.flatten(1), p["wo_b.weight"])
     return out if attn.comm is None else attn.comm.attn_out(out)

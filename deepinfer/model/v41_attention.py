@@ -31,6 +31,7 @@ from deepinfer import formats, kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.compressor import project
 from deepinfer.model.context import ForwardContext
+from deepinfer.model.out_lora import out_lora
 from deepinfer.model.v41_cache import V41Cache, V41LayerCache
 
 
@@ -122,7 +123,8 @@ class V41Attention:
         # this rank's heads and output groups, read off the (tensor-parallel sliced) weights
         wq_b = params["wq_b.weight"]  # a tensor, or a QuantLinearWeight in fast numerics
         self.H = (getattr(wq_b, "out_features", None) or wq_b.shape[0]) // cfg.head_dim
-        self.G = params["wo_a.weight"].shape[0] // cfg.o_lora_rank
+        wo_a = params["wo_a.weight"]  # a tensor, or a QuantLinearWeight in fast numerics (model/out_lora.py)
+        self.G = (getattr(wo_a, "out_features", None) or wo_a.shape[0]) // cfg.o_lora_rank
         original = cfg.original_seq_len if cfg.uses_yarn(layer) else 0
         freqs = "rope_freqs32" if self.official else "rope_inv_freq"  # official: fp32 table, complex64 rotation
         self.inv_freq = kernels.get(freqs)(
@@ -339,10 +341,10 @@ class V41Attention:
             o = torch.cat(outs)
         o = rope(o, pos, self.inv_freq, inverse=True, inplace=True)
         G = self.G
-        wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # fast: held in bf16, the same values as official's
-        if fast:  # the official bf16 einsum (fp32 accumulation, bf16 out), no per-call fp32 copy of wo_a
-            z = k("grouped_proj_bf16")(o.reshape(T, G, -1), wo_a)
+        if fast:  # the official bf16 einsum's math (fp32 accumulation, bf16 out), wo_a kept FP8 (out_lora)
+            z = out_lora(k, o.reshape(T, G, -1), p["wo_a.weight"])
         else:
+            wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # the same values as official's
             z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(torch.float32), wo_a).to(torch.bfloat16)
         out = qlinear(z.flatten(1), p["wo_b.weight"])
         return out if self.comm is None else self.comm.attn_out(out)

@@ -29,6 +29,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "swiglu",     # swiglu_bf16: the shared experts' upcast, clamps, silu * up and bf16 rounding in one kernel
     "decode_rows",  # decode_rows: a batched decode step's window / entry / write rows, one launch per ratio
     "bf16_gemv",  # linear_f32, blinear at M <= 16: one GEMV launch (overrides kernels/__init__'s cuBLAS entries)
+    "grouped_proj",  # grouped_proj_fp8: the output LoRA on wo_a's FP8 bytes (expanded in registers at decode)
     "greedy",     # greedy_sample: the sampler's all-greedy step (token, raw logprob, rank) in one read of the logits
 )
 

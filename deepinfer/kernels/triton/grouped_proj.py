@@ -1,0 +1,144 @@
+"""Op "grouped_proj_fp8" on cuda: V4's grouped output LoRA with `wo_a` kept as its checkpoint FP8 bytes.
+
+The official model runs `einsum("bsgd,grd->bsgr", o, wo_a)` on bf16 operands, wo_a being convert.py's bf16
+dequantisation `bf16(fp32(E4M3) x scale)` of the FP8 checkpoint weight. That value is exact (4 significant
+bits x a power of two), so the FP8 bytes and block scales hold the same weight in half the memory (V4-Flash:
+32 MB a layer, 1.4 GB over 43 layers) and a decode step reads half the bytes (64 -> 32 MB a layer).
+
+Two forms, the same math as the twin (`quant_weights.grouped_proj_fp8_torch`: exact bf16 products, fp32
+sums, one bf16 rounding), up to the fp32 summation order:
+* T <= FUSED_MAX_T tokens (decode, short extends): `_grouped_proj_fp8_kernel` expands each weight tile in
+  registers (E4M3 -> fp32, x its block scale, -> bf16: convert.py's expression, bit for bit) and multiplies
+  it on the bf16 tensor cores with fp32 accumulation; one program owns BLOCK_N consecutive rows of one
+  group for a block of tokens and streams the full K (no split-K: one launch, a fixed summation order).
+* more tokens (prefill): `_dequant_kernel` writes the bf16 weight once per call (a transient [G, R, d]
+  buffer, 64 MB on V4-Flash; ~25 us at the copy rate) and cuBLAS runs the official einsum on it: the
+  previous path's numbers bit for bit, at the price of that one pass.
+Must not: be imported off CUDA (imports triton); keep a bf16 copy of the weight beyond one call.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels.quant_weights import QuantLinearWeight, check_grouped_proj_fp8
+from deepinfer.kernels.triton.act_quant import interpreting
+from deepinfer.kernels.triton.launch import fast_launch
+
+BF16 = torch.bfloat16
+FUSED_MAX_T = 64  # tokens up to which the fused kernel runs (decode batches); more: dequantise + cuBLAS
+# The fused kernel's launch plan per token count: rows of the weight per program, K per step, pipeline
+# stages, warps. Written before its first GPU run (2026-12-05): benchmarks/bench_grouped_proj.py sweeps it.
+PLAN_SMALL = dict(BLOCK_N=64, BLOCK_K=128, num_stages=4, num_warps=4)  # T <= 16: one 16-row MMA block
+PLAN_LARGE = dict(BLOCK_N=64, BLOCK_K=128, num_stages=3, num_warps=4)  # T <= 64
+_PLAN_KEYS = ("BLOCK_T", "BLOCK_N", "BLOCK_K", "num_stages", "num_warps")
+
+
+@fast_launch
+@triton.jit
+def _grouped_proj_fp8_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, R, D, stride_ot, stride_og, stride_wn, stride_sn,
+                             stride_out, WBLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """out[t, n] = bf16(sum_k o[t, n // R, k] * bf16(fp32(w[n, k]) * s[n // WBLOCK, k // WBLOCK])) for the
+    program's BLOCK_N rows n (one group: R % BLOCK_N == 0) and BLOCK_T tokens; fp32 accumulation."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = (pid_n * BLOCK_N) // R
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+    x_base = o_ptr + toks.to(tl.int64)[:, None] * stride_ot + g * stride_og
+    w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    s_base = s_ptr + (rows // WBLOCK).to(tl.int64)[:, None] * stride_sn
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < D
+        x = tl.load(x_base + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_base + ks[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        s = tl.load(s_base + (ks // WBLOCK)[None, :], mask=kmask[None, :], other=0.0)
+        wb = (w * s).to(tl.bfloat16)  # convert.py's bf16 of the exact fp32 value
+        if INTERPRET:  # the CPU interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+            acc = tl.dot(x.to(tl.float32), tl.trans(wb.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(wb), acc)
+    out = out_ptr + toks.to(tl.int64)[:, None] * stride_out + rows[None, :]
+    tl.store(out, acc.to(tl.bfloat16), mask=tmask[:, None])
+
+
+@fast_launch
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, D, stride_wn, stride_sn, WBLOCK: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[n, k] = bf16(fp32(w[n, k]) * s[n // WBLOCK, k // WBLOCK]) (convert.py's wo_a), out contiguous."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (rows < N)[:, None] & (ks < D)[None, :]
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + (rows // WBLOCK).to(tl.int64)[:, None] * stride_sn + (ks // WBLOCK)[None, :], mask=m,
+                other=0.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + ks[None, :], (w * s).to(tl.bfloat16), mask=m)
+
+
+def plan(T: int, R: int, config: dict | None = None) -> dict:
+    """The fused kernel's launch plan for T tokens (`config`'s keys on top: the benchmark's sweep). BLOCK_T
+    is the smallest MMA block (16) that holds T up to 16, else 64 (the kernel's regime ends at
+    FUSED_MAX_T); BLOCK_N must divide R (a program's rows stay in one group)."""
+    cfg = dict(PLAN_SMALL if T <= 16 else PLAN_LARGE)
+    cfg["BLOCK_T"] = 16 if T <= 16 else 64
+    bad = sorted(set(config or {}) - set(_PLAN_KEYS))
+    if bad:
+        raise ValueError(f"grouped_proj_fp8: unknown config keys {bad}; known: {_PLAN_KEYS}")
+    cfg.update(config or {})
+    for key in ("BLOCK_T", "BLOCK_N", "BLOCK_K"):
+        v = cfg[key]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"grouped_proj_fp8: {key}={v} must be a power of two >= 16 (the MMA's minimum)")
+    if R % cfg["BLOCK_N"]:
+        raise ValueError(f"grouped_proj_fp8: BLOCK_N={cfg['BLOCK_N']} must divide the {R} rows of a group")
+    return cfg
+
+
+def dequant_bf16(w: QuantLinearWeight) -> torch.Tensor:
+    """The weight's bf16 value [N, K] (convert.py's), in one launch: a new tensor, the caller's to drop."""
+    N, D = w.data.shape
+    out = torch.empty(N, D, dtype=BF16, device=w.data.device)
+    bn, bk = 32, 256
+    _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(D, bk))](w.data, w.scale, out, N, D, w.data.stride(0),
+                                                             w.scale.stride(0), WBLOCK=w.block, BLOCK_N=bn,
+                                                             BLOCK_K=bk, num_warps=4)
+    return out
+
+
+def grouped_proj_fp8(o: torch.Tensor, w: QuantLinearWeight, config: dict | None = None,
+                     form: str = "auto") -> torch.Tensor:
+    """o bf16 [T, G, d], w [G * R, d] (FP8 + block scales) -> bf16 [T, G, R]. form: "fused" (the in-register
+    expansion), "dequant" (bf16 weight + cuBLAS) or "auto" (fused up to FUSED_MAX_T tokens). config: the
+    fused kernel's launch override (`plan`)."""
+    if not o.is_cuda and not interpreting():
+        from deepinfer.kernels.quant_weights import grouped_proj_fp8_torch
+
+        return grouped_proj_fp8_torch(o, w)
+    R = check_grouped_proj_fp8(o, w)
+    T, G, d = o.shape
+    if form not in ("auto", "fused", "dequant"):
+        raise ValueError(f"grouped_proj_fp8: form must be auto, fused or dequant, got {form!r}")
+    if form == "dequant" or (form == "auto" and T > FUSED_MAX_T):
+        return torch.einsum("tgd,grd->tgr", o, dequant_bf16(w).view(G, R, d))
+    if o.stride(2) != 1:
+        o = o.contiguous()
+    out = torch.empty(T, G, R, dtype=BF16, device=o.device)
+    if T == 0:
+        return out
+    cfg = plan(T, R, config)
+    grid = (G * R // cfg["BLOCK_N"], triton.cdiv(T, cfg["BLOCK_T"]))
+    _grouped_proj_fp8_kernel[grid](o, w.data, w.scale, out, T, R, d, o.stride(0), o.stride(1), w.data.stride(0),
+                                   w.scale.stride(0), out.stride(0), WBLOCK=w.block, BLOCK_T=cfg["BLOCK_T"],
+                                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], INTERPRET=interpreting(),
+                                   num_stages=cfg["num_stages"],
+                                   num_warps=cfg["num_warps"])
+    return out
+
+
+REGISTRATIONS = {"grouped_proj_fp8": grouped_proj_fp8}
