@@ -135,10 +135,11 @@ def fast_launch_enabled() -> bool:
 
 
 def wo_a_fp8_enabled() -> bool:
-    """Fast numerics keeps the attention's `wo_a` as its checkpoint FP8 bytes + block scales (op
-    "grouped_proj_fp8", model/out_lora.py); DEEPINFER_WO_A_FP8=0 holds convert.py's bf16 value instead (the
-    path before 2026-12-05, for A/B runs; the same values, twice the memory). Read when params are made."""
-    return os.environ.get("DEEPINFER_WO_A_FP8", "1") not in ("0", "false", "no")
+    """DEEPINFER_WO_A_FP8=1: fast numerics keeps the attention's `wo_a` as its checkpoint FP8 bytes + block
+    scales (op "grouped_proj_fp8", model/out_lora.py: the same values in half the memory). Off by default:
+    its fused decode kernel's first form measured 171 us a V4-Flash layer at T=1 on the H200 against 21.8 us
+    for cuBLAS on the bf16 value (2026-12-05, benchmarks/bench_grouped_proj.py). Read when params are made."""
+    return os.environ.get("DEEPINFER_WO_A_FP8", "0") in ("1", "true", "yes")
 
 
 SPLIT_MIXED_CHOICES = ("auto", "on", "off")

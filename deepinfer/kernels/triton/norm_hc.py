@@ -289,7 +289,10 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
       programs per SM; splits until ~2 programs per SM (T=8192: 64 token blocks x 4 splits). T=8192: mix
       103 us (2.65 TB/s of x; the tf32x3 kernel before it took ~380 us), the whole op 255 us; 2 or 8 splits,
       BLOCK_K 128 or 256 tokens per program measured no better.
-    At least 512 columns per split. COLLAPSE_WARPS: the Sinkhorn-collapse kernel's warps (default
+    At least 128 columns per split (until 2026-12-05 at least 512, i.e. 32 splits at D=4096: with the
+    collapse loading every split's partials at once, 128 splits of one 128-column step won on the H200,
+    results/hc_mix_h200_2026-12-05_s18.log: the whole op at T=1 13.4 -> 8.9 us, T=8 13.6 -> 9.3, T=128
+    17.4 -> 13.2; T=8192 keeps 4 splits, 8 measured slower). COLLAPSE_WARPS: the Sinkhorn-collapse kernel's warps (default
     `COLLAPSE_WARPS`; None: one per 1024 of hc * D, up to 16, the rule before 2026-12-02)."""
     if T <= 16:
         cfg = dict(BLOCK_T=16, BLOCK_K=128, num_warps=4, num_stages=5)
@@ -297,7 +300,7 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
         cfg = dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=2)
     else:
         cfg = dict(BLOCK_T=128, BLOCK_K=64, num_warps=8, num_stages=4)
-    cfg["SPLITS"] = max(1, min(round(_MIX_PROGRAMS / triton.cdiv(T, cfg["BLOCK_T"])), KD // 512))
+    cfg["SPLITS"] = max(1, min(round(_MIX_PROGRAMS / triton.cdiv(T, cfg["BLOCK_T"])), KD // 128))
     bad = sorted(set(config or {}) - set(_MIX_KEYS))
     _need(not bad, f"hc_pre: unknown config keys {bad}; known: {_MIX_KEYS}")
     cfg.update(config or {})
