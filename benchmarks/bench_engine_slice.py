@@ -114,7 +114,10 @@ def decode_steps(llm: LLM, batch: int, context: int, new: int, pieces: bool = Fa
     return statistics.median(steps), steps, note
 
 
-def arrival_steps(llm: LLM, batch: int, context: int, new: int, every: int = 3,
+ARRIVAL_EVERY = 3  # steps between arriving prompts (--arrivals)
+
+
+def arrival_steps(llm: LLM, batch: int, context: int, new: int, every: int = ARRIVAL_EVERY,
                   kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
     """Continuous batching: `batch` requests decoding, and a new `context`-token prompt arriving every `every`
     steps (each one joins the decoding batch when its prefill is done; a request that finishes is not
@@ -205,8 +208,12 @@ def main() -> None:
                                                                    for k, v in env_set.items()) or "default") + " "
         for mode in args.async_modes:
             t0 = time.perf_counter()
+            # --arrivals: room for the arriving prompts beside the largest batch (with max_num_seqs at the
+            # batch, the 2026-12-05 b128 series had its arrivals wait for a free slot: 2 mixed steps of 22)
+            extra = -(-args.new // ARRIVAL_EVERY) if args.arrivals else 0
             llm = LLM(path, numerics="fast", device="cuda", max_model_len=args.context + args.new + 64,
-                      max_num_seqs=max(args.batches), max_num_batched_tokens=8192, async_scheduling=mode == "on")
+                      max_num_seqs=max(args.batches) + extra, max_num_batched_tokens=8192,
+                      async_scheduling=mode == "on")
             print(f"{label}async {mode}: engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
             if args.gc_freeze:
                 gc.collect()

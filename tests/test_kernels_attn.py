@@ -245,7 +245,9 @@ def test_hc_mix_plan():
     for T in (1, 7, 128, 1500, 8192):
         p = mix_plan(T, KD)
         assert p["K_CHUNK"] % p["BLOCK_K"] == 0 and (p["SPLITS"] - 1) * p["K_CHUNK"] < KD <= p["SPLITS"] * p["K_CHUNK"]
-    assert mix_plan(1, KD)["SPLITS"] == 32  # a decode token spreads the fn read (the sweep's best whole op)
+    # a decode token spreads the fn read over 128 splits of one 128-column step (the H200 sweep's best whole
+    # op, results/hc_mix_h200_2026-12-05_s18.log); a batched decode too; a prefill keeps ~2 programs an SM
+    assert [mix_plan(T, KD)["SPLITS"] for T in (1, 128, 8192)] == [128, 128, 4]
     p = mix_plan(8192, KD, dict(BLOCK_T=64, SPLITS=3, num_stages=2))
     assert (p["BLOCK_T"], p["SPLITS"], p["num_stages"], p["K_CHUNK"]) == (64, 3, 2, 5504)
     with pytest.raises(ValueError, match="BLOCK_N"):

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 
 def interpreting() -> bool:
@@ -101,8 +101,8 @@ def _launch(x: torch.Tensor, block: int, dequant: bool, perm: bool = False) -> t
     s = torch.empty((m, 0 if dequant else n_groups), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
-    groups = max(1, min(triton.next_power_of_2(n_groups), 4096 // block))
-    grid = (m, triton.cdiv(n_groups, groups))
+    groups = max(1, min(next_power_of_2(n_groups), 4096 // block))
+    grid = (m, cdiv(n_groups, groups))
     _act_quant_kernel[grid](x, q, s, n_groups, k, x.stride(0), q.stride(0), max(1, s.stride(0)), BLOCK=block,
                             GROUPS=groups, DEQUANT=dequant, PERM32=perm)
     return q, s

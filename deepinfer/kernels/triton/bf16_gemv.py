@@ -29,7 +29,7 @@ import triton.language as tl
 
 from deepinfer.kernels import bf16_gemm
 from deepinfer.kernels.triton.act_quant import interpreting
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_MAX_ROWS = 8  # rows of x one program holds (its [M_PAD, BN, BK] fp32 accumulator lives in registers)
@@ -76,8 +76,8 @@ def _gemv_tiles(m: int, n: int, k: int) -> dict:
     * 5..8 rows: 8 warps and 64 accumulator elements per thread (M=8 N=64 6.5 us, N=256 6.9 us). The
       4-row rule carried to 8 rows (256 fp32 per thread) spills: 88 us per call in the slice's b8 step
       (results/decode_anatomy_h200_2026-12-02_s4.log), which is how this branch came to be."""
-    mp = triton.next_power_of_2(max(m, 1))
-    kp = triton.next_power_of_2(max(k, 1))
+    mp = next_power_of_2(max(m, 1))
+    kp = next_power_of_2(max(k, 1))
     if mp >= 8:
         bn = min(16, max(2, n // 256))
         bn = 1 << (bn.bit_length() - 1)
@@ -102,9 +102,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: dic
     if M == 0 or N == 0:
         return out
     t = dict(_gemv_tiles(M, N, K), **(tiles or {}))
-    _gemv_kernel[(triton.cdiv(N, t["BN"]),)](
+    _gemv_kernel[(cdiv(N, t["BN"]),)](
         x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), out.stride(0),
-        M_PAD=triton.next_power_of_2(M), BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
+        M_PAD=next_power_of_2(M), BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
         num_stages=t["num_stages"])
     return out
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import official_fused
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -145,14 +145,14 @@ def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     # rows may be strided (the column halves of the stacked compressor GEMM's output), columns not
     kv, gate = (t.to(F32) if t.stride(1) == 1 else t.to(F32).contiguous() for t in (kv, gate))
     ape = ape.to(F32).contiguous()
-    block_r = triton.next_power_of_2(c * r)
-    block_c = min(triton.next_power_of_2(w), max(16, min(128, 8192 // block_r)))  # compress_pool's tile
+    block_r = next_power_of_2(c * r)
+    block_c = min(next_power_of_2(w), max(16, min(128, 8192 // block_r)))  # compress_pool's tile
     _compress_decode_kernel[(B,)](
         kv, gate, ape, state_kv, state_score, slots, positions, complete.view(torch.uint8),
         norm_weight.contiguous(), out, float(eps), kv.stride(0), gate.stride(0), state_kv.stride(0),
         state_kv.stride(1), slots.stride(0), positions.stride(0), complete.stride(0), R=r, W=w,
         OVERLAP=bool(overlap), BLOCK_R=block_r, BLOCK_C=block_c,
-        BLOCK_S=min(1024, triton.next_power_of_2(cw)), BLOCK_W=triton.next_power_of_2(w),
+        BLOCK_S=min(1024, next_power_of_2(cw)), BLOCK_W=next_power_of_2(w),
         num_warps=8 if block_r >= 64 else 4)
     return out
 

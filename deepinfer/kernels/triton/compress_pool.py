@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import torch_ops
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 
 @fast_launch
@@ -62,9 +62,9 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, overlap: bool) -> torch
     if n <= 0:
         return out
     kv, score = kv.contiguous(), score.contiguous()
-    block_r = triton.next_power_of_2(2 * r if overlap else r)
+    block_r = next_power_of_2(2 * r if overlap else r)
     block_c = max(16, min(128, 8192 // block_r))
-    _compress_pool_kernel[(n, triton.cdiv(W, block_c))](
+    _compress_pool_kernel[(n, cdiv(W, block_c))](
         kv, score, out, r, W, cw, kv.stride(0), kv.stride(1), OVERLAP=bool(overlap), BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=4)
     return out

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from deepinfer.kernels.decode_rows import TABLE, decode_rows_torch
 from deepinfer.kernels.triton.act_quant import interpreting
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 ENTRY_BLOCK = 1024  # entry columns per loop step of a program
 
@@ -77,11 +77,11 @@ def decode_rows(buf: torch.Tensor, window: int, block_size: int, max_context: in
             epb, e = 1, 0
             outs = (ring_row,) * 6  # not written (R = 0)
         entry, vis, hidden, complete, new_row, bpos = outs
-        eb = min(ENTRY_BLOCK, triton.next_power_of_2(max(e, 16)))
+        eb = min(ENTRY_BLOCK, next_power_of_2(max(e, 16)))
         if bsz:
             _decode_rows_kernel[(bsz,)](buf, ring_row, window_rows, entry, vis, hidden, complete, new_row, bpos,
-                                        COLS=cols, T0=TABLE, WINDOW=window, WIN_P2=triton.next_power_of_2(window),
-                                        DO_WINDOW=do_window, R=r, EPB=epb, E=e, EB=eb, N_E=triton.cdiv(e, eb),
+                                        COLS=cols, T0=TABLE, WINDOW=window, WIN_P2=next_power_of_2(window),
+                                        DO_WINDOW=do_window, R=r, EPB=epb, E=e, EB=eb, N_E=cdiv(e, eb),
                                         num_warps=4)
     return ring_row, window_rows, tuple(per_ratio)
 

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from deepinfer.kernels.triton.act_quant import e8m0_to_f32, interpreting
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch
 
 _ASM = tl.constexpr(not interpreting())  # PTX prmt only on the GPU; the interpreter takes the tl twin below
 K_STEP = 128  # K per loop step: four 32-K dots (one per E8M0 weight scale)
@@ -186,7 +186,7 @@ def fp4_fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor
         raise ValueError(f"fp4_fp8_grouped_gemm: K={k} must split into {split} ranges of {K_STEP}-wide steps "
                          f"and act_block {act_block} must divide {K_STEP}")
     bw = cfg["BW"]
-    grid = (block_expert.numel(), triton.cdiv(n, bw // 2 if gated else bw), split)
+    grid = (block_expert.numel(), cdiv(n, bw // 2 if gated else bw), split)
     stride_os = out.stride(0) if split > 1 else 0
     stride_om = out.stride(1) if split > 1 else out.stride(0)
     _fp4_fp8_gemm_kernel[grid](

@@ -70,7 +70,7 @@ from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_de
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 from deepinfer.kernels.triton.fp4_fp8_gemm import fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 _ASM = tl.constexpr(not interpreting())  # inline PTX (expand 6) only on the GPU: the interpreter runs no asm
 FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotion of the fp32 partial sum
@@ -214,15 +214,15 @@ def align_by_expert_parallel(topk_ids: torch.Tensor, n_experts: int, block_m: in
     flat, n_slots, n_blocks, sorted_slots, block_expert = _routing_outputs(
         "align_by_expert_parallel", topk_ids, n_experts, block_m, PARALLEL_ROUTING_SLOTS)
     pb = 64
-    ch = min(PARALLEL_CHUNK, max(16, triton.next_power_of_2(n_slots)))
+    ch = min(PARALLEL_CHUNK, max(16, next_power_of_2(n_slots)))
     # an expert owns at most ceil(S / BM) blocks; the tail past the last expert's at most min(E, S)
     tail = min(n_experts, n_slots)
     _align_per_expert_kernel[(n_experts,)](
         flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m, CH=ch,
-        EB=triton.next_power_of_2(n_experts + 1), PB=pb, N_CH=triton.next_power_of_2(triton.cdiv(n_slots, ch)),
-        N_BL=triton.next_power_of_2(triton.cdiv(triton.cdiv(n_slots, block_m), pb)),
-        N_TAIL_BL=triton.next_power_of_2(triton.cdiv(tail, pb)),
-        N_TAIL=triton.next_power_of_2(triton.cdiv(tail * block_m, ch)), num_warps=4)
+        EB=next_power_of_2(n_experts + 1), PB=pb, N_CH=next_power_of_2(cdiv(n_slots, ch)),
+        N_BL=next_power_of_2(cdiv(cdiv(n_slots, block_m), pb)),
+        N_TAIL_BL=next_power_of_2(cdiv(tail, pb)),
+        N_TAIL=next_power_of_2(cdiv(tail * block_m, ch)), num_warps=4)
     return sorted_slots, block_expert
 
 
@@ -256,9 +256,9 @@ def align_by_expert_small(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
     flat, n_slots, n_blocks, sorted_slots, block_expert = _routing_outputs(
         "align_by_expert_small", topk_ids, n_experts, block_m, SMALL_ROUTING_SLOTS)
     _align_small_kernel[(1,)](flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m,
-                              SP=max(16, triton.next_power_of_2(n_slots)), EP=triton.next_power_of_2(n_experts),
-                              NBP=max(16, triton.next_power_of_2(n_blocks)),
-                              TP=triton.next_power_of_2(n_blocks * block_m), num_warps=8)
+                              SP=max(16, next_power_of_2(n_slots)), EP=next_power_of_2(n_experts),
+                              NBP=max(16, next_power_of_2(n_blocks)),
+                              TP=next_power_of_2(n_blocks * block_m), num_warps=8)
     return sorted_slots, block_expert
 
 
@@ -603,7 +603,7 @@ def _config(n_slots: int, n_experts: int) -> dict:
 def _grouped_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, k, limit,
                   a_row_div, act_block, gated, cfg, expand):
     bn = cfg["BN"] // 2 if gated else cfg["BN"]  # two accumulators when gated
-    grid = (block_expert.numel(), triton.cdiv(n, bn))
+    grid = (block_expert.numel(), cdiv(n, bn))
     _fp4_grouped_gemm_kernel[grid](
         a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, float(limit),
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
@@ -644,7 +644,7 @@ def _plan_splits(cfg: dict, n_blocks: int, tile_n: int, d: int, inter: int, sms:
     waves = cfg.get("WAVES", SPLIT_WAVES)
     for name, n, k in (("S13", 2 * inter, d), ("S2", d, inter)):
         want = cfg.get("SPLIT_K" + name[1:], cfg.get("SPLIT_K"))
-        s = split_k(n_blocks * triton.cdiv(n, tile_n), k, kb, sms, waves) if not want else int(want)
+        s = split_k(n_blocks * cdiv(n, tile_n), k, kb, sms, waves) if not want else int(want)
         if s < 1 or (k // kb) % s:
             raise ValueError(f"fp4_moe: SPLIT_K {s} must divide the {k // kb} K steps of {kb}")
         cfg[name] = s
@@ -654,7 +654,7 @@ def _plan_splits(cfg: dict, n_blocks: int, tile_n: int, d: int, inter: int, sms:
 def _v2_gemm(a, a_scale, w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, n, k, limit, a_row_div,
              act_block, a_bf16, gated, split, cfg, expand):
     bn = cfg["BN"]
-    grid = (block_expert.numel(), triton.cdiv(n, bn // 2 if gated else bn), split)
+    grid = (block_expert.numel(), cdiv(n, bn // 2 if gated else bn), split)
     stride_os = out.stride(0) if split > 1 else 0
     stride_om = out.stride(1) if split > 1 else out.stride(0)
     if a_scale is None:  # A_BF16: no scales (the pointer is not read)
@@ -697,15 +697,15 @@ def _combine_rows(y, rows, topk_ids, shared=None):
     d = y.shape[1]
     partial = rows.dim() == 3
     s2 = rows.shape[0] if partial else 1
-    bd = min(1024, triton.next_power_of_2(d))
+    bd = min(1024, next_power_of_2(d))
     if (shared is None) != (y.dtype == torch.float32):
         raise ValueError(f"fp4_moe: the output is fp32 without a shared expert and bf16 with one, got {y.dtype} "
                          f"with shared={'given' if shared is not None else None}")
     if shared is not None:
         shared = shared.wait()  # the caller's side stream joins here: after every expert GEMM was queued
-    _combine_kernel[(t, triton.cdiv(d, bd))](y, rows, topk_ids.contiguous(), shared if shared is not None else y, d,
+    _combine_kernel[(t, cdiv(d, bd))](y, rows, topk_ids.contiguous(), shared if shared is not None else y, d,
                                              rows.stride(0) if partial else 0,
-                                             S=s2, TOPK=topk, KP=max(2, triton.next_power_of_2(topk)), BD=bd,
+                                             S=s2, TOPK=topk, KP=max(2, next_power_of_2(topk)), BD=bd,
                                              PARTIAL=partial, SHARED=shared is not None, num_warps=4)
     return y
 
@@ -792,7 +792,7 @@ def _cuda_form_splits(cfg: dict, config: dict, rows: int, n_blocks: int, d: int,
         if want:
             s = int(want)
         else:
-            grid, s = n_blocks * triton.cdiv(n, rows), 1
+            grid, s = n_blocks * cdiv(n, rows), 1
             while s * 2 <= 16 and grid * s < waves * sms and doubles(k, s):
                 s *= 2
             while grow_to_fit and check(k, s, cfg) and s < 16 and k % (2 * s) == 0:
@@ -1107,8 +1107,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     _grouped_gemm(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter,
                   0.0, 1, bank.act_block, False, cfg, expand)
     order = torch.argsort(topk_ids, dim=1).to(torch.int32).contiguous()
-    bd = min(1024, triton.next_power_of_2(d))
-    _sum_expert_rows_kernel[(t, triton.cdiv(d, bd))](y, rows, order, d, TOPK=topk, BD=bd)
+    bd = min(1024, next_power_of_2(d))
+    _sum_expert_rows_kernel[(t, cdiv(d, bd))](y, rows, order, d, TOPK=topk, BD=bd)
     return _add_shared(y, shared)
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 BLOCK = 32
 
@@ -152,8 +152,8 @@ def fp4_kv_encode(layout, x: torch.Tensor, into: tuple | None = None) -> torch.T
         nb = layout.n_scales
         pad = bpt - layout.value_bytes - layout.scale_bytes
         _fp4_encode_kernel[(x2.shape[0],)](x2, out, x2.stride(0), bpt, dst, keep if keep is not None else dst,
-                                           NB=nb, NB_P2=triton.next_power_of_2(nb), HALF=layout.block // 2, PAD=pad,
-                                           PAD_P2=triton.next_power_of_2(max(pad, 1)), INTO=into is not None,
+                                           NB=nb, NB_P2=next_power_of_2(nb), HALF=layout.block // 2, PAD=pad,
+                                           PAD_P2=next_power_of_2(max(pad, 1)), INTO=into is not None,
                                            KEEP=into is not None and keep is not None, num_warps=1)
     return out.reshape(*lead, bpt) if into is None else None
 
@@ -170,7 +170,7 @@ def fp4_kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty(p2.shape[0], layout.dim, dtype=torch.bfloat16, device=packed.device)
     if p2.shape[0]:
         nb = layout.n_scales
-        _fp4_decode_kernel[(p2.shape[0],)](p2, out, bpt, NB=nb, NB_P2=triton.next_power_of_2(nb),
+        _fp4_decode_kernel[(p2.shape[0],)](p2, out, bpt, NB=nb, NB_P2=next_power_of_2(nb),
                                            HALF=layout.block // 2, num_warps=1)
     return out.reshape(*lead, layout.dim)
 
@@ -187,7 +187,7 @@ def fp4_fake_quant(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     n_blocks = xc.numel() // BLOCK
     if n_blocks:
         bb = 16
-        _fp4_fake_quant_kernel[(triton.cdiv(n_blocks, bb),)](xc, out, n_blocks, BB=bb, BLK=BLOCK, num_warps=4)
+        _fp4_fake_quant_kernel[(cdiv(n_blocks, bb),)](xc, out, n_blocks, BB=bb, BLK=BLOCK, num_warps=4)
     return out
 
 

@@ -58,7 +58,7 @@ import triton.language as tl
 from deepinfer.kernels.quant_weights import QuantLinearWeight, e4m3_expansion_exact, fp8_linear_torch, _check_activation
 from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch
 
 MMA_MODES = ("bf16", "fp8", "sync", "swap", "wgmma")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu);
 # "swap": the bf16 form with the weights as wgmma's register operand (kernels/triton/fp8_linear_swap.py);
@@ -254,7 +254,7 @@ def _split_k(m: int, n: int, k: int, kb: int, bm: int, bn: int, sms: int) -> int
     within ~4 programs per SM (small tiles; 1 per SM for 128-row tiles), every split keeps >= 4 loop steps
     of kb, S divides the K steps, and the fp32 workspace traffic (write + read, 8 S M N bytes) stays within
     half the weight bytes (S <= K / (16 M))."""
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     target = (4 if bm <= 64 else 1) * sms
     steps = k // kb
     s = 1
@@ -331,7 +331,7 @@ def _partials_then_sum(launch, split: int, out: torch.Tensor) -> torch.Tensor:
     part = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
     launch(part)
     block = 1024
-    _split_sum_kernel[(triton.cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
+    _split_sum_kernel[(cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
                                                    num_warps=4)
     return out
 
@@ -430,7 +430,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
             x = act_quant_dequant_bf16(x, w.act_block)  # quantise once, not in each weight tile's program
         swap.launch(x, w, dest, stride_om, stride_os, m, n, k, kb, split, fused, cfg)
     elif mma == "fp8":
-        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
+        grid = (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]), split)
         cfg.pop("BK")
         if fused:
             xq, xs = x, x  # xs unused
@@ -443,7 +443,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
             K_SPLIT=k // split, SPLIT_OUT=split > 1, W_UNIFORM=bn <= w.block and w.block % bn == 0,
             LOOP_STAGES=cfg.pop("LOOP_STAGES", None), WARP_SPECIALIZE=cfg.pop("WARP_SPECIALIZE", False), **cfg)
     else:
-        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), split)
+        grid = (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]), split)
         if not fused:
             x = act_quant_dequant_bf16(x, w.act_block)  # quantise once, not in each N tile's program
         _fp8_linear_kernel[grid](x, w.data, w.scale, dest, m, n, x.stride(0), w.data.stride(0), w.scale.stride(0),
@@ -451,7 +451,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
                                  A_DEQUANT=not fused, K_SPLIT=k // split, SPLIT_OUT=split > 1, **cfg)
     if split > 1:
         block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](dest, out, n, m * n, out.stride(0), S=split, BLOCK=block,
+        _split_sum_kernel[(cdiv(m * n, block),)](dest, out, n, m * n, out.stride(0), S=split, BLOCK=block,
                                                        num_warps=4)
     return out
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.act_quant import quantise_rows
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 MAX_TOKENS_TILE = 128  # wgmma N of one tile; more rows take several token tiles
 
@@ -110,7 +110,7 @@ def tiles(m: int, n: int, k: int) -> dict:
     """Swap tiles (the sweep above): the step's tokens in one tile up to 64 rows (wgmma N: a power of two
     from 16), 64 weight rows per CTA (one warpgroup), 4 stages; above 64 rows the large weights (N*K >= 32M:
     wq_b, wo_b) take 128 tokens x 128 weight rows (two warpgroups, 3 stages), the others 64 x 64."""
-    bt = max(16, triton.next_power_of_2(m))
+    bt = max(16, next_power_of_2(m))
     if bt <= 64:
         return dict(BW=64, BT=bt, num_warps=4, num_stages=4, FUSED_ACT=False)
     if n * k >= (32 << 20):
@@ -122,7 +122,7 @@ def launch(x, w, dest, stride_om: int, stride_os: int, m: int, n: int, k: int, k
            fused: bool, cfg: dict) -> None:
     """Run the kernel: x bf16 [M, K] (raw when fused, else act_quant's q * s), w a QuantLinearWeight, dest
     bf16 [M, N] (split == 1) or the fp32 workspace [split, M, N], with its row and split strides."""
-    grid = (triton.cdiv(n, cfg["BW"]) * triton.cdiv(m, cfg["BT"]), split)
+    grid = (cdiv(n, cfg["BW"]) * cdiv(m, cfg["BT"]), split)
     _fp8_linear_swap_kernel[grid](x, w.data, w.scale, dest, m, n, x.stride(0), w.data.stride(0),
                                   w.scale.stride(0), stride_om, stride_os, K=k, WBLOCK=w.block,
                                   CHUNK=w.act_block, KB=kb, A_DEQUANT=not fused, K_SPLIT=k // split,

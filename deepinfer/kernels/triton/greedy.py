@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.fp8_gemm import sm_count
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 BLOCK = 2048  # elements per step of a chunk program
 PROGRAMS_PER_SM = 8  # a chunk's steps wait on each other (the online max and sum): many short chunks in flight.
@@ -89,9 +89,9 @@ def _greedy_finish_kernel(m_ptr, idx_ptr, s_ptr, nan_ptr, tok_ptr, lp_ptr, rank_
 def chunks_for(n_rows: int, V: int, sms: int) -> tuple[int, int]:
     """(chunk length, chunks per row): about PROGRAMS_PER_SM programs per SM over the whole batch, whole
     BLOCKs (a compile-time length: a handful of values over the batch sizes)."""
-    want = max(1, min(triton.cdiv(V, BLOCK), round(PROGRAMS_PER_SM * sms / max(n_rows, 1))))
-    chunk = triton.cdiv(triton.cdiv(V, want), BLOCK) * BLOCK
-    return chunk, triton.cdiv(V, chunk)
+    want = max(1, min(cdiv(V, BLOCK), round(PROGRAMS_PER_SM * sms / max(n_rows, 1))))
+    chunk = cdiv(cdiv(V, want), BLOCK) * BLOCK
+    return chunk, cdiv(V, chunk)
 
 
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,7 +118,7 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     _greedy_chunk_kernel[(N, n_chunks)](logits, logits.stride(0), V, m, idx, s, nan_at, n_chunks,
                                         CHUNK=chunk, BLOCK=BLOCK, num_warps=8)
     _greedy_finish_kernel[(N,)](m, idx, s, nan_at, tok, lp, ranks, V, n_chunks,
-                                NC=max(2, triton.next_power_of_2(n_chunks)), num_warps=1)
+                                NC=max(2, next_power_of_2(n_chunks)), num_warps=1)
     return tok, lp, ranks
 
 

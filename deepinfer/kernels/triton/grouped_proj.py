@@ -24,7 +24,7 @@ import triton.language as tl
 
 from deepinfer.kernels.quant_weights import QuantLinearWeight, check_grouped_proj_fp8
 from deepinfer.kernels.triton.act_quant import interpreting
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch
 
 BF16 = torch.bfloat16
 FUSED_MAX_T = 64  # tokens up to which the fused kernel runs (decode batches); more: dequantise + cuBLAS
@@ -127,7 +127,7 @@ def dequant_bf16(w: QuantLinearWeight) -> torch.Tensor:
     N, D = w.data.shape
     out = torch.empty(N, D, dtype=BF16, device=w.data.device)
     bn, bk = 32, 256
-    _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(D, bk))](w.data, w.scale, out, N, D, w.data.stride(0),
+    _dequant_kernel[(cdiv(N, bn), cdiv(D, bk))](w.data, w.scale, out, N, D, w.data.stride(0),
                                                              w.scale.stride(0), WBLOCK=w.block, BLOCK_N=bn,
                                                              BLOCK_K=bk, num_warps=4)
     return out
@@ -154,7 +154,7 @@ def grouped_proj_fp8(o: torch.Tensor, w: QuantLinearWeight, config: dict | None 
     if T == 0:
         return out
     cfg = fit_block(plan(T, R, config), w.block, d)
-    grid = (G * R // cfg["BLOCK_N"], triton.cdiv(T, cfg["BLOCK_T"]))
+    grid = (G * R // cfg["BLOCK_N"], cdiv(T, cfg["BLOCK_T"]))
     _grouped_proj_fp8_kernel[grid](o, w.data, w.scale, out, T, R, d, o.stride(0), o.stride(1), w.data.stride(0),
                                    w.scale.stride(0), out.stride(0), WBLOCK=w.block, BLOCK_T=cfg["BLOCK_T"],
                                    BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], INTERPRET=interpreting(),

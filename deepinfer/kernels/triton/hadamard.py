@@ -21,7 +21,7 @@ import triton.language as tl
 
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.act_quant import interpreting
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch
 
 MIN_D, MAX_D = 16, 256  # tl.dot needs every dim >= 16; above 256 the [d, d] H no longer fits one program
 BLOCK_N = 128  # output columns per MMA: d = 256 runs two, so the fp32 accumulator stays [BM, 128]
@@ -77,7 +77,7 @@ def hadamard32(x: torch.Tensor) -> torch.Tensor:
     if M:
         h = _hadamard_bf16(d, x.device)
         bm = _block_rows(d)
-        _hadamard_kernel[(triton.cdiv(M, bm),)](
+        _hadamard_kernel[(cdiv(M, bm),)](
             x2, h, out, M, x2.stride(0), d**-0.5, D=d, BM=bm, BN=min(d, BLOCK_N), INTERPRET=interpreting(),
             num_warps=4)
     return out.view(x.shape)

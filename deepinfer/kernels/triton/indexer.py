@@ -29,7 +29,7 @@ import triton.language as tl
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported
 from deepinfer.kernels.triton.kv_pack import e8m0_value
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 
 def _interpreting() -> bool:
@@ -83,9 +83,9 @@ def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     q = q if q.stride(-1) == 1 else q.contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     weights = weights.contiguous()
-    block_h = max(16, triton.next_power_of_2(nh))
+    block_h = max(16, next_power_of_2(nh))
     block_e = 64
-    _indexer_scores_kernel[(triton.cdiv(E, block_e), T)](
+    _indexer_scores_kernel[(cdiv(E, block_e), T)](
         q, weights, keys, out, nh, E, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), out.stride(0),
         D=d, BLOCK_H=block_h, BLOCK_E=block_e, INTERPRET=_interpreting(), num_warps=4)
     return out
@@ -171,9 +171,9 @@ def indexer_scores_paged_bf16(q: torch.Tensor, weights: torch.Tensor, store: tor
     weights = weights.contiguous()
     entry_rows = entry_rows if entry_rows.stride(-1) == 1 else entry_rows.contiguous()
     hidden = (hidden if hidden.stride(-1) == 1 else hidden.contiguous()).view(torch.uint8)
-    block_h = max(16, triton.next_power_of_2(nh))
+    block_h = max(16, next_power_of_2(nh))
     block_e = 64  # as indexer_scores_bf16: the same dot shape, hence the same scores
-    _indexer_scores_paged_kernel[(triton.cdiv(E, block_e), B)](
+    _indexer_scores_paged_kernel[(cdiv(E, block_e), B)](
         q, weights, store, entry_rows, hidden, out, nh, E, q.stride(0), q.stride(1), weights.stride(0),
         entry_rows.stride(0), hidden.stride(0), out.stride(0), STRIDE_S=store.stride(0), D=d, NB=layout.n_scales,
         HALF=layout.block // 2, BLOCK_H=block_h, BLOCK_E=block_e, INTERPRET=_interpreting(), num_warps=4)

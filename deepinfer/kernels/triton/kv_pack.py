@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported, fp4_kv_decode, fp4_kv_encode
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 
 FP8_MAX = tl.constexpr(448.0)  # jit code reads module globals only as constexpr
 FP8_AMAX_FLOOR = tl.constexpr(1e-4)
@@ -105,8 +105,8 @@ def _on_device(t: torch.Tensor) -> bool:
 
 def _fp8_geometry(layout) -> dict:
     nb = layout.n_scales
-    return dict(QDIM=layout.quant_dim, BLOCK=layout.block, NB=nb, NB_P2=triton.next_power_of_2(nb),
-                ROPE=layout.raw_dim, ROPE_P2=triton.next_power_of_2(max(1, layout.raw_dim)))
+    return dict(QDIM=layout.quant_dim, BLOCK=layout.block, NB=nb, NB_P2=next_power_of_2(nb),
+                ROPE=layout.raw_dim, ROPE_P2=next_power_of_2(max(1, layout.raw_dim)))
 
 
 def _supported(layout) -> bool:

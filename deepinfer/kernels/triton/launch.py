@@ -63,6 +63,7 @@ class FastLaunch:
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
         self.names = [p.name for p in fn.params]
+        self.name_set = frozenset(self.names)
         self.constexpr = tuple(p.is_constexpr for p in fn.params)
         self.defaults = [p.default if p.has_default else _MISSING for p in fn.params]
         self.kernels: dict[tuple, object] = {}
@@ -87,7 +88,7 @@ class FastLaunch:
                 if v is _MISSING:
                     return None
                 vals.append(v)
-            options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.names))
+            options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.name_set))
         elif len(vals) < len(self.names):
             for default in self.defaults[len(vals):]:
                 if default is _MISSING:
@@ -104,10 +105,15 @@ class FastLaunch:
         vals, options = bound
         spec = []
         for v, is_const in zip(vals, self.constexpr):
-            s = v if is_const else _spec(v)
-            if s is _MISSING:
-                return self.fn[grid](*args, **kwargs)
-            spec.append(s)
+            if is_const:
+                spec.append(v)
+            elif isinstance(v, torch.Tensor):  # the common case inline (a call per argument costs ~0.2 us)
+                spec.append((v.dtype, v.data_ptr() % 16 == 0))
+            else:
+                s = _spec(v)
+                if s is _MISSING:
+                    return self.fn[grid](*args, **kwargs)
+                spec.append(s)
         device = torch.cuda.current_device()
         key = (device, options, tuple(spec))
         try:
@@ -128,6 +134,18 @@ class FastLaunch:
         return kernel
 
 
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for host code: Triton 3.6 makes its helpers `constexpr_function`s, whose host calls
+    unwrap every argument (~1.8 us a call on the CPU machine, ~3.5 on the H200's host; a 1k-token prefill of
+    the 4-layer slice made ~490 such calls)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for host code (the same values: 0 for 0), without its per-call unwrapping."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def fast_launch(fn):
     """Decorator over @triton.jit for kernels launched from host code (see the module doc)."""
     if not isinstance(fn, JITFunction):  # the interpreter's function (TRITON_INTERPRET=1): as it is
@@ -135,4 +153,4 @@ def fast_launch(fn):
     return FastLaunch(fn)
 
 
-__all__ = ["ENABLED", "FastLaunch", "fast_launch"]
+__all__ = ["ENABLED", "FastLaunch", "cdiv", "fast_launch", "next_power_of_2"]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 
 
 @fast_launch
@@ -63,9 +63,9 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
     w = torch.empty(T, topk, dtype=torch.float32, device=logits.device)
     idx = torch.empty(T, topk, dtype=torch.int64, device=logits.device)
     if T:
-        e_p2 = triton.next_power_of_2(E)
+        e_p2 = next_power_of_2(E)
         _gate_kernel[(T,)](logits, bias.contiguous(), w, idx, E, logits.stride(0), float(route_scale), K=topk,
-                           E_P2=e_p2, K_P2=triton.next_power_of_2(topk), num_warps=4 if e_p2 <= 1024 else 8)
+                           E_P2=e_p2, K_P2=next_power_of_2(topk), num_warps=4 if e_p2 <= 1024 else 8)
     return w, idx
 
 

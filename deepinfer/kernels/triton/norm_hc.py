@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import official, official_fused, torch_ops
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -73,7 +73,7 @@ def _rms_norm_launch(op: str, x: torch.Tensor, weight: torch.Tensor | None, eps:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if x2.shape[0]:
-        block = triton.next_power_of_2(D)
+        block = next_power_of_2(D)
         w = weight.contiguous() if weight is not None else x2  # never read without HAS_WEIGHT
         _rms_norm_kernel[(x2.shape[0],)](x2, w, out, D, float(eps), x2.stride(0), out.stride(0),
                                          HAS_WEIGHT=weight is not None, BLOCK_D=block,
@@ -133,9 +133,9 @@ def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=BF16, device=x.device)
     n = x2.shape[0]
     if n:
-        block = triton.next_power_of_2(D)
+        block = next_power_of_2(D)
         rows = max(1, min(8, 4096 // block))
-        _head_rms_norm_kernel[(triton.cdiv(n, rows),)](x2, out, n, D, float(eps), x2.stride(0), out.stride(0),
+        _head_rms_norm_kernel[(cdiv(n, rows),)](x2, out, n, D, float(eps), x2.stride(0), out.stride(0),
                                                        ROWS=rows, BLOCK_D=block, num_warps=4)
     return out.view(x.shape)
 
@@ -300,7 +300,7 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
         cfg = dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=2)
     else:
         cfg = dict(BLOCK_T=128, BLOCK_K=64, num_warps=8, num_stages=4)
-    cfg["SPLITS"] = max(1, min(round(_MIX_PROGRAMS / triton.cdiv(T, cfg["BLOCK_T"])), KD // 128))
+    cfg["SPLITS"] = max(1, min(round(_MIX_PROGRAMS / cdiv(T, cfg["BLOCK_T"])), KD // 128))
     bad = sorted(set(config or {}) - set(_MIX_KEYS))
     _need(not bad, f"hc_pre: unknown config keys {bad}; known: {_MIX_KEYS}")
     cfg.update(config or {})
@@ -310,8 +310,8 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
     _need(cfg["SPLITS"] >= 1 and cfg["num_stages"] >= 1, f"hc_pre: SPLITS={cfg['SPLITS']} and "
           f"num_stages={cfg['num_stages']} must be >= 1")
     block_k = cfg["BLOCK_K"]
-    cfg["K_CHUNK"] = triton.cdiv(triton.cdiv(KD, cfg["SPLITS"]), block_k) * block_k
-    cfg["SPLITS"] = triton.cdiv(KD, cfg["K_CHUNK"])
+    cfg["K_CHUNK"] = cdiv(cdiv(KD, cfg["SPLITS"]), block_k) * block_k
+    cfg["SPLITS"] = cdiv(KD, cfg["K_CHUNK"])
     cfg.setdefault("COLLAPSE_WARPS", COLLAPSE_WARPS)
     return cfg
 
@@ -324,9 +324,9 @@ def hc_mix_partials(x2: torch.Tensor, fn: torch.Tensor, plan: dict) -> tuple[tor
     splits = plan["SPLITS"]
     part = torch.empty(splits, T, n_out, dtype=F32, device=x2.device)
     ssq = torch.empty(splits, T, dtype=F32, device=x2.device)
-    _hc_mix_partial_kernel[(triton.cdiv(T, plan["BLOCK_T"]), splits)](
+    _hc_mix_partial_kernel[(cdiv(T, plan["BLOCK_T"]), splits)](
         x2, fn.to(F32).contiguous(), part, ssq, T, KD, n_out, plan["K_CHUNK"],
-        BLOCK_T=plan["BLOCK_T"], BLOCK_O=max(16, triton.next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"],
+        BLOCK_T=plan["BLOCK_T"], BLOCK_O=max(16, next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"],
         INTERPRET=_interpreting(), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     return part, ssq
 
@@ -361,11 +361,11 @@ def _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_
     T, hc, D = x.shape
     plan = mix_plan(T, hc * D, config)
     part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
-    block_d = triton.next_power_of_2(D)
+    block_d = next_power_of_2(D)
     _hc_sinkhorn_collapse_kernel[(T, 1 if head else 2)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
         y, post, comb, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_D=block_d, SP=max(2, triton.next_power_of_2(plan["SPLITS"])), HEAD=head,
+        HC=hc, BLOCK_D=block_d, SP=max(2, next_power_of_2(plan["SPLITS"])), HEAD=head,
         num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
 
 
@@ -420,8 +420,8 @@ def _hc_post(f, residual, post, comb, out_dtype):
           f"hc_post: want post [{T}, {hc}] and comb [{T}, {hc}, {hc}], got {tuple(post.shape)}, {tuple(comb.shape)}")
     out = torch.empty(T, hc, D, dtype=out_dtype, device=residual.device)
     if T:
-        block_d = min(1024, triton.next_power_of_2(D))
-        _hc_post_kernel[(T, triton.cdiv(D, block_d))](
+        block_d = min(1024, next_power_of_2(D))
+        _hc_post_kernel[(T, cdiv(D, block_d))](
             f.contiguous(), residual.contiguous(), post.to(F32).contiguous(), comb.to(F32).contiguous(), out, D,
             HC=hc, BLOCK_D=block_d, num_warps=4)
     return out

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from deepinfer.kernels import official
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 
 @fast_launch
@@ -107,7 +107,7 @@ def rope_table32(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     table = torch.empty((2, T, half), dtype=torch.float32, device=positions.device)
     if T:
         block_t = max(1, min(64, 4096 // half))
-        _rope_table_kernel[(triton.cdiv(T, block_t),)](positions.contiguous(), f, table, T, HALF=half,
+        _rope_table_kernel[(cdiv(T, block_t),)](positions.contiguous(), f, table, T, HALF=half,
                                                        BLOCK_T=block_t, num_warps=4)
     return table
 
@@ -141,14 +141,14 @@ def rope32(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, invers
         if table is None:
             table = rope_table32(positions, freqs)
         R = x3.shape[1]
-        block_r = min(64, triton.next_power_of_2(R))
+        block_r = min(64, next_power_of_2(R))
         # up to ROPE_ELEMENTS per program, but at least ~one program per SM when T allows (decode: latency)
-        spread = max(1, T * triton.cdiv(R, block_r) // 128)
+        spread = max(1, T * cdiv(R, block_r) // 128)
         block_t = max(1, min(64, ROPE_ELEMENTS // (block_r * 2 * half), 1 << (spread.bit_length() - 1)))
-        _rope_kernel[(triton.cdiv(T, block_t), triton.cdiv(R, block_r))](
+        _rope_kernel[(cdiv(T, block_t), cdiv(R, block_r))](
             x3, table[0], table[1], out, T, R, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
             D=d, HALF=half, BLOCK_T=block_t, BLOCK_R=block_r,
-            BLOCK_D=min(max(1, ROPE_ELEMENTS // (block_t * block_r)), triton.next_power_of_2(max(1, d - 2 * half))),
+            BLOCK_D=min(max(1, ROPE_ELEMENTS // (block_t * block_r)), next_power_of_2(max(1, d - 2 * half))),
             INVERSE=bool(inverse), COPY_NOPE=not inplace, num_warps=4)
     return x if inplace else out.view(x.shape)
 

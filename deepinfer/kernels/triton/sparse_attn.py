@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch
 
 SPARSE_ATTN_BLOCK = 64  # indices per online-softmax step, as the official kernel
 
@@ -121,7 +121,7 @@ def _block_h(T: int, H: int) -> int:
     if H <= 16:
         return 16
     wide = 32 if H <= 32 else 64
-    return wide if T * triton.cdiv(H, wide) >= 64 else 16
+    return wide if T * cdiv(H, wide) >= 64 else 16
 
 
 def sparse_attn_sink_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
@@ -143,7 +143,7 @@ def sparse_attn_sink_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tenso
     bh = block_h or _block_h(T, H)
     # acc [bh, d] fp32 lives in registers: 8 warps once it passes 16K values
     warps = num_warps or (8 if bh * d >= 16384 else 4)
-    grid = (triton.cdiv(H, bh), T)
+    grid = (cdiv(H, bh), T)
     _sparse_attn_sink_kernel[grid](
         q, kv, sink, idx, out, H, K, float(scale), float(initial_max),
         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),

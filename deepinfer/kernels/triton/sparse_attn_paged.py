@@ -27,7 +27,7 @@ import triton.language as tl
 from deepinfer import env
 from deepinfer.kernels.official_fused import paged_rows
 from deepinfer.kernels.triton.kv_pack import e8m0_value, kv_decode
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
                                                   attend_block, finish_heads, head_block, sparse_attn_sink_triton)
 
@@ -152,20 +152,20 @@ def split_plan(T: int, K: int, H: int) -> tuple[int, int]:
     71.7 -> 19.9 us, T=8 74.0 -> 31.7, T=32 75.3 -> 57.5; 192 indices at T=1 25.5 -> 16.4; from T=64 the
     unsplit grid is as fast or faster (T=128, 640 indices: 89 us unsplit, 147-224 split). The plan
     depends on T, so a row's last bits may differ between batch sizes (as every flash-decoding engine's)."""
-    blocks = triton.cdiv(K, SPARSE_ATTN_BLOCK)
-    narrow = triton.cdiv(H, 16)  # head blocks of 16
+    blocks = cdiv(K, SPARSE_ATTN_BLOCK)
+    narrow = cdiv(H, 16)  # head blocks of 16
     # one head block (<= 16 heads, e.g. a rank of 8-way tensor parallelism): no decode is repeated across
     # head blocks, so it splits to larger grids and batches (H=8: T=64, 640 indices 72 -> 57 us; T=128 not)
     max_t, limit = (SPLIT_MAX_T, SPLIT_WAVE) if narrow > 1 else (2 * SPLIT_MAX_T, 4 * SPLIT_WAVE)
     if blocks <= 1 or T >= max_t:
         return _block_h(T, H), 0
     for per in (1, 2) if narrow > 1 else (1, 2, 4):  # blocks per split
-        splits = triton.cdiv(blocks, per)
+        splits = cdiv(blocks, per)
         if splits > 1 and T * narrow * splits <= limit:
-            return 16, triton.cdiv(blocks, splits) * SPARSE_ATTN_BLOCK  # equal whole blocks per split
-    splits = triton.cdiv(blocks, 2)
+            return 16, cdiv(blocks, splits) * SPARSE_ATTN_BLOCK  # equal whole blocks per split
+    splits = cdiv(blocks, 2)
     if narrow > 1 and splits > 1 and splits >= narrow:  # no fewer programs than the unsplit grid's
-        return (32 if H <= 32 else 64), triton.cdiv(blocks, splits) * SPARSE_ATTN_BLOCK
+        return (32 if H <= 32 else 64), cdiv(blocks, splits) * SPARSE_ATTN_BLOCK
     return _block_h(T, H), 0
 
 
@@ -211,22 +211,22 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     comp = ring if comp is None or comp.shape[0] == 0 else comp  # no compressed rows: every index is a ring row
     sink = sink.to(torch.float32).contiguous()
     bh = block_h or (plan_h if chunk == plan_chunk else _block_h(T, H))
-    S = triton.cdiv(K, chunk) if chunk else 1
+    S = cdiv(K, chunk) if chunk else 1
     split = S > 1
     f32 = dict(dtype=torch.float32, device=q.device)
     # split states: [T, S, H] running max and sum, [T, S, H, d] unnormalised acc (unused without a split)
     part_max, part_sum = (torch.empty(T, S, H, **f32), torch.empty(T, S, H, **f32)) if split else (out, out)
     part_acc = torch.empty(T, S, H, d, **f32) if split else out
-    _sparse_attn_paged_kernel[(triton.cdiv(H, bh), T, S)](
+    _sparse_attn_paged_kernel[(cdiv(H, bh), T, S)](
         q, ring, comp, ring.view(torch.int16), comp.view(torch.int16), sink, idx.to(torch.int32).contiguous(), out,
         part_acc, part_max, part_sum, H, K, ring.numel() // layout.bytes_per_token, float(scale),
         max(float(initial_max), -1e30) if split else float(initial_max),  # split states: finite (the combine's note)
-        chunk if split else triton.cdiv(K, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK,
+        chunk if split else cdiv(K, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK,
         q.stride(0), q.stride(1), K, out.stride(0), out.stride(1),
         BPT=layout.bytes_per_token, QDIM=layout.quant_dim, SBLOCK=layout.block, D=d, BLOCK_H=bh,
         BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=split, INTERPRET=_interpreting(), num_warps=num_warps, num_stages=num_stages)
     if split:
-        _combine_splits_kernel[(triton.cdiv(H, COMBINE_HEADS), T)](
+        _combine_splits_kernel[(cdiv(H, COMBINE_HEADS), T)](
             part_acc, part_max, part_sum, sink, out, H, S, out.stride(0), out.stride(1), D=d, BLOCK_H=COMBINE_HEADS,
             num_warps=4)
     return out

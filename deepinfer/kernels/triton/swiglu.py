@@ -18,7 +18,7 @@ import triton.language as tl
 
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.act_quant import interpreting
-from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 BF16 = torch.bfloat16
 
@@ -60,8 +60,8 @@ def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor, limit: float,
     out = torch.empty((T, N), dtype=BF16, device=gate.device)
     if T and N:
         w = weight.reshape(T).contiguous() if weight is not None else gate  # never read without HAS_WEIGHT
-        block = min(1024, triton.next_power_of_2(N))
-        _swiglu_kernel[(T, triton.cdiv(N, block))](gate, up, w, out, N, gate.stride(0), up.stride(0), out.stride(0),
+        block = min(1024, next_power_of_2(N))
+        _swiglu_kernel[(T, cdiv(N, block))](gate, up, w, out, N, gate.stride(0), up.stride(0), out.stride(0),
                                                    float(limit), HAS_WEIGHT=weight is not None, BLOCK=block,
                                                    num_warps=4)
     return out
