@@ -67,11 +67,6 @@ def fast_params(tiny_v4_raw):
     return cfg, v4_params(raw, cfg, "fast", "cpu")
 
 
-    num = Numerics(numerics, revision, cfg.act_block)
-    return V4Model(cfg, prepare_params(raw, cfg, num), num, max_batch, max_seq_len,
-                   keep_stale_state=quirks == "official")
-
-
 @pytest.fixture(scope="session")
 def oracle_factory(tiny_v4_raw):
     """oracle_factory(numerics=..., ...) -> a fresh V4Model over the tiny checkpoint (fresh caches)."""
