@@ -82,7 +82,7 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     """x [B, D] bf16 (one token per row) -> [B, D] bf16."""
     if not attn.fast:
         raise ValueError("the batched decode path runs fast numerics only")
-    cfg, p, r, win = attn.cfg, attn.p, attn.ratio, attn.win
+    cfg, p, r = attn.cfg, attn.p, attn.ratio
 
     def k(name: str):
         return kernels.get(name, attn.kdev)

@@ -178,7 +178,7 @@ class DSpark:
                              f"[0, {cfg.vocab_size})")
         self.cfg, self.p, self.cache = cfg, params, cache
         self.stages = [_Stage(i, params, cfg) for i in range(cfg.n_mtp_layers)]
-        first, last = f"mtp.0.", f"mtp.{cfg.n_mtp_layers - 1}."
+        first, last = "mtp.0.", f"mtp.{cfg.n_mtp_layers - 1}."
         self.main_proj, self.main_norm = params[first + "main_proj.weight"], params[first + "main_norm.weight"]
         self.norm = params[last + "norm.weight"]
         # the Markov head's two [V, rank] tables: V4.1 names them embed/head, V4-Flash-0731 markov_w1/markov_w2
