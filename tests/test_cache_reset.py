@@ -54,3 +54,26 @@ def test_reset_fresh_is_the_one_by_one_reset(tiny_v4_raw, numerics):
         if fresh:  # the reset did happen (a -inf score row, a zero ring row)
             s = fresh[0]
             assert not _tensors(a)["0.ring"][s.window_slot].any()
+
+
+@pytest.mark.parametrize("numerics", ["exact", "official", "fast"])
+def test_cache_reset_is_every_layer_reset(tiny_v4_raw, numerics):
+    """`V4Cache.reset` (two multi-tensor ops over all layers) leaves every tensor as each layer's own
+    `LayerCache.reset` does: the slot's ring row zero, kv rows zero, score rows -inf, other slots untouched."""
+    cfg, _ = tiny_v4_raw
+    for window_slot, state_slot in ((0, 0), (3, 5), (7, 2)):
+        a, b = (v4_cache(cfg, numerics, 4, max_num_seqs=8) for _ in range(2))
+        _scramble(a, window_slot * 8 + state_slot)
+        _scramble(b, window_slot * 8 + state_slot)
+        before = {k: v.clone() for k, v in _tensors(a).items()}
+        a.reset(window_slot, state_slot)
+        for layer in b.layers:
+            layer.reset(window_slot, state_slot)
+        ta, tb = _tensors(a), _tensors(b)
+        for name in ta:
+            assert torch.equal(ta[name], tb[name]), f"slots {window_slot}, {state_slot}: {name}"
+        changed = [name for name in ta if not torch.equal(ta[name], before[name])]
+        assert any(n.endswith(".score") for n in changed) and any(n.endswith(".ring") for n in changed)
+        score = ta["2.comp_state.score"] if "2.comp_state.score" in ta else next(
+            v for k, v in ta.items() if k.endswith(".score"))
+        assert torch.isinf(score[state_slot]).all() and not torch.isinf(score[(state_slot + 1) % 8]).all()

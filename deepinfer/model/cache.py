@@ -194,6 +194,14 @@ class V4Cache(EntryRowMemo):
         self.layouts = cache_layouts(cfg, numerics, revision)
         self.layers = [LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype, self.layouts, device)
                        for i in range(cfg.n_layers)]
+        # one slot's -inf score rows per distinct shape: what `reset` copies into every state's slot at once
+        self._neg_inf: dict[tuple, torch.Tensor] = {}
+        for state in self._states():
+            row = state.score[0]
+            self._neg_inf.setdefault((tuple(row.shape), row.dtype), torch.full_like(row, float("-inf")))
+
+    def _states(self) -> list[CompressorState]:
+        return [s for layer in self.layers for s in (layer.comp_state, layer.index_state) if s is not None]
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float64,
@@ -236,8 +244,17 @@ class V4Cache(EntryRowMemo):
         return total
 
     def reset(self, window_slot: int, state_slot: int) -> None:
-        for layer in self.layers:
-            layer.reset(window_slot, state_slot)
+        """`LayerCache.reset` of every layer in two multi-tensor ops (zero the rings and kv rows, copy -inf
+        rows into the score rows) instead of up to 5 small fills a layer: ~200 launches for each new prompt
+        on V4-Flash's 43 layers, each ~8 us of host time on the H200's host (the same values)."""
+        zeros = [layer.ring[window_slot] for layer in self.layers]
+        scores = []
+        for state in self._states():
+            zeros.append(state.kv[state_slot])
+            scores.append(state.score[state_slot])
+        torch._foreach_zero_(zeros)
+        if scores:
+            torch._foreach_copy_(scores, [self._neg_inf[(tuple(t.shape), t.dtype)] for t in scores])
 
     def reset_fresh(self, seqs) -> None:
         """Reset the slots of the step's sequences that start at position 0 (nothing of a slot's previous
