@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from deepinfer import formats
 from deepinfer.config import ModelConfig
 from deepinfer.kernels import official
+from deepinfer.kernels.bf16_gemm import grouped_proj_bf16_torch
 
 _FP4_STORAGE = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 _E8M0_STORAGE = (torch.float8_e8m0fnu, torch.uint8)
@@ -160,8 +161,7 @@ def grouped_proj_fp8_torch(o: torch.Tensor, w: QuantLinearWeight) -> torch.Tenso
     `bf16_gemm.grouped_proj_bf16_torch` on those values. o bf16 [T, G, d], w [G * R, d] -> bf16 [T, G, R]."""
     R = check_grouped_proj_fp8(o, w)
     G, d = o.shape[1], o.shape[2]
-    wa = w.dequant().to(torch.bfloat16).view(G, R, d)
-    return torch.einsum("tgd,grd->tgr", o.to(torch.float32), wa.to(torch.float32)).to(torch.bfloat16)
+    return grouped_proj_bf16_torch(o, w.dequant().to(torch.bfloat16).view(G, R, d))
 
 
 def _check_activation(op: str, x: torch.Tensor, k: int) -> None:
