@@ -55,6 +55,7 @@ GROUPS = [  # (group, regex on the innermost model frame "file:function"); first
     ("KV codec (cache encode/decode)", r"(decode_attention|cache)\.py:(_store|_encode|_decode|encode|decode):"),
     ("attention q/kv norms", r"decode_attention\.py:rms:"),
     ("compressor", r"decode_attention\.py:(_compress_step|compress_decode)"),
+    ("indexer (weights, query, scores, top-k, rows)", r"decode_attention\.py:(indexer_weights|indexer_query|indexer_rows):"),
     ("head", r"v4\.py:logits"),
     ("MoE gate", r"moe\.py:route"),
     ("shared expert", r"moe\.py:_swiglu_official"),

@@ -120,6 +120,14 @@ def side_streams_enabled() -> bool:
     return os.environ.get("DEEPINFER_SIDE_STREAMS", "1") not in ("0", "false", "no")
 
 
+def indexer_lanes_enabled() -> bool:
+    """DEEPINFER_INDEXER_LANES=1 splits a decode step's indexer layers' side work over three side streams
+    (the indexer's weights and the main compressor; the index-key compressor; the indexer's query, scores and
+    selection: model/decode_attention.py) instead of one chain on one side stream. Off by default until the
+    H200 has timed it and run its bit-identity test (written 2026-12-05 without a device)."""
+    return os.environ.get("DEEPINFER_INDEXER_LANES", "0") in ("1", "true", "yes")
+
+
 def fused_greedy_enabled() -> bool:
     """DEEPINFER_FUSED_GREEDY=0 makes the sampler take its general path (log_softmax, argmax, gather, rank)
     for all-greedy steps too, instead of op greedy_sample (sampling/sampler.py; for A/B runs); default on."""

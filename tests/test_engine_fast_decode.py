@@ -222,6 +222,29 @@ def test_decode_runner_errors(fast_params):
 
 # ---------------------------------------------------------------------------------------------- GPU
 
+def test_indexer_lanes_change_no_bit_on_the_cpu(fast_params, monkeypatch):
+    """DEEPINFER_INDEXER_LANES=1 (model/decode_attention.py select_in_lanes: an indexer layer's side work over
+    three side streams) runs inline here in its own order (the indexer's weights, the two compressors, the
+    query, the scores and rows): logits and every cache tensor bit-identical to the one-chain order. (On
+    CUDA the same kernels run concurrently: test_side_streams_change_no_bit.)"""
+    cfg, params = fast_params
+    models, tok, lens = prefilled_pair(cfg, params, LENS)
+    assert any(cfg.compress_ratios[i] == 4 for i in range(cfg.n_layers)), "the tiny model needs an indexer layer"
+    mk = dict(max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1, scratch_block=BPS * (SLOTS - 1))
+    runners = [DecodeRunner(m, **mk) for m in models]
+    for k in range(3):
+        seqs = [SeqContext(n + k, 1, i, i, table(i)) for i, n in enumerate(lens)]
+        monkeypatch.setenv("DEEPINFER_INDEXER_LANES", "0")
+        ref = runners[0](tok, seqs).clone()
+        monkeypatch.setenv("DEEPINFER_INDEXER_LANES", "1")
+        got = runners[1](tok, seqs).clone()
+        assert torch.equal(got, ref), f"step {k}"
+        tok = ref.argmax(-1)
+    for name, ref in cache_tensors(models[0]).items():
+        assert torch.equal(cache_tensors(models[1])[name], ref), name
+
+
+
 @pytest.mark.gpu
 def test_graph_replay_is_bit_identical_to_eager(tiny_v4_raw, cuda_kernels):
     """Two models in the same state; one replays the captured graphs, the other runs the same decode path
@@ -270,11 +293,14 @@ def test_fast_decode_cuda_matches_the_oracle_within_its_noise(tiny_v4_raw, oracl
 
 
 @pytest.mark.gpu
-def test_side_streams_change_no_bit(tiny_v4_raw, cuda_kernels, monkeypatch):
+@pytest.mark.parametrize("lanes", ["0", "1"])
+def test_side_streams_change_no_bit(tiny_v4_raw, cuda_kernels, monkeypatch, lanes):
     """The layer's independent branches on the side stream (model/side_stream.py: the shared expert, the
     compressors and the indexer) change only the order of independent kernels: graphs captured with side
     streams, replayed, against the eager path with everything on one stream: logits and every cache tensor
-    bit-identical after each step; and the eager path with side streams against the one without."""
+    bit-identical after each step; and the eager path with side streams against the one without. lanes "1":
+    DEEPINFER_INDEXER_LANES=1, the indexer layers' side work over three side streams at once."""
+    monkeypatch.setenv("DEEPINFER_INDEXER_LANES", lanes)
     cfg, raw = tiny_v4_raw
     params = v4_params(raw, cfg, "fast", "cuda")
     models, tok, lens = prefilled_pair(cfg, params, LENS, "cuda")

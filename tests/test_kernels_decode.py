@@ -246,9 +246,35 @@ def _check_decode_rows(device: str) -> None:
         decode_rows(torch.zeros(2, 4, dtype=torch.long, device=device), 128, 128, 1024, (4,))
 
 
+def _check_select_rows(device: str) -> None:
+    """kernels/triton/decode_rows.py decode_select_rows == its twin (int64 rows, equal): picks below, at and past
+    each row's visible count (a query that sees fewer entries than k), a strided top-k view as torch.sort's
+    slice gives it, K past one program step (512 picks of 2048 entries), a single row, and bad input."""
+    from deepinfer.kernels.decode_rows import decode_select_rows_torch
+    from deepinfer.kernels.triton.decode_rows import decode_select_rows
+
+    g = torch.Generator().manual_seed(11)
+    for bsz, w, e, k in ((4, 128, 64, 64), (3, 7, 2048, 512), (1, 128, 300, 17), (33, 16, 40, 40)):
+        window = torch.randint(-1, 5000, (bsz, w), generator=g)
+        entry = torch.randint(0, 9000, (bsz, e), generator=g)
+        visible = torch.randint(0, e + 1, (bsz,), generator=g)
+        visible[0] = 0  # sees no entry: every pick is -1
+        visible[-1] = e
+        top = torch.stack([torch.randperm(e, generator=g) for _ in range(bsz)])[:, :k]  # a strided view
+        args = [t.to(device) for t in (window, top, visible, entry)]
+        want = decode_select_rows_torch(*args, 4096)
+        got = decode_select_rows(*args, 4096)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (bsz, w, e, k)
+        assert bsz == 1 or torch.all(got[0, w:] == -1)
+    with pytest.raises(ValueError, match="int64"):
+        decode_select_rows(*[t.to(device) for t in (window, top.int(), visible, entry)], 0)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        decode_select_rows(*[t.to(device) for t in (window[:1], top, visible, entry)], 0)
+
+
 # the decode step's Triton ops against their twins: under the interpreter (a fresh process: the flag is read at
 # import) and on the GPU, by the same checks
-DECODE_STEP_CHECKS = ["_check_encode_into", "_check_decode_rows"]
+DECODE_STEP_CHECKS = ["_check_encode_into", "_check_decode_rows", "_check_select_rows"]
 
 
 @pytest.mark.parametrize("check", DECODE_STEP_CHECKS)

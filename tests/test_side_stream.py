@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.model import side_stream
-from deepinfer.model.side_stream import beside, join, on_side
+from deepinfer.model.side_stream import beside, forked, join, mark, on_side, wait_mark
 
 
 def test_cpu_and_disabled_forks_run_inline(monkeypatch):
@@ -17,8 +17,11 @@ def test_cpu_and_disabled_forks_run_inline(monkeypatch):
         x = torch.ones(3) * 2
     join(None)
     assert x.sum().item() == 6
+    assert mark(None) is None
+    wait_mark(None, None)  # inline lanes run in program order: nothing to wait for
     monkeypatch.setenv("DEEPINFER_SIDE_STREAMS", "0")
     assert beside(torch.device("cuda", 0)) is None  # disabled before any CUDA call: no device needed
+    assert beside(torch.device("cuda", 0), lane=2) is None
 
 
 @pytest.mark.gpu
@@ -44,7 +47,8 @@ def test_side_stream_orders_against_main():
     with pytest.raises(RuntimeError, match="already joined"):
         with on_side(branch):
             pass
-    assert set(side_stream._SIDE) == {torch.cuda.current_device()}
+    assert (torch.cuda.current_device(), 0) in side_stream._SIDE
+    assert all(i == torch.cuda.current_device() and 0 <= lane < side_stream.LANES for i, lane in side_stream._SIDE)
 
 
 @pytest.mark.gpu
@@ -93,3 +97,34 @@ def test_forked_joins_when_the_block_ends_even_on_an_error():
                 torch.ones(4, device=dev).add_(1)
             raise ValueError("planted")
     assert branch.joined and torch.cuda.current_stream(dev) == branch.main
+
+
+@pytest.mark.gpu
+def test_lanes_run_beside_each_other_and_hand_over_by_marks():
+    """Three lanes forked at one point: each is ordered after main's work before the fork; a lane that
+    waits on another's mark sees that lane's writes up to the mark (and not necessarily later ones); main
+    sees every lane's work after the joins; a nested fork from a lane runs inline."""
+    dev = torch.device("cuda")
+    a = torch.zeros(1 << 22, device=dev)
+    for _ in range(20):
+        a.add_(1.0)  # main: 20
+    with forked(dev, 0) as l0, forked(dev, 1) as l1, forked(dev, 2) as l2:
+        assert len({l0.side, l1.side, l2.side, l0.main}) == 4
+        with on_side(l0):
+            b = a * 2  # 40, after main's adds
+            for _ in range(30):
+                b.add_(1.0)  # 70
+        ready = mark(l0)
+        with on_side(l1):
+            assert beside(dev, 2) is None  # nested: inline on lane 1
+            c = a + 5  # 25
+            for _ in range(30):
+                c.mul_(1.0)  # a long chain on lane 1 beside lane 0's
+        c_ready = mark(l1)
+        with on_side(l2):
+            wait_mark(l2, ready)
+            wait_mark(l2, c_ready)
+            d = b + c  # 95: lane 0's b and lane 1's c, each after its mark
+    assert torch.all(b == 70.0) and torch.all(c == 25.0) and torch.all(d == 95.0)
+    with pytest.raises(RuntimeError, match="already joined"):
+        wait_mark(l2, ready)

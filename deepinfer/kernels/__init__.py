@@ -65,3 +65,4 @@ register("blinear", bf16_gemm.blinear_cublas, device="cuda")
 from deepinfer.kernels import decode_rows  # noqa: E402
 
 register("decode_rows", decode_rows.decode_rows_torch)
+register("decode_select_rows", decode_rows.decode_select_rows_torch)

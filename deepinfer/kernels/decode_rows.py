@@ -12,6 +12,8 @@ E = max_context // r), every index int64:
 * entry_rows: the flat compressed-cache row of entry j (block table[j // epb] * epb + j % epb, epb = entries
   per block); visible = (p + 1) // r entries the query may see, hidden = j >= visible; complete: this token
   completes entry p // r, new_row its flat row, block_pos = r * (p // r) its first position.
+Also op "decode_select_rows" (`decode_select_rows_torch`): an indexer layer's attention index rows from its
+top-k picks, the tail of the decode step's selection (six small torch kernels on cuda before 2026-12-05).
 Must not: know about layers, caches or sequences (plain index arithmetic on the buffer).
 """
 from __future__ import annotations
@@ -41,3 +43,14 @@ def decode_rows_torch(buf: torch.Tensor, window: int, block_size: int, max_conte
         per_ratio.append((entry_rows, visible, j.unsqueeze(0) >= visible.unsqueeze(1), (pos + 1) % r == 0, new_row,
                           cur * r))
     return buf[:, WIN] * window + pos % window, window_rows, tuple(per_ratio)
+
+
+def decode_select_rows_torch(window_rows: torch.Tensor, top: torch.Tensor, visible: torch.Tensor,
+                             entry_rows: torch.Tensor, n_ring: int) -> torch.Tensor:
+    """The attention's index rows of an indexer layer at decode: [B, W + K] int64 = each row's window rows
+    [B, W], then its K top-k picks (`top` [B, K], entry columns in [0, E)) as cache rows counted after the
+    ring's n_ring rows (`entry_rows` [B, E] + n_ring), -1 for a pick at or past the row's `visible` [B]
+    entries (a query that sees fewer than K). The official selection's order and padding."""
+    hid = top >= visible.unsqueeze(1)
+    chosen = entry_rows.gather(1, torch.where(hid, 0, top))
+    return torch.cat([window_rows, torch.where(hid, -1, chosen + n_ring)], dim=1)

@@ -13,9 +13,12 @@ are in layout only:
   cuda one kernel decodes the packed FP8 entries in registers, no gathered or decoded copy);
 * compressed entries are addressed for every sequence at once over `max_context // r` padded columns;
   ratio-4 layers with an indexer score them per sequence straight from the packed key cache
-  (`indexer_scores_paged_bf16`: invisible columns -inf) and take the stable top-k (ties to the lower entry);
+  (`indexer_scores_paged_bf16`: invisible columns -inf), take the stable top-k (ties to the lower entry) and
+  turn the picks into index rows in one op (`decode_select_rows`);
 * compressor state is updated by a per-slot scatter; every row pools its state, and the entry is stored only
   where the completion mask says this token completed it (elsewhere the row's old bytes are written back).
+On CUDA the compressors and the indexer run on side streams beside the query path (one chain on one side
+stream; with DEEPINFER_INDEXER_LANES=1 an indexer layer's in three lanes, `select_in_lanes`).
 The sparse-attention index rows have the per-sequence path's order (window ascending, then the selection)
 with more -1 padding, so only summation order differs (GEMM shapes, batched dot products). The window ring
 and the compressed cache must share one layout (they do in every V4 revision: `cache/layouts.layouts_for`).
@@ -23,15 +26,17 @@ Must not: import the oracle; allocate per-sequence state; read anything that liv
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from deepinfer import kernels
+from deepinfer import env, kernels
 from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.compressor import project
 from deepinfer.model.decode_metadata import DecodeRows, RatioRows
 from deepinfer.model.out_lora import out_lora
-from deepinfer.model.side_stream import forked, on_side
+from deepinfer.model.side_stream import forked, mark, on_side, wait_mark
 from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.stacked import pair
 
@@ -46,11 +51,14 @@ def _store(attn: V4Attention, lc: LayerCache, role: str, x: torch.Tensor, store:
     kernels.get("kv_encode_into", attn.kdev)(lc.layouts[role], x, store, rows, keep)
 
 
-def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: DecodeRows) -> None:
-    """Advance both compressors of a ratio layer by one token per row and store the entries completed."""
+def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: DecodeRows, which: str = "both") -> None:
+    """Advance the compressors of a ratio layer by one token per row and store the entries completed:
+    `which` "both", "kv" (the attention's compressed KV) or "index" (the indexer's keys; indexer layers)."""
     rr = rows.ratios[attn.ratio]
-    jobs = [(attn.comp_p, lc.comp_state, lc.comp, False, "compressed")]
-    if attn.has_indexer:
+    jobs = []
+    if which in ("both", "kv"):
+        jobs.append((attn.comp_p, lc.comp_state, lc.comp, False, "compressed"))
+    if attn.has_indexer and which in ("both", "index"):
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
     for p, state, store, rotate, role in jobs:
         entries = _compress_step(attn, p, state, x, rows, rr, rotate)
@@ -105,41 +113,79 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
     qr = rms(q_lora, p["q_norm.weight"])
 
+    n_ring = lc.ring.shape[0] * lc.ring.shape[1]  # compressed row c is attention row n_ring + c
+    rr = rows.ratios[r] if r else None
+    E = rr.entry_rows.shape[1] if r else 0
+    lanes = 3 if attn.has_indexer and E and env.indexer_lanes_enabled() else 1  # side streams (select_in_lanes)
+    if lanes > 1:  # the compressors' table of the step's block positions, built on main before the fork: two
+        # lanes use it at once and must not race to build it (step_memo builds on first use, on that stream)
+        rope_table(attn, rows, rr.block_pos, of=("blocks", r))
+
+    def indexer_weights() -> torch.Tensor:  # [B, heads] bf16: the indexer's per-head weights of each row
+        ihd, nh = cfg.index_head_dim, cfg.index_n_heads
+        return k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+
+    def indexer_query() -> torch.Tensor:  # [B, heads, ihd] bf16: rotated, Hadamard-mixed, FP4 fake-quantised
+        q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, cfg.index_n_heads, cfg.index_head_dim)
+        return k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
+
+    def indexer_rows(q_idx: torch.Tensor, w_idx: torch.Tensor) -> torch.Tensor:
+        """Score every entry straight from the packed key cache (cuda: one kernel; hidden entries -inf, never
+        read), take the stable top-k, and make the attention's index rows: the window's, then the picks'
+        cache rows (-1 past the visible entries: the official sel = where(hid, -1, top))."""
+        scores = k("indexer_scores_paged_bf16")(q_idx, w_idx, lc.index_keys, rr.entry_rows, rr.hidden,
+                                                lc.layouts["index"])
+        top = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K], every pick in [0, E)
+        return k("decode_select_rows")(rows.window_rows, top, rr.visible, rr.entry_rows, n_ring)
+
     def select() -> tuple[torch.Tensor, torch.Tensor | None]:
         """Advance the compressors and pick the rows to attend: (index rows, compressed cache or None)."""
         idx = rows.window_rows  # a window-only layer attends over these alone (no cat: it would be a copy)
         if not r:
             return idx, None
         compress_decode(attn, lc, x, rows)  # entries this token completes are visible to it
-        rr = rows.ratios[r]
-        E = rr.entry_rows.shape[1]
-        n_ring = lc.ring.shape[0] * lc.ring.shape[1]  # compressed row c is attention row n_ring + c
         if not E:
             return idx, None
         if attn.has_indexer:
-            ihd, nh = cfg.index_head_dim, cfg.index_n_heads
-            q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
-            q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
-            w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
-            # straight from the packed key cache (cuda: one kernel; hidden entries -inf, never read)
-            scores = k("indexer_scores_paged_bf16")(q_idx, w_idx, lc.index_keys, rr.entry_rows, rr.hidden,
-                                                    lc.layouts["index"])
-            top = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K], every pick in [0, E)
-            hid = top >= rr.visible.unsqueeze(1)  # picks past the visible entries
-            # = where(sel >= 0, row of sel, -1) of the official sel = where(hid, -1, top)
-            chosen = rr.entry_rows.gather(1, torch.where(hid, 0, top))  # [B, K] cache rows of the selection
-            return torch.cat([idx, torch.where(hid, -1, chosen + n_ring)], dim=1), lc.comp
+            return indexer_rows(indexer_query(), indexer_weights()), lc.comp
 
         def build_ascending() -> torch.Tensor:  # every entry ascending: the same rows for every layer of r
             return torch.cat([idx, torch.where(rr.hidden, -1, rr.entry_rows + n_ring)], dim=1)
         return step_memo(rows, ("ascending", r), build_ascending), lc.comp
 
+    def select_in_lanes(lanes) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select()` of an indexer layer over three side streams (DEEPINFER_INDEXER_LANES=1): its one chain
+        of ~25 small kernels was a decode layer's longest, longer than the query path beside it. Lane 0: the
+        indexer's weights, then the KV compressor; lane 1: the index-key compressor; lane 2: the indexer's
+        query, then (once lane 0's weights and lane 1's new keys are in) the scores, top-k and index rows.
+        The same kernels on the same inputs: the compressors write different caches and states, and the
+        scores read the keys only after lane 1's mark."""
+        a, b, c = lanes
+        with on_side(a):
+            w_idx = indexer_weights()  # (made on lane 0, read on lane 2: referenced until the layer's join)
+        weights_ready = mark(a)
+        with on_side(a):
+            compress_decode(attn, lc, x, rows, "kv")
+        with on_side(b):
+            compress_decode(attn, lc, x, rows, "index")  # this token's key is visible to its own scores
+        keys_ready = mark(b)
+        with on_side(c):
+            q_idx = indexer_query()
+            wait_mark(c, weights_ready)
+            wait_mark(c, keys_ready)
+            idx = indexer_rows(q_idx, w_idx)
+        return idx, lc.comp
+
     # The compressors and the indexer need only x and qr, and the query path does not need them until the
-    # attention: on CUDA they run on the side stream beside it (model/side_stream.py); their cache writes
+    # attention: on CUDA they run on side streams beside it (model/side_stream.py); their cache writes
     # (compressed entries, index keys) and the window write below touch different caches.
-    with forked(x.device) as branch:  # joined at the block's end
-        with on_side(branch):
-            idx, comp = select()
+    with contextlib.ExitStack() as forks:  # every lane joined at the block's end
+        branches = [forks.enter_context(forked(x.device, lane)) for lane in range(lanes)]
+        if lanes > 1:
+            idx, comp = select_in_lanes(branches)
+        else:
+            with on_side(branches[0]):
+                idx, comp = select()
         q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
         q = rope(k("head_rms_norm")(q, attn.eps))
         kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [B, hd]

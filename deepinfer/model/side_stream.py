@@ -1,4 +1,4 @@
-"""A second CUDA stream per device for work that does not depend on the main chain of a layer.
+"""Side CUDA streams per device for work that does not depend on the main chain of a layer.
 
 Why: at decode most of a layer's kernels are latency-bound (a few µs each, a few CTAs), and the chain runs
 them one after the other while most SMs idle. Work that the chain does not need until later can run on a
@@ -21,6 +21,13 @@ read queued so far, so no reuse can overtake a read. Inputs made on main (x) mus
 CUDA-graph capture: the fork (`wait_stream` on the capturing stream) pulls the side stream into the
 capture and the join returns it, so one graph holds both streams (as SGLang's shared-expert overlap).
 DEEPINFER_SIDE_STREAMS=0 runs everything inline (the A/B baseline).
+
+Lanes: `forked(device, lane)` forks side stream number `lane` (0 .. LANES - 1), so several independent
+chains can run beside main and beside each other (the decode attention's compressors and indexer, see
+model/decode_attention.py). One lane hands a result to another with `mark` (an event after the lane's work
+so far) and `wait_mark` (the other lane's later work waits for it); nothing else orders lanes against each
+other. The memory rule above holds lane to lane: a tensor one lane makes and another reads must stay
+referenced until main has joined the reader (the next fork of the maker's lane is queued after that join).
 Must not: be used around collectives (the ranks' streams would order them differently).
 """
 from __future__ import annotations
@@ -31,35 +38,43 @@ import torch
 
 from deepinfer import env
 
-_SIDE: dict[int, torch.cuda.Stream] = {}
+LANES = 3  # side streams per device
+_SIDE: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, lane) -> stream
 
 
-def _side(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(device=index)
-    return _SIDE[index]
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _side(device: torch.device, lane: int = 0) -> torch.cuda.Stream:
+    if not 0 <= lane < LANES:
+        raise ValueError(f"side stream lane {lane} out of range 0..{LANES - 1}")
+    key = (_index(device), lane)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=key[0])
+    return _SIDE[key]
 
 
 class Branch:
-    """The side stream forked from the device's current stream at construction."""
+    """Side stream `lane`, forked from the device's current stream at construction."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, lane: int = 0) -> None:
         self.main = torch.cuda.current_stream(device)
-        self.side = _side(device)
+        self.side = _side(device, lane)
         self.side.wait_stream(self.main)  # the side's work starts after everything queued on main so far
         self.joined = False
 
 
-def beside(device: torch.device | str) -> Branch | None:
-    """Fork the device's side stream here, or None where work must run inline: not CUDA, disabled by
-    DEEPINFER_SIDE_STREAMS=0, or the current stream is already the side stream (a nested fork)."""
+def beside(device: torch.device | str, lane: int = 0) -> Branch | None:
+    """Fork the device's side stream `lane` here, or None where work must run inline: not CUDA, disabled by
+    DEEPINFER_SIDE_STREAMS=0, or the current stream is already a side stream (a nested fork)."""
     device = torch.device(device)
     if device.type != "cuda" or not env.side_streams_enabled():
         return None
-    if torch.cuda.current_stream(device) == _side(device):
+    current, index = torch.cuda.current_stream(device), _index(device)
+    if any(current == s for (i, _), s in _SIDE.items() if i == index):
         return None
-    return Branch(device)
+    return Branch(device, lane)
 
 
 @contextlib.contextmanager
@@ -75,14 +90,34 @@ def on_side(branch: Branch | None):
 
 
 @contextlib.contextmanager
-def forked(device: torch.device | str):
-    """`beside(device)` for the block, joined when the block ends however it ends (an early return, an
+def forked(device: torch.device | str, lane: int = 0):
+    """`beside(device, lane)` for the block, joined when the block ends however it ends (an early return, an
     error): main never runs ahead of reads the side stream may still make of main's tensors."""
-    branch = beside(device)
+    branch = beside(device, lane)
     try:
         yield branch
     finally:
         join(branch)
+
+
+def mark(branch: Branch | None) -> torch.cuda.Event | None:
+    """An event after everything queued on the branch's side stream so far (None for an inline branch):
+    what another lane's `wait_mark` waits for."""
+    if branch is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(branch.side)
+    return event
+
+
+def wait_mark(branch: Branch | None, event: torch.cuda.Event | None) -> None:
+    """Work queued on the branch's side stream from here on waits for `event` (another lane's `mark`).
+    Inline branches need no wait: their work runs in program order."""
+    if branch is None or event is None:
+        return
+    if branch.joined:
+        raise RuntimeError("wait_mark: this branch was already joined; fork a new one with beside()")
+    branch.side.wait_event(event)
 
 
 def join(branch: Branch | None) -> None:

@@ -2,6 +2,9 @@
 compression ratio, one program per batch row, instead of ~16 small torch kernels per ratio (and 8 for the
 window rows, folded into the first launch). Plain int64 index arithmetic: bit-identical to the twin
 (positions are non-negative, so floor and truncating division agree).
+Op "decode_select_rows" (twin `decode_select_rows_torch`): an indexer layer's index rows from its top-k picks
+in one launch, one program per batch row, instead of six torch kernels (compare, two wheres, gather, add,
+cat: ~1.5 us each on the H200, on the indexer's chain, which is a decode layer's longest).
 Must not: be imported without triton.
 """
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.decode_rows import TABLE, decode_rows_torch
+from deepinfer.kernels.decode_rows import TABLE, decode_rows_torch, decode_select_rows_torch
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
@@ -86,4 +89,58 @@ def decode_rows(buf: torch.Tensor, window: int, block_size: int, max_context: in
     return ring_row, window_rows, tuple(per_ratio)
 
 
-REGISTRATIONS = {"decode_rows": decode_rows}
+SELECT_BLOCK = 256  # columns per loop step of a decode_select_rows program
+
+
+@fast_launch
+@triton.jit
+def _select_rows_kernel(win_ptr, top_ptr, vis_ptr, entry_ptr, out_ptr, n_ring, W, K, stride_w, stride_t, stride_e,
+                        stride_o, BLOCK: tl.constexpr, N_W: tl.constexpr, N_K: tl.constexpr):
+    """Program b: out[b, :W] = window_rows[b]; out[b, W + i] = entry_rows[b, top[b, i]] + n_ring where
+    top[b, i] < visible[b], else -1 (a pick at or past visible reads column 0, as the twin's where)."""
+    b = tl.program_id(0).to(tl.int64)
+    out = out_ptr + b * stride_o
+    for c in range(0, N_W):
+        j = c * BLOCK + tl.arange(0, BLOCK)
+        ok = j < W
+        tl.store(out + j, tl.load(win_ptr + b * stride_w + j, mask=ok, other=0), mask=ok)
+    visible = tl.load(vis_ptr + b)
+    for c in range(0, N_K):
+        i = c * BLOCK + tl.arange(0, BLOCK)
+        ok = i < K
+        top = tl.load(top_ptr + b * stride_t + i, mask=ok, other=0)
+        hid = top >= visible
+        col = tl.where(hid, 0, top)
+        chosen = tl.load(entry_ptr + b * stride_e + col, mask=ok, other=0)
+        tl.store(out + W + i, tl.where(hid, -1, chosen + n_ring), mask=ok)
+
+
+def decode_select_rows(window_rows: torch.Tensor, top: torch.Tensor, visible: torch.Tensor, entry_rows: torch.Tensor,
+                       n_ring: int) -> torch.Tensor:
+    """Same contract as `kernels.decode_rows.decode_select_rows_torch` (int64 tensors, unit column strides)."""
+    if not top.is_cuda and not interpreting():
+        return decode_select_rows_torch(window_rows, top, visible, entry_rows, n_ring)
+    problems = [f"{name} must be int64 [{shape}] with unit column stride, got {t.dtype} {tuple(t.shape)}"
+                for name, t, shape, dims in (("window_rows", window_rows, "B, W", 2), ("top", top, "B, K", 2),
+                                             ("visible", visible, "B", 1), ("entry_rows", entry_rows, "B, E", 2))
+                if t.dtype != torch.int64 or t.dim() != dims or (dims == 2 and t.shape[1] > 1 and t.stride(1) != 1)]
+    if not problems and len({window_rows.shape[0], top.shape[0], visible.shape[0], entry_rows.shape[0]}) != 1:
+        problems.append(f"batch sizes differ: window_rows {window_rows.shape[0]}, top {top.shape[0]}, visible "
+                        f"{visible.shape[0]}, entry_rows {entry_rows.shape[0]}")
+    if not problems and top.shape[1] and not entry_rows.shape[1]:
+        problems.append("top has picks but entry_rows has no entry columns")
+    if problems:
+        raise ValueError("decode_select_rows: " + "; ".join(problems))
+    bsz, w = window_rows.shape
+    k, e = top.shape[1], entry_rows.shape[1]
+    visible = visible.contiguous()
+    out = torch.empty(bsz, w + k, dtype=torch.int64, device=top.device)
+    if bsz:
+        _select_rows_kernel[(bsz,)](window_rows, top, visible, entry_rows, out, int(n_ring), w, k,
+                                    window_rows.stride(0), top.stride(0), entry_rows.stride(0), out.stride(0),
+                                    BLOCK=SELECT_BLOCK, N_W=cdiv(w, SELECT_BLOCK), N_K=cdiv(k, SELECT_BLOCK),
+                                    num_warps=4)
+    return out
+
+
+REGISTRATIONS = {"decode_rows": decode_rows, "decode_select_rows": decode_select_rows}
