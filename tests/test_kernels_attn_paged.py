@@ -162,6 +162,29 @@ for name, d, rope, T, H, win, k_sel in cases:
             assert errs[-1] <= 2e-3, (name, T, label, chunk, errs[-1])
         print(f"  {label}: vs the twin {errs[0]:.2e} (64 columns per split), {errs[1]:.2e} (default plan: "
               f"(heads, columns) = {split_plan(T, rows.shape[1], H)}, 0 columns = no split)")
+    if rope:  # the inverse RoPE of the output in the epilogue (op sparse_attn_sink_paged_rope) == the kernel's
+        # output rotated back by rope32 with the same table, unsplit and split (the combine's epilogue)
+        from deepinfer.kernels import official
+        from deepinfer.kernels.triton import rope as triton_rope
+        from deepinfer.kernels.triton.sparse_attn_paged import sparse_attn_sink_paged_rope
+
+        pos = torch.randint(0, 200_000, (T,), generator=g).to(device)
+        freqs = official.rope_freqs32(rope, 65536, 160000.0, 16.0, 32, 1).to(device)
+        table = triton_rope.rope_table32(pos, freqs)
+        for chunk in (0, 64):
+            plain = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, initial_max, chunk=chunk)
+            want = triton_rope.rope32(plain, pos, freqs, True, table=table)
+            fused = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, initial_max, chunk=chunk,
+                                                  rope_table=table)
+            assert torch.equal(fused, want) if device == "cpu" else rel(fused, want) <= 1e-3, (name, T, chunk)
+            assert (fused != want).float().mean().item() <= 0.01, (name, T, chunk)
+            assert not torch.equal(fused, plain), (name, T, chunk)  # the tail did rotate
+        assert torch.equal(sparse_attn_sink_paged_rope(q, ring, comp, layout, sink, idx, scale, pos, freqs, None),
+                           sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, rope_table=table))
+        twin = official.rope32(sparse_attn_sink_paged(q.cpu(), ring.cpu(), comp.cpu(), layout, sink.cpu(), idx.cpu(),
+                                                      scale), pos.cpu(), freqs.cpu(), True)
+        print(f"  with the inverse RoPE: vs the twin {rel(fused, twin):.2e}")
+        assert rel(fused, twin) <= 1e-2, (name, T)
     # caches the kernel does not decode (bf16 values) go through gather + the pool kernel: its bits
     got_bf16 = sparse_attn_sink_paged_triton(q, layout.load(ring), layout.load(comp), None, sink, idx, scale,
                                              initial_max)

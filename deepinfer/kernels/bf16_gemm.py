@@ -57,11 +57,17 @@ def grouped_proj_bf16_torch(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_proj_bf16_cublas(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The official bf16 einsum (cuBLAS batched GEMM over the groups, fp32 accumulation, bf16 out)."""
+    """The official bf16 einsum (cuBLAS batched GEMM over the groups, fp32 accumulation, bf16 out), written
+    straight into a [T, G, R]-contiguous result. `torch.einsum` runs the same batched GEMM over g into
+    [G, T, R] and returns a permuted view, which the caller's flatten to [T, G * R] (wo_b's input) then
+    copied: one more kernel per layer at decode. cuBLAS takes the strided result as it is (ldc = G * R, batch
+    stride R), the same GEMM."""
     if not o.is_cuda:
         return grouped_proj_bf16_torch(o, w)
     _check_groups(o, w)
-    return torch.einsum("tgd,grd->tgr", o, w)
+    z = torch.empty(o.shape[0], o.shape[1], w.shape[1], dtype=torch.result_type(o, w), device=o.device)
+    torch.bmm(o.transpose(0, 1), w.transpose(1, 2), out=z.transpose(0, 1))
+    return z
 
 
 def linear_f32_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,11 @@ renormalise, scale: exactly `V4MoE.route`'s ops), `fp4_fake_quant` (`formats.fp4
 `compress_decode_step` (one decode token per row through a compressor: state scatter, block pooling, overlap
 shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention._compress_step` ran),
 `sparse_attn_sink_paged` (the official sparse attention over rows read straight from the stored window ring
-and compressed cache: gather, the layout's decode, `official.sparse_attn_sink_official`).
+and compressed cache: gather, the layout's decode, `official.sparse_attn_sink_official`),
+`qkv_norm_rope_store` (after the attention's stacked wq_a | wkv projection at decode: the q LoRA's RMSNorm, and
+the KV's RMSNorm, RoPE and packed store into the window ring) and `head_rms_norm_rope` (the per-head q norm,
+then RoPE) and `sparse_attn_sink_paged_rope` (that attention, then the inverse RoPE of its output): exactly
+the ops `decode_attention` ran one by one.
 Must not: hold state or import the model or the reference oracle; change a rounding point of the
 unfused sequence (the engine may call either and must get the same bits on CPU).
 """
@@ -22,7 +26,8 @@ from deepinfer import formats
 from deepinfer.kernels import official, torch_ops
 
 __all__ = ["hc_pre_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
-           "compress_decode_step", "sparse_attn_sink_paged"]
+           "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
+           "sparse_attn_sink_paged_rope"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -186,3 +191,33 @@ def sparse_attn_sink_paged(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tens
     pool_idx = torch.arange(T * K, device=idx.device).view(T, K)
     return official.sparse_attn_sink_official(q, kv.reshape(T * K, -1), sink, torch.where(idx >= 0, pool_idx, -1),
                                               scale, initial_max)
+
+
+def qkv_norm_rope_store(q_lora: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor,
+                        eps: float, positions: torch.Tensor, freqs: torch.Tensor, table: torch.Tensor | None,
+                        layout, store: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The decode attention's steps between its stacked wq_a | wkv projection and the fork of its branches:
+    q_lora [B, q_lora_rank] bf16 -> qr = `official.rms_norm_bf16(q_lora, q_weight)` (returned), and kv [B, d]
+    bf16 -> RMSNorm (kv_weight), RoPE of its last 2 * len(freqs) channels at `positions` (`table`: this
+    device's `rope_table32` of them, or None), its layout bytes into store[rows] (the window ring). The same
+    ops and rounding points as running them one by one."""
+    qr = official.rms_norm_bf16(q_lora, q_weight, eps)
+    kvn = official.rope32(official.rms_norm_bf16(kv, kv_weight, eps), positions, freqs, table=table, inplace=True)
+    kv_encode_into(layout, kvn, store, rows)
+    return qr
+
+
+def head_rms_norm_rope(q: torch.Tensor, eps: float, positions: torch.Tensor, freqs: torch.Tensor,
+                       table: torch.Tensor | None) -> torch.Tensor:
+    """q [B, heads, d] bf16 -> the parameter-free per-head RMSNorm (`torch_ops.head_rms_norm`, the official
+    bf16 torch ops), then RoPE of each head's last 2 * len(freqs) channels at `positions`: a new tensor."""
+    return official.rope32(torch_ops.head_rms_norm(q, eps), positions, freqs, table=table, inplace=True)
+
+
+def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
+                                sink: torch.Tensor, idx: torch.Tensor, scale: float, positions: torch.Tensor,
+                                freqs: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+    """`sparse_attn_sink_paged`, then the inverse RoPE of each head's last 2 * len(freqs) output channels at
+    `positions` (`table`: this device's `rope_table32` of them, or None): the decode attention's output."""
+    o = sparse_attn_sink_paged(q, ring, comp, layout, sink, idx, scale)
+    return official.rope32(o, positions, freqs, True, table=table, inplace=True)

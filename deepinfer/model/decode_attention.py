@@ -96,11 +96,6 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
         return kernels.get(name, attn.kdev)
 
     qlinear, rope32 = k("fp8_linear"), k("rope32")
-    def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # upcast, fp32 RMSNorm, bf16 round: one kernel on cuda instead of three (within one bf16 ulp of the
-        # three there, bit-identical on the CPU twin; norm_hc.rms_norm_bf16 says why)
-        return k("rms_norm_bf16")(t, w, attn.eps)
-
     lc = cache.layers[attn.layer]
     pos = rows.positions
     table = rope_table(attn, rows, pos)
@@ -111,7 +106,10 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
 
     B = x.shape[0]
     q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
-    qr = rms(q_lora, p["q_norm.weight"])
+    # qr = RMSNorm(q_lora); the KV normed, rotated and written into the window ring FIRST (the query sees it;
+    # nothing on the side streams reads the ring): one kernel on cuda for what were four
+    qr = k("qkv_norm_rope_store")(q_lora, kv_lin, p["q_norm.weight"], p["kv_norm.weight"], attn.eps, pos,
+                                  attn.inv_freq, table, lc.layouts["window"], lc.ring.flatten(0, 1), rows.ring_row)
 
     n_ring = lc.ring.shape[0] * lc.ring.shape[1]  # compressed row c is attention row n_ring + c
     rr = rows.ratios[r] if r else None
@@ -187,15 +185,14 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
             with on_side(branches[0]):
                 idx, comp = select()
         q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
-        q = rope(k("head_rms_norm")(q, attn.eps))
-        kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [B, hd]
-        _store(attn, lc, "window", kv, lc.ring.flatten(0, 1), rows.ring_row)  # write first: the query sees it
+        q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table)  # per-head norm, then RoPE
     layout = lc.layouts["window"]  # fast numerics stores the packed layouts (model/cache.py: cache_layouts)
     if comp is not None and layout != lc.layouts["compressed"]:
         raise ValueError(f"decode attention reads the ring and the compressed cache as one layout; got "
                          f"{layout.name} and {lc.layouts['compressed'].name}")
-    o = k("sparse_attn_sink_paged")(q, lc.ring, comp, layout, p["attn_sink"], idx, attn.hd**-0.5)
-    o = rope(o, inverse=True)
+    # the attention, then the inverse RoPE of its output (in the kernel's epilogue on cuda)
+    o = k("sparse_attn_sink_paged_rope")(q, lc.ring, comp, layout, p["attn_sink"], idx, attn.hd**-0.5, pos,
+                                         attn.inv_freq, table)
     G = attn.G
     z = out_lora(k, o.reshape(B, G, -1), p["wo_a.weight"])  # the official bf16 einsum's math, wo_a kept FP8
     out = qlinear(z.flatten(1), p["wo_b.weight"])

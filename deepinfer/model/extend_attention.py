@@ -189,7 +189,7 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
     qr = rms(q_lora, p["q_norm.weight"])
     q = qlinear(qr, p["wq_b.weight"]).view(T, attn.H, attn.hd)
-    q = rope(k("head_rms_norm")(q, attn.eps))
+    q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table)  # per-head norm, then RoPE (one kernel)
     kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [T, hd]
     kv_stored = _encode(attn, lc, "window", kv)
     kv = _decode(attn, lc, "window", kv_stored)  # the fake-quantised values the oracle attends to and caches

@@ -132,7 +132,7 @@ def decode_select_rows(window_rows: torch.Tensor, top: torch.Tensor, visible: to
     if problems:
         raise ValueError("decode_select_rows: " + "; ".join(problems))
     bsz, w = window_rows.shape
-    k, e = top.shape[1], entry_rows.shape[1]
+    k = top.shape[1]
     visible = visible.contiguous()
     out = torch.empty(bsz, w + k, dtype=torch.int64, device=top.device)
     if bsz:

@@ -71,6 +71,28 @@ def finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims
              mask=hmask[:, None])
 
 
+@triton.jit
+def finish_heads_rope(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh,
+                      cos_ptr, sin_ptr, D: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """`finish_heads`, then the inverse RoPE of the last 2 HALF channels of every head at token t (cos / sin:
+    `rope.rope_table32`'s rows of the tokens): the bf16 output upcast, rotated by -angle in fp32 with
+    `rope._rope_kernel`'s arithmetic and rounded again, as `rope32(out, inverse=True)` after the kernel
+    computes it. Every pair is rotated, the pass-through pairs by cos 1 and sin 0 (exact), and only the
+    rope channels' rotated values are stored."""
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    out = (acc / (run_sum + tl.exp(sink - run_max))[:, None]).to(tl.bfloat16)
+    ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    NOPE: tl.constexpr = D - 2 * HALF
+    tl.store(ptrs, out, mask=hmask[:, None] & (dims < NOPE)[None, :])
+    re, im = tl.split(tl.reshape(out.to(tl.float32), (BLOCK_H, D // 2, 2)))
+    pair = tl.arange(0, D // 2) - NOPE // 2  # the rope pair's index, negative for pass-through pairs
+    is_rope = pair >= 0
+    c = tl.load(cos_ptr + t * HALF + pair, mask=is_rope, other=1.0)[None, :]
+    sn = -tl.load(sin_ptr + t * HALF + pair, mask=is_rope, other=0.0)[None, :]  # the inverse rotation
+    rot = tl.reshape(tl.join(re * c - im * sn, re * sn + im * c), (BLOCK_H, D))
+    tl.store(ptrs, rot.to(tl.bfloat16), mask=hmask[:, None] & (dims >= NOPE)[None, :])
+
+
 @fast_launch
 @triton.jit
 def _sparse_attn_sink_kernel(

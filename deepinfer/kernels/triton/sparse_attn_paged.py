@@ -29,7 +29,8 @@ from deepinfer.kernels.official_fused import paged_rows
 from deepinfer.kernels.triton.kv_pack import e8m0_value, kv_decode
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
-                                                  attend_block, finish_heads, head_block, sparse_attn_sink_triton)
+                                                  attend_block, finish_heads, finish_heads_rope, head_block,
+                                                  sparse_attn_sink_triton)
 
 
 @triton.jit
@@ -67,14 +68,16 @@ def _paged_block(ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, idx_ptr, t, stride_
 @triton.jit
 def _sparse_attn_paged_kernel(
     q_ptr, ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, sink_ptr, idx_ptr, out_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, cos_ptr, sin_ptr,
     H, K, n_ring, scale, initial_max, chunk,
     stride_qt, stride_qh, stride_it, stride_ot, stride_oh,
     BPT: tl.constexpr, QDIM: tl.constexpr, SBLOCK: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
 ):
     """Program axis 2 = split s takes index columns [s * chunk, (s + 1) * chunk) in order. SPLIT False (one
-    split): the sink, bf16 out. SPLIT True: writes its online-softmax state (running max, sum, the
+    split): the sink, bf16 out (ROPE_HALF > 0: then the inverse RoPE of each head's last 2 ROPE_HALF
+    channels, `finish_heads_rope`). SPLIT True: writes its online-softmax state (running max, sum, the
     unnormalised fp32 acc) for `_combine_splits_kernel`."""
     t, heads, hmask, dims, q, run_max, run_sum, acc = head_block(q_ptr, H, stride_qt, stride_qh, initial_max, D,
                                                                   BLOCK_H)
@@ -88,14 +91,17 @@ def _sparse_attn_paged_kernel(
         tl.store(part_max_ptr + row, run_max, mask=hmask)
         tl.store(part_sum_ptr + row, run_sum, mask=hmask)
         tl.store(part_acc_ptr + row[:, None] * D + dims[None, :], acc, mask=hmask[:, None])
+    elif ROPE_HALF > 0:
+        finish_heads_rope(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh,
+                          cos_ptr, sin_ptr, D, BLOCK_H, ROPE_HALF)
     else:
         finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
 
 
 @fast_launch
 @triton.jit
-def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr, H, S,
-                           stride_ot, stride_oh, D: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, H, S,
+                           stride_ot, stride_oh, D: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_HALF: tl.constexpr):
     """Merge a row's S split states: M = the largest running max, every state rescaled by exp(m_s - M) and
     summed in split order, the sink in the denominator (exp(sink - M), as `finish_heads`). Split states start
     from a finite max (the launcher's max(initial_max, -1e30)), so a split whose columns are all -1 holds
@@ -114,7 +120,11 @@ def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, o
         w = tl.exp(tl.load(part_max_ptr + row, mask=hmask, other=-1e30) - big)
         acc += tl.load(part_acc_ptr + row[:, None] * D + dims[None, :], mask=hmask[:, None], other=0.0) * w[:, None]
         total += tl.load(part_sum_ptr + row, mask=hmask, other=0.0) * w
-    finish_heads(acc, big, total, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
+    if ROPE_HALF > 0:
+        finish_heads_rope(acc, big, total, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh, cos_ptr,
+                          sin_ptr, D, BLOCK_H, ROPE_HALF)
+    else:
+        finish_heads(acc, big, total, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
 
 
 def _fused(layout, d: int) -> bool:
@@ -176,7 +186,7 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
                                   sink: torch.Tensor, idx: torch.Tensor, scale: float,
                                   initial_max: float = float("-inf"), block_h: int | None = None,
                                   num_warps: int = 8, num_stages: int = 1,
-                                  chunk: int | None = None) -> torch.Tensor:
+                                  chunk: int | None = None, rope_table: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `official_fused.sparse_attn_sink_paged` (q [T, H, d] bf16, ring [slots, window, w],
     comp [rows, w] or None, idx [T, K] of ring-then-compressed rows, -1 = skip) -> [T, H, d] bf16.
     block_h / num_warps / num_stages / chunk (index columns per split, 0 = none; default `split_plan`):
@@ -184,7 +194,10 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     builds (no GPU needed, scripts/sass_sm90.py): the [64, d] tile is decoded in registers, so 4 warps spill
     (16 heads: 255 registers + 560 B of stack) where 8 do not (227 registers), and software pipelining
     (stages >= 2) stages the masked [64, d] byte and int16 tiles in shared memory: 246 KB at 16 heads, past
-    the 227 KB a block may have; one stage takes 147 KB."""
+    the 227 KB a block may have; one stage takes 147 KB.
+    rope_table: `rope.rope_table32`'s fp32 [2, T, half] of the tokens' positions: then each head's last
+    2 * half output channels are rotated back (the inverse RoPE) in the kernel's epilogue
+    (`sparse_attn_sink_paged_rope`)."""
     if q.dim() != 3 or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_attn_sink_paged: want q [T, H, d] and idx [T, K], got {tuple(q.shape)}, "
                          f"{tuple(idx.shape)}")
@@ -195,10 +208,17 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
         stored = paged_rows(ring, comp, idx)
         kv = stored if layout is None else kv_decode(layout, stored)
         pool_idx = torch.arange(T * K, device=idx.device, dtype=torch.int32).view(T, -1)
-        return sparse_attn_sink_triton(q, kv.reshape(-1, d), sink, torch.where(idx >= 0, pool_idx, -1), scale,
-                                       initial_max)
+        out = sparse_attn_sink_triton(q, kv.reshape(-1, d), sink, torch.where(idx >= 0, pool_idx, -1), scale,
+                                      initial_max)
+        return out if rope_table is None else _rotate_back(out, rope_table)
     _check_stores(ring, comp, layout)
     _check(q, None, sink, idx)
+    half = 0 if rope_table is None else rope_table.shape[-1]
+    if rope_table is not None and (rope_table.dtype != torch.float32 or tuple(rope_table.shape) != (2, T, half)
+                                   or not rope_table.is_contiguous() or 2 * half > d or half & (half - 1)):
+        raise ValueError(f"sparse_attn_sink_paged: rope_table {rope_table.dtype} {tuple(rope_table.shape)} is not "
+                         f"rope_table32's fp32 [2, {T}, half] (a power of two <= d/2 = {d // 2})")
+    cos, sin = (rope_table[0], rope_table[1]) if half else (sink, sink)  # (never read without ROPE_HALF)
     plan_h, plan_chunk = split_plan(T, K, H) if env.decode_attn_split() == "auto" else (_block_h(T, H), 0)
     chunk = plan_chunk if chunk is None else chunk
     if chunk < 0 or chunk % SPARSE_ATTN_BLOCK:
@@ -217,22 +237,55 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     # split states: [T, S, H] running max and sum, [T, S, H, d] unnormalised acc (unused without a split)
     part_max, part_sum = (torch.empty(T, S, H, **f32), torch.empty(T, S, H, **f32)) if split else (out, out)
     part_acc = torch.empty(T, S, H, d, **f32) if split else out
+    # the index rows as they come (int64 from the decode step's row ops; the kernel widens each to int64):
+    # no int32 copy, which was one more launch per layer on the decode step's main chain
+    idx_rows = idx if idx.dtype in (torch.int32, torch.int64) and idx.is_contiguous() else idx.to(torch.int32).contiguous()
     _sparse_attn_paged_kernel[(cdiv(H, bh), T, S)](
-        q, ring, comp, ring.view(torch.int16), comp.view(torch.int16), sink, idx.to(torch.int32).contiguous(), out,
-        part_acc, part_max, part_sum, H, K, ring.numel() // layout.bytes_per_token, float(scale),
+        q, ring, comp, ring.view(torch.int16), comp.view(torch.int16), sink, idx_rows, out,
+        part_acc, part_max, part_sum, cos, sin, H, K, ring.numel() // layout.bytes_per_token, float(scale),
         max(float(initial_max), -1e30) if split else float(initial_max),  # split states: finite (the combine's note)
         chunk if split else cdiv(K, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK,
         q.stride(0), q.stride(1), K, out.stride(0), out.stride(1),
         BPT=layout.bytes_per_token, QDIM=layout.quant_dim, SBLOCK=layout.block, D=d, BLOCK_H=bh,
-        BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=split, INTERPRET=_interpreting(), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=split, INTERPRET=_interpreting(), ROPE_HALF=half, num_warps=num_warps,
+        num_stages=num_stages)
     if split:
         _combine_splits_kernel[(cdiv(H, COMBINE_HEADS), T)](
-            part_acc, part_max, part_sum, sink, out, H, S, out.stride(0), out.stride(1), D=d, BLOCK_H=COMBINE_HEADS,
-            num_warps=4)
+            part_acc, part_max, part_sum, sink, out, cos, sin, H, S, out.stride(0), out.stride(1), D=d,
+            BLOCK_H=COMBINE_HEADS, ROPE_HALF=half, num_warps=4)
     return out
+
+
+def _rotate_back(out: torch.Tensor, rope_table: torch.Tensor) -> torch.Tensor:
+    """The inverse RoPE of `out`'s last 2 * half channels by the table alone (rope32 takes positions and
+    frequencies only to build a table it is given here)."""
+    from deepinfer.kernels.triton import rope
+
+    T, half = out.shape[0], rope_table.shape[-1]
+    dummy = torch.zeros(half, dtype=torch.float32, device=out.device)
+    return rope.rope32(out, torch.zeros(T, dtype=torch.long, device=out.device), dummy, True, table=rope_table,
+                       inplace=True)
+
+
+def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
+                                sink: torch.Tensor, idx: torch.Tensor, scale: float, positions: torch.Tensor,
+                                freqs: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+    """Op "sparse_attn_sink_paged_rope" (twin: `official_fused.sparse_attn_sink_paged_rope`): the decode
+    attention's output with the inverse RoPE of each head's tail at `positions` applied in the kernel's
+    epilogue (the unsplit kernel's or the split combine's): one launch less on the decode step's main chain.
+    `table`: `rope.rope_table32(positions, freqs)` or None (built here)."""
+    from deepinfer.kernels.triton import rope
+
+    if table is None:
+        table = rope.rope_table32(positions, freqs)
+    if table.shape[-1] != freqs.shape[0]:
+        raise ValueError(f"sparse_attn_sink_paged_rope: table {tuple(table.shape)} is not for {freqs.shape[0]} "
+                         f"frequencies")
+    return sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, rope_table=table)
 
 
 COMBINE_HEADS = 8  # heads per combine program: [8, 512] fp32 over 4 warps
 
 
-REGISTRATIONS = {"sparse_attn_sink_paged": sparse_attn_sink_paged_triton}
+REGISTRATIONS = {"sparse_attn_sink_paged": sparse_attn_sink_paged_triton,
+                 "sparse_attn_sink_paged_rope": sparse_attn_sink_paged_rope}
