@@ -30,7 +30,9 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def _inputs(case, device, seed):
-    from deepinfer.cache.layouts import KVLayout
+    from types import SimpleNamespace
+
+    from deepinfer.cache.layouts import get_layout
     from deepinfer.kernels import official
 
     B, nq, H, d, rd = case
@@ -42,7 +44,7 @@ def _inputs(case, device, seed):
     kvw = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
     pos = torch.randint(0, 100_000, (B,), generator=g)
     freqs = official.rope_freqs32(rd, 65536, 160000.0, 16.0, 32, 1)
-    layout = KVLayout("v4_fp8_ds_mla", d, "fp8_e8m0", 64, rd, align=8)
+    layout = get_layout("v4_fp8_ds_mla", SimpleNamespace(head_dim=d, rope_head_dim=rd, index_head_dim=128))
     n_rows = 4 * B + 3
     store = torch.randint(0, 256, (n_rows, layout.bytes_per_token), generator=g, dtype=torch.uint8)
     rows = torch.randperm(n_rows, generator=g)[:B]

@@ -12,9 +12,10 @@ shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention.
 `sparse_attn_sink_paged` (the official sparse attention over rows read straight from the stored window ring
 and compressed cache: gather, the layout's decode, `official.sparse_attn_sink_official`),
 `qkv_norm_rope_store` (after the attention's stacked wq_a | wkv projection at decode: the q LoRA's RMSNorm, and
-the KV's RMSNorm, RoPE and packed store into the window ring) and `head_rms_norm_rope` (the per-head q norm,
-then RoPE) and `sparse_attn_sink_paged_rope` (that attention, then the inverse RoPE of its output): exactly
-the ops `decode_attention` ran one by one.
+the KV's RMSNorm, RoPE and packed store into the window ring), `head_rms_norm_rope` (the per-head q norm,
+then RoPE), `sparse_attn_sink_paged_rope` (that attention, then the inverse RoPE of its output),
+`indexer_q_rotate` (the indexer query's RoPE, Hadamard and FP4 fake quantisation) and `index_key_rotate_store`
+(a new index key's RoPE, Hadamard and packed store): exactly the ops the attention paths ran one by one.
 Must not: hold state or import the model or the reference oracle; change a rounding point of the
 unfused sequence (the engine may call either and must get the same bits on CPU).
 """
@@ -27,7 +28,7 @@ from deepinfer.kernels import official, torch_ops
 
 __all__ = ["hc_pre_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
-           "sparse_attn_sink_paged_rope"]
+           "sparse_attn_sink_paged_rope", "indexer_q_rotate", "index_key_rotate_store"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -221,3 +222,20 @@ def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch
     `positions` (`table`: this device's `rope_table32` of them, or None): the decode attention's output."""
     o = sparse_attn_sink_paged(q, ring, comp, layout, sink, idx, scale)
     return official.rope32(o, positions, freqs, True, table=table, inplace=True)
+
+
+def indexer_q_rotate(q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+                     table: torch.Tensor | None) -> torch.Tensor:
+    """The indexer query q [T, heads, d] bf16: RoPE of each head's last 2 * len(freqs) channels at
+    `positions` (`table`: this device's `rope_table32` of them, or None), the Hadamard transform, the FP4
+    fake quantisation per 32 values: a new tensor."""
+    return fp4_fake_quant(official.hadamard32(official.rope32(q, positions, freqs, table=table)), 32)
+
+
+def index_key_rotate_store(entries: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+                           table: torch.Tensor | None, layout, store: torch.Tensor, rows: torch.Tensor,
+                           keep: torch.Tensor | None = None) -> None:
+    """New index keys entries [B, d] bf16: RoPE at `positions` (their blocks' first positions), the Hadamard
+    transform, and their layout bytes into store[rows] where keep (`kv_encode_into`)."""
+    rotated = official.hadamard32(official.rope32(entries, positions, freqs, table=table))
+    kv_encode_into(layout, rotated, store, rows, keep)

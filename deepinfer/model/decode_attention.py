@@ -61,14 +61,24 @@ def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: De
     if attn.has_indexer and which in ("both", "index"):
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
     for p, state, store, rotate, role in jobs:
-        entries = _compress_step(attn, p, state, x, rows, rr, rotate)
-        _store(attn, lc, role, entries, store, rr.new_row, rr.complete)  # only rows this token completes
+        entries = _compress_step(attn, p, state, x, rows, rr)
+        # RoPE at the blocks' first positions (their table once per step and ratio: both compressors of every
+        # layer of the ratio rotate the same positions by the same frequencies), then the store, only in the
+        # rows this token completes; the index keys are Hadamard-rotated before theirs (one op on cuda)
+        table = rope_table(attn, rows, rr.block_pos, of=("blocks", attn.ratio))
+        if rotate:
+            kernels.get("index_key_rotate_store", attn.kdev)(entries, rr.block_pos, attn.inv_freq, table,
+                                                             lc.layouts[role], store, rr.new_row, rr.complete)
+        else:
+            entries = kernels.get("rope32", attn.kdev)(entries, rr.block_pos, attn.inv_freq, table=table)
+            _store(attn, lc, role, entries, store, rr.new_row, rr.complete)
 
 
 def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.Tensor, rows: DecodeRows,
-                   rr: RatioRows, rotate: bool) -> torch.Tensor:
+                   rr: RatioRows) -> torch.Tensor:
     """Scatter the token's projections into its state slot, pool the current block of every row that completes
-    it -> entries [B, w] (0 where the block is not complete); shift the overlap state of completed rows.
+    it -> entries [B, w] before RoPE (0 where the block is not complete); shift the overlap state of completed
+    rows.
     `compress_decode_step`: one Triton kernel on cuda for everything between the two projection GEMMs and
     the RoPE (scatter, gather, pooling, shift, bf16 round, RMSNorm, bf16 round); on the CPU the torch ops
     this function ran before (bit-identical)."""
@@ -79,11 +89,7 @@ def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.
     kv, gate = project(lin, x, p)  # [B, c*w] each (one stacked GEMM); ape[p % r] is added inside the op
     entries = k("compress_decode_step")(kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions,
                                         rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
-    # the block positions' table once per step and ratio (both compressors of every layer of the ratio rotate
-    # the same positions by the same frequencies): 4 launches per call otherwise
-    table = rope_table(attn, rows, rr.block_pos, of=("blocks", attn.ratio))
-    entries = k("rope32")(entries, rr.block_pos, attn.inv_freq, table=table)
-    return k("hadamard32")(entries) if rotate else entries
+    return entries
 
 
 def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache) -> torch.Tensor:
@@ -95,14 +101,10 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     def k(name: str):
         return kernels.get(name, attn.kdev)
 
-    qlinear, rope32 = k("fp8_linear"), k("rope32")
+    qlinear = k("fp8_linear")
     lc = cache.layers[attn.layer]
     pos = rows.positions
     table = rope_table(attn, rows, pos)
-
-    def rope(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        # in place: every t here is the fresh output of the op before it (only the rope channels move)
-        return rope32(t, pos, attn.inv_freq, inverse, table=table, inplace=True)
 
     B = x.shape[0]
     q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
@@ -125,7 +127,7 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
 
     def indexer_query() -> torch.Tensor:  # [B, heads, ihd] bf16: rotated, Hadamard-mixed, FP4 fake-quantised
         q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, cfg.index_n_heads, cfg.index_head_dim)
-        return k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
+        return k("indexer_q_rotate")(q_idx, pos, attn.inv_freq, table)  # RoPE, Hadamard, FP4: one kernel on cuda
 
     def indexer_rows(q_idx: torch.Tensor, w_idx: torch.Tensor) -> torch.Tensor:
         """Score every entry straight from the packed key cache (cuda: one kernel; hidden entries -inf, never

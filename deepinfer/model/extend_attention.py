@@ -208,7 +208,7 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
             if attn.has_indexer:
                 ihd, nh = cfg.index_head_dim, cfg.index_n_heads
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(T, nh, ihd)
-                q_idx = k("fp4_fake_quant")(k("hadamard32")(rope(q_idx)), 32)
+                q_idx = k("indexer_q_rotate")(q_idx, pos, attn.inv_freq, table)  # RoPE, Hadamard, FP4 fake quant
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
                 select = _indexer_selection_batched if BATCH_SEQUENCES and len(ctx.seqs) > 1 else _indexer_selection
                 stored, comp_cols = select(attn, lc, ctx, rows, rr, q_idx, w_idx, base)

@@ -32,6 +32,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "grouped_proj",  # grouped_proj_fp8: the output LoRA on wo_a's FP8 bytes (expanded in registers at decode)
     "greedy",     # greedy_sample: the sampler's all-greedy step (token, raw logprob, rank) in one read of the logits
     "attn_norm_rope",  # qkv_norm_rope_store, head_rms_norm_rope: the decode attention's norms, RoPE and ring store
+    "indexer_rotate",  # indexer_q_rotate, index_key_rotate_store: the indexer's RoPE + Hadamard + FP4, one launch each
 )
 
 
