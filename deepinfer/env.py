@@ -120,6 +120,14 @@ def side_streams_enabled() -> bool:
     return os.environ.get("DEEPINFER_SIDE_STREAMS", "1") not in ("0", "false", "no")
 
 
+def attn_fusions_enabled() -> bool:
+    """DEEPINFER_ATTN_FUSIONS=0 makes the attention paths' fused Triton ops of 2026-12-05 (the nineteenth
+    session: `qkv_norm_rope_store`, `head_rms_norm_rope`, `sparse_attn_sink_paged_rope`, `indexer_q_rotate`,
+    `index_key_rotate_store`, `decode_select_rows`) run the separate kernels they replace, with the same
+    results: the A/B switch of their timing and a way back should one misbehave on a GPU. Default on."""
+    return os.environ.get("DEEPINFER_ATTN_FUSIONS", "1") not in ("0", "false", "no")
+
+
 def indexer_lanes_enabled() -> bool:
     """DEEPINFER_INDEXER_LANES=1 splits a decode step's indexer layers' side work over three side streams
     (the indexer's weights and the main compressor; the index-key compressor; the indexer's query, scores and

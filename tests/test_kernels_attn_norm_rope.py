@@ -109,6 +109,23 @@ def _check(device: str, plant: str = "") -> None:
         # the twin: torch's bf16 ops (the separate Triton head norm is up to 3 ulps off them here) and the polar table
         assert _rel(got_q, twin_q) <= 2e-2, ("head norm + rope vs the twin", case)
 
+    # DEEPINFER_ATTN_FUSIONS=0: the separate kernels, the same results (bit for bit under the interpreter)
+    import os
+
+    os.environ["DEEPINFER_ATTN_FUSIONS"] = "0"
+    try:
+        off_store = store.clone()
+        off_qr = k.qkv_norm_rope_store(q_lora, kv, qw, kvw, eps, pos, freqs, None, layout, off_store, rows)
+        off_q = k.head_rms_norm_rope(q, eps, pos, freqs, None)
+    finally:
+        del os.environ["DEEPINFER_ATTN_FUSIONS"]
+    on_store = store.clone()
+    on_qr = k.qkv_norm_rope_store(q_lora, kv, qw, kvw, eps, pos, freqs, None, layout, on_store, rows)
+    on_q = k.head_rms_norm_rope(q, eps, pos, freqs, None)
+    if device == "cpu":
+        assert torch.equal(off_qr, on_qr) and torch.equal(off_store, on_store) and torch.equal(off_q, on_q)
+    else:
+        assert _ulps(cpu(off_qr), cpu(on_qr)) <= 1 and _ulps(cpu(off_q), cpu(on_q)) <= 2
     with pytest.raises(ValueError, match="weights"):
         k.qkv_norm_rope_store(q_lora, kv, qw[:-1], kvw, eps, pos, freqs, None, layout, store.clone(), rows)
     with pytest.raises(ValueError, match="head_rms_norm_rope"):

@@ -181,6 +181,12 @@ for name, d, rope, T, H, win, k_sel in cases:
             assert not torch.equal(fused, plain), (name, T, chunk)  # the tail did rotate
         assert torch.equal(sparse_attn_sink_paged_rope(q, ring, comp, layout, sink, idx, scale, pos, freqs, None),
                            sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, rope_table=table))
+        import os  # DEEPINFER_ATTN_FUSIONS=0: the attention, then rope32
+        os.environ["DEEPINFER_ATTN_FUSIONS"] = "0"
+        off = sparse_attn_sink_paged_rope(q, ring, comp, layout, sink, idx, scale, pos, freqs, None)
+        del os.environ["DEEPINFER_ATTN_FUSIONS"]
+        plain = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale)
+        assert torch.equal(off, triton_rope.rope32(plain, pos, freqs, True, table=table))
         twin = official.rope32(sparse_attn_sink_paged(q.cpu(), ring.cpu(), comp.cpu(), layout, sink.cpu(), idx.cpu(),
                                                       scale), pos.cpu(), freqs.cpu(), True)
         print(f"  with the inverse RoPE: vs the twin {rel(fused, twin):.2e}")

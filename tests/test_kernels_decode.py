@@ -266,6 +266,13 @@ def _check_select_rows(device: str) -> None:
         got = decode_select_rows(*args, 4096)
         assert got.dtype == torch.int64 and torch.equal(got, want), (bsz, w, e, k)
         assert bsz == 1 or torch.all(got[0, w:] == -1)
+    import os  # DEEPINFER_ATTN_FUSIONS=0: the torch ops (the twin)
+
+    os.environ["DEEPINFER_ATTN_FUSIONS"] = "0"
+    try:
+        assert torch.equal(decode_select_rows(*args, 4096), want)
+    finally:
+        del os.environ["DEEPINFER_ATTN_FUSIONS"]
     with pytest.raises(ValueError, match="int64"):
         decode_select_rows(*[t.to(device) for t in (window, top.int(), visible, entry)], 0)
     with pytest.raises(ValueError, match="batch sizes differ"):

@@ -72,6 +72,19 @@ def _check(device: str, plant: str = "") -> None:
                                               cpu(keep))
         r = cpu(rows[keep])
         assert _rel(layout.load(cpu(out)[r]).float(), layout.load(twin_store[r]).float()) <= 0.1, ("keys vs twin", T)
+    import os  # DEEPINFER_ATTN_FUSIONS=0: the separate kernels, the same results
+
+    os.environ["DEEPINFER_ATTN_FUSIONS"] = "0"
+    try:
+        off_q = indexer_q_rotate(q, pos, freqs, None)
+        off_store = store.clone()
+        index_key_rotate_store(e, pos, freqs, None, layout, off_store, rows, keep)
+    finally:
+        del os.environ["DEEPINFER_ATTN_FUSIONS"]
+    on_store = store.clone()
+    index_key_rotate_store(e, pos, freqs, None, layout, on_store, rows, keep)
+    if device == "cpu":
+        assert torch.equal(off_q, indexer_q_rotate(q, pos, freqs, None)) and torch.equal(off_store, on_store)
     with pytest.raises(ValueError, match="indexer_q_rotate"):
         indexer_q_rotate(q, pos.repeat(2), freqs, None)
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels import official_fused
 from deepinfer.kernels.triton import kv_pack, norm_hc, rope
 from deepinfer.kernels.triton.act_quant import interpreting
@@ -123,7 +124,8 @@ def qkv_norm_rope_store(q_lora: torch.Tensor, kv: torch.Tensor, q_weight: torch.
                         f"{tuple(q_lora.shape)} / kv {tuple(kv.shape)}")
     if problems:
         raise ValueError("qkv_norm_rope_store: " + "; ".join(problems))
-    fused = (q_lora.dtype == kv.dtype == BF16 and _fused_window(layout, kv, half) and half & (half - 1) == 0
+    fused = (env.attn_fusions_enabled() and q_lora.dtype == kv.dtype == BF16 and _fused_window(layout, kv, half)
+             and half & (half - 1) == 0
              and q_lora.stride(1) == 1 and kv.stride(1) == 1 and store.dim() == 2 and store.is_contiguous()
              and store.dtype == torch.uint8 and store.shape[1] == layout.bytes_per_token)
     if table is None:
@@ -189,7 +191,7 @@ def head_rms_norm_rope(q: torch.Tensor, eps: float, positions: torch.Tensor, fre
     cos / sin of `positions`, or None). One launch for bf16 q; the separate ops otherwise."""
     if q.dtype == torch.float64 or (not q.is_cuda and not interpreting()):
         return official_fused.head_rms_norm_rope(q, eps, positions, freqs, table)
-    if q.dtype != BF16:  # the separate ops (head_rms_norm's twin path for other dtypes)
+    if q.dtype != BF16 or not env.attn_fusions_enabled():  # the separate ops
         return rope.rope32(norm_hc.head_rms_norm(q, eps), positions, freqs, table=table, inplace=True)
     half = freqs.shape[0]
     if q.dim() != 3 or positions.shape != (q.shape[0],) or 2 * half > q.shape[2] or half & (half - 1):

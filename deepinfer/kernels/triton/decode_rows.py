@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels.decode_rows import TABLE, decode_rows_torch, decode_select_rows_torch
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
@@ -118,7 +119,7 @@ def _select_rows_kernel(win_ptr, top_ptr, vis_ptr, entry_ptr, out_ptr, n_ring, W
 def decode_select_rows(window_rows: torch.Tensor, top: torch.Tensor, visible: torch.Tensor, entry_rows: torch.Tensor,
                        n_ring: int) -> torch.Tensor:
     """Same contract as `kernels.decode_rows.decode_select_rows_torch` (int64 tensors, unit column strides)."""
-    if not top.is_cuda and not interpreting():
+    if (not top.is_cuda and not interpreting()) or not env.attn_fusions_enabled():
         return decode_select_rows_torch(window_rows, top, visible, entry_rows, n_ring)
     problems = [f"{name} must be int64 [{shape}] with unit column stride, got {t.dtype} {tuple(t.shape)}"
                 for name, t, shape, dims in (("window_rows", window_rows, "B, W", 2), ("top", top, "B, K", 2),

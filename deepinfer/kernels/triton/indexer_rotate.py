@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels import official_fused
 from deepinfer.kernels.triton import hadamard, kv_pack, rope
 from deepinfer.kernels.triton.act_quant import interpreting
@@ -142,7 +143,7 @@ def indexer_q_rotate(q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tens
                          f"{tuple(positions.shape)}")
     half = freqs.shape[0]
     table = _table(positions, freqs, table, "indexer_q_rotate")
-    if not _geometry_ok(q, half):  # the separate kernels
+    if not _geometry_ok(q, half) or not env.attn_fusions_enabled():  # the separate kernels
         return fp4_fake_quant(hadamard.hadamard32(rope.rope32(q, positions, freqs, table=table)), FP4_BLOCK)
     T, H, d = q.shape
     x2 = q.reshape(T * H, d)
@@ -173,7 +174,7 @@ def index_key_rotate_store(entries: torch.Tensor, positions: torch.Tensor, freqs
     half = freqs.shape[0]
     table = _table(positions, freqs, table, "index_key_rotate_store")
     d = entries.shape[1]
-    fused = (_geometry_ok(entries, half) and fp4_codec_supported(layout) and layout.block == 32
+    fused = (env.attn_fusions_enabled() and _geometry_ok(entries, half) and fp4_codec_supported(layout) and layout.block == 32
              and layout.dim == d and store.is_contiguous())
     if not fused:
         rotated = hadamard.hadamard32(rope.rope32(entries, positions, freqs, table=table))

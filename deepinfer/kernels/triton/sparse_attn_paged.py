@@ -281,6 +281,8 @@ def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch
     if table.shape[-1] != freqs.shape[0]:
         raise ValueError(f"sparse_attn_sink_paged_rope: table {tuple(table.shape)} is not for {freqs.shape[0]} "
                          f"frequencies")
+    if not env.attn_fusions_enabled():  # the attention, then rope32 (DEEPINFER_ATTN_FUSIONS=0)
+        return _rotate_back(sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale), table)
     return sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, rope_table=table)
 
 
