@@ -93,21 +93,22 @@ def _check(device: str, plant: str = "") -> None:
         dec_got, dec_ops = layout.load(got_store[r]).float(), layout.load(ops_store[r]).float()
         step = dec_ops.abs() / 8 + dec_ops.abs().amax() * 2**-12  # one E4M3 step (3 mantissa bits), a floor
         assert same >= 0.99 and bool(((dec_got - dec_ops).abs() <= step).all()), ("ring rows", case, same)
-        # the twin rounds its sums of squares (torch's order: one bf16 ulp on many values, then E4M3 codes and
-        # block scales of their own) and rotates by a complex64 table (torch.polar, off cos / sin at large
-        # angles): measured 6.5% on the FP8 channels and 0.8% on the tail for the unfused ops alike
+        # the twin sums the squares in torch's order (on the GPU a one-ulp norm can move an E4M3 code or a
+        # block scale) and rotates by torch.polar's table; equal here at these shapes (the interpreter rounds
+        # as the GPU does, _INTERPRETER_FIXES)
         dec_twin = layout.load(twin_store[r]).float()
         q_dim = layout.quant_dim
-        assert _rel(dec_got[:, :q_dim], dec_twin[:, :q_dim]) <= 0.15, ("FP8 channels vs the twin", case)
-        assert _rel(dec_got[:, q_dim:], dec_twin[:, q_dim:]) <= 0.03, ("rope tail vs the twin", case)
+        assert _rel(dec_got[:, :q_dim], dec_twin[:, :q_dim]) <= 0.05, ("FP8 channels vs the twin", case)
+        assert _rel(dec_got[:, q_dim:], dec_twin[:, q_dim:]) <= 0.01, ("rope tail vs the twin", case)
 
         ops_q = cpu(rope.rope32(norm_hc.head_rms_norm(q, eps), pos, freqs, table=table, inplace=True))
         got_q = cpu(k.head_rms_norm_rope(q, eps, pos, got_freqs, None))
         assert got_q.shape == q.shape and _ulps(got_q, ops_q) <= 2, ("head norm + rope", case)
         assert (got_q != ops_q).float().mean().item() <= 0.01, ("head norm + rope: bits", case)
         twin_q = official_fused.head_rms_norm_rope(cpu(q), eps, cpu(pos), cpu(freqs), None)
-        # the twin: torch's bf16 ops (the separate Triton head norm is up to 3 ulps off them here) and the polar table
-        assert _rel(got_q, twin_q) <= 2e-2, ("head norm + rope vs the twin", case)
+        # the twin: torch's bf16 ops and torch.polar's table (measured here: equal at V4-Flash's shapes, 4.5e-3 at
+        # the small one, whose 128-channel heads are half rope)
+        assert _rel(got_q, twin_q) <= 1e-2, ("head norm + rope vs the twin", case)
 
     # DEEPINFER_ATTN_FUSIONS=0: the separate kernels, the same results (bit for bit under the interpreter)
     import os
@@ -134,7 +135,9 @@ def _check(device: str, plant: str = "") -> None:
 
 def _interpreted(plant: str = ""):
     pytest.importorskip("triton")
-    return run_interpreted(f"import test_kernels_attn_norm_rope as t\nt._check('cpu', {plant!r})\nprint('ok')",
+    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's roundings (RNE to bf16 / FP8) in the interpreter
+
+    return run_interpreted(_INTERPRETER_FIXES + f"import test_kernels_attn_norm_rope as t\nt._check('cpu', {plant!r})\nprint('ok')",
                            timeout=600)
 
 

@@ -47,7 +47,7 @@ def _check(device: str, plant: str = "") -> None:
         else:
             assert (got != ops).float().mean().item() <= 0.01 and _rel(got, ops) <= 0.05, ("query", T, H)
         twin = official_fused.indexer_q_rotate(cpu(q), cpu(pos), cpu(freqs), None)
-        assert _rel(cpu(got), twin) <= 0.1, ("query vs the twin", T, H, _rel(cpu(got), twin))
+        assert _rel(cpu(got), twin) <= 0.05, ("query vs the twin", T, H, _rel(cpu(got), twin))  # equal here
 
         n_rows = 3 * T + 2
         e = (torch.randn(T, D, generator=g) * 2).bfloat16().to(device)
@@ -71,7 +71,7 @@ def _check(device: str, plant: str = "") -> None:
         official_fused.index_key_rotate_store(cpu(e), cpu(pos), cpu(freqs), None, layout, twin_store, cpu(rows),
                                               cpu(keep))
         r = cpu(rows[keep])
-        assert _rel(layout.load(cpu(out)[r]).float(), layout.load(twin_store[r]).float()) <= 0.1, ("keys vs twin", T)
+        assert _rel(layout.load(cpu(out)[r]).float(), layout.load(twin_store[r]).float()) <= 0.05, ("keys vs twin", T)
     import os  # DEEPINFER_ATTN_FUSIONS=0: the separate kernels, the same results
 
     os.environ["DEEPINFER_ATTN_FUSIONS"] = "0"
@@ -91,7 +91,9 @@ def _check(device: str, plant: str = "") -> None:
 
 def _interpreted(plant: str = ""):
     pytest.importorskip("triton")
-    return run_interpreted(f"import test_kernels_indexer_rotate as t\nt._check('cpu', {plant!r})\nprint('ok')",
+    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's roundings (RNE to bf16 / FP8) in the interpreter
+
+    return run_interpreted(_INTERPRETER_FIXES + f"import test_kernels_indexer_rotate as t\nt._check('cpu', {plant!r})\nprint('ok')",
                            timeout=600)
 
 

@@ -3,7 +3,8 @@
 
 Owns: `hc_pre_fused` (hc mixes, Sinkhorn split, collapse, bf16 round, RMSNorm, bf16 round: exactly the
 steps `V4Block._hc_official` runs before a sublayer), `hc_head_fused` (the model head's collapse and final
-norm, exactly `V4EngineModel.logits`' steps before the head GEMM), `hc_post_fused` (hc_post rounded once to bf16), and
+norm, exactly `V4EngineModel.logits`' steps before the head GEMM), `hc_post_fused` (hc_post rounded once to bf16),
+`hc_post_pre_fused` (one sublayer's hc_post_fused, then the next one's hc_pre_fused), and
 `kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace),
 `moe_gate_sqrtsoftplus` (the V4 gate after its logits GEMM: sqrt-softplus, bias-only selection, top-k,
 renormalise, scale: exactly `V4MoE.route`'s ops), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
@@ -28,7 +29,8 @@ from deepinfer.kernels import official, torch_ops
 
 __all__ = ["hc_pre_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
-           "sparse_attn_sink_paged_rope", "indexer_q_rotate", "index_key_rotate_store"]
+           "sparse_attn_sink_paged_rope", "indexer_q_rotate", "index_key_rotate_store",
+           "hc_post_pre_fused"]
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -239,3 +241,13 @@ def index_key_rotate_store(entries: torch.Tensor, positions: torch.Tensor, freqs
     transform, and their layout bytes into store[rows] where keep (`kv_encode_into`)."""
     rotated = official.hadamard32(official.rope32(entries, positions, freqs, table=table))
     kv_encode_into(layout, rotated, store, rows, keep)
+
+
+def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                      fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor, hc: int,
+                      iters: int, hc_eps: float,
+                      norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sublayer's `hc_post_fused` (-> x, the new residual streams) followed by the next sublayer's
+    `hc_pre_fused` on x: (x, y, post, comb)."""
+    x = hc_post_fused(f, residual, post, comb)
+    return (x,) + hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps)

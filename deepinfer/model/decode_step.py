@@ -21,6 +21,7 @@ from deepinfer import env
 from deepinfer.model.context import SeqContext
 from deepinfer.model.decode_attention import decode_attention
 from deepinfer.model.decode_metadata import DecodeMetadata
+from deepinfer.model.v4 import resolved
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -31,10 +32,10 @@ def decode_hidden(model, ids: torch.Tensor, meta: DecodeMetadata) -> torch.Tenso
     table = model.p["embed.weight"]
     x = table[ids] if model.comm is None else model.comm.embed(table, ids)
     x = x.unsqueeze(1).repeat(1, model.cfg.hc_mult, 1)
-    for block in model.layers:
-        x = block._hc(x, "attn", lambda y, b=block: decode_attention(b.attn, y, rows, model.cache))
-        x = block._hc(x, "ffn", block.ffn, ids)
-    return x
+    for block in model.layers:  # each sublayer's hc_post runs inside the next one's hc_pre (PendingPost)
+        x = block._hc(x, "attn", lambda y, b=block: decode_attention(b.attn, y, rows, model.cache), defer=True)
+        x = block._hc(x, "ffn", block.ffn, ids, defer=True)
+    return resolved(x, model.kdev)
 
 
 def decode_logits(model, ids: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:

@@ -35,6 +35,25 @@ SUPPORTED_NUMERICS = ("exact", "official", "fast")
 REVISIONS = ("current", "initial")
 
 
+class PendingPost:
+    """A sublayer's output whose hc_post is not yet applied: the residual streams x = hc_post_fused(f,
+    residual, post, comb). The next sublayer's hc_pre takes it whole (op `hc_post_pre_fused`: on cuda the mix
+    kernel makes x's columns itself, one launch fewer per sublayer); `resolve` makes x (fast numerics only)."""
+
+    __slots__ = ("f", "residual", "post", "comb")
+
+    def __init__(self, f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+        self.f, self.residual, self.post, self.comb = f, residual, post, comb
+
+    def resolve(self, kdev: str) -> torch.Tensor:
+        return kernels.get("hc_post_fused", kdev)(self.f, self.residual, self.post, self.comb)
+
+
+def resolved(x: "torch.Tensor | PendingPost", kdev: str) -> torch.Tensor:
+    """x itself, or the residual streams a PendingPost stands for."""
+    return x.resolve(kdev) if isinstance(x, PendingPost) else x
+
+
 class V4Block:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig, official: bool = False,
                  shared_clamp: bool = True, fast: bool = False, comm=None) -> None:
@@ -43,11 +62,14 @@ class V4Block:
         self.attn = V4Attention(layer, _sub(params, "attn."), cfg, official, fast, comm)
         self.ffn = V4MoE(layer, _sub(params, "ffn."), cfg, shared_clamp, official, fast, comm)
 
-    def _hc(self, x: torch.Tensor, which: str, sub, *args) -> torch.Tensor:
-        """One hyper-connected sublayer: collapse the hc streams, norm, sublayer, mix back. x [T, hc, D]."""
+    def _hc(self, x: "torch.Tensor | PendingPost", which: str, sub, *args,
+            defer: bool = False) -> "torch.Tensor | PendingPost":
+        """One hyper-connected sublayer: collapse the hc streams, norm, sublayer, mix back. x [T, hc, D].
+        defer (fast numerics): return the mix-back as a PendingPost for the next sublayer's hc_pre to apply."""
         cfg, p = self.cfg, self.p
         if self.fast and "hc_pre_fused" in kernels.ops():
-            return self._hc_fused(x, which, sub, *args)
+            return self._hc_fused(x, which, sub, *args, defer=defer)
+        x = resolved(x, self.kdev)
         if self.official:
             return self._hc_official(x, which, sub, *args)
         mixes = kernels.get("hc_mix")(x, p[f"hc_{which}_fn"], cfg.norm_eps)
@@ -74,21 +96,30 @@ class V4Block:
         f = sub(y, *args).to(torch.float32)
         return k("hc_post")(f, xf, post, comb).to(torch.bfloat16)
 
-    def _hc_fused(self, x: torch.Tensor, which: str, sub, *args) -> torch.Tensor:
-        """`_hc_official` as two fused ops (fast numerics on a device: one kernel each side of the sublayer);
-        their torch twins run exactly `_hc_official`'s rounding points."""
+    def _hc_fused(self, x: "torch.Tensor | PendingPost", which: str, sub, *args,
+                  defer: bool = False) -> "torch.Tensor | PendingPost":
+        """`_hc_official` as fused ops (fast numerics on a device: one or two kernels each side of the
+        sublayer); their torch twins run exactly `_hc_official`'s rounding points. A PendingPost x (the
+        previous sublayer's deferred mix-back) goes through `hc_post_pre_fused` with this hc_pre."""
         cfg, p = self.cfg, self.p
-        y, post, comb = kernels.get("hc_pre_fused", self.kdev)(
-            x, p[f"hc_{which}_fn"], p[f"hc_{which}_scale"], p[f"hc_{which}_base"], p[f"{which}_norm.weight"],
-            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-        return kernels.get("hc_post_fused", self.kdev)(sub(y, *args), x, post, comb)
+        pre = (p[f"hc_{which}_fn"], p[f"hc_{which}_scale"], p[f"hc_{which}_base"], p[f"{which}_norm.weight"],
+               cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        if isinstance(x, PendingPost):
+            x, y, post, comb = kernels.get("hc_post_pre_fused", self.kdev)(x.f, x.residual, x.post, x.comb, *pre)
+        else:
+            y, post, comb = kernels.get("hc_pre_fused", self.kdev)(x, *pre)
+        pending = PendingPost(sub(y, *args), x, post, comb)
+        return pending if defer else pending.resolve(self.kdev)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext, cache: V4Cache,
-                 tap=None, name: str = "") -> torch.Tensor:
-        x = self._hc(x, "attn", self.attn, ctx, cache)
+    def __call__(self, x: "torch.Tensor | PendingPost", ids: torch.Tensor, ctx: ForwardContext, cache: V4Cache,
+                 tap=None, name: str = "", defer: bool = False) -> "torch.Tensor | PendingPost":
+        """defer (fast numerics, no tap): the block's last mix-back is returned as a PendingPost (and a
+        PendingPost x is taken), so each sublayer's hc_post runs inside the next one's hc_pre."""
+        defer = defer and self.fast and not tap
+        x = self._hc(x, "attn", self.attn, ctx, cache, defer=defer)
         if tap:
             tap(f"{name}.attn", x)
-        x = self._hc(x, "ffn", self.ffn, ids)
+        x = self._hc(x, "ffn", self.ffn, ids, defer=defer)
         if tap:
             tap(f"{name}.ffn", x)
         return x
@@ -150,9 +181,9 @@ class V4EngineModel:
         if tap:
             tap("embed", x)
         with self._extend_rows(ctx):  # fast numerics: the rows every layer reads, built once per step
-            for i, block in enumerate(self.layers):
-                x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}")
-        return x
+            for i, block in enumerate(self.layers):  # (defer: each hc_post inside the next hc_pre; not tapped)
+                x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}", defer=self.fast and not tap)
+        return resolved(x, self.kdev)
 
     def _extend_rows(self, ctx: ForwardContext):
         if not self.fast or not V4Attention.batched_extend:

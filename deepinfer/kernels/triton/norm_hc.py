@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels import official, official_fused, torch_ops
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
@@ -253,6 +254,61 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
         tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
 
 
+@fast_launch
+@triton.jit
+def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, ssq_ptr, T, D, KD,
+                                n_out, k_chunk, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
+                                BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_hc_mix_partial_kernel` whose x is made here: the previous sublayer's hc_post (`_hc_post_kernel`'s
+    arithmetic, post_k * f + sum over j of comb[j, k] * r_j in fp32, rounded to bf16) of the columns this
+    program reads, stored into x [T, HC * D] (every column by exactly one program) and used for the partials.
+    A step of BLOCK_K columns lies in one stream k (D % BLOCK_K == 0, checked by the launcher)."""
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    t64 = toks.to(tl.int64)
+    outs = tl.arange(0, BLOCK_O)
+    omask = outs < n_out
+    acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+    sq = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    k_lo = split * k_chunk
+    for k0 in range(0, k_chunk, BLOCK_K):
+        c0 = k_lo + k0
+        ks = c0 + tl.arange(0, BLOCK_K)
+        kmask = ks < KD
+        stream = c0 // D  # this step's output stream k
+        dd = ks - stream * D
+        m2 = tmask[:, None] & kmask[None, :]
+        f = tl.load(f_ptr + t64[:, None] * D + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        live = tmask & (c0 < KD)
+        post = tl.load(post_ptr + t64 * HC + stream, mask=live, other=0.0)
+        # sum over j in ascending order, one stream's [BLOCK_T, BLOCK_K] tile at a time (a [HC, ...] tile of
+        # all four spills at 16 x 128)
+        mixed = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+        for jj in tl.static_range(HC):
+            r = tl.load(r_ptr + t64[:, None] * (HC * D) + jj * D + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+            c = tl.load(comb_ptr + t64 * (HC * HC) + jj * HC + stream, mask=live, other=0.0)  # comb[t, j, k]
+            mixed += c[:, None] * r
+        x = (post[:, None] * f + mixed).to(tl.bfloat16)
+        tl.store(x_ptr + t64[:, None] * KD + ks[None, :], x, mask=m2)
+        w = tl.load(fn_ptr + outs[None, :] * KD + ks[:, None], mask=kmask[:, None] & omask[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+        hi, mid, lo = _bf16_split3(w)
+        if INTERPRET:
+            acc = tl.dot(xf, hi.to(tl.float32), acc)
+            acc = tl.dot(xf, mid.to(tl.float32), acc)
+            acc = tl.dot(xf, lo.to(tl.float32), acc)
+        else:
+            acc = tl.dot(x, hi, acc)
+            acc = tl.dot(x, mid, acc)
+            acc = tl.dot(x, lo, acc)
+    base = split.to(tl.int64) * T
+    tl.store(part_ptr + (base + toks)[:, None] * n_out + outs[None, :], acc, mask=tmask[:, None] & omask[None, :])
+    tl.store(ssq_ptr + base + toks, tl.sum(sq, axis=1), mask=tmask)
+
+
 def _check_hc_pre(x, fn, scale, base, norm_weight, hc):
     _need(x.dim() == 3 and x.shape[1] == hc, f"hc_pre: x must be [T, hc={hc}, D], got {tuple(x.shape)}")
     D = x.shape[2]
@@ -369,6 +425,57 @@ def _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_
         num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
 
 
+POST_MIX_MAX_T = 16  # the fused mix kernel's tokens: the decode plan's one token block. Its larger plans'
+# [64 | 128, 128] tiles spill in the sm_90 build (5 KB / 3.8 KB of stack a thread with hc_post's loads added;
+# scripts/sass_sm90.py), and a prefill's launch count does not bound it: they take the two ops
+POST_MIX_PLAN = dict(BLOCK_K=64, num_stages=2)  # and one step of 64 columns a program (SPLITS = hc * D / 64):
+# the decode plan's 128-column step spills with hc_post's loads (704 B a thread at 4 warps, 56-96 B at 8);
+# this one builds in 255 registers without (sm_90). The whole hc_pre op with 256 splits of 64 took 9.0 us at
+# T=1 against 8.9 for 128 of 128 on the H200 (results/hc_mix_h200_2026-12-05_s18.log)
+
+
+def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                      fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor, hc: int,
+                      iters: int, hc_eps: float, norm_eps: float,
+                      config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Op "hc_post_pre_fused" (twin `official_fused.hc_post_pre_fused`): one sublayer's hc_post and the next
+    sublayer's hc_pre -> (x [T, hc, D] bf16 the new residual streams, y, post, comb as `hc_pre_fused`). Two
+    launches where there were three at decode (up to POST_MIX_MAX_T tokens): the mix kernel makes the columns
+    of x it reads (`_hc_post_mix_partial_kernel`) instead of a separate hc_post pass writing them first."""
+    if _fallback(f, residual, post, comb):
+        return official_fused.hc_post_pre_fused(f, residual, post, comb, fn, scale, base, norm_weight, hc, iters,
+                                                hc_eps, norm_eps)
+    T, hc_r, D = residual.shape if residual.dim() == 3 else (0, 0, 0)
+    plan = mix_plan(T, hc * D, {**POST_MIX_PLAN, "SPLITS": max(1, hc * D // 64), **(config or {})}) if T else None
+    if (not env.attn_fusions_enabled() or residual.dtype != BF16 or f.dtype != BF16 or hc_r != hc or not T
+            or T > POST_MIX_MAX_T or D % plan["BLOCK_K"] or tuple(f.shape) != (T, D)):  # the two ops in turn
+        x = hc_post_fused(f, residual, post, comb)
+        return (x,) + tuple(hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps, config))
+    _need(tuple(post.shape) == (T, hc) and tuple(comb.shape) == (T, hc, hc),
+          f"hc_post_pre: want post [{T}, {hc}] and comb [{T}, {hc}, {hc}], got {tuple(post.shape)}, {tuple(comb.shape)}")
+    _check_hc_pre(residual, fn, scale, base, norm_weight, hc)
+    dev = residual.device
+    x = torch.empty(T, hc, D, dtype=BF16, device=dev)
+    y = torch.empty(T, D, dtype=BF16, device=dev)
+    post2 = torch.empty(T, hc, dtype=F32, device=dev)
+    comb2 = torch.empty(T, hc, hc, dtype=F32, device=dev)
+    KD, n_out, splits = hc * D, fn.shape[0], plan["SPLITS"]
+    part = torch.empty(splits, T, n_out, dtype=F32, device=dev)
+    ssq = torch.empty(splits, T, dtype=F32, device=dev)
+    _hc_post_mix_partial_kernel[(cdiv(T, plan["BLOCK_T"]), splits)](
+        f.contiguous(), residual.contiguous(), post.to(F32).contiguous(), comb.to(F32).contiguous(), x,
+        fn.to(F32).contiguous(), part, ssq, T, D, KD, n_out, plan["K_CHUNK"], HC=hc, BLOCK_T=plan["BLOCK_T"],
+        BLOCK_O=max(16, next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"], INTERPRET=_interpreting(),
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    block_d = next_power_of_2(D)
+    _hc_sinkhorn_collapse_kernel[(T, 2)](
+        part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
+        y, post2, comb2, T, D, splits, int(iters), float(hc_eps), float(norm_eps),
+        HC=hc, BLOCK_D=block_d, SP=max(2, next_power_of_2(splits)), HEAD=False,
+        num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
+    return x, y, post2, comb2
+
+
 def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                   norm_weight: torch.Tensor, hc_eps: float, norm_eps: float,
                   config: dict | None = None) -> torch.Tensor:
@@ -449,4 +556,5 @@ REGISTRATIONS = {
     "hc_head_fused": hc_head_fused,
     "hc_post": hc_post,
     "hc_post_fused": hc_post_fused,
+    "hc_post_pre_fused": hc_post_pre_fused,
 }
