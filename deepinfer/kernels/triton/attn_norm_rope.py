@@ -166,10 +166,7 @@ def _head_rms_norm_rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, n_rows, heads, 
     m = live[:, None] & (cols < NOPE)[None, :]
     m_all = live[:, None] & (cols < D)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m_all, other=0.0).to(tl.float32)
-    sq = (x * x).to(tl.bfloat16).to(tl.float32)
-    mean = (tl.sum(sq, axis=1) * (1.0 / D)).to(tl.bfloat16).to(tl.float32)
-    v = (mean + eps).to(tl.bfloat16).to(tl.float32)
-    r = tl.math.rsqrt(v).to(tl.bfloat16).to(tl.float32)
+    r = norm_hc.head_rms_factor(x, D, eps)  # the separate kernel's own arithmetic
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (x * r[:, None]).to(tl.bfloat16), mask=m)
     i = tl.arange(0, HALF)
     tok = rows // heads

@@ -112,11 +112,19 @@ def _head_rms_norm_kernel(x_ptr, out_ptr, n_rows, D, eps, stride_x, stride_o,
     cols = tl.arange(0, BLOCK_D)
     m = (rows < n_rows)[:, None] & (cols < D)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    r = head_rms_factor(x, D, eps)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (x * r[:, None]).to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def head_rms_factor(x, D, eps):
+    """The per-row factor of V4's per-head q norm for x [rows, BLOCK_D] fp32 (bf16 values, zeros past D):
+    the bf16 torch ops' roundings, the square per element, the fp32 sum times 1/D, + eps, rsqrt, each rounded
+    to bf16 -> [rows] fp32 (the caller multiplies and rounds). Shared with attn_norm_rope's fused kernel."""
     sq = (x * x).to(tl.bfloat16).to(tl.float32)
     mean = (tl.sum(sq, axis=1) * (1.0 / D)).to(tl.bfloat16).to(tl.float32)
     v = (mean + eps).to(tl.bfloat16).to(tl.float32)
-    r = tl.math.rsqrt(v).to(tl.bfloat16).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (x * r[:, None]).to(tl.bfloat16), mask=m)
+    return tl.math.rsqrt(v).to(tl.bfloat16).to(tl.float32)
 
 
 def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,6 +165,23 @@ def _bf16_split3(w):
     return hi, mid, lo
 
 
+@triton.jit
+def _mix_dots(x, w, acc, INTERPRET: tl.constexpr):
+    """acc += x @ w with fp32-matmul accuracy from bf16 tensor cores: w [BLOCK_K, BLOCK_O] fp32 in three exact
+    bf16 parts (`_bf16_split3`), x [BLOCK_T, BLOCK_K] bf16, every product exact."""
+    hi, mid, lo = _bf16_split3(w)
+    if INTERPRET:  # the CPU interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+        xf = x.to(tl.float32)
+        acc = tl.dot(xf, hi.to(tl.float32), acc)
+        acc = tl.dot(xf, mid.to(tl.float32), acc)
+        acc = tl.dot(xf, lo.to(tl.float32), acc)
+    else:
+        acc = tl.dot(x, hi, acc)
+        acc = tl.dot(x, mid, acc)
+        acc = tl.dot(x, lo, acc)
+    return acc
+
+
 @fast_launch
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chunk,
@@ -185,15 +210,7 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
         w = tl.load(fn_ptr + outs[None, :] * KD + ks[:, None], mask=kmask[:, None] & omask[None, :], other=0.0)
         xf = x.to(tl.float32)
         sq += xf * xf
-        hi, mid, lo = _bf16_split3(w)  # [BLOCK_K, BLOCK_O]: fn's tile transposed
-        if INTERPRET:  # the CPU interpreter's bf16 dot is wrong; fp32 operands give the same exact products
-            acc = tl.dot(xf, hi.to(tl.float32), acc)
-            acc = tl.dot(xf, mid.to(tl.float32), acc)
-            acc = tl.dot(xf, lo.to(tl.float32), acc)
-        else:
-            acc = tl.dot(x, hi, acc)
-            acc = tl.dot(x, mid, acc)
-            acc = tl.dot(x, lo, acc)
+        acc = _mix_dots(x, w, acc, INTERPRET)  # w [BLOCK_K, BLOCK_O]: fn's tile transposed
     base = split.to(tl.int64) * T
     tl.store(part_ptr + (base + toks)[:, None] * n_out + outs[None, :], acc, mask=tmask[:, None] & omask[None, :])
     tl.store(ssq_ptr + base + toks, tl.sum(sq, axis=1), mask=tmask)
@@ -295,15 +312,7 @@ def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr,
         w = tl.load(fn_ptr + outs[None, :] * KD + ks[:, None], mask=kmask[:, None] & omask[None, :], other=0.0)
         xf = x.to(tl.float32)
         sq += xf * xf
-        hi, mid, lo = _bf16_split3(w)
-        if INTERPRET:
-            acc = tl.dot(xf, hi.to(tl.float32), acc)
-            acc = tl.dot(xf, mid.to(tl.float32), acc)
-            acc = tl.dot(xf, lo.to(tl.float32), acc)
-        else:
-            acc = tl.dot(x, hi, acc)
-            acc = tl.dot(x, mid, acc)
-            acc = tl.dot(x, lo, acc)
+        acc = _mix_dots(x, w, acc, INTERPRET)  # w [BLOCK_K, BLOCK_O]: fn's tile transposed
     base = split.to(tl.int64) * T
     tl.store(part_ptr + (base + toks)[:, None] * n_out + outs[None, :], acc, mask=tmask[:, None] & omask[None, :])
     tl.store(ssq_ptr + base + toks, tl.sum(sq, axis=1), mask=tmask)
