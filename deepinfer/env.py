@@ -124,8 +124,8 @@ def attn_fusions_enabled() -> bool:
     """DEEPINFER_ATTN_FUSIONS=0 makes the attention paths' fused Triton ops of 2026-12-05 (the nineteenth
     session: `qkv_norm_rope_store`, `head_rms_norm_rope`, `sparse_attn_sink_paged_rope`, `indexer_q_rotate`,
     `index_key_rotate_store`, `decode_select_rows`, `hc_post_pre_fused`) run the separate kernels they replace,
-    with the same
-    results: the A/B switch of their timing and a way back should one misbehave on a GPU. Default on."""
+    with the same results: the A/B switch of their timing and a way back should one misbehave on a GPU.
+    Default on."""
     return os.environ.get("DEEPINFER_ATTN_FUSIONS", "1") not in ("0", "false", "no")
 
 

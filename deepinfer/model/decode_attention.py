@@ -60,12 +60,12 @@ def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: De
         jobs.append((attn.comp_p, lc.comp_state, lc.comp, False, "compressed"))
     if attn.has_indexer and which in ("both", "index"):
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
+    # RoPE at the blocks' first positions (their table once per step and ratio: both compressors of every layer
+    # of the ratio rotate the same positions by the same frequencies), then the store, only in the rows this
+    # token completes; the index keys are Hadamard-rotated before theirs (one op on cuda)
+    table = rope_table(attn, rows, rr.block_pos, of=("blocks", attn.ratio))
     for p, state, store, rotate, role in jobs:
         entries = _compress_step(attn, p, state, x, rows, rr)
-        # RoPE at the blocks' first positions (their table once per step and ratio: both compressors of every
-        # layer of the ratio rotate the same positions by the same frequencies), then the store, only in the
-        # rows this token completes; the index keys are Hadamard-rotated before theirs (one op on cuda)
-        table = rope_table(attn, rows, rr.block_pos, of=("blocks", attn.ratio))
         if rotate:
             kernels.get("index_key_rotate_store", attn.kdev)(entries, rr.block_pos, attn.inv_freq, table,
                                                              lc.layouts[role], store, rr.new_row, rr.complete)
@@ -87,9 +87,8 @@ def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.
 
     lin = k("linear_f32")  # the official fp32 matmul of the bf16 x and weights
     kv, gate = project(lin, x, p)  # [B, c*w] each (one stacked GEMM); ape[p % r] is added inside the op
-    entries = k("compress_decode_step")(kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions,
-                                        rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
-    return entries
+    return k("compress_decode_step")(kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions,
+                                     rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
 
 
 def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache) -> torch.Tensor:
@@ -178,7 +177,7 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
 
     # The compressors and the indexer need only x and qr, and the query path does not need them until the
     # attention: on CUDA they run on side streams beside it (model/side_stream.py); their cache writes
-    # (compressed entries, index keys) and the window write below touch different caches.
+    # (compressed entries, index keys) and the window write above touch different caches.
     with contextlib.ExitStack() as forks:  # every lane joined at the block's end
         branches = [forks.enter_context(forked(x.device, lane)) for lane in range(lanes)]
         if lanes > 1:

@@ -181,8 +181,8 @@ class V4EngineModel:
         if tap:
             tap("embed", x)
         with self._extend_rows(ctx):  # fast numerics: the rows every layer reads, built once per step
-            for i, block in enumerate(self.layers):  # (defer: each hc_post inside the next hc_pre; not tapped)
-                x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}", defer=self.fast and not tap)
+            for i, block in enumerate(self.layers):  # (defer: each hc_post inside the next hc_pre where it can)
+                x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}", defer=True)
         return resolved(x, self.kdev)
 
     def _extend_rows(self, ctx: ForwardContext):

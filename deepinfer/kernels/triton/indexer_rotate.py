@@ -26,7 +26,8 @@ from deepinfer import env
 from deepinfer.kernels import official_fused
 from deepinfer.kernels.triton import hadamard, kv_pack, rope
 from deepinfer.kernels.triton.act_quant import interpreting
-from deepinfer.kernels.triton.fp4_quant import BLOCK as FP4_BLOCK, _fp4_codes, fp4_codec_supported, fp4_fake_quant
+from deepinfer.kernels.triton.fp4_quant import (BLOCK as FP4_BLOCK, _fp4_codes, _fp4_value, fp4_codec_supported,
+                                                 fp4_fake_quant)
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 
 BF16 = torch.bfloat16
@@ -71,12 +72,7 @@ def _indexer_q_rotate_kernel(x_ptr, h_ptr, cos_ptr, sin_ptr, out_ptr, M, heads, 
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     s = (e << 23).to(tl.float32, bitcast=True)
     inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    mag = tl.minimum(tl.abs(yb * inv_s[:, :, None]), 6.0)
-    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-            + (mag > 5.0).to(tl.int32))
-    val = tl.where(code <= 4, code.to(tl.float32) * 0.5, tl.where(code == 5, 3.0, tl.where(code == 6, 4.0, 6.0)))
-    val = tl.where((yb < 0) & (code != 0), -val, val)
+    val = _fp4_value(_fp4_codes(yb, inv_s[:, :, None]))  # the codec's own code and value (a signed code is never 0)
     out = tl.reshape(val * s[:, :, None], (BM, D)).to(tl.bfloat16)
     k = tl.arange(0, D)
     tl.store(out_ptr + rows[:, None] * D + k[None, :], out, mask=live[:, None])

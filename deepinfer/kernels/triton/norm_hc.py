@@ -426,6 +426,13 @@ def _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_
     T, hc, D = x.shape
     plan = mix_plan(T, hc * D, config)
     part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
+    _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, head)
+
+
+def _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps,
+              head: bool = False) -> None:
+    """`_hc_sinkhorn_collapse_kernel` over the mix partials of `plan`: y (and, unless `head`, post / comb)."""
+    T, hc, D = x.shape
     block_d = next_power_of_2(D)
     _hc_sinkhorn_collapse_kernel[(T, 1 if head else 2)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
@@ -476,12 +483,7 @@ def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
         fn.to(F32).contiguous(), part, ssq, T, D, KD, n_out, plan["K_CHUNK"], HC=hc, BLOCK_T=plan["BLOCK_T"],
         BLOCK_O=max(16, next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"], INTERPRET=_interpreting(),
         num_warps=plan["num_warps"], num_stages=plan["num_stages"])
-    block_d = next_power_of_2(D)
-    _hc_sinkhorn_collapse_kernel[(T, 2)](
-        part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
-        y, post2, comb2, T, D, splits, int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_D=block_d, SP=max(2, next_power_of_2(splits)), HEAD=False,
-        num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
+    _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post2, comb2, iters, hc_eps, norm_eps)
     return x, y, post2, comb2
 
 

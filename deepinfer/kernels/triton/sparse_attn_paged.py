@@ -208,9 +208,11 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
         stored = paged_rows(ring, comp, idx)
         kv = stored if layout is None else kv_decode(layout, stored)
         pool_idx = torch.arange(T * K, device=idx.device, dtype=torch.int32).view(T, -1)
-        out = sparse_attn_sink_triton(q, kv.reshape(-1, d), sink, torch.where(idx >= 0, pool_idx, -1), scale,
-                                      initial_max)
-        return out if rope_table is None else _rotate_back(out, rope_table)
+        if rope_table is not None:
+            raise ValueError(f"sparse_attn_sink_paged: rope_table needs a layout the kernel decodes, got "
+                             f"{getattr(layout, 'name', layout)} (sparse_attn_sink_paged_rope rotates after)")
+        return sparse_attn_sink_triton(q, kv.reshape(-1, d), sink, torch.where(idx >= 0, pool_idx, -1), scale,
+                                       initial_max)
     _check_stores(ring, comp, layout)
     _check(q, None, sink, idx)
     half = 0 if rope_table is None else rope_table.shape[-1]
@@ -256,17 +258,6 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     return out
 
 
-def _rotate_back(out: torch.Tensor, rope_table: torch.Tensor) -> torch.Tensor:
-    """The inverse RoPE of `out`'s last 2 * half channels by the table alone (rope32 takes positions and
-    frequencies only to build a table it is given here)."""
-    from deepinfer.kernels.triton import rope
-
-    T, half = out.shape[0], rope_table.shape[-1]
-    dummy = torch.zeros(half, dtype=torch.float32, device=out.device)
-    return rope.rope32(out, torch.zeros(T, dtype=torch.long, device=out.device), dummy, True, table=rope_table,
-                       inplace=True)
-
-
 def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
                                 sink: torch.Tensor, idx: torch.Tensor, scale: float, positions: torch.Tensor,
                                 freqs: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
@@ -281,8 +272,9 @@ def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch
     if table.shape[-1] != freqs.shape[0]:
         raise ValueError(f"sparse_attn_sink_paged_rope: table {tuple(table.shape)} is not for {freqs.shape[0]} "
                          f"frequencies")
-    if not env.attn_fusions_enabled():  # the attention, then rope32 (DEEPINFER_ATTN_FUSIONS=0)
-        return _rotate_back(sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale), table)
+    if not env.attn_fusions_enabled() or not _fused(layout, q.shape[-1]):  # the attention, then rope32
+        o = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale)
+        return rope.rope32(o, positions, freqs, True, table=table, inplace=True)
     return sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, rope_table=table)
 
 
