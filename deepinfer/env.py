@@ -137,6 +137,14 @@ def indexer_lanes_enabled() -> bool:
     return os.environ.get("DEEPINFER_INDEXER_LANES", "0") in ("1", "true", "yes")
 
 
+def linear_cluster_split() -> bool:
+    """DEEPINFER_LINEAR_CLUSTER_SPLIT=1: the mma.sync decode form of op fp8_linear adds its split-K partials
+    inside the kernel, the S split CTAs of a tile being one thread-block cluster (kernels/cuda/fp8_linear_mma.cu,
+    CLUSTER_SPLIT: the same bits, one launch instead of the GEMM and fp8_gemm._split_sum_kernel). Off by default
+    until the H200 has run its test and timed it (written 2026-12-05 without a device)."""
+    return os.environ.get("DEEPINFER_LINEAR_CLUSTER_SPLIT", "0") in ("1", "true", "yes")
+
+
 def fused_greedy_enabled() -> bool:
     """DEEPINFER_FUSED_GREEDY=0 makes the sampler take its general path (log_softmax, argmax, gather, rank)
     for all-greedy steps too, instead of op greedy_sample (sampling/sampler.py; for A/B runs); default on."""

@@ -35,7 +35,7 @@ import triton
 
 from deepinfer import formats
 from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight, fp4_moe_torch, fp8_linear_torch
-from deepinfer.kernels.triton.fp4_moe import (EXPANSIONS, SMALL_ROUTING_SLOTS, align_by_expert,
+from deepinfer.kernels.triton.fp4_moe import (SMALL_ROUTING_SLOTS, align_by_expert,
                                              align_by_expert_small, fp4_moe)
 from deepinfer.kernels.triton.fp8_gemm import fp8_linear
 

@@ -16,7 +16,8 @@ GPU (`-m gpu`, fresh random inputs, outputs poisoned with NaN: every element mus
   V4-Flash decode shapes, M in 1, 3, 8, 16, blocks 128 / act 128 and
   32 / 32: rel_err <= 3e-4 (fp8_linear's "bf16" form bound, tests/test_kernels_fp8_linear.py) and >= 99% of
   the outputs within 1 bf16 ulp (only fp32 summation order differs);
-* CUDA-graph replay == eager bit for bit (split and unsplit plans).
+* CUDA-graph replay == eager bit for bit (split and unsplit plans);
+* the cluster split (the split CTAs add their partials in the kernel) == the separate ordered sum, bit for bit.
 """
 from __future__ import annotations
 
@@ -93,6 +94,12 @@ def test_launcher_rejects_bad_inputs_before_launching():
         fp8_linear_partials(x, w, torch.zeros(4, 3, n))
     with pytest.raises(ValueError, match="split 3 must divide K=512"):
         fp8_linear_partials(x, w, torch.zeros(3, 3, n))
+    with pytest.raises(ValueError, match="cluster_split must be 1..16, got 32"):
+        fp8_linear_partials(x, w, out, cluster_split=32)
+    with pytest.raises(ValueError, match="cluster_split 3 must divide the tile's 1024 outputs"):
+        fp8_linear_partials(x, w, out, cluster_split=3)
+    with pytest.raises(ValueError, match="K per split 128 must be a multiple of 128 x STAGES 2"):
+        fp8_linear_partials(x, w, out, cluster_split=4)
 
 
 def test_launcher_refuses_scales_outside_the_exact_expansion():
@@ -155,7 +162,8 @@ def test_source_compiles_for_sm90_where_nvrtc_is_installed():
     from deepinfer.kernels.cuda.fp8_linear_mma import SOURCE
     from test_cuda_runtime import compile_configs
 
-    compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": split_out} for cfg in TILE_CONFIGS for split_out in (0, 1)])
+    compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": split_out} for cfg in TILE_CONFIGS for split_out in (0, 1)]
+                    + [{**cfg, "SPLIT_OUT": 0, "CLUSTER_SPLIT": s} for cfg in TILE_CONFIGS[:2] for s in (2, 16)])
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -256,6 +264,37 @@ def test_op_matches_twin_v4_flash_decode_shapes(n, k, block):
                   f"{within:.4%} within 1 ulp, max {int(ulps.max())} ulps")
             assert got is out and bool(torch.isfinite(got).all()), (m, config, "unwritten or non-finite outputs")
             assert rel <= 3e-4 and within >= 0.99, (m, config, rel, within)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(MT=1, WARPS=8, STAGES=2), dict(MT=2, WARPS=4, STAGES=2)], ids=_cfg_id)
+def test_cluster_split_is_the_separate_sum_bit_for_bit(cfg):
+    """The split CTAs of a tile adding their partials as a thread-block cluster (CLUSTER_SPLIT) give the
+    bits of the separate fixed-order sum (fp32 partials + _split_sum_kernel), for every split 2..16 (16: a
+    non-portable cluster), 1..13 rows (two row groups), N not a multiple of the tile's rows; every output
+    written (poisoned with NaN); under graph replay too."""
+    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_partials
+    from deepinfer.kernels.triton.fp8_gemm import fp8_linear
+    from test_kernels_gemm import assert_replay_is_eager
+
+    dev = _cuda()
+    for block, n, k in ((128, 1000, 4096), (32, 520, 2048)):
+        w = _random_fp8_weight(n, k, block, block, dev)
+        for m in (1, 3, 8, 13):
+            x = _activation(m, k, dev)
+            for split in (2, 4, 8, 16):
+                if (k // split) % (128 * cfg["STAGES"]):
+                    continue
+                config = {**cfg, "SPLIT_K": split}
+                want = fp8_linear(x, w, {**config, "CLUSTER": False}, mma="sync")
+                out = torch.full((m, n), float("nan"), dtype=BF16, device=dev)
+                got = fp8_linear_partials(x, w, out, cfg, cluster_split=split)
+                same = int((got.view(torch.int16) == want.view(torch.int16)).sum())
+                print(f"cluster {_cfg_id(cfg)} block={block} N={n} M={m} S={split}: {same} of {m * n} outputs the same bits")
+                assert same == m * n, (cfg, block, m, split, same)
+        x = _activation(5, k, dev)
+        assert_replay_is_eager(lambda: fp8_linear(x, w, {**cfg, "SPLIT_K": 16, "CLUSTER": True}, mma="sync"),
+                               f"fp8_linear sync cluster S=16 block={block}")
 
 
 @pytest.mark.gpu

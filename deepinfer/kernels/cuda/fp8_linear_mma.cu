@@ -31,8 +31,19 @@
 // bf16 at K step*128 + 32t + 8q .. + 8, so the warp's read of one q is 512 contiguous bytes (no bank conflict).
 //
 // Compile-time constants (-D): MT m16 tiles per warp, WARPS warps per CTA, STAGES register pipeline depth,
-// SPLIT_OUT (1: fp32 partials out[z, m, n]; 0: bf16 out[m, n]).
+// SPLIT_OUT (1: fp32 partials out[z, m, n]; 0: bf16 out[m, n]), CLUSTER_SPLIT (S > 1: the S CTAs of a tile
+// are one thread-block cluster and add their partials themselves, bf16 out[m, n]; 0: no cluster).
 // Launch: grid (ceil(M / 8), ceil(N / (16 MT WARPS)), S), block 32 WARPS.
+//
+// Split-K inside the kernel (CLUSTER_SPLIT = S): at decode a split's partial sum is a whole launch's worth
+// of latency to add up afterwards (fp8_gemm._split_sum_kernel: ~1.9 us + a launch gap per projection on the
+// H200, 2026-12-05). Instead the S split CTAs of a tile form a cluster (sm_90, compile-time cluster dims
+// (1, 1, S): grid.z = S, so a CTA's rank in its cluster is its split z). Each CTA leaves its fp32 partial of
+// the 8 x 16 MT WARPS tile in its own shared memory; after a cluster barrier, rank r adds up element slice r
+// of the tile over every CTA's shared memory (distributed shared memory), in the fixed order z = 0, 1, ...,
+// S - 1 (the order of _split_sum_kernel: the same bits), and writes bf16; a second barrier keeps every
+// CTA's shared memory alive until the last read of it. S = 16 is a non-portable cluster size: the launcher
+// allows it on the function (cuFuncSetAttribute) before the first launch.
 // Requires (the launcher checks): k_split % (128 STAGES) == 0; block and act_block in (32, 128) (a step's
 // 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
 
@@ -50,11 +61,34 @@
 #ifndef SPLIT_OUT
 #define SPLIT_OUT 1
 #endif
+#ifndef CLUSTER_SPLIT
+#define CLUSTER_SPLIT 0
+#endif
+#define TILE_ROWS (16 * MT * WARPS)
+#define TILE_CELLS (8 * TILE_ROWS)  // outputs of a CTA's tile: 8 tokens x TILE_ROWS weight rows
 #define TOKENS 8
 // steps of 128 K quantised into shared memory at once: <= 1024 K (16 KB for 8 rows), whole pipeline rounds
 #define CHUNK_STEPS ((8 / STAGES) * STAGES)
 
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
+static_assert(CLUSTER_SPLIT == 0 || (!SPLIT_OUT && CLUSTER_SPLIT >= 2 && CLUSTER_SPLIT <= 16
+              && TILE_CELLS % CLUSTER_SPLIT == 0), "CLUSTER_SPLIT: 2..16 dividing the tile, bf16 out only");
+
+#if CLUSTER_SPLIT
+// all threads of every CTA of the cluster: memory before it is visible to the cluster after it
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// the fp32 at this CTA's shared address `local` in the shared memory of cluster rank `rank`
+__device__ __forceinline__ float ld_cluster(u32 local, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#endif
 
 struct Stage {
     uint4 w[MT][2][2];  // E4M3 codes of rows g and g + 8 of each m16 tile: 32 K each, as two uint4
@@ -130,6 +164,9 @@ __device__ __forceinline__ void quantise_chunk(uint4* xs, const u16* __restrict_
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
+#if CLUSTER_SPLIT
+__cluster_dims__(1, 1, CLUSTER_SPLIT)
+#endif
 fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
                const u8* __restrict__ w, i64 stride_wn, const float* __restrict__ ws, i64 stride_wsn,
                void* __restrict__ out, i64 stride_os, i64 stride_om, int N, int k_split, int block, int act_block) {
@@ -145,7 +182,7 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
 
     // the lane's weight rows: g and g + 8 of each m16 tile (clamped to N - 1: loads stay in bounds, their
     // outputs are not stored); the tile's scale row from its first row (a tile never straddles a block)
-    const int row0 = blockIdx.y * (16 * MT * WARPS) + warp * (16 * MT);
+    const int row0 = blockIdx.y * TILE_ROWS + warp * (16 * MT);
     const u8* w_ptr[MT][2];
     const float* s_ptr[MT];
 #pragma unroll
@@ -213,6 +250,35 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
     }
 
     // C fragment: c0 / c1 = row g, tokens 2t / 2t + 1; c2 / c3 = row g + 8
+#if CLUSTER_SPLIT
+    __shared__ float part[TILE_CELLS];  // this split's partial, [token][tile row]
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int rl = warp * (16 * MT) + 16 * m + g + 8 * h;
+            part[(2 * t) * TILE_ROWS + rl] = acc[m][2 * h];
+            part[(2 * t + 1) * TILE_ROWS + rl] = acc[m][2 * h + 1];
+        }
+    }
+    cluster_barrier();  // every split's partial is in its CTA's shared memory
+    {
+        constexpr int SLICE = TILE_CELLS / CLUSTER_SPLIT;
+        for (int i = threadIdx.x; i < SLICE; i += 32 * WARPS) {
+            const int c = blockIdx.z * SLICE + i;
+            const int r = blockIdx.y * TILE_ROWS + c % TILE_ROWS, tok = m0 + c / TILE_ROWS;
+            if (r >= N || tok >= M) continue;
+            const u32 local = static_cast<u32>(__cvta_generic_to_shared(&part[c]));
+            float sum = ld_cluster(local, 0);
+#pragma unroll
+            for (int z = 1; z < CLUSTER_SPLIT; ++z) sum += ld_cluster(local, z);
+            u16 v;
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(sum));
+            ((u16*)out)[(i64)tok * stride_om + r] = v;
+        }
+    }
+    cluster_barrier();  // no CTA leaves (freeing its shared memory) while another still reads it
+#else
     const int tok0 = m0 + 2 * t, tok1 = tok0 + 1;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -234,4 +300,5 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
 #endif
         }
     }
+#endif
 }

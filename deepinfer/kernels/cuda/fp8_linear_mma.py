@@ -2,9 +2,10 @@
 
 `fp8_linear_partials(x, w, out, config=None, scale_max_exp=None)`: x bf16 [M, K] (raw activations: the
 official act_quant per w.act_block is fused into the kernel), w a `QuantLinearWeight` (E4M3 [N, K], fp32
-pow2 block scales, block 128 or 32). `out` says the form: bf16 [M, N] -> the finished output (one launch,
-S = 1); fp32 [S, M, N] -> S partial sums over K / S each (split-K: the caller adds them in a fixed order,
-e.g. fp8_gemm._split_sum_kernel; this module does not import triton).
+pow2 block scales, block 128 or 32). `out` says the form: bf16 [M, N] -> the finished output (one launch:
+S = 1, or S = `cluster_split` > 1 splits of K that a thread-block cluster adds up inside the kernel, in the
+fixed order of the separate sum: the same bits); fp32 [S, M, N] -> S partial sums over K / S each (split-K:
+the caller adds them in a fixed order, e.g. fp8_gemm._split_sum_kernel; this module does not import triton).
 `plan(m, n, k, sms, config)`: tiles (MT, WARPS, STAGES: `DEFAULT_TILES`) and the split count SPLIT_K.
 The op wrapper (allocation, plan, the ordered split sum) is fp8_gemm.fp8_linear(..., mma="sync").
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.cuda import runtime
 from deepinfer.kernels.cuda.runtime import CudaKernel
 from deepinfer.kernels.quant_weights import E4M3_EXPANSION_EXP_MAX, QuantLinearWeight, check_e4m3_expansion
 
@@ -31,14 +33,22 @@ DEFAULT_TILES = dict(MT=1, WARPS=8, STAGES=2)  # H200 2026-12-02 (benchmarks/ben
 # s2 69.2, MT2 w4 s4 75.5; the Triton bf16 form 75.8), 65.2 at M=8 (Triton 77.0)
 _SIGNATURE = "pliplplplliiii"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
 #                                k_split, block, act_block (p pointer, l int64, i int32)
-_KERNELS: dict[tuple[int, int, int, int], CudaKernel] = {}
+MAX_CLUSTER_SPLIT = 16  # the largest (non-portable) thread-block cluster of sm_90
+_KERNELS: dict[tuple[int, int, int, int, int], CudaKernel] = {}
 
 
-def kernel(mt: int, warps: int, stages: int, split_out: bool) -> CudaKernel:
-    key = (mt, warps, stages, int(split_out))
+def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int = 0) -> CudaKernel:
+    """The kernel for these tiles: fp32 partials out (split_out), bf16 out from one CTA per tile
+    (cluster_split 0), or bf16 out from a cluster of `cluster_split` split CTAs per tile."""
+    key = (mt, warps, stages, int(split_out), cluster_split)
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_mma", _SIGNATURE,
-                                   dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out)))
+        defines = dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out))
+        attributes = {}
+        if cluster_split:
+            defines["CLUSTER_SPLIT"] = cluster_split
+            if cluster_split > 8:  # beyond the portable cluster size: allowed per function
+                attributes[runtime.FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED] = 1
+        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_mma", _SIGNATURE, defines, attributes=attributes)
     return _KERNELS[key]
 
 
@@ -88,8 +98,9 @@ def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
 
 
 def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, config: dict | None = None,
-                        scale_max_exp: int | None = None) -> torch.Tensor:
-    """Launch the kernel into `out` (bf16 [M, N]: S = 1; fp32 [S, M, N]: S partials) and return it."""
+                        scale_max_exp: int | None = None, cluster_split: int = 1) -> torch.Tensor:
+    """Launch the kernel into `out` (bf16 [M, N]: S = cluster_split, added up inside the kernel when > 1;
+    fp32 [S, M, N]: S partials) and return it."""
     cfg = tiles(config)
     problems = []
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) % 8:
@@ -115,7 +126,11 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
             problems.append(f"out must be fp32 [S, {m}, {n}] (partials) or bf16 [{m}, {n}] with unit column stride, "
                             f"got {out.dtype} {tuple(out.shape)}")
     else:
-        split = 1
+        split = cluster_split
+        if not 1 <= split <= MAX_CLUSTER_SPLIT:
+            problems.append(f"cluster_split must be 1..{MAX_CLUSTER_SPLIT}, got {split}")
+        elif split > 1 and (TOKENS * rows_per_cta(cfg)) % split:
+            problems.append(f"cluster_split {split} must divide the tile's {TOKENS * rows_per_cta(cfg)} outputs")
         if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(-1) != 1:
             problems.append(f"out must be bf16 [{m}, {n}] or fp32 [S, {m}, {n}] (partials) with unit column stride, "
                             f"got {out.dtype} {tuple(out.shape)}")
@@ -134,7 +149,8 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
     if m == 0 or n == 0:
         return out
     grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
-    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3).launch(
+    cluster = split if out.dim() == 2 and split > 1 else 0
+    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3, cluster).launch(
         grid, (32 * cfg["WARPS"], 1, 1),
         (x, x.stride(0), m, data, data.stride(0), scale, scale.stride(0), out,
          out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block),

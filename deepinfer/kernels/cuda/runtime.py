@@ -40,6 +40,7 @@ import torch
 _STRUCT_CODES = {"p": "Q", "i": "i", "l": "q", "f": "f", "m": "128s"}
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE, _LAUNCH_PARAM_END = 1, 2, 0
+FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute: clusters of 9..16 CTAs (sm_90)
 
 
 class CudaRuntimeError(RuntimeError):
@@ -299,10 +300,11 @@ class CudaKernel:
     """One `extern "C" __global__` function of a .cu file in this package; compiled and loaded per device on
     first use. `defines`: -D options (compile-time constants: each distinct set is its own cubin); `arch_suffix`
     "a" compiles for the architecture-specific target (sm_90a: wgmma, setmaxnreg), which runs only on that
-    exact architecture."""
+    exact architecture. `attributes`: {CUfunction_attribute: value} set on the function when it is loaded
+    (e.g. NON_PORTABLE_CLUSTER_SIZE_ALLOWED for a compile-time cluster of more than 8 CTAs)."""
 
     def __init__(self, source_name: str, function: str, signature: str, defines: dict[str, int] | None = None,
-                 arch_suffix: str = ""):
+                 arch_suffix: str = "", attributes: dict[int, int] | None = None):
         bad = set(signature) - set(_STRUCT_CODES)
         if bad:
             raise ValueError(f"CudaKernel {function}: unknown signature codes {sorted(bad)}; known {sorted(_STRUCT_CODES)}")
@@ -316,6 +318,7 @@ class CudaKernel:
         self._packers: dict[int, struct.Struct] = {}  # per device: from the loaded function's parameter offsets
         self._pointer_args = tuple(i for i, c in enumerate(signature) if c == "p")
         self.options = tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
+        self.attributes = dict(attributes or {})
         self._functions: dict[int, ctypes.c_void_p] = {}
         self._shared_limit: dict[int, int] = {}  # dynamic shared memory allowed per device (48 KB until raised)
         self._modules: dict[int, ctypes.c_void_p] = {}
@@ -346,6 +349,9 @@ class CudaKernel:
                 fn = ctypes.c_void_p()
                 _check_cu(drv.cuModuleGetFunction(ctypes.byref(fn), module, self.function.encode()),
                           f"cuModuleGetFunction({self.function})")
+                for attribute, value in self.attributes.items():
+                    _check_cu(drv.cuFuncSetAttribute(fn, int(attribute), int(value)),
+                              f"cuFuncSetAttribute({self.function}, {attribute}, {value})")
             layout = _param_layout(fn, len(self.signature))
             if layout is None and "m" in self.signature:
                 raise CudaRuntimeError(f"{self.function}: its tensor-map parameters need the driver's parameter "

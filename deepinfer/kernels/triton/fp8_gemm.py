@@ -314,12 +314,19 @@ def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
 
 def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
     """fp8_linear through the mma.sync CUDA kernel (act_quant fused, exact products, fp32 sums): one launch
-    when S = 1, else fp32 partials and `_split_sum_kernel` (the same fixed-order sum as the Triton forms)."""
+    when S = 1 or the split CTAs add their partials as a cluster (config CLUSTER, else
+    DEEPINFER_LINEAR_CLUSTER_SPLIT), else fp32 partials and `_split_sum_kernel` (the same fixed-order sum as
+    the Triton forms, so every way gives the same bits)."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
+
+    from deepinfer import env
 
     m, k = x.shape
     cfg = sync.plan(m, w.out_features, k, sm_count(x.device), config)
-    return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), cfg["SPLIT_K"], out)
+    split = cfg["SPLIT_K"]
+    if split > 1 and bool((config or {}).get("CLUSTER", env.linear_cluster_split())):
+        return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
+    return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out)
 
 
 def _partials_then_sum(launch, split: int, out: torch.Tensor) -> torch.Tensor:
