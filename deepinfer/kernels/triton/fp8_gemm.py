@@ -78,6 +78,8 @@ FUSED_ACT_MAX_M = 64  # M up to this: act_quant fused into the GEMM; above: one 
 WGMMA_MIN_M, WGMMA_MAX_M = 17, 256  # rows "auto" runs on the wgmma CUDA kernel where it can (sm_90, its weight
 # checks): the swap form's regime, which it replaces (H200 sweep: BENCHMARKS.md, scripts/bench_gemm_kernels.py
 # --batch-wgmma)
+WGMMA_CLUSTER_MAX = 8  # split CTAs the wgmma kernel adds up as one cluster: its CTAs fill an SM each (200 KB
+# ring), and a cluster must fit one GPC, some of which have fewer than 16 SMs; 16 splits keep the separate sum
 
 
 @triton.jit
@@ -354,17 +356,24 @@ def _wgmma_usable(w: QuantLinearWeight, device: torch.device) -> bool:
 
 def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
     """fp8_linear through the wgmma CUDA kernel: one act_quant pass into its operand order, the GEMM (one
-    launch when S = 1, else fp32 partials and `_split_sum_kernel`, the same fixed-order sum as every form)."""
+    launch when S = 1 or, up to WGMMA_CLUSTER_MAX splits, the split CTAs add their partials as a cluster
+    (config CLUSTER, else DEEPINFER_LINEAR_CLUSTER_SPLIT); else fp32 partials and `_split_sum_kernel`: the same
+    fixed-order sum, the same bits, either way)."""
     from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
     from deepinfer.kernels.triton.act_quant import act_quant_wgmma
 
     if (config or {}).get("DIAG"):
         raise ValueError("fp8_linear wgmma form: DIAG is a benchmark diagnostic (parts of the kernel alone, garbage "
                          "out: benchmarks/bench_linear_wgmma_parts.py), not a plan the op runs")
+    from deepinfer import env
+
     m, k = x.shape
     cfg = wg.plan(m, w.out_features, k, sm_count(x.device), config)
     a = act_quant_wgmma(x, w.act_block)
-    return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), cfg["SPLIT_K"], out)
+    split = cfg["SPLIT_K"]
+    if 1 < split <= WGMMA_CLUSTER_MAX and bool((config or {}).get("CLUSTER", env.linear_cluster_split())):
+        return wg.fp8_linear_partials(a, w, out, cfg, cluster=True)  # the partials added in the kernel
+    return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), split, out)
 
 
 def _batch_form() -> str:
