@@ -1,7 +1,7 @@
 """fp8_linear at decode rows (M = 1..8): the Triton bf16 form against the mma.sync CUDA kernel
 (kernels/cuda/fp8_linear_mma.cu) and its tiles, on the V4-Flash layer's projection shapes (128x128 blocks).
 
-    PYTHONPATH=$PWD python benchmarks/bench_linear_sync.py [--ms 1,4,8]
+    PYTHONPATH=$PWD python benchmarks/bench_linear_sync.py [--ms 1,4,8] [--variants 'split sum,cluster sum']
 
 Each row: CUDA-graph replay of one call per weight copy, over enough copies (>= 4x the L2 in all) that the
 weights come from HBM as in a decode step; time per call, the weight bytes (E4M3 + scales) over it (GB/s),
@@ -28,7 +28,11 @@ SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1", 4096, 2048)
           ("wkv", 4096, 512), ("shared w2", 2048, 4096), ("index wq_b", 1024, 8192))  # (name, K, N)
 VARIANTS = (("triton bf16", "bf16", None), ("sync MT2 w4 s2", "sync", None), ("sync MT1 w4 s2", "sync", {"MT": 1}),
             ("sync MT2 w4 s4", "sync", {"STAGES": 4}), ("sync MT1 w8 s2", "sync", {"MT": 1, "WARPS": 8}),
-            ("sync MT4 w4 s2", "sync", {"MT": 4}), ("sync MT2 w4 s2 split/2", "sync", "half"))
+            ("sync MT4 w4 s2", "sync", {"MT": 4}), ("sync MT2 w4 s2 split/2", "sync", "half"),
+            # the default tiles with the split-K partials summed by a separate kernel / by the cluster (2026-12-05)
+            ("sync split sum", "sync", {"CLUSTER": False}), ("sync cluster sum", "sync", {"CLUSTER": True}),
+            # the batched-decode form (17..256 rows: --ms 32,128), likewise
+            ("wgmma split sum", "wgmma", {"CLUSTER": False}), ("wgmma cluster sum", "wgmma", {"CLUSTER": True}))
 
 
 def weights(n: int, k: int, copies: int, dev) -> list[QuantLinearWeight]:
@@ -41,7 +45,11 @@ def weights(n: int, k: int, copies: int, dev) -> list[QuantLinearWeight]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,4,8")
+    ap.add_argument("--variants", default="", help="comma-separated substrings: only the variants whose label "
+                    "has one (e.g. 'split sum,cluster sum'); default all but the wgmma ones")
     args = ap.parse_args()
+    wanted = [v for v in args.variants.split(",") if v]
+    variants = [v for v in VARIANTS if (any(w in v[0] for w in wanted) if wanted else v[1] != "wgmma")]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 60 << 20)
@@ -54,7 +62,7 @@ def main() -> None:
         for m in (int(v) for v in args.ms.split(",")):
             x = (torch.randn(m, k, device=dev) * torch.exp(torch.randn(m, 1, device=dev))).to(torch.bfloat16)
             want = fp8_linear_torch(x, ws[0])
-            for label, mma, config in VARIANTS:
+            for label, mma, config in variants:
                 cfg = config
                 if config == "half":
                     from deepinfer.kernels.cuda.fp8_linear_mma import plan
