@@ -273,11 +273,13 @@ def test_cluster_split_is_the_separate_sum_bit_for_bit(cfg):
     bits of the separate fixed-order sum (fp32 partials + _split_sum_kernel), for every split 2..16 (16: a
     non-portable cluster), 1..13 rows (two row groups), N not a multiple of the tile's rows; every output
     written (poisoned with NaN); under graph replay too."""
-    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_partials
+    from deepinfer.kernels.cuda.fp8_linear_mma import cluster_fits, fp8_linear_partials, tiles
     from deepinfer.kernels.triton.fp8_gemm import fp8_linear
     from test_kernels_gemm import assert_replay_is_eager
 
     dev = _cuda()
+    for split in (2, 16):  # several CTAs an SM: even 16 of them fit a GPC
+        assert cluster_fits(13, 4096, {**tiles(cfg), "SPLIT_K": split}, dev), split
     for block, n, k in ((128, 1000, 4096), (32, 520, 2048)):
         w = _random_fp8_weight(n, k, block, block, dev)
         for m in (1, 3, 8, 13):

@@ -52,6 +52,16 @@ def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int
     return _KERNELS[key]
 
 
+def cluster_fits(m: int, n: int, cfg: dict, device: torch.device) -> bool:
+    """The cluster form of plan `cfg` (its SPLIT_K CTAs of a tile one cluster) can be resident on `device`:
+    at least one such cluster fits a GPC at the CTAs' registers and shared memory (asked of the driver once
+    per launch shape; a launch that cannot fit would fail, so the op adds the partials separately)."""
+    split = cfg["SPLIT_K"]
+    k = kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], False, split)
+    grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
+    return k.max_active_clusters(grid, (32 * cfg["WARPS"], 1, 1), device) > 0
+
+
 def tiles(config: dict | None = None) -> dict:
     cfg = dict(DEFAULT_TILES)
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})

@@ -44,6 +44,16 @@ def kernel(cfg: dict, split_out: bool, cluster_split: int = 0) -> CudaKernel:
     return _KERNELS[key]
 
 
+def cluster_fits(m: int, n: int, cfg: dict, device: torch.device) -> bool:
+    """The cluster form of plan `cfg` (its SPLIT_K CTAs of a tile one cluster, one CTA an SM) can be resident
+    on `device`: the driver's cuOccupancyMaxActiveClusters, once per launch shape (a 16-CTA cluster needs 16
+    free SMs of one GPC; a launch that cannot fit would fail, so the op adds the partials separately)."""
+    split = cfg["SPLIT_K"]
+    grid = (-(-m // cfg["BT"]), -(-n // rows_per_cta(cfg)), split)
+    return kernel(cfg, False, split).max_active_clusters(grid, (128 * cfg["CWG"] + 32, 1, 1), device,
+                                                          shared=smem_bytes(cfg)) > 0
+
+
 def rows_per_cta(cfg: dict) -> int:
     return 64 * cfg["CWG"]
 

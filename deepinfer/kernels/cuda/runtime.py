@@ -296,6 +296,15 @@ def packer_for_layout(signature: str, layout: list[tuple[int, int]], function: s
     return struct.Struct("".join(fields))
 
 
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (CUDA 12): the launch shape cuOccupancyMaxActiveClusters asks about (no attributes: the
+    kernels here fix their cluster shape at compile time)."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("numAttrs", ctypes.c_uint)]
+
+
 class CudaKernel:
     """One `extern "C" __global__` function of a .cu file in this package; compiled and loaded per device on
     first use. `defines`: -D options (compile-time constants: each distinct set is its own cubin); `arch_suffix`
@@ -321,6 +330,7 @@ class CudaKernel:
         self.attributes = dict(attributes or {})
         self._functions: dict[int, ctypes.c_void_p] = {}
         self._shared_limit: dict[int, int] = {}  # dynamic shared memory allowed per device (48 KB until raised)
+        self._clusters: dict[tuple, int] = {}  # max_active_clusters per (device, grid, block, shared)
         self._modules: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
 
@@ -361,6 +371,26 @@ class CudaKernel:
             self._modules[index] = module
             self._functions[index] = fn
             return fn
+
+    def max_active_clusters(self, grid: tuple[int, int, int], block: tuple[int, int, int], device: torch.device,
+                            shared: int = 0) -> int:
+        """Clusters of this (compile-time clustered) kernel that can be resident at once on `device` for this
+        launch shape (cuOccupancyMaxActiveClusters): 0 means a launch would fail (the cluster does not fit one
+        GPC at the CTAs' resource use), so the caller takes an unclustered form. Cached per shape."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, tuple(grid), tuple(block), shared)
+        if key not in self._clusters:
+            fn = self._function(device)
+            if shared > 48 * 1024 and self._shared_limit.get(index, 48 * 1024) < shared:
+                _check_cu(_driver().cuFuncSetAttribute(fn, 8, int(shared)), f"cuFuncSetAttribute({self.function})")
+                self._shared_limit[index] = shared
+            config = _LaunchConfig(*grid, *block, shared, None, None, 0)
+            count = ctypes.c_int()
+            with torch.cuda.device(index):
+                _check_cu(_driver().cuOccupancyMaxActiveClusters(ctypes.byref(count), fn, ctypes.byref(config)),
+                          f"cuOccupancyMaxActiveClusters({self.function})")
+            self._clusters[key] = count.value
+        return self._clusters[key]
 
     def prepare(self, device: torch.device) -> None:
         """Compile and load for `device` now (before a CUDA-graph capture: loading a module inside one fails)."""

@@ -326,7 +326,8 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     m, k = x.shape
     cfg = sync.plan(m, w.out_features, k, sm_count(x.device), config)
     split = cfg["SPLIT_K"]
-    if split > 1 and bool((config or {}).get("CLUSTER", env.linear_cluster_split())):
+    if split > 1 and bool((config or {}).get("CLUSTER", env.linear_cluster_split())) \
+            and sync.cluster_fits(m, w.out_features, cfg, x.device):
         return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
     return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out)
 
@@ -371,7 +372,8 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     cfg = wg.plan(m, w.out_features, k, sm_count(x.device), config)
     a = act_quant_wgmma(x, w.act_block)
     split = cfg["SPLIT_K"]
-    if 1 < split <= WGMMA_CLUSTER_MAX and bool((config or {}).get("CLUSTER", env.linear_cluster_split())):
+    if 1 < split <= WGMMA_CLUSTER_MAX and bool((config or {}).get("CLUSTER", env.linear_cluster_split())) \
+            and wg.cluster_fits(m, w.out_features, cfg, x.device):
         return wg.fp8_linear_partials(a, w, out, cfg, cluster=True)  # the partials added in the kernel
     return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), split, out)
 
