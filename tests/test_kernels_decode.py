@@ -1,6 +1,7 @@
 """Kernels of the fast decode step that are not GEMMs or attention, against their torch twins in
 `kernels/official_fused.py`: the V4 MoE gate (`moe_gate_sqrtsoftplus`: sqrt-softplus, biased top-k,
-renormalise, scale in one Triton kernel; the twin is exactly `V4MoE.route`'s sequence of torch ops) and the
+renormalise, scale in one Triton kernel; the twin is exactly `V4MoE.route`'s sequence of torch ops), the hash
+layers' gate (`moe_gate_hash_sqrtsoftplus`: the token id's table row, its experts' scores renormalised) and the
 indexer q's FP4 fake quantisation (`fp4_fake_quant`) and the FP4 index-key codec (`fp4_kv_encode` /
 `fp4_kv_decode` vs `KVLayout.store` / `.load`), bit for bit: also checked under TRITON_INTERPRET on the CPU
 when triton is installed, since their GPU tests have not run yet.
@@ -37,6 +38,29 @@ def test_gate_twin_is_the_route_formula():
     torch.testing.assert_close(w.sum(-1), torch.full((7,), 2.5), rtol=1e-6, atol=0)
 
 
+def test_hash_gate_twin_is_the_route_formula():
+    """The hash layers' gate: the table row's experts in its order, their sqrt-softplus scores renormalised
+    and scaled (V4MoE.route's lines for a hash layer), for int32 and int64 tables."""
+    from deepinfer.kernels.official_fused import moe_gate_hash_sqrtsoftplus
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 64, generator=g) * 6
+    logits[0, :3] = torch.tensor([25.0, -40.0, 0.0])
+    table = torch.stack([torch.randperm(64, generator=g)[:6] for _ in range(100)])
+    ids = torch.tensor([0, 99, 7, 7, 42])
+    logits[0, table[0, 0]] = 25.0  # a picked logit past the softplus threshold
+    for tab in (table, table.int()):
+        w, idx = moe_gate_hash_sqrtsoftplus(logits, tab, ids, 2.5)
+        scores = F.softplus(logits).sqrt()
+        want = scores.gather(1, table[ids])
+        assert idx.dtype == torch.int64 and torch.equal(idx, table[ids])
+        assert torch.equal(w, want / want.sum(-1, keepdim=True) * 2.5)
+    with pytest.raises(ValueError, match="ids \\[T\\]"):
+        moe_gate_hash_sqrtsoftplus(logits, table, ids[:3], 1.0)
+    with pytest.raises(ValueError, match="integer tid2eid"):
+        moe_gate_hash_sqrtsoftplus(logits, table.float(), ids, 1.0)
+
+
 def test_gate_rejects_bad_shapes():
     with pytest.raises(ValueError, match="topk"):
         moe_gate_sqrtsoftplus(torch.zeros(2, 8), torch.zeros(8), 9, 1.0)
@@ -59,6 +83,23 @@ def test_gate_triton_matches_its_twin(T, E, k):
     torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0)
     with pytest.raises(ValueError, match="fp32"):
         gate_triton(logits.half(), bias, k, 1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k", [(1, 256, 6), (128, 256, 6), (5, 384, 8)])
+def test_hash_gate_triton_matches_its_twin(T, E, k):
+    from deepinfer.kernels.official_fused import moe_gate_hash_sqrtsoftplus as twin
+    from deepinfer.kernels.triton.moe_gate import moe_gate_hash_sqrtsoftplus as gate_triton
+
+    g = torch.Generator(device="cuda").manual_seed(T * 1000 + E)
+    logits = torch.randn(T, E, device="cuda", generator=g) * 4
+    table = torch.argsort(torch.rand(1000, E, device="cuda", generator=g), dim=-1)[:, :k].int()
+    ids = torch.randint(0, 1000, (T,), device="cuda", generator=g)
+    logits[0, table[ids[0], 0]] = 30.0  # past the softplus threshold
+    w, idx = gate_triton(logits, table, ids, 1.5)
+    w_ref, idx_ref = twin(logits, table, ids, 1.5)
+    assert idx.dtype == torch.int64 and torch.equal(idx, idx_ref)
+    torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0)
 
 
 # ------------------------------------------------------------------------------------- FP4 fake quant
@@ -118,13 +159,23 @@ for shape, scale in [((2, 4, 128), 1.0), ((3, 64), 1e-3), ((1, 96), 40.0)]:
         a, b = fp4_fake_quant(v), twin(v)
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (shape, v.dtype)
 t._check_fp4_codec("cpu", subnormal_scales=False)
+from deepinfer.kernels.triton.moe_gate import moe_gate_hash_sqrtsoftplus as hash_gate
+from deepinfer.kernels.official_fused import moe_gate_hash_sqrtsoftplus as hash_twin
+logits = torch.randn(9, 256, generator=g) * 4
+logits[0, :2] = torch.tensor([30.0, -50.0])
+table = torch.stack([torch.randperm(256, generator=g)[:6] for _ in range(50)]).int()
+table[3, :2] = torch.tensor([0, 1])  # token 3 picks the threshold / underflow logits of row 0
+ids = torch.tensor([3, 0, 49, 7, 7, 12, 3, 40, 1])
+(w, idx), (w_ref, idx_ref) = hash_gate(logits, table, ids, 1.5), hash_twin(logits, table, ids, 1.5)
+assert idx.dtype == torch.int64 and torch.equal(idx, idx_ref)
+torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0)
 print("ok")
 """
 
 
 def test_fp4_triton_kernels_are_their_twins_under_the_interpreter():
-    """fp4_fake_quant and the FP4 index-key codec run by TRITON_INTERPRET on the CPU (a fresh process: the
-    flag is read at import)."""
+    """fp4_fake_quant, the FP4 index-key codec and the hash layers' gate run by TRITON_INTERPRET on the CPU
+    (a fresh process: the flag is read at import)."""
     pytest.importorskip("triton")
     from interpreted import run_interpreted
 

@@ -7,7 +7,8 @@ norm, exactly `V4EngineModel.logits`' steps before the head GEMM), `hc_post_fuse
 `hc_post_pre_fused` (one sublayer's hc_post_fused, then the next one's hc_pre_fused), and
 `kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace),
 `moe_gate_sqrtsoftplus` (the V4 gate after its logits GEMM: sqrt-softplus, bias-only selection, top-k,
-renormalise, scale: exactly `V4MoE.route`'s ops), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
+renormalise, scale: exactly `V4MoE.route`'s ops) and `moe_gate_hash_sqrtsoftplus` (the hash layers' gate:
+the experts from the token-id table, their sqrt-softplus scores renormalised and scaled), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
 `compress_decode_step` (one decode token per row through a compressor: state scatter, block pooling, overlap
 shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention._compress_step` ran),
 `sparse_attn_sink_paged` (the official sparse attention over rows read straight from the stored window ring
@@ -27,7 +28,8 @@ import torch
 from deepinfer import formats
 from deepinfer.kernels import official, torch_ops
 
-__all__ = ["hc_pre_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus", "fp4_fake_quant",
+__all__ = ["hc_pre_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus",
+           "moe_gate_hash_sqrtsoftplus", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
            "sparse_attn_sink_paged_rope", "indexer_q_rotate", "index_key_rotate_store",
            "hc_post_pre_fused"]
@@ -109,6 +111,23 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
                          f"{tuple(bias.shape)}, topk {topk}")
     scores = torch.nn.functional.softplus(logits).sqrt()
     indices = (scores + bias).topk(topk, dim=-1).indices
+    weights = scores.gather(1, indices)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * route_scale, indices
+
+
+def moe_gate_hash_sqrtsoftplus(logits: torch.Tensor, tid2eid: torch.Tensor, ids: torch.Tensor,
+                               route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hash layer's gate: logits [T, E] fp32, tid2eid [vocab, k] (integer expert ids per token id), ids [T]
+    -> (weights [T, k] fp32, indices [T, k] int64): the experts the token id's row names, in its order, their
+    sqrt(softplus) scores renormalised to sum 1, times route_scale (spec §3.9; no bias, no top-k)."""
+    if logits.dim() != 2 or tid2eid.dim() != 2 or ids.dim() != 1 or ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"moe_gate_hash: logits [T, E], tid2eid [vocab, k], ids [T]; got {tuple(logits.shape)}, "
+                         f"{tuple(tid2eid.shape)}, {tuple(ids.shape)}")
+    if tid2eid.dtype.is_floating_point or ids.dtype.is_floating_point:
+        raise ValueError(f"moe_gate_hash: integer tid2eid and ids expected, got {tid2eid.dtype}, {ids.dtype}")
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    indices = tid2eid[ids].long()
     weights = scores.gather(1, indices)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * route_scale, indices

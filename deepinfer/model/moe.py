@@ -57,8 +57,11 @@ class V4MoE:
             logits = kernels.get("linear_f32", self.kdev)(x, self.p["gate.weight"])
         else:
             logits = (x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T
-        if self.fast and not self.hash and cfg.score_func == "sqrtsoftplus":
+        if self.fast and cfg.score_func == "sqrtsoftplus":
             # one op for the rest (one Triton kernel on cuda); its cpu twin is exactly the lines below
+            if self.hash:
+                return kernels.get("moe_gate_hash_sqrtsoftplus", self.kdev)(logits, self.p["gate.tid2eid"], ids,
+                                                                            cfg.route_scale)
             return kernels.get("moe_gate_sqrtsoftplus", self.kdev)(logits, self.p["gate.bias"], self.topk,
                                                                    cfg.route_scale)
         if cfg.score_func == "softmax":

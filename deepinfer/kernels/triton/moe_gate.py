@@ -1,15 +1,16 @@
 """Triton V4 MoE gate after its logits GEMM: the CUDA twin of `official_fused.moe_gate_sqrtsoftplus`.
 
 Owns: `moe_gate_sqrtsoftplus(logits, bias, topk, route_scale)`. One program per token row: sqrt(softplus)
-scores (torch's softplus: x above 20 passes through, else log1p(exp(x)) by Kahan's
-correction; IEEE sqrt), the top-k of the biased
+scores (`_sqrt_softplus`: torch's softplus, IEEE sqrt), the top-k of the biased
 scores by k rounds of max + lowest index of the max (descending, as torch.topk returns them), the unbiased
 scores of those experts renormalised and scaled. On torch this is ~9 kernels (softplus, sqrt, add, topk,
 gather, sum, div, mul + the index cast); here one.
 Numerics: the renormalising sum of the k weights is a tree sum (tl.sum), torch's is sequential: the weights
 may differ in the last bit; the indices are the same unless two biased scores tie exactly.
-Must not: run the logits GEMM (cuBLAS does it better at every T), handle hash routing (its indices come
-from a table) or be imported off CUDA (imports triton).
+Also `moe_gate_hash_sqrtsoftplus(logits, tid2eid, ids, route_scale)`, the hash layers' gate (the first
+n_hash_layers: the experts come from the token id's row of a table): one program per token reads the k
+table entries and only those k logits (six torch ops and an index cast before).
+Must not: run the logits GEMM (cuBLAS does it better at every T) or be imported off CUDA (imports triton).
 """
 from __future__ import annotations
 
@@ -20,6 +21,31 @@ import triton.language as tl
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 
 
+@triton.jit
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)) as torch computes it: x above 20 passes through, else log1p(exp(x)) by Kahan's
+    correction (libdevice's log1p has no TRITON_INTERPRET twin); IEEE sqrt."""
+    u = tl.exp(x)
+    v = 1.0 + u
+    lp = tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
+    return tl.sqrt_rn(tl.where(x > 20.0, x, lp))
+
+
+@fast_launch
+@triton.jit
+def _hash_gate_kernel(logits_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, stride_t, stride_tid, route_scale,
+                      K: tl.constexpr, K_P2: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, K_P2)
+    kmask = kk < K
+    tid = tl.load(ids_ptr + t).to(tl.int64)
+    e = tl.load(tid_ptr + tid * stride_tid + kk, mask=kmask, other=0).to(tl.int64)
+    x = tl.load(logits_ptr + t * stride_t + e, mask=kmask, other=0.0).to(tl.float32)
+    w = tl.where(kmask, _sqrt_softplus(x), 0.0)
+    tl.store(w_ptr + t * K + kk, w / tl.sum(w, axis=0) * route_scale, mask=kmask)
+    tl.store(idx_ptr + t * K + kk, e, mask=kmask)
+
+
 @fast_launch
 @triton.jit
 def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
@@ -28,11 +54,7 @@ def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
     e = tl.arange(0, E_P2)
     emask = e < E
     x = tl.load(logits_ptr + t * stride_t + e, mask=emask, other=0.0).to(tl.float32)
-    u = tl.exp(x)
-    v = 1.0 + u  # log1p(u) by Kahan's correction (libdevice's log1p has no TRITON_INTERPRET twin)
-    lp = tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
-    sp = tl.where(x > 20.0, x, lp)  # torch softplus, beta 1, threshold 20
-    scores = tl.sqrt_rn(sp)
+    scores = _sqrt_softplus(x)
     biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32), float("-inf"))
     kk = tl.arange(0, K_P2)
     sel_idx = tl.zeros([K_P2], dtype=tl.int32)
@@ -69,4 +91,25 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
     return w, idx
 
 
-REGISTRATIONS = {"moe_gate_sqrtsoftplus": moe_gate_sqrtsoftplus}
+def moe_gate_hash_sqrtsoftplus(logits: torch.Tensor, tid2eid: torch.Tensor, ids: torch.Tensor,
+                               route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32, tid2eid [vocab, k], ids [T] -> (weights [T, k] fp32, indices [T, k] int64); see the
+    torch twin `official_fused.moe_gate_hash_sqrtsoftplus`."""
+    if logits.dim() != 2 or tid2eid.dim() != 2 or ids.dim() != 1 or ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"moe_gate_hash: logits [T, E], tid2eid [vocab, k], ids [T]; got {tuple(logits.shape)}, "
+                         f"{tuple(tid2eid.shape)}, {tuple(ids.shape)}")
+    if logits.dtype != torch.float32 or tid2eid.dtype.is_floating_point or ids.dtype.is_floating_point:
+        raise ValueError(f"moe_gate_hash: fp32 logits and integer tid2eid / ids expected, got {logits.dtype}, "
+                         f"{tid2eid.dtype}, {ids.dtype}")
+    T, k = logits.shape[0], tid2eid.shape[1]
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    tid2eid = tid2eid if tid2eid.stride(-1) == 1 else tid2eid.contiguous()
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    if T:
+        _hash_gate_kernel[(T,)](logits, tid2eid, ids.contiguous(), w, idx, logits.stride(0), tid2eid.stride(0),
+                                float(route_scale), K=k, K_P2=next_power_of_2(k), num_warps=1)
+    return w, idx
+
+
+REGISTRATIONS = {"moe_gate_sqrtsoftplus": moe_gate_sqrtsoftplus, "moe_gate_hash_sqrtsoftplus": moe_gate_hash_sqrtsoftplus}
