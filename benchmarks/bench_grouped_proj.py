@@ -1,13 +1,14 @@
 """The grouped output LoRA (`wo_a`) on the H200: the bf16 weight through cuBLAS (the path before 2026-12-05)
-against the FP8 weight (op "grouped_proj_fp8": the fused in-register expansion at decode, dequantise +
-cuBLAS above FUSED_MAX_T), with a sweep of the fused kernel's launch plans.
+against the FP8 weight (op "grouped_proj_fp8": the mma.sync CUDA kernel up to SYNC_MAX_T tokens, its split-K
+sums separate or by cluster; the fused in-register expansion at decode, dequantise + cuBLAS above
+FUSED_MAX_T), with a sweep of the fused kernel's launch plans (--no-sweep: without).
 
 V4-Flash's shape: o [T, 8, 4096] bf16, wo_a [8 x 1024, 4096] (FP8: 32 MB + scales; bf16: 64 MB). Each row is
 the median of CUDA-graph replays of `CALLS` calls over as many weight copies (the 32 MB FP8 weight would stay
 in the 50 MB L2 otherwise; a decode step reads each layer's wo_a once). GB/s: the weight's bytes (+ o and
 the output) per call.
 
-    PYTHONPATH=$PWD python benchmarks/bench_grouped_proj.py [--ts 1 8 32 64 128 1024 8192]
+    PYTHONPATH=$PWD python benchmarks/bench_grouped_proj.py [--ts 1 8 32 64 128 1024 8192] [--no-sweep]
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", type=int, nargs="+", default=[1, 8, 32, 64, 128, 1024, 8192])
+    ap.add_argument("--no-sweep", action="store_true", help="only the default plans (no fused-kernel sweep)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = []
@@ -58,10 +60,14 @@ def main() -> None:
         row("bf16 wo_a, cuBLAS einsum (before)", lambda i: torch.einsum("tgd,grd->tgr", o, bf[i]), 2 * G * R * D)
         fp8_bytes = G * R * D + 4 * G * R * D // 128**2
         row("fp8 wo_a, dequant + cuBLAS", lambda i: gp.grouped_proj_fp8(o, ws[i], form="dequant"), fp8_bytes)
+        if T <= gp.SYNC_MAX_T:
+            for cluster in (False, True):
+                row(f"fp8 wo_a, mma.sync, {'cluster' if cluster else 'separate'} split sum",
+                    lambda i, c=cluster: gp.grouped_proj_fp8(o, ws[i], {"CLUSTER": c}, form="sync"), fp8_bytes)
         if T <= 128:
             row(f"fp8 wo_a, fused, default {gp.plan(T, R)}", lambda i: gp.grouped_proj_fp8(o, ws[i], form="fused"),
                 fp8_bytes)
-            for cfg in SWEEP:
+            for cfg in [] if args.no_sweep else SWEEP:
                 try:
                     gp.plan(T, R, cfg)
                 except ValueError:

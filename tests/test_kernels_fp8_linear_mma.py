@@ -163,7 +163,8 @@ def test_source_compiles_for_sm90_where_nvrtc_is_installed():
     from test_cuda_runtime import compile_configs
 
     compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": split_out} for cfg in TILE_CONFIGS for split_out in (0, 1)]
-                    + [{**cfg, "SPLIT_OUT": 0, "CLUSTER_SPLIT": s} for cfg in TILE_CONFIGS[:2] for s in (2, 16)])
+                    + [{**cfg, "SPLIT_OUT": 0, "CLUSTER_SPLIT": s} for cfg in TILE_CONFIGS[:2] for s in (2, 16)]
+                    + [{**TILE_CONFIGS[1], "SPLIT_OUT": so, "RAW_ACT": 1, "GROUP_ROWS": 1024} for so in (0, 1)])
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -4,7 +4,8 @@ CPU: the twin is the official einsum on convert.py's bf16 value of wo_a, bit for
 twin on that value (V4's 128 x 128 blocks and V4.1's 32 x 32); a fast model holding wo_a FP8 gives the same
 logits bits as one holding the bf16 value; bad input names what was wrong.
 Interpreter (TRITON_INTERPRET=1, a fresh process): the fused kernel and the dequant kernel at small shapes.
-GPU (`-m gpu`, fresh random inputs, V4-Flash's shapes): the fused kernel within one bf16 rounding of the
+GPU (`-m gpu`, fresh random inputs, V4-Flash's shapes): the mma.sync form (decode, split sums separate and
+by cluster) and the fused kernel within one bf16 rounding of the
 float64 value (`_within_one_rounding`: the fp32 sums' order is the only difference from the twin), the
 dequant form bit for bit cuBLAS's einsum on the bf16 weight (the path before), and a CUDA-graph replay equal
 to eager.
@@ -124,6 +125,48 @@ def test_kernels_under_the_interpreter():
 
     res = run_interpreted(_INTERPRET, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_sync_launcher_rejects_bad_grouped_inputs():
+    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_partials
+
+    g = torch.Generator().manual_seed(3)
+    w = _weight(2, 256, 512, 128, g)
+    out = torch.zeros(3, 512, dtype=BF16)
+    with pytest.raises(ValueError, match=r"o must be bf16 \[M, G, 512\] with G x 256 = 512 weight rows"):
+        fp8_linear_partials(torch.zeros(3, 4, 512, dtype=BF16), w, out, group_rows=256)
+    with pytest.raises(ValueError, match="each token's groups contiguous"):
+        fp8_linear_partials(torch.zeros(3, 512, 2, dtype=BF16).transpose(1, 2), w, out, group_rows=256)
+    with pytest.raises(ValueError, match="group_rows 64 must be whole CTA tiles of 128 rows"):
+        fp8_linear_partials(torch.zeros(3, 8, 512, dtype=BF16), w, out, group_rows=64)
+    with pytest.raises(ValueError, match="CUDA tensors only"):  # every input fits: only the device is wrong
+        fp8_linear_partials(torch.zeros(3, 2, 512, dtype=BF16), w, out, group_rows=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [128, 32])
+def test_sync_form_against_the_twin(block):
+    """The decode form (mma.sync, raw bf16 o, one group per CTA): within one bf16 rounding of the float64
+    value for 1..8 tokens, split sums separate and by cluster the same bits, every output written, groups of
+    1024 (V4-Flash) and 512 rows, o a strided view."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from deepinfer.kernels.triton import grouped_proj as gp
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(21 + block)
+    for G, R, d in ((8, 1024, 4096), (4, 512, 2048)):
+        w = _weight(G, R, d, block, g, dev)
+        for T in (1, 3, 8):
+            big = torch.randn(T, G, d + 64, generator=g).to(BF16).to(dev)
+            for o in (big[:, :, :d].contiguous(), big[:, :, :d]):  # the view: copied by the op
+                sep = gp.grouped_proj_fp8(o, w, {"CLUSTER": False}, form="sync")
+                clu = gp.grouped_proj_fp8(o, w, {"CLUSTER": True}, form="sync")
+                assert sep.shape == (T, G, R) and bool(torch.isfinite(sep).all())
+                _within_one_rounding(sep, o, w)
+                assert torch.equal(sep, clu), (G, R, T, int((sep != clu).sum()))
+                assert torch.equal(gp.grouped_proj_fp8(o, w), sep)  # auto takes it at decode
+        print(f"sync form block {block} G={G} R={R} d={d}: within one rounding, cluster == separate sum")
 
 
 @pytest.mark.gpu

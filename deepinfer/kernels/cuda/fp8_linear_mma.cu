@@ -35,6 +35,12 @@
 // are one thread-block cluster and add their partials themselves, bf16 out[m, n]; 0: no cluster).
 // Launch: grid (ceil(M / 8), ceil(N / (16 MT WARPS)), S), block 32 WARPS.
 //
+// The grouped output LoRA (RAW_ACT 1, GROUP_ROWS R): V4's wo_a, `einsum("tgd,grd->tgr", o, wo_a)` on bf16
+// operands with wo_a = convert.py's exact bf16 of its FP8 bytes x block scales: x is o [M, G, K] (a token's
+// groups contiguous, each K long), the weight [G R, K], out [M, G R]. A CTA's rows lie in one group g (R is
+// whole CTA tiles) and read x's group g as its 8 rows; x enters as the bf16 it is (no act_quant), so the
+// products are exact and the sums fp32: the official einsum up to fp32 summation order.
+//
 // Split-K inside the kernel (CLUSTER_SPLIT = S): at decode a split's partial sum is a whole launch's worth
 // of latency to add up afterwards (fp8_gemm._split_sum_kernel: ~1.9 us + a launch gap per projection on the
 // H200, 2026-12-05). Instead the S split CTAs of a tile form a cluster (sm_90, compile-time cluster dims
@@ -64,6 +70,12 @@
 #ifndef CLUSTER_SPLIT
 #define CLUSTER_SPLIT 0
 #endif
+#ifndef RAW_ACT
+#define RAW_ACT 0  // 1: x enters the MMA as the bf16 it is (no act_quant: the grouped output LoRA's bf16 einsum)
+#endif
+#ifndef GROUP_ROWS
+#define GROUP_ROWS 0  // > 0: weight rows [g GROUP_ROWS, (g + 1) GROUP_ROWS) multiply x's group g (see below)
+#endif
 #define TILE_ROWS (16 * MT * WARPS)
 #define TILE_CELLS (8 * TILE_ROWS)  // outputs of a CTA's tile: 8 tokens x TILE_ROWS weight rows
 #define TOKENS 8
@@ -71,6 +83,7 @@
 #define CHUNK_STEPS ((8 / STAGES) * STAGES)
 
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
+static_assert(GROUP_ROWS % (16 * MT * WARPS) == 0, "GROUP_ROWS: whole CTA tiles of weight rows per group");
 static_assert(CLUSTER_SPLIT == 0 || (!SPLIT_OUT && CLUSTER_SPLIT >= 2 && CLUSTER_SPLIT <= 16
               && TILE_CELLS % CLUSTER_SPLIT == 0), "CLUSTER_SPLIT: 2..16 dividing the tile, bf16 out only");
 
@@ -136,6 +149,11 @@ __device__ __forceinline__ void quantise_chunk(uint4* xs, const u16* __restrict_
         const int kc = c - r * cells_per_row;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (live && m0 + r < M) v = ld_cached(x + (i64)(m0 + r) * stride_xm + k0 + 8 * kc);
+        const int kk = kc & 15;  // cell kc: step kc / 16, K offset 8 (kc % 16) = 32 t + 8 q within the step
+#if RAW_ACT
+        if (live) xs[(kc >> 4) * 128 + (kk & 3) * 32 + r * 4 + (kk >> 2)] = v;  // the bf16 as it is
+        continue;
+#endif
         const u32 word[4] = {v.x, v.y, v.z, v.w};
         float f[8];
 #pragma unroll
@@ -157,8 +175,6 @@ __device__ __forceinline__ void quantise_chunk(uint4* xs, const u16* __restrict_
         q.y = quant_pair(f[2], f[3], inv, scale);
         q.z = quant_pair(f[4], f[5], inv, scale);
         q.w = quant_pair(f[6], f[7], inv, scale);
-        // cell kc: step kc / 16, K offset 8 (kc % 16) = 32 t + 8 q within the step
-        const int kk = kc & 15;
         if (live) xs[(kc >> 4) * 128 + (kk & 3) * 32 + r * 4 + (kk >> 2)] = q;
     }
 }
@@ -177,6 +193,9 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
     const int t = lane & 3;
     const int m0 = blockIdx.x * TOKENS;
     const int k_lo = blockIdx.z * k_split;
+#if GROUP_ROWS
+    x += (i64)(blockIdx.y * TILE_ROWS / GROUP_ROWS) * k_split * gridDim.z;  // the CTA's group of x (K long)
+#endif
     const int steps = k_split / 128;
     const int s_step = 128 / block;  // scale columns per step of 128 K
 

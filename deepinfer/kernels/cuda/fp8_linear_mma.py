@@ -34,15 +34,19 @@ DEFAULT_TILES = dict(MT=1, WARPS=8, STAGES=2)  # H200 2026-12-02 (benchmarks/ben
 _SIGNATURE = "pliplplplliiii"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
 #                                k_split, block, act_block (p pointer, l int64, i int32)
 MAX_CLUSTER_SPLIT = 16  # the largest (non-portable) thread-block cluster of sm_90
-_KERNELS: dict[tuple[int, int, int, int, int], CudaKernel] = {}
+_KERNELS: dict[tuple[int, ...], CudaKernel] = {}
 
 
-def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int = 0) -> CudaKernel:
+def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int = 0,
+           group_rows: int = 0) -> CudaKernel:
     """The kernel for these tiles: fp32 partials out (split_out), bf16 out from one CTA per tile
-    (cluster_split 0), or bf16 out from a cluster of `cluster_split` split CTAs per tile."""
-    key = (mt, warps, stages, int(split_out), cluster_split)
+    (cluster_split 0), or bf16 out from a cluster of `cluster_split` split CTAs per tile; group_rows > 0: the
+    grouped output LoRA form (raw bf16 x of the rows' group, no act_quant)."""
+    key = (mt, warps, stages, int(split_out), cluster_split, group_rows)
     if key not in _KERNELS:
         defines = dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out))
+        if group_rows:
+            defines.update(RAW_ACT=1, GROUP_ROWS=group_rows)
         attributes = {}
         if cluster_split:
             defines["CLUSTER_SPLIT"] = cluster_split
@@ -52,12 +56,12 @@ def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int
     return _KERNELS[key]
 
 
-def cluster_fits(m: int, n: int, cfg: dict, device: torch.device) -> bool:
+def cluster_fits(m: int, n: int, cfg: dict, device: torch.device, group_rows: int = 0) -> bool:
     """The cluster form of plan `cfg` (its SPLIT_K CTAs of a tile one cluster) can be resident on `device`:
     at least one such cluster fits a GPC at the CTAs' registers and shared memory (asked of the driver once
     per launch shape; a launch that cannot fit would fail, so the op adds the partials separately)."""
     split = cfg["SPLIT_K"]
-    k = kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], False, split)
+    k = kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], False, split, group_rows)
     grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
     return k.max_active_clusters(grid, (32 * cfg["WARPS"], 1, 1), device) > 0
 
@@ -108,16 +112,25 @@ def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
 
 
 def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, config: dict | None = None,
-                        scale_max_exp: int | None = None, cluster_split: int = 1) -> torch.Tensor:
+                        scale_max_exp: int | None = None, cluster_split: int = 1,
+                        group_rows: int = 0) -> torch.Tensor:
     """Launch the kernel into `out` (bf16 [M, N]: S = cluster_split, added up inside the kernel when > 1;
-    fp32 [S, M, N]: S partials) and return it."""
+    fp32 [S, M, N]: S partials) and return it. group_rows R > 0: the grouped output LoRA, x = o bf16 [M, G, K]
+    (each token's G groups contiguous) against w [G R, K], its bf16 values as they are (no act_quant)."""
     cfg = tiles(config)
     problems = []
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) % 8:
-        problems.append(f"x must be bf16 [M, K] with unit column stride and rows 16-byte aligned, got {x.dtype} "
-                        f"{tuple(x.shape)} strides {x.stride()}")
     data, scale = w.data, w.scale
     n, k = data.shape
+    if group_rows:
+        if (x.dtype != torch.bfloat16 or x.dim() != 3 or x.stride(-1) != 1 or x.stride(1) != k or x.stride(0) % 8
+                or x.shape[1] * group_rows != n or x.shape[2] != k):
+            problems.append(f"o must be bf16 [M, G, {k}] with G x {group_rows} = {n} weight rows, each token's groups "
+                            f"contiguous and 16-byte aligned, got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        if group_rows % rows_per_cta(cfg):
+            problems.append(f"group_rows {group_rows} must be whole CTA tiles of {rows_per_cta(cfg)} rows")
+    elif x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) % 8:
+        problems.append(f"x must be bf16 [M, K] with unit column stride and rows 16-byte aligned, got {x.dtype} "
+                        f"{tuple(x.shape)} strides {x.stride()}")
     if data.dtype != torch.float8_e4m3fn or not data.is_contiguous():
         problems.append(f"w.data must be contiguous float8_e4m3fn [N, K], got {data.dtype} strides {data.stride()}")
     if scale.dtype != torch.float32 or scale.dim() != 2 or scale.stride(1) != 1:
@@ -129,7 +142,7 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
         problems.append(f"w.act_block must be 128 or 32 and divide the weight block {w.block}, got {w.act_block}")
     if x.dim() == 2 and x.shape[1] != k:
         problems.append(f"x has K={x.shape[1]} but the weight has in_features {k}")
-    m = x.shape[0] if x.dim() == 2 else 0
+    m = x.shape[0] if x.dim() == (3 if group_rows else 2) else 0
     if out.dim() == 3:
         split = out.shape[0]
         if out.dtype != torch.float32 or tuple(out.shape[1:]) != (m, n) or out.stride(2) != 1:
@@ -160,7 +173,7 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
         return out
     grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
     cluster = split if out.dim() == 2 and split > 1 else 0
-    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3, cluster).launch(
+    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3, cluster, group_rows).launch(
         grid, (32 * cfg["WARPS"], 1, 1),
         (x, x.stride(0), m, data, data.stride(0), scale, scale.stride(0), out,
          out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block),

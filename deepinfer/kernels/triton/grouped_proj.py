@@ -5,8 +5,12 @@ dequantisation `bf16(fp32(E4M3) x scale)` of the FP8 checkpoint weight. That val
 bits x a power of two), so the FP8 bytes and block scales hold the same weight in half the memory (V4-Flash:
 32 MB a layer, 1.4 GB over 43 layers) and a decode step reads half the bytes (64 -> 32 MB a layer).
 
-Two forms, the same math as the twin (`quant_weights.grouped_proj_fp8_torch`: exact bf16 products, fp32
+Three forms, the same math as the twin (`quant_weights.grouped_proj_fp8_torch`: exact bf16 products, fp32
 sums, one bf16 rounding), up to the fp32 summation order:
+* T <= SYNC_MAX_T (decode; 2026-12-05, twentieth session, not yet timed): the mma.sync CUDA kernel of
+  fp8_linear's decode form (`kernels/cuda/fp8_linear_mma.cu` with RAW_ACT and GROUP_ROWS: the same E4M3
+  expansion, x's bf16 as it is, the rows of one group per CTA, split-K added in a fixed order), which streams
+  the decode projections' weights at ~2.4 TB/s where this Triton kernel reached ~1.5;
 * T <= FUSED_MAX_T tokens (decode, short extends): `_grouped_proj_fp8_kernel` expands each weight tile in
   registers (E4M3 -> fp32, x its block scale, -> bf16: convert.py's expression, bit for bit) and multiplies
   it on the bf16 tensor cores with fp32 accumulation; one program owns BLOCK_N consecutive rows of one
@@ -37,6 +41,7 @@ FUSED_MAX_T = 64  # tokens up to which the fused kernel runs (decode batches); m
 PLAN_SMALL = dict(BLOCK_N=64, BLOCK_K=128, num_stages=4, num_warps=4)  # T <= 16: one 16-row MMA block
 PLAN_LARGE = dict(BLOCK_N=64, BLOCK_K=128, num_stages=3, num_warps=4)  # T <= 64
 _PLAN_KEYS = ("BLOCK_T", "BLOCK_N", "BLOCK_K", "num_stages", "num_warps")
+SYNC_MAX_T = 8  # tokens the mma.sync form takes (one CTA's 8 rows; fp8_gemm.SYNC_MAX_M)
 
 
 @fast_launch
@@ -135,17 +140,20 @@ def dequant_bf16(w: QuantLinearWeight) -> torch.Tensor:
 
 def grouped_proj_fp8(o: torch.Tensor, w: QuantLinearWeight, config: dict | None = None,
                      form: str = "auto") -> torch.Tensor:
-    """o bf16 [T, G, d], w [G * R, d] (FP8 + block scales) -> bf16 [T, G, R]. form: "fused" (the in-register
-    expansion), "dequant" (bf16 weight + cuBLAS) or "auto" (fused up to FUSED_MAX_T tokens). config: the
-    fused kernel's launch override (`plan`)."""
+    """o bf16 [T, G, d], w [G * R, d] (FP8 + block scales) -> bf16 [T, G, R]. form: "sync" (the mma.sync CUDA
+    kernel), "fused" (the in-register expansion), "dequant" (bf16 weight + cuBLAS) or "auto" (sync up to
+    SYNC_MAX_T tokens where it can run, fused up to FUSED_MAX_T). config: the fused kernel's launch override
+    (`plan`), or for "sync" fp8_linear_mma's (tiles, SPLIT_K, CLUSTER)."""
     if not o.is_cuda and not interpreting():
         from deepinfer.kernels.quant_weights import grouped_proj_fp8_torch
 
         return grouped_proj_fp8_torch(o, w)
     R = check_grouped_proj_fp8(o, w)
     T, G, d = o.shape
-    if form not in ("auto", "fused", "dequant"):
-        raise ValueError(f"grouped_proj_fp8: form must be auto, fused or dequant, got {form!r}")
+    if form not in ("auto", "fused", "dequant", "sync"):
+        raise ValueError(f"grouped_proj_fp8: form must be auto, sync, fused or dequant, got {form!r}")
+    if form == "sync" or (form == "auto" and 0 < T <= SYNC_MAX_T and _sync_usable(w, R, o.device)):
+        return _grouped_proj_sync(o, w, R, config)
     if form == "dequant" or (form == "auto" and T > FUSED_MAX_T):
         return torch.einsum("tgd,grd->tgr", o, dequant_bf16(w).view(G, R, d))
     if o.stride(2) != 1:
@@ -160,6 +168,37 @@ def grouped_proj_fp8(o: torch.Tensor, w: QuantLinearWeight, config: dict | None 
                                    BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], INTERPRET=interpreting(),
                                    num_stages=cfg["num_stages"],
                                    num_warps=cfg["num_warps"])
+    return out
+
+
+def _sync_usable(w: QuantLinearWeight, R: int, device: torch.device) -> bool:
+    """The mma.sync form can run this weight here: fp8_linear's rule for its decode kernel (CUDA with NVRTC,
+    blocks 128 / 32, K whole 128-steps, exact scales) and groups of whole CTA tiles."""
+    from deepinfer.kernels.cuda import fp8_linear_mma as sync
+    from deepinfer.kernels.triton.fp8_gemm import _sync_usable as linear_sync_usable
+
+    return R % sync.rows_per_cta(sync.tiles()) == 0 and linear_sync_usable(w, device)
+
+
+def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: dict | None) -> torch.Tensor:
+    """The mma.sync form: one launch when its plan does not split K or the split CTAs add up as a cluster
+    (config CLUSTER, else DEEPINFER_LINEAR_CLUSTER_SPLIT), else fp32 partials and fp8_gemm's ordered sum."""
+    from deepinfer import env
+    from deepinfer.kernels.cuda import fp8_linear_mma as sync
+    from deepinfer.kernels.triton.fp8_gemm import _partials_then_sum, sm_count
+
+    T, G, d = o.shape
+    if o.stride(2) != 1 or o.stride(1) != d or o.stride(0) % 8:
+        o = o.contiguous()
+    out = torch.empty(T, G, R, dtype=BF16, device=o.device)
+    flat = out.view(T, G * R)
+    cfg = sync.plan(T, G * R, d, sm_count(o.device), config)
+    split = cfg["SPLIT_K"]
+    if split > 1 and bool((config or {}).get("CLUSTER", env.linear_cluster_split())) \
+            and sync.cluster_fits(T, G * R, cfg, o.device, group_rows=R):
+        sync.fp8_linear_partials(o, w, flat, cfg, cluster_split=split, group_rows=R)
+        return out
+    _partials_then_sum(lambda dest: sync.fp8_linear_partials(o, w, dest, cfg, group_rows=R), split, flat)
     return out
 
 
