@@ -54,6 +54,7 @@
 // 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
 
 #include "mma_common.cuh"
+#include "cluster_common.cuh"
 
 #ifndef MT
 #define MT 2
@@ -87,21 +88,6 @@ static_assert(GROUP_ROWS % (16 * MT * WARPS) == 0, "GROUP_ROWS: whole CTA tiles 
 static_assert(CLUSTER_SPLIT == 0 || (!SPLIT_OUT && CLUSTER_SPLIT >= 2 && CLUSTER_SPLIT <= 16
               && TILE_CELLS % CLUSTER_SPLIT == 0), "CLUSTER_SPLIT: 2..16 dividing the tile, bf16 out only");
 
-#if CLUSTER_SPLIT
-// all threads of every CTA of the cluster: memory before it is visible to the cluster after it
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// the fp32 at this CTA's shared address `local` in the shared memory of cluster rank `rank`
-__device__ __forceinline__ float ld_cluster(u32 local, u32 rank) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-#endif
 
 struct Stage {
     uint4 w[MT][2][2];  // E4M3 codes of rows g and g + 8 of each m16 tile: 32 K each, as two uint4

@@ -47,6 +47,7 @@
 // Requires (the launcher checks): K split % 128 == 0; weight block 32 or 128; rows 16-byte aligned.
 
 #include "mma_common.cuh"
+#include "cluster_common.cuh"
 #include "tma_common.cuh"
 #include "wgmma_common.cuh"
 
@@ -128,21 +129,6 @@ __device__ __forceinline__ void expand_chunk(u32 (&fr)[2 * NQ][4], const uint4& 
 }
 
 #if CLUSTER_SPLIT
-// all threads of every CTA of the cluster: memory before it is visible to the cluster after it
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// the 4 fp32 at this CTA's shared address `local` (16-byte aligned) in the shared memory of cluster rank `rank`
-__device__ __forceinline__ float4 ld_cluster4(u32 local, u32 rank) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ u32 bf16_bits(float x) { return __float_as_uint(bf16_round(x)) >> 16; }
 #endif
 
