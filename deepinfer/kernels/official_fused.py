@@ -116,16 +116,22 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
     return weights * route_scale, indices
 
 
-def moe_gate_hash_sqrtsoftplus(logits: torch.Tensor, tid2eid: torch.Tensor, ids: torch.Tensor,
-                               route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A hash layer's gate: logits [T, E] fp32, tid2eid [vocab, k] (integer expert ids per token id), ids [T]
-    -> (weights [T, k] fp32, indices [T, k] int64): the experts the token id's row names, in its order, their
-    sqrt(softplus) scores renormalised to sum 1, times route_scale (spec §3.9; no bias, no top-k)."""
+def check_moe_gate_hash(logits: torch.Tensor, tid2eid: torch.Tensor, ids: torch.Tensor) -> None:
+    """The argument contract of `moe_gate_hash_sqrtsoftplus` (shared with its Triton twin): ValueError naming
+    what does not fit."""
     if logits.dim() != 2 or tid2eid.dim() != 2 or ids.dim() != 1 or ids.shape[0] != logits.shape[0]:
         raise ValueError(f"moe_gate_hash: logits [T, E], tid2eid [vocab, k], ids [T]; got {tuple(logits.shape)}, "
                          f"{tuple(tid2eid.shape)}, {tuple(ids.shape)}")
     if tid2eid.dtype.is_floating_point or ids.dtype.is_floating_point:
         raise ValueError(f"moe_gate_hash: integer tid2eid and ids expected, got {tid2eid.dtype}, {ids.dtype}")
+
+
+def moe_gate_hash_sqrtsoftplus(logits: torch.Tensor, tid2eid: torch.Tensor, ids: torch.Tensor,
+                               route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hash layer's gate: logits [T, E] fp32, tid2eid [vocab, k] (integer expert ids per token id), ids [T]
+    -> (weights [T, k] fp32, indices [T, k] int64): the experts the token id's row names, in its order, their
+    sqrt(softplus) scores renormalised to sum 1, times route_scale (spec §3.9; no bias, no top-k)."""
+    check_moe_gate_hash(logits, tid2eid, ids)
     scores = torch.nn.functional.softplus(logits).sqrt()
     indices = tid2eid[ids].long()
     weights = scores.gather(1, indices)

@@ -47,12 +47,10 @@ def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int
         defines = dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out))
         if group_rows:
             defines.update(RAW_ACT=1, GROUP_ROWS=group_rows)
-        attributes = {}
         if cluster_split:
             defines["CLUSTER_SPLIT"] = cluster_split
-            if cluster_split > 8:  # beyond the portable cluster size: allowed per function
-                attributes[runtime.FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED] = 1
-        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_mma", _SIGNATURE, defines, attributes=attributes)
+        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_mma", _SIGNATURE, defines,
+                                   attributes=runtime.cluster_attributes(cluster_split))
     return _KERNELS[key]
 
 

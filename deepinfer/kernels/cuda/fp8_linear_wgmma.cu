@@ -88,12 +88,13 @@
 #define A_HALF (BT * 128)       // one 64-K box of activations: BT rows x 128 bytes
 #define A_STAGE (2 * A_HALF)
 #define NACC (BT / 2)           // fp32 accumulators per lane: 64 x BT / 128 threads
+__device__ __forceinline__ u32 bf16_bits(float x) { return __float_as_uint(bf16_round(x)) >> 16; }  // RNE
 #if SPLIT_OUT || CLUSTER_SPLIT
 typedef float OutT;  // the fp32 partial (staged in shared memory for the cluster's sum)
 __device__ __forceinline__ float out_value(float x) { return x; }
 #else
 typedef u16 OutT;    // bf16, rounded once
-__device__ __forceinline__ u16 out_value(float x) { return (u16)(__float_as_uint(bf16_round(x)) >> 16); }
+__device__ __forceinline__ u16 out_value(float x) { return (u16)bf16_bits(x); }
 #endif
 // a token's output row in the epilogue's staging tile: ROWS outputs + 16 bytes, so the 4 tokens a warp's
 // store instruction covers (t = 0..3, tokens 2 apart) start 32 bytes apart in the banks
@@ -127,10 +128,6 @@ __device__ __forceinline__ void expand_chunk(u32 (&fr)[2 * NQ][4], const uint4& 
         fr[2 * q + 1][3] = bmul2(e4m3_pair<3>(lo1, hi1), m);
     }
 }
-
-#if CLUSTER_SPLIT
-__device__ __forceinline__ u32 bf16_bits(float x) { return __float_as_uint(bf16_round(x)) >> 16; }
-#endif
 
 extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
 #if CLUSTER_SPLIT

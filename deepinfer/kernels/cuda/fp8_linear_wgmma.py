@@ -38,9 +38,8 @@ def kernel(cfg: dict, split_out: bool, cluster_split: int = 0) -> CudaKernel:
     if cluster_split:
         key += (("CLUSTER_SPLIT", int(cluster_split)),)
     if key not in _KERNELS:
-        attributes = {runtime.FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: 1} if cluster_split > 8 else {}
         _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_wgmma", _SIGNATURE, dict(key), arch_suffix="a",
-                                   attributes=attributes)
+                                   attributes=runtime.cluster_attributes(cluster_split))
     return _KERNELS[key]
 
 

@@ -41,6 +41,13 @@ _STRUCT_CODES = {"p": "Q", "i": "i", "l": "q", "f": "f", "m": "128s"}
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE, _LAUNCH_PARAM_END = 1, 2, 0
 FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute: clusters of 9..16 CTAs (sm_90)
+MAX_PORTABLE_CLUSTER = 8  # CTAs a cluster may hold without that attribute
+
+
+def cluster_attributes(cluster_size: int) -> dict[int, int]:
+    """The function attributes a kernel compiled with `cluster_size` CTAs a cluster needs (CudaKernel's
+    `attributes`): beyond the portable size, the non-portable one allowed."""
+    return {FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: 1} if cluster_size > MAX_PORTABLE_CLUSTER else {}
 
 
 class CudaRuntimeError(RuntimeError):
@@ -372,6 +379,14 @@ class CudaKernel:
             self._functions[index] = fn
             return fn
 
+    def _allow_shared(self, fn: ctypes.c_void_p, index: int, shared: int) -> None:
+        """Raise the function's dynamic shared memory limit to `shared` bytes where it is above 48 KB (what a
+        launch or an occupancy query of that size needs first; once per device and size)."""
+        if shared > 48 * 1024 and self._shared_limit.get(index, 48 * 1024) < shared:
+            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check_cu(_driver().cuFuncSetAttribute(fn, 8, int(shared)), f"cuFuncSetAttribute({self.function})")
+            self._shared_limit[index] = shared
+
     def max_active_clusters(self, grid: tuple[int, int, int], block: tuple[int, int, int], device: torch.device,
                             shared: int = 0) -> int:
         """Clusters of this (compile-time clustered) kernel that can be resident at once on `device` for this
@@ -381,9 +396,7 @@ class CudaKernel:
         key = (index, tuple(grid), tuple(block), shared)
         if key not in self._clusters:
             fn = self._function(device)
-            if shared > 48 * 1024 and self._shared_limit.get(index, 48 * 1024) < shared:
-                _check_cu(_driver().cuFuncSetAttribute(fn, 8, int(shared)), f"cuFuncSetAttribute({self.function})")
-                self._shared_limit[index] = shared
+            self._allow_shared(fn, index, shared)
             config = _LaunchConfig(*grid, *block, shared, None, None, 0)
             count = ctypes.c_int()
             with torch.cuda.device(index):
@@ -402,11 +415,7 @@ class CudaKernel:
             raise ValueError(f"{self.function}: {len(self.signature)} arguments expected, got {len(args)}")
         fn = self._function(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if shared > 48 * 1024:
-            if self._shared_limit.get(index, 48 * 1024) < shared:
-                # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: above 48 KB a launch needs it raised first
-                _check_cu(_driver().cuFuncSetAttribute(fn, 8, int(shared)), f"cuFuncSetAttribute({self.function})")
-                self._shared_limit[index] = shared
+        self._allow_shared(fn, index, shared)
         packer = self._packers[index]
         values = list(args)
         for i in self._pointer_args:

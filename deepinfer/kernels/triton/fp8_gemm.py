@@ -321,15 +321,21 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     the Triton forms, so every way gives the same bits)."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
 
-    from deepinfer import env
-
     m, k = x.shape
     cfg = sync.plan(m, w.out_features, k, sm_count(x.device), config)
     split = cfg["SPLIT_K"]
-    if split > 1 and bool((config or {}).get("CLUSTER", env.linear_cluster_split())) \
-            and sync.cluster_fits(m, w.out_features, cfg, x.device):
+    if use_cluster(split, config, lambda: sync.cluster_fits(m, w.out_features, cfg, x.device)):
         return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
     return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out)
+
+
+def use_cluster(split: int, config: dict | None, fits) -> bool:
+    """Whether a CUDA linear adds its split-K partials inside the kernel, its split CTAs one thread-block
+    cluster: more than one split, asked for (config CLUSTER, else DEEPINFER_LINEAR_CLUSTER_SPLIT), and `fits()`
+    (the driver says such a cluster can be resident; asked last, once per launch shape)."""
+    from deepinfer import env
+
+    return split > 1 and bool((config or {}).get("CLUSTER", env.linear_cluster_split())) and fits()
 
 
 def _partials_then_sum(launch, split: int, out: torch.Tensor) -> torch.Tensor:
@@ -366,14 +372,12 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     if (config or {}).get("DIAG"):
         raise ValueError("fp8_linear wgmma form: DIAG is a benchmark diagnostic (parts of the kernel alone, garbage "
                          "out: benchmarks/bench_linear_wgmma_parts.py), not a plan the op runs")
-    from deepinfer import env
-
     m, k = x.shape
     cfg = wg.plan(m, w.out_features, k, sm_count(x.device), config)
     a = act_quant_wgmma(x, w.act_block)
     split = cfg["SPLIT_K"]
-    if 1 < split <= WGMMA_CLUSTER_MAX and bool((config or {}).get("CLUSTER", env.linear_cluster_split())) \
-            and wg.cluster_fits(m, w.out_features, cfg, x.device):
+    if split <= WGMMA_CLUSTER_MAX and use_cluster(split, config, lambda: wg.cluster_fits(m, w.out_features, cfg,
+                                                                                         x.device)):
         return wg.fp8_linear_partials(a, w, out, cfg, cluster=True)  # the partials added in the kernel
     return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), split, out)
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.official_fused import check_moe_gate_hash
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 
 
@@ -95,12 +96,9 @@ def moe_gate_hash_sqrtsoftplus(logits: torch.Tensor, tid2eid: torch.Tensor, ids:
                                route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32, tid2eid [vocab, k], ids [T] -> (weights [T, k] fp32, indices [T, k] int64); see the
     torch twin `official_fused.moe_gate_hash_sqrtsoftplus`."""
-    if logits.dim() != 2 or tid2eid.dim() != 2 or ids.dim() != 1 or ids.shape[0] != logits.shape[0]:
-        raise ValueError(f"moe_gate_hash: logits [T, E], tid2eid [vocab, k], ids [T]; got {tuple(logits.shape)}, "
-                         f"{tuple(tid2eid.shape)}, {tuple(ids.shape)}")
-    if logits.dtype != torch.float32 or tid2eid.dtype.is_floating_point or ids.dtype.is_floating_point:
-        raise ValueError(f"moe_gate_hash: fp32 logits and integer tid2eid / ids expected, got {logits.dtype}, "
-                         f"{tid2eid.dtype}, {ids.dtype}")
+    check_moe_gate_hash(logits, tid2eid, ids)
+    if logits.dtype != torch.float32:
+        raise ValueError(f"moe_gate_hash: fp32 logits expected, got {logits.dtype}")
     T, k = logits.shape[0], tid2eid.shape[1]
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     tid2eid = tid2eid if tid2eid.stride(-1) == 1 else tid2eid.contiguous()
