@@ -4,8 +4,9 @@ CPU: the spans the kernel is given (16-byte trimmed, in order, cut at the budget
 layer of the tiny V4 model (each the param's own tensor, in the order the layer reads them), a window outside
 a scope or on the CPU does nothing (not even its list), the budget's parsing, and the source compiles for
 sm_90 in both policies.
-GPU (-m gpu): the kernel over more than one launch's spans leaves every value as it was; the batched decode
-path with the prefetch on, eager and replayed from graphs captured with it, is bit for bit the path without.
+GPU (-m gpu): the kernel over more than one launch's spans leaves every value as it was, and the persisting-L2
+set-aside is sized once; the batched decode path with the prefetch on (either policy), eager and replayed
+from graphs captured with it, is bit for bit the path without.
 """
 from __future__ import annotations
 
@@ -129,12 +130,17 @@ def test_the_kernel_changes_no_value():
     torch.cuda.synchronize()
     for t, ref in zip(parts, before):
         assert torch.equal(t, ref)
+    size = kernel.set_aside(dev, 32 << 20)  # the evict_last policy's set-aside: set once, within the maximum
+    assert 0 < size <= 32 << 20 and kernel.set_aside(dev, 1 << 20) == size
 
 
 @pytest.mark.gpu
-def test_decode_with_the_prefetch_is_bit_identical(tiny_v4_raw, cuda_kernels, monkeypatch):
+@pytest.mark.parametrize("evict_last", ["0", "1"])
+def test_decode_with_the_prefetch_is_bit_identical(tiny_v4_raw, cuda_kernels, monkeypatch, evict_last):
     """Graphs captured with the prefetch and replayed, and the eager path with it, against the eager path
-    without it: logits after every step and every cache tensor at the end, bit for bit."""
+    without it: logits after every step and every cache tensor at the end, bit for bit (with and without
+    the evict_last policy)."""
+    monkeypatch.setenv("DEEPINFER_L2_PREFETCH_EVICT_LAST", evict_last)
     cfg, raw = tiny_v4_raw
     params = v4_params(raw, cfg, "fast", "cuda")
     models, tok, lens = fd.prefilled_pair(cfg, params, fd.LENS, "cuda")

@@ -15,6 +15,9 @@ Windows of one decode layer (`decode_step.decode_hidden`, `decode_attention.deco
 * "attn", after wq_b: wo_a, wo_b;
 * "ffn", before the MoE sublayer's hc_pre (after wo_b): the gate, the shared expert. The routed experts are
   known only after routing, and at small batches their GEMMs follow it at once: not prefetched.
+With DEEPINFER_L2_PREFETCH_EVICT_LAST=1 the prefetched lines carry the evict_last policy and the device's
+persisting-L2 set-aside is sized to the budget (once, at the first forward: `set_aside`), so the streaming
+reads between a window and its GEMMs (the routed experts above all) evict them last.
 Each window asks for at most the budget's bytes, in the order listed (what the layer reads first, first).
 The H200's L2 is 50 MB, so a budget near it evicts the window's own first bytes: the device measures it.
 
@@ -67,7 +70,10 @@ def scope(device: torch.device | str):
         yield
         return
     index = _index(device)
-    state = _ACTIVE[index] = _Scope(device, budget, env.l2_prefetch_evict_last())
+    evict_last = env.l2_prefetch_evict_last()
+    if evict_last and not torch.cuda.is_current_stream_capturing():  # the policy keeps lines only in the set-aside
+        kernel.set_aside(device, budget)
+    state = _ACTIVE[index] = _Scope(device, budget, evict_last)
     try:
         yield
     finally:

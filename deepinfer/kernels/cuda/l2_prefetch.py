@@ -6,6 +6,9 @@ inward to 16-byte boundaries (the bulk copy's rule), the last one cut where the 
 `prefetch(tensors, budget, device)`: launch over those spans (one launch per 8 spans).
 `usable(device)`: a CUDA device of compute capability 9.0 or newer (the bulk prefetch is sm_90's) with NVRTC
 and the driver.
+`set_aside(device, nbytes)`: size the device's persisting-L2 set-aside, the part of the L2 where lines with
+the evict_last policy are kept from streaming reads (the driver's default is 0 bytes, where the policy
+protects nothing); once per device, clamped to the device's maximum.
 Must not: import triton; read or write any tensor's values.
 """
 from __future__ import annotations
@@ -21,6 +24,9 @@ CHUNK = 32 << 10  # bytes per bulk prefetch instruction
 MAX_CTAS = 132  # one warp each: at most one an SM of an H200 / H100 SXM
 _SIGNATURE = "p" * RANGES + "l" * RANGES
 _KERNELS: dict[tuple[int, int], CudaKernel] = {}
+_SET_ASIDE: dict[int, int] = {}  # device index -> the persisting-L2 bytes set
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06  # cuda.h CUlimit
+CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108  # cuda.h CUdevice_attribute
 
 
 def kernel(chunk: int = CHUNK, evict_last: bool = False) -> CudaKernel:
@@ -76,3 +82,30 @@ def prefetch(tensors, budget: int, device: torch.device, chunk: int = CHUNK, evi
         sizes = [s for _, s in group] + [0] * (RANGES - len(group))
         k.launch((min(MAX_CTAS, -(-pieces // 32)), 1, 1), (32, 1, 1), tuple(ptrs) + tuple(sizes), device)
     return sum(size for _, size in found)
+
+
+def set_aside(device: torch.device, nbytes: int) -> int:
+    """Set the persisting-L2 set-aside of `device` to `nbytes` clamped to the device's maximum (an H100 / H200
+    allows 3/4 of its L2) and return the size the driver reports back; the first call per device decides,
+    later ones return that size. Not during a CUDA-graph capture (the caller's warm-up comes first)."""
+    import ctypes
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _SET_ASIDE:
+        return _SET_ASIDE[index]
+    if nbytes < 0:
+        raise ValueError(f"l2_prefetch.set_aside: nbytes must be >= 0, got {nbytes}")
+    drv = runtime._driver()
+    with torch.cuda.device(index):
+        torch.cuda.current_stream().cuda_stream  # torch makes the device's primary context current
+        handle, most = ctypes.c_int(), ctypes.c_int()
+        runtime._check_cu(drv.cuDeviceGet(ctypes.byref(handle), index), "cuDeviceGet")
+        runtime._check_cu(drv.cuDeviceGetAttribute(ctypes.byref(most), CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE,
+                                                   handle), "cuDeviceGetAttribute(MAX_PERSISTING_L2_CACHE_SIZE)")
+        runtime._check_cu(drv.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, ctypes.c_size_t(min(nbytes, most.value))),
+                          "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)")
+        got = ctypes.c_size_t()
+        runtime._check_cu(drv.cuCtxGetLimit(ctypes.byref(got), CU_LIMIT_PERSISTING_L2_CACHE_SIZE),
+                          "cuCtxGetLimit(PERSISTING_L2_CACHE_SIZE)")
+    _SET_ASIDE[index] = got.value
+    return got.value
