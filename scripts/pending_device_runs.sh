@@ -30,12 +30,14 @@ tests)  # the fused ops (default on since 2026-12-05), the lanes, the cluster sp
 anatomy)  # where the b1 / b32 / b128 steps go with each switch
     step decode_anatomy 560 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 45 \
         --env-sets DEEPINFER_ATTN_FUSIONS=0 "" DEEPINFER_INDEXER_LANES=1 DEEPINFER_LINEAR_CLUSTER_SPLIT=1 \
-        DEEPINFER_INDEXER_LANES=1,DEEPINFER_LINEAR_CLUSTER_SPLIT=1
+        DEEPINFER_L2_PREFETCH_MB=32
     ;;
-prefetch)  # the decode L2 prefetch (model/l2_prefetch.py) by budget per window, and its evict_last policy
+prefetch)  # the decode L2 prefetch (model/l2_prefetch.py) by budget per window, its evict_last policy, and
+    # with the other switches
     step decode_anatomy_prefetch 560 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 30 \
-        --env-sets "" DEEPINFER_L2_PREFETCH_MB=16 DEEPINFER_L2_PREFETCH_MB=32 DEEPINFER_L2_PREFETCH_MB=48 \
-        DEEPINFER_L2_PREFETCH_MB=32,DEEPINFER_L2_PREFETCH_EVICT_LAST=1
+        --env-sets "" DEEPINFER_L2_PREFETCH_MB=16 DEEPINFER_L2_PREFETCH_MB=48 \
+        DEEPINFER_L2_PREFETCH_MB=32,DEEPINFER_L2_PREFETCH_EVICT_LAST=1 \
+        DEEPINFER_L2_PREFETCH_MB=32,DEEPINFER_INDEXER_LANES=1,DEEPINFER_LINEAR_CLUSTER_SPLIT=1
     ;;
 linears)  # the cluster split-K and wo_a's sync form, op by op
     step linear_sync 200 python benchmarks/bench_linear_sync.py --ms 1,8 --variants "split sum,cluster sum"
