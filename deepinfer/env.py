@@ -181,24 +181,3 @@ def split_mixed_steps() -> str:
     if value not in SPLIT_MIXED_CHOICES:
         raise ValueError(f"DEEPINFER_SPLIT_MIXED_STEPS={value!r}: expected one of {SPLIT_MIXED_CHOICES}")
     return value
-
-
-def l2_prefetch_bytes() -> int:
-    """DEEPINFER_L2_PREFETCH_MB: the bytes (in MiB) each window of a decode layer asks the L2 to prefetch of
-    the weights its next GEMMs stream (model/l2_prefetch.py); 0, the default, turns the prefetch off (written
-    2026-12-05 without a device: off until the H200 has timed it). A negative or non-integer value is a
-    ValueError."""
-    raw = os.environ.get("DEEPINFER_L2_PREFETCH_MB", "0").strip() or "0"
-    try:
-        mb = int(raw)
-    except ValueError:
-        raise ValueError(f"DEEPINFER_L2_PREFETCH_MB={raw!r}: expected a whole number of MiB >= 0") from None
-    if mb < 0:
-        raise ValueError(f"DEEPINFER_L2_PREFETCH_MB={mb}: expected a whole number of MiB >= 0")
-    return mb << 20
-
-
-def l2_prefetch_evict_last() -> bool:
-    """DEEPINFER_L2_PREFETCH_EVICT_LAST=1: the decode prefetch's lines carry the L2 evict_last policy
-    (kernels/cuda/l2_prefetch.cu; an A/B switch); default off."""
-    return os.environ.get("DEEPINFER_L2_PREFETCH_EVICT_LAST", "0") in ("1", "true", "yes")

@@ -31,7 +31,6 @@ import contextlib
 import torch
 
 from deepinfer import env, kernels
-from deepinfer.model import l2_prefetch
 from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.compressor import project
@@ -187,7 +186,6 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
             with on_side(branches[0]):
                 idx, comp = select()
         q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
-        l2_prefetch.window(x.device, l2_prefetch.attn_out, attn)  # opt-in: wo_a / wo_b while the attention runs
         q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table)  # per-head norm, then RoPE
     layout = lc.layouts["window"]  # fast numerics stores the packed layouts (model/cache.py: cache_layouts)
     if comp is not None and layout != lc.layouts["compressed"]:

@@ -18,7 +18,6 @@ from typing import Sequence
 import torch
 
 from deepinfer import env
-from deepinfer.model import l2_prefetch
 from deepinfer.model.context import SeqContext
 from deepinfer.model.decode_attention import decode_attention
 from deepinfer.model.decode_metadata import DecodeMetadata
@@ -33,13 +32,10 @@ def decode_hidden(model, ids: torch.Tensor, meta: DecodeMetadata) -> torch.Tenso
     table = model.p["embed.weight"]
     x = table[ids] if model.comm is None else model.comm.embed(table, ids)
     x = x.unsqueeze(1).repeat(1, model.cfg.hc_mult, 1)
-    with l2_prefetch.scope(model.device):  # opt-in: the next GEMMs' weights into L2 in the idle windows
-        for block in model.layers:  # each sublayer's hc_post runs inside the next one's hc_pre (PendingPost)
-            l2_prefetch.window(model.device, l2_prefetch.layer_start, block.attn)
-            x = block._hc(x, "attn", lambda y, b=block: decode_attention(b.attn, y, rows, model.cache), defer=True)
-            l2_prefetch.window(model.device, l2_prefetch.ffn_start, block.ffn)
-            x = block._hc(x, "ffn", block.ffn, ids, defer=True)
-        return resolved(x, model.kdev)
+    for block in model.layers:  # each sublayer's hc_post runs inside the next one's hc_pre (PendingPost)
+        x = block._hc(x, "attn", lambda y, b=block: decode_attention(b.attn, y, rows, model.cache), defer=True)
+        x = block._hc(x, "ffn", block.ffn, ids, defer=True)
+    return resolved(x, model.kdev)
 
 
 def decode_logits(model, ids: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
