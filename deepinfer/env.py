@@ -130,19 +130,21 @@ def attn_fusions_enabled() -> bool:
 
 
 def indexer_lanes_enabled() -> bool:
-    """DEEPINFER_INDEXER_LANES=1 splits a decode step's indexer layers' side work over three side streams
-    (the indexer's weights and the main compressor; the index-key compressor; the indexer's query, scores and
-    selection: model/decode_attention.py) instead of one chain on one side stream. Off by default until the
-    H200 has timed it and run its bit-identity test (written 2026-12-05 without a device)."""
-    return os.environ.get("DEEPINFER_INDEXER_LANES", "0") in ("1", "true", "yes")
+    """DEEPINFER_INDEXER_LANES=0 keeps a decode step's indexer layers' side work as one chain on one side stream
+    instead of splitting it over three (the indexer's weights and the main compressor; the index-key
+    compressor; the indexer's query, scores and selection: model/decode_attention.py). Default on since the
+    H200 ran its bit-identity test and timed it (2026-12-05: back-to-back 4-layer steps b1 1.045 -> 1.032 ms,
+    b32 2.917 -> 2.883, b128 4.761 -> 4.733; BENCHMARKS.md)."""
+    return os.environ.get("DEEPINFER_INDEXER_LANES", "1") not in ("0", "false", "no")
 
 
 def linear_cluster_split() -> bool:
-    """DEEPINFER_LINEAR_CLUSTER_SPLIT=1: the mma.sync decode form of op fp8_linear adds its split-K partials
-    inside the kernel, the S split CTAs of a tile being one thread-block cluster (kernels/cuda/fp8_linear_mma.cu,
-    CLUSTER_SPLIT: the same bits, one launch instead of the GEMM and fp8_gemm._split_sum_kernel). Off by default
-    until the H200 has run its test and timed it (written 2026-12-05 without a device)."""
-    return os.environ.get("DEEPINFER_LINEAR_CLUSTER_SPLIT", "0") in ("1", "true", "yes")
+    """DEEPINFER_LINEAR_CLUSTER_SPLIT=0 makes the mma.sync decode form of op fp8_linear (and wo_a's grouped form
+    on it) add its split-K partials in fp8_gemm._split_sum_kernel instead of inside the kernel, where the S split
+    CTAs of a tile are one thread-block cluster (kernels/cuda/fp8_linear_mma.cu CLUSTER_SPLIT: the same bits,
+    one launch instead of two; `fp8_gemm.use_cluster` says where). Default on since the H200 ran its test and
+    timed it (2026-12-05: a b1 layer's seven linears 61.6 -> 58.9 us, BENCHMARKS.md)."""
+    return os.environ.get("DEEPINFER_LINEAR_CLUSTER_SPLIT", "1") not in ("0", "false", "no")
 
 
 def fused_greedy_enabled() -> bool:

@@ -158,6 +158,31 @@ def test_split_rule_on_v4_flash_shapes():
         plan(1, 4096, 4096, 132, {"SPLIT_K": 16, "STAGES": 4})
 
 
+def test_cluster_rule(monkeypatch):
+    """fp8_gemm.use_cluster: never for one split or when turned off; 2..8 splits at any size; 16 only in
+    launches of at most 2 CTAs an SM (the H200's timings); config CLUSTER overrides the size rule; the
+    driver's fit (`fits`) asked last, and only then."""
+    from deepinfer.kernels.triton.fp8_gemm import use_cluster
+
+    cpu = torch.device("cpu")  # sm_count: 132 off CUDA
+    asked = []
+
+    def fits(answer=True):
+        return lambda: asked.append(1) or answer
+
+    monkeypatch.delenv("DEEPINFER_LINEAR_CLUSTER_SPLIT", raising=False)
+    assert not use_cluster(1, 8, cpu, None, fits()) and not asked
+    assert use_cluster(2, 512, cpu, None, fits()) and use_cluster(8, 1024, cpu, None, fits())
+    assert use_cluster(16, 256, cpu, None, fits()) and len(asked) == 3
+    assert not use_cluster(16, 512, cpu, None, fits()) and len(asked) == 3  # wo_b's launch: no cluster
+    assert use_cluster(16, 512, cpu, {"CLUSTER": True}, fits())
+    assert not use_cluster(2, 64, cpu, None, fits(False))  # the driver says it does not fit
+    assert not use_cluster(2, 64, cpu, {"CLUSTER": False}, fits())
+    monkeypatch.setenv("DEEPINFER_LINEAR_CLUSTER_SPLIT", "0")
+    n = len(asked)
+    assert not use_cluster(2, 64, cpu, None, fits()) and len(asked) == n
+
+
 def test_source_compiles_for_sm90_where_nvrtc_is_installed():
     from deepinfer.kernels.cuda.fp8_linear_mma import SOURCE
     from test_cuda_runtime import compile_configs
@@ -296,8 +321,9 @@ def test_cluster_split_is_the_separate_sum_bit_for_bit(cfg):
                 print(f"cluster {_cfg_id(cfg)} block={block} N={n} M={m} S={split}: {same} of {m * n} outputs the same bits")
                 assert same == m * n, (cfg, block, m, split, same)
         x = _activation(5, k, dev)
-        assert_replay_is_eager(lambda: fp8_linear(x, w, {**cfg, "SPLIT_K": 16, "CLUSTER": True}, mma="sync"),
-                               f"fp8_linear sync cluster S=16 block={block}")
+        top = max(s for s in (2, 4, 8, 16) if (k // s) % (128 * cfg["STAGES"]) == 0)  # whole pipeline rounds
+        assert_replay_is_eager(lambda: fp8_linear(x, w, {**cfg, "SPLIT_K": top, "CLUSTER": True}, mma="sync"),
+                               f"fp8_linear sync cluster S={top} block={block}")
 
 
 @pytest.mark.gpu

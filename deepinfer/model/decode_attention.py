@@ -18,7 +18,7 @@ are in layout only:
 * compressor state is updated by a per-slot scatter; every row pools its state, and the entry is stored only
   where the completion mask says this token completed it (elsewhere the row's old bytes are written back).
 On CUDA the compressors and the indexer run on side streams beside the query path (one chain on one side
-stream; with DEEPINFER_INDEXER_LANES=1 an indexer layer's in three lanes, `select_in_lanes`).
+stream; an indexer layer's in three lanes, `select_in_lanes`, unless DEEPINFER_INDEXER_LANES=0).
 The sparse-attention index rows have the per-sequence path's order (window ascending, then the selection)
 with more -1 padding, so only summation order differs (GEMM shapes, batched dot products). The window ring
 and the compressed cache must share one layout (they do in every V4 revision: `cache/layouts.layouts_for`).
@@ -153,8 +153,9 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
         return step_memo(rows, ("ascending", r), build_ascending), lc.comp
 
     def select_in_lanes(lanes) -> tuple[torch.Tensor, torch.Tensor]:
-        """`select()` of an indexer layer over three side streams (DEEPINFER_INDEXER_LANES=1): its one chain
-        of ~25 small kernels was a decode layer's longest, longer than the query path beside it. Lane 0: the
+        """`select()` of an indexer layer over three side streams (default; DEEPINFER_INDEXER_LANES=0 keeps one
+        chain): its one chain of ~25 small kernels was a decode layer's longest, longer than the query path
+        beside it (H200, 2026-12-05: back-to-back steps 13-34 us faster with the lanes). Lane 0: the
         indexer's weights, then the KV compressor; lane 1: the index-key compressor; lane 2: the indexer's
         query, then (once lane 0's weights and lane 1's new keys are in) the scores, top-k and index rows.
         The same kernels on the same inputs: the compressors write different caches and states, and the

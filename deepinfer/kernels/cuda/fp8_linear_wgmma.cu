@@ -7,11 +7,11 @@
 //   `act_quant.wgmma_k_order` (`act_quant.act_quant_wgmma` writes it; the same order as fp4_moe_wgmma.cu's);
 // * W = E4M3 code x its fp32 power-of-two block scale (blocks of 128 x 128 in V4, 32 x 32 in V4.1);
 // * SPLIT_OUT 0: out bf16 [M, N] (rounded once); SPLIT_OUT 1: the fp32 partial of split blockIdx.z's K range
-//   into out[z, m, n], added in a fixed order by the caller (fp8_gemm's `_split_sum_kernel`);
-//   CLUSTER_SPLIT S > 1 (SPLIT_OUT 0): the S split CTAs of a tile are one thread-block cluster and add their
-//   partials themselves into bf16 out[m, n], in that same fixed order (the same bits; fp8_linear_mma.cu's
-//   header says why and how: each CTA stages its fp32 tile in its ring, rank r adds up slice r of the tile
-//   over the cluster's shared memory).
+//   into out[z, m, n], added in a fixed order by the caller (fp8_gemm's `_split_sum_kernel`). (A cluster form
+//   that added the split partials over distributed shared memory, as fp8_linear_mma.cu's CLUSTER_SPLIT, was
+//   bit-identical but slower at 6 of the layer's 7 shapes on the H200 (per layer: M=32 79.5 -> 92.2 us, M=128
+//   104.2 -> 125.2): its CTAs fill an SM each, so a cluster waits for S free SMs of one GPC. Removed
+//   2026-12-05; in git history before that day's removal commit.)
 // Math: both operands are exact in bf16 (4 significant bits x a power of two), so the tensor cores' products
 // are exact and their sums fp32: fp8_gemm's "bf16" / "swap" forms and the mma.sync kernel (fp8_linear_mma.cu),
 // up to fp32 summation order (the torch twin `quant_weights.fp8_linear_torch`).
@@ -47,7 +47,6 @@
 // Requires (the launcher checks): K split % 128 == 0; weight block 32 or 128; rows 16-byte aligned.
 
 #include "mma_common.cuh"
-#include "cluster_common.cuh"
 #include "tma_common.cuh"
 #include "wgmma_common.cuh"
 
@@ -62,12 +61,6 @@
 #endif
 #ifndef SPLIT_OUT
 #define SPLIT_OUT 0
-#endif
-#ifndef CLUSTER_SPLIT
-#define CLUSTER_SPLIT 0
-#endif
-#if CLUSTER_SPLIT && (SPLIT_OUT || CLUSTER_SPLIT < 2 || CLUSTER_SPLIT > 16)
-#error "CLUSTER_SPLIT: 2..16 split CTAs, bf16 out (SPLIT_OUT 0)"
 #endif
 #ifndef HALVES
 #define HALVES 0  // 1: half-stage fragment buffers (16 registers each), what fits 4 consumer warpgroups
@@ -89,8 +82,8 @@
 #define A_STAGE (2 * A_HALF)
 #define NACC (BT / 2)           // fp32 accumulators per lane: 64 x BT / 128 threads
 __device__ __forceinline__ u32 bf16_bits(float x) { return __float_as_uint(bf16_round(x)) >> 16; }  // RNE
-#if SPLIT_OUT || CLUSTER_SPLIT
-typedef float OutT;  // the fp32 partial (staged in shared memory for the cluster's sum)
+#if SPLIT_OUT
+typedef float OutT;  // the fp32 partial
 __device__ __forceinline__ float out_value(float x) { return x; }
 #else
 typedef u16 OutT;    // bf16, rounded once
@@ -130,9 +123,6 @@ __device__ __forceinline__ void expand_chunk(u32 (&fr)[2 * NQ][4], const uint4& 
 }
 
 extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
-#if CLUSTER_SPLIT
-__cluster_dims__(1, 1, CLUSTER_SPLIT)
-#endif
 fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                  const float* __restrict__ ws, i64 stride_wsn, int block,
                  void* __restrict__ out, i64 stride_os, i64 stride_om, int M, int N, int k_split) {
@@ -174,11 +164,6 @@ fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant
                 tma_load_2d(a_dst + A_HALF, &tmap_a, 2 * k + 128, tok0, full);
             }
         }
-#if CLUSTER_SPLIT
-        __syncwarp();
-        cluster_barrier();  // the cluster's barriers count every thread: the producer warp's two
-        cluster_barrier();
-#endif
         return;
     }
 
@@ -303,38 +288,6 @@ fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant
             line[lr1] = out_value(acc[4 * j + 2 + e]);
         }
     }
-#if CLUSTER_SPLIT
-    cluster_barrier();  // every split's fp32 tile is staged in its CTA's ring
-    {
-        constexpr int QUADS = ROWS / 4;  // 16-byte groups of 4 outputs per token line
-        constexpr int SLICE = BT * QUADS / CLUSTER_SPLIT;
-        for (int i = threadIdx.x; i < SLICE; i += 128 * CWG) {
-            const int c = blockIdx.z * SLICE + i;
-            const int tl = c / QUADS, row = row0 + (c % QUADS) * 4, tok = tok0 + tl;
-            if (tok >= M || row >= N) continue;
-            const u32 local = smem_u32(smem + tl * LINE + (row - row0) * 4);
-            float4 sum = ld_cluster4(local, 0);
-#pragma unroll
-            for (int z = 1; z < CLUSTER_SPLIT; ++z) {  // the fixed order of _split_sum_kernel
-                const float4 v = ld_cluster4(local, z);
-                sum.x += v.x;
-                sum.y += v.y;
-                sum.z += v.z;
-                sum.w += v.w;
-            }
-            u16* dst = static_cast<u16*>(out) + (i64)tok * stride_om + row;
-            const u32 lo = bf16_bits(sum.x) | (bf16_bits(sum.y) << 16), hi = bf16_bits(sum.z) | (bf16_bits(sum.w) << 16);
-            if (row + 4 <= N && (reinterpret_cast<unsigned long long>(dst) & 7) == 0) {
-                *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
-            } else {
-                const u32 q[4] = {lo & 0xFFFFu, lo >> 16, hi & 0xFFFFu, hi >> 16};
-                for (int e = 0; e < 4 && row + e < N; ++e) dst[e] = (u16)q[e];
-            }
-        }
-    }
-    cluster_barrier();  // no CTA leaves (freeing its shared memory) while another still reads it
-    return;
-#endif
     asm volatile("bar.sync 1, %0;" ::"n"(128 * CWG) : "memory");
     constexpr int PER_CHUNK = 16 / (int)sizeof(OutT);  // outputs per 16-byte chunk
     constexpr int CHUNKS = ROWS / PER_CHUNK;            // chunks per token line

@@ -3,8 +3,7 @@ TMA-fed and warp-specialised (see the .cu's header for the layout and the math).
 
 `fp8_linear_partials(a, w, out, cfg)`: a bf16 [M, K] = act_quant's exact q * s in `act_quant.wgmma_k_order`
 (`act_quant.act_quant_wgmma`), w a `QuantLinearWeight` (blocks 32 or 128, power-of-two scales up to 2^7:
-`usable_weight`), out bf16 [M, N] (S = 1, or `cluster`: the S split CTAs of a tile add their partials in the
-kernel, in the caller's fixed order) or fp32 [S, M, N] (S partials, summed in order by the caller).
+`usable_weight`), out bf16 [M, N] (S = 1) or fp32 [S, M, N] (S partials, summed in order by the caller).
 `plan(m, n, k, sms, config)`: the tiles and the split (`tiles`, `split_k`).
 The weights' tensor maps are kept (`runtime.cached_tensor_map`); the activation's is encoded per call (one
 driver call, ~us; inside a CUDA-graph capture its bytes are part of the captured launch, and the graph's
@@ -29,28 +28,14 @@ _SIGNATURE = "mmpliplliii"  # tensor maps, ws, stride_wsn, block, out, stride_os
 _KERNELS: dict[tuple, CudaKernel] = {}
 
 
-def kernel(cfg: dict, split_out: bool, cluster_split: int = 0) -> CudaKernel:
-    """The kernel for plan `cfg`: fp32 partials out (split_out), bf16 out from one CTA per tile (cluster_split
-    0), or bf16 out from a cluster of `cluster_split` split CTAs per tile that add their partials."""
+def kernel(cfg: dict, split_out: bool) -> CudaKernel:
+    """The kernel for plan `cfg`: fp32 partials out (split_out) or bf16 out."""
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES) + (("SPLIT_OUT", int(split_out)),)
     if cfg.get("DIAG"):  # a diagnostic build (the .cu's DIAG: not the GEMM), for benchmarks only
         key += (("DIAG", int(cfg["DIAG"])),)
-    if cluster_split:
-        key += (("CLUSTER_SPLIT", int(cluster_split)),)
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_wgmma", _SIGNATURE, dict(key), arch_suffix="a",
-                                   attributes=runtime.cluster_attributes(cluster_split))
+        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_wgmma", _SIGNATURE, dict(key), arch_suffix="a")
     return _KERNELS[key]
-
-
-def cluster_fits(m: int, n: int, cfg: dict, device: torch.device) -> bool:
-    """The cluster form of plan `cfg` (its SPLIT_K CTAs of a tile one cluster, one CTA an SM) can be resident
-    on `device`: the driver's cuOccupancyMaxActiveClusters, once per launch shape (a 16-CTA cluster needs 16
-    free SMs of one GPC; a launch that cannot fit would fail, so the op adds the partials separately)."""
-    split = cfg["SPLIT_K"]
-    grid = (-(-m // cfg["BT"]), -(-n // rows_per_cta(cfg)), split)
-    return kernel(cfg, False, split).max_active_clusters(grid, (128 * cfg["CWG"] + 32, 1, 1), device,
-                                                          shared=smem_bytes(cfg)) > 0
 
 
 def rows_per_cta(cfg: dict) -> int:
@@ -186,18 +171,12 @@ def input_problems(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor) -> 
 
 
 def fp8_linear_partials(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, cfg: dict,
-                        scale_max_exp: int | None = None, cluster: bool = False) -> torch.Tensor:
-    """Launch the kernel with plan `cfg` into `out` (bf16 [M, N] when cfg's SPLIT_K is 1 or `cluster`: the
-    split CTAs of a tile, one thread-block cluster, add their partials in the kernel; else fp32
+                        scale_max_exp: int | None = None) -> torch.Tensor:
+    """Launch the kernel with plan `cfg` into `out` (bf16 [M, N] when cfg's SPLIT_K is 1, else fp32
     [SPLIT_K, M, N]) and return it."""
     problems = input_problems(a, w, out)
     split = cfg["SPLIT_K"]
-    cluster = cluster and split > 1
-    if cluster and not split <= MAX_SPLIT:
-        problems.append(f"a cluster holds at most {MAX_SPLIT} split CTAs, got SPLIT_K {split}")
-    if cluster and out.dim() != 2:
-        problems.append(f"out must be bf16 [M, N] for the cluster's sum, got {out.dtype} {tuple(out.shape)}")
-    elif not cluster and ((out.dim() == 3) != (split > 1) or (out.dim() == 3 and out.shape[0] != split)):
+    if (out.dim() == 3) != (split > 1) or (out.dim() == 3 and out.shape[0] != split):
         problems.append(f"out must be fp32 [{split}, M, N] for SPLIT_K {split} (bf16 [M, N] for 1), got "
                         f"{out.dtype} {tuple(out.shape)}")
     why = check_k(w.in_features, split)
@@ -215,7 +194,7 @@ def fp8_linear_partials(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
     # the activations as bytes [M, 2K]: boxes of BT rows x 128 bytes (64 bf16), 128-byte swizzle
     tmap_a = runtime.encode_tensor_map(a.view(torch.uint8), (bt, 128), swizzle=128)
     grid = (-(-m // bt), -(-n // rows), split)
-    kernel(cfg, split > 1 and not cluster, split if cluster else 0).launch(
+    kernel(cfg, split > 1).launch(
         grid, (128 * cfg["CWG"] + 32, 1, 1),
         (tmap_w, tmap_a, w.scale, w.scale.stride(0), w.block, out, out.stride(0) if out.dim() == 3 else 0,
          out.stride(-2), m, n, k // split),

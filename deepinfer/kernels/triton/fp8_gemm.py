@@ -78,8 +78,6 @@ FUSED_ACT_MAX_M = 64  # M up to this: act_quant fused into the GEMM; above: one 
 WGMMA_MIN_M, WGMMA_MAX_M = 17, 256  # rows "auto" runs on the wgmma CUDA kernel where it can (sm_90, its weight
 # checks): the swap form's regime, which it replaces (H200 sweep: BENCHMARKS.md, scripts/bench_gemm_kernels.py
 # --batch-wgmma)
-WGMMA_CLUSTER_MAX = 8  # split CTAs the wgmma kernel adds up as one cluster: its CTAs fill an SM each (200 KB
-# ring), and a cluster must fit one GPC, some of which have fewer than 16 SMs; 16 splits keep the separate sum
 
 
 @triton.jit
@@ -316,26 +314,39 @@ def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
 
 def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
     """fp8_linear through the mma.sync CUDA kernel (act_quant fused, exact products, fp32 sums): one launch
-    when S = 1 or the split CTAs add their partials as a cluster (config CLUSTER, else
-    DEEPINFER_LINEAR_CLUSTER_SPLIT), else fp32 partials and `_split_sum_kernel` (the same fixed-order sum as
-    the Triton forms, so every way gives the same bits)."""
+    when S = 1 or the split CTAs add their partials as a cluster (`use_cluster`), else fp32 partials and
+    `_split_sum_kernel` (the same fixed-order sum as the Triton forms, so every way gives the same bits)."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
 
     m, k = x.shape
-    cfg = sync.plan(m, w.out_features, k, sm_count(x.device), config)
+    n = w.out_features
+    cfg = sync.plan(m, n, k, sm_count(x.device), config)
     split = cfg["SPLIT_K"]
-    if use_cluster(split, config, lambda: sync.cluster_fits(m, w.out_features, cfg, x.device)):
+    ctas = -(-m // sync.TOKENS) * -(-n // sync.rows_per_cta(cfg)) * split
+    if use_cluster(split, ctas, x.device, config, lambda: sync.cluster_fits(m, n, cfg, x.device)):
         return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
     return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out)
 
 
-def use_cluster(split: int, config: dict | None, fits) -> bool:
-    """Whether a CUDA linear adds its split-K partials inside the kernel, its split CTAs one thread-block
-    cluster: more than one split, asked for (config CLUSTER, else DEEPINFER_LINEAR_CLUSTER_SPLIT), and `fits()`
-    (the driver says such a cluster can be resident; asked last, once per launch shape)."""
+CLUSTER_PORTABLE = 8  # splits a cluster always takes; beyond it only while the launch is small (`use_cluster`)
+
+
+def use_cluster(split: int, ctas: int, device: torch.device, config: dict | None, fits) -> bool:
+    """Whether the mma.sync kernel adds its split-K partials inside the kernel, its split CTAs one thread-block
+    cluster: more than one split, not turned off (config CLUSTER, else DEEPINFER_LINEAR_CLUSTER_SPLIT), at most
+    CLUSTER_PORTABLE splits or at most 2 CTAs an SM in all, and `fits()` (the driver says such a cluster can
+    be resident; asked last, once per launch shape). The rule is the H200's (2026-12-05, bench_linear_sync.py
+    --variants 'split sum,cluster sum', b1 per V4-Flash shape): 2..8-CTA clusters were faster everywhere
+    (wq_b, 2 splits in 512 CTAs: 15.0 -> 12.8 us); 16-CTA ones were faster in launches of <= 256 CTAs (wq_a
+    5.8 -> 5.3, wkv 5.1 -> 4.4) and slower in larger ones (wo_b's 512: 15.7 -> 17.7; wo_a's grouped form's
+    1024: 14.4 -> 17.4), where 16 co-resident CTAs of one GPC are harder to place."""
     from deepinfer import env
 
-    return split > 1 and bool((config or {}).get("CLUSTER", env.linear_cluster_split())) and fits()
+    if split <= 1 or not bool((config or {}).get("CLUSTER", env.linear_cluster_split())):
+        return False
+    if "CLUSTER" not in (config or {}) and split > CLUSTER_PORTABLE and ctas > 2 * sm_count(device):
+        return False
+    return fits()
 
 
 def _partials_then_sum(launch, split: int, out: torch.Tensor) -> torch.Tensor:
@@ -362,10 +373,8 @@ def _wgmma_usable(w: QuantLinearWeight, device: torch.device) -> bool:
 
 
 def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
-    """fp8_linear through the wgmma CUDA kernel: one act_quant pass into its operand order, the GEMM (one
-    launch when S = 1 or, up to WGMMA_CLUSTER_MAX splits, the split CTAs add their partials as a cluster
-    (config CLUSTER, else DEEPINFER_LINEAR_CLUSTER_SPLIT); else fp32 partials and `_split_sum_kernel`: the same
-    fixed-order sum, the same bits, either way)."""
+    """fp8_linear through the wgmma CUDA kernel: one act_quant pass into its operand order, the GEMM (fp32
+    partials and `_split_sum_kernel` when it splits K: the same fixed-order sum as every form)."""
     from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
     from deepinfer.kernels.triton.act_quant import act_quant_wgmma
 
@@ -375,11 +384,7 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     m, k = x.shape
     cfg = wg.plan(m, w.out_features, k, sm_count(x.device), config)
     a = act_quant_wgmma(x, w.act_block)
-    split = cfg["SPLIT_K"]
-    if split <= WGMMA_CLUSTER_MAX and use_cluster(split, config, lambda: wg.cluster_fits(m, w.out_features, cfg,
-                                                                                         x.device)):
-        return wg.fp8_linear_partials(a, w, out, cfg, cluster=True)  # the partials added in the kernel
-    return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), split, out)
+    return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), cfg["SPLIT_K"], out)
 
 
 def _batch_form() -> str:

@@ -182,7 +182,7 @@ def _sync_usable(w: QuantLinearWeight, R: int, device: torch.device) -> bool:
 
 def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: dict | None) -> torch.Tensor:
     """The mma.sync form: one launch when its plan does not split K or the split CTAs add up as a cluster
-    (config CLUSTER, else DEEPINFER_LINEAR_CLUSTER_SPLIT), else fp32 partials and fp8_gemm's ordered sum."""
+    (fp8_gemm's `use_cluster` rule), else fp32 partials and fp8_gemm's ordered sum."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
     from deepinfer.kernels.triton.fp8_gemm import _partials_then_sum, sm_count, use_cluster
 
@@ -193,7 +193,8 @@ def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: di
     flat = out.view(T, G * R)
     cfg = sync.plan(T, G * R, d, sm_count(o.device), config)
     split = cfg["SPLIT_K"]
-    if use_cluster(split, config, lambda: sync.cluster_fits(T, G * R, cfg, o.device, group_rows=R)):
+    ctas = -(-T // sync.TOKENS) * -(-G * R // sync.rows_per_cta(cfg)) * split
+    if use_cluster(split, ctas, o.device, config, lambda: sync.cluster_fits(T, G * R, cfg, o.device, group_rows=R)):
         sync.fp8_linear_partials(o, w, flat, cfg, cluster_split=split, group_rows=R)
         return out
     _partials_then_sum(lambda dest: sync.fp8_linear_partials(o, w, dest, cfg, group_rows=R), split, flat)
