@@ -29,10 +29,11 @@ SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1", 4096, 2048)
 VARIANTS = (("triton bf16", "bf16", None), ("sync MT2 w4 s2", "sync", None), ("sync MT1 w4 s2", "sync", {"MT": 1}),
             ("sync MT2 w4 s4", "sync", {"STAGES": 4}), ("sync MT1 w8 s2", "sync", {"MT": 1, "WARPS": 8}),
             ("sync MT4 w4 s2", "sync", {"MT": 4}), ("sync MT2 w4 s2 split/2", "sync", "half"),
-            # the default tiles with the split-K partials summed by a separate kernel / by the cluster (2026-12-05)
+            # the default tiles with the split-K partials summed by a separate kernel / by the cluster (2026-12-05;
+            # the op's default is `fp8_gemm.use_cluster`'s rule)
             ("sync split sum", "sync", {"CLUSTER": False}), ("sync cluster sum", "sync", {"CLUSTER": True}),
-            # the batched-decode form (17..256 rows: --ms 32,128), likewise
-            ("wgmma split sum", "wgmma", {"CLUSTER": False}), ("wgmma cluster sum", "wgmma", {"CLUSTER": True}))
+            # the batched-decode form (17..256 rows: --ms 32,128; its cluster form was removed, 2026-12-05)
+            ("wgmma", "wgmma", None))
 
 
 def weights(n: int, k: int, copies: int, dev) -> list[QuantLinearWeight]:
