@@ -1,7 +1,7 @@
 """The grouped output LoRA (`wo_a`) on the H200: the bf16 weight through cuBLAS (the path before 2026-12-05)
 against the FP8 weight (op "grouped_proj_fp8": the mma.sync CUDA kernel up to SYNC_MAX_T tokens, its split-K
-sums separate or by cluster; the fused in-register expansion at decode, dequantise + cuBLAS above
-FUSED_MAX_T), with a sweep of the fused kernel's launch plans (--no-sweep: without).
+sums separate or by cluster; the wgmma CUDA kernel for WGMMA_MIN_T..WGMMA_MAX_T; the fused in-register
+expansion, dequantise + cuBLAS above FUSED_MAX_T), with a sweep of the fused kernel's launch plans (--no-sweep: without).
 
 V4-Flash's shape: o [T, 8, 4096] bf16, wo_a [8 x 1024, 4096] (FP8: 32 MB + scales; bf16: 64 MB). Each row is
 the median of CUDA-graph replays of `CALLS` calls over as many weight copies (the 32 MB FP8 weight would stay
@@ -64,6 +64,8 @@ def main() -> None:
             for cluster in (False, True):
                 row(f"fp8 wo_a, mma.sync, {'cluster' if cluster else 'separate'} split sum",
                     lambda i, c=cluster: gp.grouped_proj_fp8(o, ws[i], {"CLUSTER": c}, form="sync"), fp8_bytes)
+        if gp.WGMMA_MIN_T <= T <= gp.WGMMA_MAX_T:
+            row("fp8 wo_a, wgmma (grouped rows)", lambda i: gp.grouped_proj_fp8(o, ws[i], form="wgmma"), fp8_bytes)
         if T <= 128:
             row(f"fp8 wo_a, fused, default {gp.plan(T, R)}", lambda i: gp.grouped_proj_fp8(o, ws[i], form="fused"),
                 fp8_bytes)

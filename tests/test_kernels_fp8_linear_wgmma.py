@@ -78,6 +78,8 @@ def check_act_quant_wgmma(device: str = "cpu") -> None:
         got = act_quant_wgmma(x.to(device), block).cpu()
         want = formats.act_quant_dequant(x.float(), block).to(BF16)[:, wgmma_k_order(torch.arange(k))]
         assert torch.equal(got, want), (m, k, block)
+        raw = act_quant_wgmma(x.to(device), block, quant=False).cpu()  # the grouped LoRA's operand: o reordered
+        assert torch.equal(raw, x[:, wgmma_k_order(torch.arange(k))]), (m, k, block, "quant=False")
 
 
 def test_act_quant_wgmma_matches_act_quant_and_the_order():
@@ -115,6 +117,12 @@ def test_launcher_rejects_bad_inputs_before_launching():
         fp8_linear_partials(a, w, out, plan(3, n, k, 132, {"SPLIT_K": 2}))
     with pytest.raises(ValueError, match="K=512 must be a positive multiple of 128 x SPLIT_K"):
         fp8_linear_partials(a, w, torch.zeros(8, 3, n), dict(cfg, SPLIT_K=8))
+    with pytest.raises(ValueError, match=r"a must be contiguous bf16 \[M, 1024\]"):  # 2 groups of 32 rows: 2 K wide
+        fp8_linear_partials(a, w, out, dict(cfg, CWG=1), group_rows=32)
+    with pytest.raises(ValueError, match="group_rows 48 must divide the weight's 64 rows"):
+        fp8_linear_partials(a, w, out, cfg, group_rows=48)
+    with pytest.raises(ValueError, match="group_rows 64 must be a multiple of the plan's 128 weight rows per CTA"):
+        fp8_linear_partials(a, w, out, dict(cfg, CWG=2), group_rows=64)
     scale = torch.ones(1, 4)
     scale[0, 1] = 256.0
     with pytest.raises(ValueError, match=r"scales up to 2\^7 .* this weight has a scale 2\^8"):
@@ -184,7 +192,9 @@ def test_source_compiles_for_sm90a_where_nvrtc_is_installed():
     from deepinfer.kernels.cuda.fp8_linear_wgmma import SOURCE
     from test_cuda_runtime import compile_configs
 
-    compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": so} for cfg in TILE_CONFIGS for so in (0, 1)], arch="sm_90a")
+    compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": so} for cfg in TILE_CONFIGS for so in (0, 1)]
+                    + [{**cfg, "SPLIT_OUT": so, "GROUP_ROWS": 1024} for cfg in TILE_CONFIGS[:4] for so in (0, 1)],
+                    arch="sm_90a")
 
 
 # ---------------------------------------------------------------------------------------------- GPU

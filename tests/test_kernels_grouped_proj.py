@@ -5,7 +5,7 @@ twin on that value (V4's 128 x 128 blocks and V4.1's 32 x 32); a fast model hold
 logits bits as one holding the bf16 value; bad input names what was wrong.
 Interpreter (TRITON_INTERPRET=1, a fresh process): the fused kernel and the dequant kernel at small shapes.
 GPU (`-m gpu`, fresh random inputs, V4-Flash's shapes): the mma.sync form (decode, split sums separate and
-by cluster) and the fused kernel within one bf16 rounding of the
+by cluster), the wgmma form (9..256 tokens) and the fused kernel within one bf16 rounding of the
 float64 value (`_within_one_rounding`: the fp32 sums' order is the only difference from the twin), the
 dequant form bit for bit cuBLAS's einsum on the bf16 weight (the path before), and a CUDA-graph replay equal
 to eager.
@@ -171,6 +171,38 @@ def test_sync_form_against_the_twin(block):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [128, 32])
+def test_wgmma_form_against_the_twin(block):
+    """The batched-decode form (fp8_linear's wgmma kernel with GROUP_ROWS, o's bf16 reordered once): within one
+    bf16 rounding of the float64 value for 9..256 tokens (one and two token tiles, split K and not), groups of
+    1024 (V4-Flash) and 512 rows, o a strided view; "auto" takes it there; graph replay == eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
+    from deepinfer.kernels.triton import grouped_proj as gp
+    from test_kernels_gemm import assert_replay_is_eager
+
+    dev = torch.device("cuda")
+    if not wg.usable(dev):
+        pytest.skip("the wgmma kernel needs sm_90")
+    g = torch.Generator().manual_seed(31 + block)
+    for G, R, d in ((8, 1024, 4096), (4, 512, 2048)):
+        w = _weight(G, R, d, block, g, dev)
+        for T in (9, 32, 130, 256):
+            big = torch.randn(T, G, d + 64, generator=g).to(BF16).to(dev)
+            for o in (big[:, :, :d].contiguous(), big[:, :, :d]):
+                got = gp.grouped_proj_fp8(o, w, form="wgmma")
+                assert got.shape == (T, G, R) and bool(torch.isfinite(got).all())
+                _within_one_rounding(got, o, w)
+                assert torch.equal(gp.grouped_proj_fp8(o, w), got)  # auto takes it for 9..256 tokens
+            for split in (1, 2):  # the plan's own split and a forced one: both within one rounding
+                _within_one_rounding(gp.grouped_proj_fp8(o, w, {"SPLIT_K": split}, form="wgmma"), o, w)
+        print(f"wgmma form block {block} G={G} R={R} d={d}: within one rounding at 9..256 tokens")
+        o = torch.randn(40, G, d, generator=g).to(BF16).to(dev)
+        assert_replay_is_eager(lambda: gp.grouped_proj_fp8(o, w, form="wgmma"), f"grouped wgmma G={G} block={block}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [128, 32])
 def test_cuda_kernels_against_the_twin(block):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -193,8 +225,11 @@ def test_cuda_kernels_against_the_twin(block):
         print(f"block {block} T={T}: {float((got != twin).float().mean()):.3%} of outputs differ from the twin "
               f"in last bits")
         cublas = torch.einsum("tgd,grd->tgr", o, wa.view(G, R, d))  # the path before: bf16 wo_a, cuBLAS
-        if T > gp.FUSED_MAX_T:
-            assert torch.equal(got, cublas)
+        if T > gp.FUSED_MAX_T:  # the dequant form: the path before, bit for bit (auto takes wgmma up to 256)
+            assert torch.equal(gp.grouped_proj_fp8(o, w, form="dequant"), cublas)
+        for form in ("fused", "dequant"):  # the forms auto no longer takes where the CUDA kernels run
+            if form == "dequant" or T <= gp.FUSED_MAX_T:
+                _within_one_rounding(gp.grouped_proj_fp8(o, w, form=form), o, w)
     o = torch.randn(4, G, d, generator=g).to(BF16).to(dev)
     eager = gp.grouped_proj_fp8(o, w)
     graph = torch.cuda.CUDAGraph()

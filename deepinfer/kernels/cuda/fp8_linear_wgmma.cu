@@ -45,6 +45,13 @@
 // Launch: grid (ceil(M / BT), ceil(N / ROWS), S), block 128 CWG + 32, dynamic shared memory
 // `fp8_linear_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
 // Requires (the launcher checks): K split % 128 == 0; weight block 32 or 128; rows 16-byte aligned.
+// The grouped output LoRA (GROUP_ROWS R > 0): V4's wo_a at 9..256 tokens, `einsum("tgd,grd->tgr", o, wo_a)` on
+// bf16 operands (the official block's; wo_a's bf16 is convert.py's exact dequantisation of these FP8 bytes):
+// W is [G R, K] and a is o [M, G K] in `wgmma_k_order` (`act_quant.act_quant_wgmma(..., quant=False)`: o's bf16
+// values, not quantised); weight rows [g R, (g + 1) R) multiply a's columns [g K, (g + 1) K), so a CTA (whose
+// rows lie in one group: R a multiple of ROWS) reads its group's K columns. The products stay exact (o's 8
+// significant bits x the weight's 4) and the sums fp32: the einsum's math up to fp32 summation order, as
+// fp8_linear_mma.cu's RAW_ACT / GROUP_ROWS form at up to 8 tokens.
 
 #include "mma_common.cuh"
 #include "tma_common.cuh"
@@ -61,6 +68,9 @@
 #endif
 #ifndef SPLIT_OUT
 #define SPLIT_OUT 0
+#endif
+#ifndef GROUP_ROWS
+#define GROUP_ROWS 0  // > 0: weight rows [g GROUP_ROWS, (g + 1) GROUP_ROWS) multiply a's group g of K columns
 #endif
 #ifndef HALVES
 #define HALVES 0  // 1: half-stage fragment buffers (16 registers each), what fits 4 consumer warpgroups
@@ -81,6 +91,7 @@
 #define A_HALF (BT * 128)       // one 64-K box of activations: BT rows x 128 bytes
 #define A_STAGE (2 * A_HALF)
 #define NACC (BT / 2)           // fp32 accumulators per lane: 64 x BT / 128 threads
+static_assert(GROUP_ROWS % ROWS == 0, "GROUP_ROWS: whole CTA tiles of weight rows per group");
 __device__ __forceinline__ u32 bf16_bits(float x) { return __float_as_uint(bf16_round(x)) >> 16; }  // RNE
 #if SPLIT_OUT
 typedef float OutT;  // the fp32 partial
@@ -160,8 +171,13 @@ fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant
                 const int k = k_lo + step * KSTEP;
                 tma_load_2d(smem_u32(w_ring + s * W_STAGE), &tmap_w, k, row0, full);
                 const u32 a_dst = smem_u32(a_ring + s * A_STAGE);
-                tma_load_2d(a_dst, &tmap_a, 2 * k, tok0, full);
-                tma_load_2d(a_dst + A_HALF, &tmap_a, 2 * k + 128, tok0, full);
+#if GROUP_ROWS
+                const int ka = (row0 / GROUP_ROWS) * k_split * (int)gridDim.z + k;  // the CTA's group of a (K long)
+#else
+                const int ka = k;
+#endif
+                tma_load_2d(a_dst, &tmap_a, 2 * ka, tok0, full);
+                tma_load_2d(a_dst + A_HALF, &tmap_a, 2 * ka + 128, tok0, full);
             }
         }
         return;

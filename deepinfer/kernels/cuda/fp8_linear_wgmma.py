@@ -5,6 +5,8 @@ TMA-fed and warp-specialised (see the .cu's header for the layout and the math).
 (`act_quant.act_quant_wgmma`), w a `QuantLinearWeight` (blocks 32 or 128, power-of-two scales up to 2^7:
 `usable_weight`), out bf16 [M, N] (S = 1) or fp32 [S, M, N] (S partials, summed in order by the caller).
 `plan(m, n, k, sms, config)`: the tiles and the split (`tiles`, `split_k`).
+`group_rows=R` (the grouped output LoRA, wo_a at 9..256 tokens): w [G R, K], a [M, G K] = o's bf16 in the same
+order (`act_quant_wgmma(o, block, quant=False)`), weight rows of group g multiply a's columns of group g.
 The weights' tensor maps are kept (`runtime.cached_tensor_map`); the activation's is encoded per call (one
 driver call, ~us; inside a CUDA-graph capture its bytes are part of the captured launch, and the graph's
 activation buffer keeps its address at every replay).
@@ -28,11 +30,13 @@ _SIGNATURE = "mmpliplliii"  # tensor maps, ws, stride_wsn, block, out, stride_os
 _KERNELS: dict[tuple, CudaKernel] = {}
 
 
-def kernel(cfg: dict, split_out: bool) -> CudaKernel:
-    """The kernel for plan `cfg`: fp32 partials out (split_out) or bf16 out."""
+def kernel(cfg: dict, split_out: bool, group_rows: int = 0) -> CudaKernel:
+    """The kernel for plan `cfg`: fp32 partials out (split_out) or bf16 out; group_rows > 0: the grouped form."""
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES) + (("SPLIT_OUT", int(split_out)),)
     if cfg.get("DIAG"):  # a diagnostic build (the .cu's DIAG: not the GEMM), for benchmarks only
         key += (("DIAG", int(cfg["DIAG"])),)
+    if group_rows:
+        key += (("GROUP_ROWS", int(group_rows)),)
     if key not in _KERNELS:
         _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_wgmma", _SIGNATURE, dict(key), arch_suffix="a")
     return _KERNELS[key]
@@ -139,13 +143,17 @@ def usable_weight(w: QuantLinearWeight) -> bool:
     return e4m3_expansion_exact(w)
 
 
-def input_problems(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor) -> list[str]:
-    """Everything wrong with the inputs (empty: they can run), each naming the argument."""
+def input_problems(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, group_rows: int = 0) -> list[str]:
+    """Everything wrong with the inputs (empty: they can run), each naming the argument. group_rows R: w is
+    [G R, K] and a [M, G K]."""
     problems = []
     data, scale = w.data, w.scale
     n, k = data.shape
-    if a.dtype != torch.bfloat16 or a.dim() != 2 or not a.is_contiguous() or a.shape[1] != k:
-        problems.append(f"a must be contiguous bf16 [M, {k}] (act_quant_wgmma's order), got {a.dtype} "
+    groups = n // group_rows if group_rows > 0 and n % group_rows == 0 else 1
+    if group_rows and (group_rows < 0 or n % group_rows):
+        problems.append(f"group_rows {group_rows} must divide the weight's {n} rows")
+    if a.dtype != torch.bfloat16 or a.dim() != 2 or not a.is_contiguous() or a.shape[1] != groups * k:
+        problems.append(f"a must be contiguous bf16 [M, {groups * k}] (act_quant_wgmma's order), got {a.dtype} "
                         f"{tuple(a.shape)}")
     if data.dtype != torch.float8_e4m3fn or not data.is_contiguous() or data.data_ptr() % 16 or k % 16:
         problems.append(f"w.data must be contiguous 16-byte aligned float8_e4m3fn [N, K] (the TMA), got "
@@ -171,11 +179,15 @@ def input_problems(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor) -> 
 
 
 def fp8_linear_partials(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, cfg: dict,
-                        scale_max_exp: int | None = None) -> torch.Tensor:
+                        scale_max_exp: int | None = None, group_rows: int = 0) -> torch.Tensor:
     """Launch the kernel with plan `cfg` into `out` (bf16 [M, N] when cfg's SPLIT_K is 1, else fp32
-    [SPLIT_K, M, N]) and return it."""
-    problems = input_problems(a, w, out)
+    [SPLIT_K, M, N]) and return it. group_rows R > 0: the grouped form (module docstring); R must be a
+    multiple of the plan's weight rows per CTA."""
+    problems = input_problems(a, w, out, group_rows)
     split = cfg["SPLIT_K"]
+    if group_rows and group_rows % rows_per_cta(cfg):
+        problems.append(f"group_rows {group_rows} must be a multiple of the plan's {rows_per_cta(cfg)} weight rows "
+                        f"per CTA (CWG {cfg['CWG']})")
     if (out.dim() == 3) != (split > 1) or (out.dim() == 3 and out.shape[0] != split):
         problems.append(f"out must be fp32 [{split}, M, N] for SPLIT_K {split} (bf16 [M, N] for 1), got "
                         f"{out.dtype} {tuple(out.shape)}")
@@ -185,16 +197,16 @@ def fp8_linear_partials(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
     if problems:
         raise ValueError("fp8_linear_wgmma: " + "; ".join(problems))
     check_e4m3_expansion(w, "fp8_linear_wgmma", scale_max_exp)
-    m, k = a.shape
-    n = w.out_features
+    m = a.shape[0]
+    n, k = w.out_features, w.in_features
     if m == 0 or n == 0:
         return out
     bt, rows = cfg["BT"], rows_per_cta(cfg)
     tmap_w = runtime.cached_tensor_map(w.data.view(torch.uint8), (rows, KSTEP), swizzle=128)
-    # the activations as bytes [M, 2K]: boxes of BT rows x 128 bytes (64 bf16), 128-byte swizzle
+    # the activations as bytes [M, 2K] ([M, 2GK] grouped): boxes of BT rows x 128 bytes (64 bf16), 128-byte swizzle
     tmap_a = runtime.encode_tensor_map(a.view(torch.uint8), (bt, 128), swizzle=128)
     grid = (-(-m // bt), -(-n // rows), split)
-    kernel(cfg, split > 1).launch(
+    kernel(cfg, split > 1, group_rows).launch(
         grid, (128 * cfg["CWG"] + 32, 1, 1),
         (tmap_w, tmap_a, w.scale, w.scale.stride(0), w.block, out, out.stride(0) if out.dim() == 3 else 0,
          out.stride(-2), m, n, k // split),

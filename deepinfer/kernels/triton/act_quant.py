@@ -200,10 +200,11 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     return out
 
 
-def act_quant_wgmma(x: torch.Tensor, block: int) -> torch.Tensor:
+def act_quant_wgmma(x: torch.Tensor, block: int, quant: bool = True) -> torch.Tensor:
     """The wgmma FP8 linear's activation operand (kernels/cuda/fp8_linear_wgmma.cu): bf16 [M, K], row m =
     act_quant's exact q * s of x[m], columns in `wgmma_k_order` within each 128. x [M, K] bf16/fp32 with
-    K % 128 == 0 and block | 128."""
+    K % 128 == 0 and block | 128. quant False: x's values as bf16, only reordered (the grouped output LoRA's
+    operand: the official einsum multiplies o's bf16 as it is)."""
     if x.dim() != 2 or x.shape[1] % WGMMA_K_GROUP or WGMMA_K_GROUP % block:
         raise ValueError(f"act_quant_wgmma: x must be [M, K] with K a multiple of {WGMMA_K_GROUP} and block "
                          f"{block} dividing it, got {tuple(x.shape)}")
@@ -214,5 +215,5 @@ def act_quant_wgmma(x: torch.Tensor, block: int) -> torch.Tensor:
         return out
     cols = next(c for c in (1024, 512, 256, WGMMA_K_GROUP) if k % c == 0)
     _act_quant_gather_kernel[(m, k // cols)](x, out, x, x, m, x.stride(0), out.stride(0), ROW_DIV=1, BT=1,
-                                             BLOCK=block, COLS=cols, QUANT=True, DENSE=True)
+                                             BLOCK=block, COLS=cols, QUANT=quant, DENSE=True)
     return out

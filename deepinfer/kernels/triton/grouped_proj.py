@@ -7,11 +7,15 @@ bits x a power of two), so the FP8 bytes and block scales hold the same weight i
 
 Three forms, the same math as the twin (`quant_weights.grouped_proj_fp8_torch`: exact bf16 products, fp32
 sums, one bf16 rounding), up to the fp32 summation order:
-* T <= SYNC_MAX_T (decode; 2026-12-05, twentieth session, not yet timed): the mma.sync CUDA kernel of
-  fp8_linear's decode form (`kernels/cuda/fp8_linear_mma.cu` with RAW_ACT and GROUP_ROWS: the same E4M3
-  expansion, x's bf16 as it is, the rows of one group per CTA, split-K added in a fixed order), which streams
-  the decode projections' weights at ~2.4 TB/s where this Triton kernel reached ~1.5;
-* T <= FUSED_MAX_T tokens (decode, short extends): `_grouped_proj_fp8_kernel` expands each weight tile in
+* T <= SYNC_MAX_T (decode): the mma.sync CUDA kernel of fp8_linear's decode form
+  (`kernels/cuda/fp8_linear_mma.cu` with RAW_ACT and GROUP_ROWS: the same E4M3 expansion, x's bf16 as it is,
+  the rows of one group per CTA, split-K added in a fixed order). H200 2026-12-05 (twenty-first session,
+  V4-Flash's wo_a): 14.4 us at T=1 and 15.3 at T=8 against cuBLAS's 21.6 on the bf16 weight;
+* WGMMA_MIN_T..WGMMA_MAX_T (batched decode; written 2026-12-05, not yet run on a GPU): fp8_linear's wgmma
+  CUDA kernel with GROUP_ROWS (`kernels/cuda/fp8_linear_wgmma.cu`: o's bf16 reordered once by
+  `act_quant_wgmma(quant=False)`, the rows of one group per CTA), where this Triton kernel was slower than
+  cuBLAS on the bf16 weight (T=32 27.1 against 22.4 us, T=128 36.2 against 24.7);
+* T <= FUSED_MAX_T tokens (where the CUDA forms cannot run): `_grouped_proj_fp8_kernel` expands each weight tile in
   registers (E4M3 -> fp32, x its block scale, -> bf16: convert.py's expression, bit for bit) and multiplies
   it on the bf16 tensor cores with fp32 accumulation; one program owns BLOCK_N consecutive rows of one
   group for a block of tokens and streams the full K (no split-K: one launch, a fixed summation order).
@@ -42,6 +46,7 @@ PLAN_SMALL = dict(BLOCK_N=64, BLOCK_K=128, num_stages=4, num_warps=4)  # T <= 16
 PLAN_LARGE = dict(BLOCK_N=64, BLOCK_K=128, num_stages=3, num_warps=4)  # T <= 64
 _PLAN_KEYS = ("BLOCK_T", "BLOCK_N", "BLOCK_K", "num_stages", "num_warps")
 SYNC_MAX_T = 8  # tokens the mma.sync form takes (one CTA's 8 rows; fp8_gemm.SYNC_MAX_M)
+WGMMA_MIN_T, WGMMA_MAX_T = 9, 256  # tokens the wgmma form takes where it can run (fp8_gemm's wgmma regime)
 
 
 @fast_launch
@@ -141,19 +146,22 @@ def dequant_bf16(w: QuantLinearWeight) -> torch.Tensor:
 def grouped_proj_fp8(o: torch.Tensor, w: QuantLinearWeight, config: dict | None = None,
                      form: str = "auto") -> torch.Tensor:
     """o bf16 [T, G, d], w [G * R, d] (FP8 + block scales) -> bf16 [T, G, R]. form: "sync" (the mma.sync CUDA
-    kernel), "fused" (the in-register expansion), "dequant" (bf16 weight + cuBLAS) or "auto" (sync up to
-    SYNC_MAX_T tokens where it can run, fused up to FUSED_MAX_T). config: the fused kernel's launch override
-    (`plan`), or for "sync" fp8_linear_mma's (tiles, SPLIT_K, CLUSTER)."""
+    kernel), "wgmma" (the warpgroup-MMA CUDA kernel), "fused" (the in-register expansion), "dequant" (bf16
+    weight + cuBLAS) or "auto" (sync up to SYNC_MAX_T tokens and wgmma for WGMMA_MIN_T..WGMMA_MAX_T where they
+    can run, else fused up to FUSED_MAX_T, dequant above). config: the fused kernel's launch override (`plan`),
+    or for "sync" fp8_linear_mma's (tiles, SPLIT_K, CLUSTER), for "wgmma" fp8_linear_wgmma's (tiles, SPLIT_K)."""
     if not o.is_cuda and not interpreting():
         from deepinfer.kernels.quant_weights import grouped_proj_fp8_torch
 
         return grouped_proj_fp8_torch(o, w)
     R = check_grouped_proj_fp8(o, w)
     T, G, d = o.shape
-    if form not in ("auto", "fused", "dequant", "sync"):
-        raise ValueError(f"grouped_proj_fp8: form must be auto, sync, fused or dequant, got {form!r}")
+    if form not in ("auto", "fused", "dequant", "sync", "wgmma"):
+        raise ValueError(f"grouped_proj_fp8: form must be auto, sync, wgmma, fused or dequant, got {form!r}")
     if form == "sync" or (form == "auto" and 0 < T <= SYNC_MAX_T and _sync_usable(w, R, o.device)):
         return _grouped_proj_sync(o, w, R, config)
+    if form == "wgmma" or (form == "auto" and WGMMA_MIN_T <= T <= WGMMA_MAX_T and _wgmma_usable(w, R, o.device)):
+        return _grouped_proj_wgmma(o, w, R, config)
     if form == "dequant" or (form == "auto" and T > FUSED_MAX_T):
         return torch.einsum("tgd,grd->tgr", o, dequant_bf16(w).view(G, R, d))
     if o.stride(2) != 1:
@@ -178,6 +186,32 @@ def _sync_usable(w: QuantLinearWeight, R: int, device: torch.device) -> bool:
     from deepinfer.kernels.triton.fp8_gemm import _sync_usable as linear_sync_usable
 
     return R % sync.rows_per_cta(sync.tiles()) == 0 and linear_sync_usable(w, device)
+
+
+def _wgmma_usable(w: QuantLinearWeight, R: int, device: torch.device) -> bool:
+    """The wgmma form can run this weight here: fp8_linear's rule for its wgmma kernel (sm_90 with NVRTC,
+    blocks 128 / 32, exact scales) and groups of whole CTA tiles (256 rows: the widest plan's)."""
+    from deepinfer.kernels.triton.fp8_gemm import _wgmma_usable as linear_wgmma_usable
+
+    return R % 256 == 0 and linear_wgmma_usable(w, device)
+
+
+def _grouped_proj_wgmma(o: torch.Tensor, w: QuantLinearWeight, R: int, config: dict | None) -> torch.Tensor:
+    """The wgmma form: o's bf16 reordered once into the kernel's operand order, the GEMM with one group per
+    CTA, split-K partials added by fp8_gemm's ordered sum."""
+    from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
+    from deepinfer.kernels.triton.act_quant import act_quant_wgmma
+    from deepinfer.kernels.triton.fp8_gemm import _partials_then_sum, sm_count
+
+    T, G, d = o.shape
+    out = torch.empty(T, G, R, dtype=BF16, device=o.device)
+    if T == 0:
+        return out
+    a = act_quant_wgmma(o.reshape(T, G * d), w.act_block, quant=False)  # o's values, the operand's column order
+    cfg = wg.plan(T, G * R, d, sm_count(o.device), config)
+    _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg, group_rows=R), cfg["SPLIT_K"],
+                       out.view(T, G * R))
+    return out
 
 
 def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: dict | None) -> torch.Tensor:
