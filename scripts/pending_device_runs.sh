@@ -17,19 +17,24 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-tests)  # the twenty-first session's defaults: cluster split-K (mma.sync, fp8_gemm.use_cluster), lanes; wgmma
-    # without its cluster; wo_a's sync form; the fast paths against the oracle
-    step gpu_tests 560 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear_mma.py \
+tests)  # the twenty-first session's defaults (cluster split-K on mma.sync by fp8_gemm.use_cluster, lanes), wgmma
+    # without its cluster, wo_a's wgmma form (9..256 tokens), and the fast paths against the oracle with wo_a FP8
+    step gpu_tests 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear_mma.py \
         tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_grouped_proj.py tests/test_engine_fast_decode.py \
-        tests/test_engine_fast.py tests/test_side_stream.py
+        tests/test_side_stream.py
+    DEEPINFER_WO_A_FP8=1 step gpu_tests_wo_a_fp8 250 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_decode.py tests/test_engine_fast.py
     ;;
-anatomy)  # where the b1 / b32 / b128 steps go: the defaults against the switches' old values
-    step decode_anatomy 560 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 45 \
-        --env-sets "" DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0 DEEPINFER_ATTN_FUSIONS=0
+anatomy)  # where the b1 / b32 / b128 steps go: the defaults against the switches' old values; then wo_a FP8 (read
+    # when the params are made: its own process)
+    step decode_anatomy 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 45 \
+        --env-sets "" DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0
+    DEEPINFER_WO_A_FP8=1 step decode_anatomy_wo_a_fp8 250 python benchmarks/decode_anatomy.py --layers 4 \
+        --batches 1 32 128 --top 45
     ;;
-linears)  # the cluster split-K and wo_a's sync form, op by op
-    step linear_sync 200 python benchmarks/bench_linear_sync.py --ms 1,8 --variants "split sum,cluster sum"
+linears)  # wo_a's forms and the cluster split-K, op by op
     step grouped_proj 150 python benchmarks/bench_grouped_proj.py --ts 1 8 32 128 --no-sweep
+    step linear_sync 200 python benchmarks/bench_linear_sync.py --ms 1,8 --variants "split sum,cluster sum"
     ;;
 slice)  # the issue's ratios against transformers, the defaults and the switches' old values
     step engine_slice 580 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 --async-modes on \
