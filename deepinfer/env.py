@@ -162,11 +162,15 @@ def fast_launch_enabled() -> bool:
 
 
 def wo_a_fp8_enabled() -> bool:
-    """DEEPINFER_WO_A_FP8=1: fast numerics keeps the attention's `wo_a` as its checkpoint FP8 bytes + block
-    scales (op "grouped_proj_fp8", model/out_lora.py: the same values in half the memory). Off by default:
-    its fused decode kernel's first form measured 171 us a V4-Flash layer at T=1 on the H200 against 21.8 us
-    for cuBLAS on the bf16 value (2026-12-05, benchmarks/bench_grouped_proj.py). Read when params are made."""
-    return os.environ.get("DEEPINFER_WO_A_FP8", "0") in ("1", "true", "yes")
+    """DEEPINFER_WO_A_FP8=0 makes fast numerics hold the attention's `wo_a` as convert.py's bf16 value (op
+    "grouped_proj_bf16": cuBLAS's einsum) instead of its checkpoint FP8 bytes + block scales (op
+    "grouped_proj_fp8", model/out_lora.py: the same values in half the memory, 1.4 GB less on V4-Flash's 43
+    layers). Default on since 2026-12-05: the mma.sync form up to 8 tokens and the wgmma form for 9..256
+    (kernels/triton/grouped_proj.py) ran the oracle judges on the GPU and timed faster than cuBLAS on the
+    bf16 weight (H100: T=1 18.1 against 28.7 us, T=32 24.4 against 29.6, T=128 32.7 against 32.7; H200:
+    T=1 14.4 against 21.6) and the decode step with it was faster (BENCHMARKS.md twenty-first session). Read
+    when params are made."""
+    return os.environ.get("DEEPINFER_WO_A_FP8", "1") not in ("0", "false", "no")
 
 
 SPLIT_MIXED_CHOICES = ("auto", "on", "off")

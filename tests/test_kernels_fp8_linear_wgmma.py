@@ -257,7 +257,9 @@ def test_partials_match_float64(cfg):
                                               torch.full((m, n), float("nan"), dtype=BF16, device=dev), c)
                     ulps = (_ordered(out) - _ordered((a @ wf.T).to(BF16))).abs()
                     rel = float((ulps <= 1).float().mean())
-                    ok = rel >= 0.999 and _rel(out, a @ wf.T) <= 2e-3  # bf16's rounding: ~1e-3
+                    # bf16's rounding moves a vector by at most 2^-8 of its norm (~1e-3 typically; 2e-3 was
+                    # exceeded by chance at M=1 on the H100, 2026-12-05, with every output within 1 ulp)
+                    ok = rel >= 0.999 and _rel(out, a @ wf.T) <= 2.0**-8 + 1e-5
                 else:
                     out = fp8_linear_partials(act_quant_wgmma(x, block), w,
                                               torch.full((split, m, n), float("nan"), device=dev), c)

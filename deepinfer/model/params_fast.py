@@ -7,10 +7,10 @@ tensors, e.g. `tiny.make_tensors`) into what the fast path computes with:
 * the routed experts of each MoE layer -> one `FP4ExpertBank` under `layers.{i}.ffn.experts` (packed FP4 +
   E8M0 bytes, stacked); with expert parallelism only this rank's shard, at local indices (the MoE maps
   global ids: `model/expert_parallel_fast.py`);
-* `attn.wo_a` -> its bf16 value (the official convert.py dequantises it to bf16, exactly, and the official
-  grouped output einsum runs on bf16 operands, so does ours: op "grouped_proj_bf16"); under
-  DEEPINFER_WO_A_FP8=1 a `QuantLinearWeight` (half the memory; op "grouped_proj_fp8" forms the same bf16
-  values inside the kernel; `model/out_lora.py` picks the op by the form);
+* `attn.wo_a` -> a `QuantLinearWeight` of its checkpoint bytes (the official convert.py dequantises it to
+  bf16, exactly, and the official grouped output einsum runs on bf16 operands; op "grouped_proj_fp8" forms
+  the same bf16 values inside the kernel, in half the memory); under DEEPINFER_WO_A_FP8=0 that bf16 value
+  (op "grouped_proj_bf16"); `model/out_lora.py` picks the op by the form;
 * `head.weight` -> the checkpoint's bf16 (official holds it as fp32 of the same values; op "linear_f32"
   multiplies bf16 operands with fp32 accumulation and output: the same math, half the bytes per step);
 * the bf16 GEMM weights `BF16_GEMM_WEIGHTS` (compressor wkv/wgate, MoE gate, indexer weights_proj) -> the
@@ -24,8 +24,8 @@ Memory is about the checkpoint's own size (plus small fp32 tensors).
 Both families: V4 (128x128 weight blocks, activations quantised per 128) and V4.1 (32x32 blocks, per 32: the
 containers carry cfg.weight_block / cfg.act_block). V4.1's engram tensors are not params here: the model's
 EngramLayer takes them from the checkpoint (`model/engram.py::engram_params`, tables left on the host).
-Must not: import the reference oracle, or dequantise an FP8/FP4 weight other than `wo_a` (unless
-DEEPINFER_WO_A_FP8=1 keeps it FP8).
+Must not: import the reference oracle, or dequantise an FP8/FP4 weight other than `wo_a` (and that one only
+under DEEPINFER_WO_A_FP8=0).
 """
 from __future__ import annotations
 

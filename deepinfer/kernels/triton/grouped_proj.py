@@ -40,8 +40,8 @@ FUSED_MAX_T = 64  # tokens up to which the fused kernel runs (decode batches); m
 # stages, warps (benchmarks/bench_grouped_proj.py sweeps it). H200 2026-12-05, V4-Flash's wo_a, graph replay
 # (results/grouped_proj_h200_2026-12-05_s18_scalar_scale.log): T=1..8 21.5-22.0 us (cuBLAS on the bf16
 # weight 21.6: the FP8 bytes at ~1.5 TB/s, not yet the ~4 their half size allows), T=64 24.7-27.6 (23.4),
-# T=128 36.0 (24.8); num_stages 5-6 at T <= 64 were the sweep's best by <= 1 us. The op is opt-in
-# (env.wo_a_fp8_enabled) until it is faster.
+# T=128 36.0 (24.8); num_stages 5-6 at T <= 64 were the sweep's best by <= 1 us. Where the CUDA forms run
+# (sm_90: the sync and wgmma forms) this kernel is not used up to 256 tokens.
 PLAN_SMALL = dict(BLOCK_N=64, BLOCK_K=128, num_stages=4, num_warps=4)  # T <= 16: one 16-row MMA block
 PLAN_LARGE = dict(BLOCK_N=64, BLOCK_K=128, num_stages=3, num_warps=4)  # T <= 64
 _PLAN_KEYS = ("BLOCK_T", "BLOCK_N", "BLOCK_K", "num_stages", "num_warps")
