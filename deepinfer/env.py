@@ -142,8 +142,9 @@ def linear_cluster_split() -> bool:
     """DEEPINFER_LINEAR_CLUSTER_SPLIT=0 makes the mma.sync decode form of op fp8_linear (and wo_a's grouped form
     on it) add its split-K partials in fp8_gemm._split_sum_kernel instead of inside the kernel, where the S split
     CTAs of a tile are one thread-block cluster (kernels/cuda/fp8_linear_mma.cu CLUSTER_SPLIT: the same bits,
-    one launch instead of two; `fp8_gemm.use_cluster` says where). Default on since the H200 ran its test and
-    timed it (2026-12-05: a b1 layer's seven linears 61.6 -> 58.9 us, BENCHMARKS.md)."""
+    one launch instead of two; `fp8_gemm.use_cluster` says where: up to 4 splits). Default on since the H200
+    and the H100 ran its test and timed it (2026-12-05: wq_b at M=1 15.0 -> 12.8 us and 18.2 -> 17.2;
+    BENCHMARKS.md)."""
     return os.environ.get("DEEPINFER_LINEAR_CLUSTER_SPLIT", "1") not in ("0", "false", "no")
 
 

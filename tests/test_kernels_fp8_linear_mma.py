@@ -159,28 +159,27 @@ def test_split_rule_on_v4_flash_shapes():
 
 
 def test_cluster_rule(monkeypatch):
-    """fp8_gemm.use_cluster: never for one split or when turned off; 2..8 splits at any size; 16 only in
-    launches of at most 2 CTAs an SM (the H200's timings); config CLUSTER overrides the size rule; the
-    driver's fit (`fits`) asked last, and only then."""
-    from deepinfer.kernels.triton.fp8_gemm import use_cluster
+    """fp8_gemm.use_cluster: never for one split or when turned off; 2..CLUSTER_MAX_SPLIT splits by default;
+    config CLUSTER True takes any split; the driver's fit (`fits`) asked last, and only then."""
+    from deepinfer.kernels.triton.fp8_gemm import CLUSTER_MAX_SPLIT, use_cluster
 
-    cpu = torch.device("cpu")  # sm_count: 132 off CUDA
     asked = []
 
     def fits(answer=True):
         return lambda: asked.append(1) or answer
 
     monkeypatch.delenv("DEEPINFER_LINEAR_CLUSTER_SPLIT", raising=False)
-    assert not use_cluster(1, 8, cpu, None, fits()) and not asked
-    assert use_cluster(2, 512, cpu, None, fits()) and use_cluster(8, 1024, cpu, None, fits())
-    assert use_cluster(16, 256, cpu, None, fits()) and len(asked) == 3
-    assert not use_cluster(16, 512, cpu, None, fits()) and len(asked) == 3  # wo_b's launch: no cluster
-    assert use_cluster(16, 512, cpu, {"CLUSTER": True}, fits())
-    assert not use_cluster(2, 64, cpu, None, fits(False))  # the driver says it does not fit
-    assert not use_cluster(2, 64, cpu, {"CLUSTER": False}, fits())
+    assert not use_cluster(1, None, fits()) and not asked
+    assert use_cluster(2, None, fits()) and use_cluster(CLUSTER_MAX_SPLIT, None, fits()) and len(asked) == 2
+    assert not use_cluster(2 * CLUSTER_MAX_SPLIT, None, fits()) and not use_cluster(16, None, fits())
+    assert len(asked) == 2  # refused before the driver is asked
+    assert use_cluster(16, {"CLUSTER": True}, fits())
+    assert not use_cluster(2, None, fits(False))  # the driver says it does not fit
+    assert not use_cluster(2, {"CLUSTER": False}, fits())
     monkeypatch.setenv("DEEPINFER_LINEAR_CLUSTER_SPLIT", "0")
     n = len(asked)
-    assert not use_cluster(2, 64, cpu, None, fits()) and len(asked) == n
+    assert not use_cluster(2, None, fits()) and len(asked) == n
+    assert use_cluster(16, {"CLUSTER": True}, fits())  # an explicit config still asks for it
 
 
 def test_source_compiles_for_sm90_where_nvrtc_is_installed():

@@ -322,29 +322,29 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     n = w.out_features
     cfg = sync.plan(m, n, k, sm_count(x.device), config)
     split = cfg["SPLIT_K"]
-    ctas = -(-m // sync.TOKENS) * -(-n // sync.rows_per_cta(cfg)) * split
-    if use_cluster(split, ctas, x.device, config, lambda: sync.cluster_fits(m, n, cfg, x.device)):
+    if use_cluster(split, config, lambda: sync.cluster_fits(m, n, cfg, x.device)):
         return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
     return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out)
 
 
-CLUSTER_PORTABLE = 8  # splits a cluster always takes; beyond it only while the launch is small (`use_cluster`)
+CLUSTER_MAX_SPLIT = 4  # the most split CTAs a tile adds up as one cluster by default (`use_cluster`)
 
 
-def use_cluster(split: int, ctas: int, device: torch.device, config: dict | None, fits) -> bool:
+def use_cluster(split: int, config: dict | None, fits) -> bool:
     """Whether the mma.sync kernel adds its split-K partials inside the kernel, its split CTAs one thread-block
-    cluster: more than one split, not turned off (config CLUSTER, else DEEPINFER_LINEAR_CLUSTER_SPLIT), at most
-    CLUSTER_PORTABLE splits or at most 2 CTAs an SM in all, and `fits()` (the driver says such a cluster can
-    be resident; asked last, once per launch shape). The rule is the H200's (2026-12-05, bench_linear_sync.py
-    --variants 'split sum,cluster sum', b1 per V4-Flash shape): 2..8-CTA clusters were faster everywhere
-    (wq_b, 2 splits in 512 CTAs: 15.0 -> 12.8 us); 16-CTA ones were faster in launches of <= 256 CTAs (wq_a
-    5.8 -> 5.3, wkv 5.1 -> 4.4) and slower in larger ones (wo_b's 512: 15.7 -> 17.7; wo_a's grouped form's
-    1024: 14.4 -> 17.4), where 16 co-resident CTAs of one GPC are harder to place."""
+    cluster: 2..CLUSTER_MAX_SPLIT splits (config CLUSTER True: any), not turned off (config CLUSTER False or
+    DEEPINFER_LINEAR_CLUSTER_SPLIT=0), and `fits()` (the driver says such a cluster can be resident; asked last,
+    once per launch shape). The rule is where both Hopper parts measured it faster (2026-12-05,
+    bench_linear_sync.py --variants 'split sum,cluster sum', V4-Flash's decode shapes at M=1): wq_b's 2 splits
+    15.0 -> 12.8 us on the H200 and 18.2 -> 17.2 on the H100, the indexer's wq_b's 4 splits 6.5 -> 6.0 and
+    7.0 -> 7.0; 8 splits (shared w2) 6.7 -> 6.1 but 7.2 -> 7.5, and 16 (wq_a, wo_b, ...) faster on the H200 only
+    in launches of <= 256 CTAs and slower on the H100 in every one (wo_b 18.9 -> 21.5)."""
     from deepinfer import env
 
-    if split <= 1 or not bool((config or {}).get("CLUSTER", env.linear_cluster_split())):
+    wanted = (config or {}).get("CLUSTER")
+    if split <= 1 or wanted is False or not (wanted or env.linear_cluster_split()):
         return False
-    if "CLUSTER" not in (config or {}) and split > CLUSTER_PORTABLE and ctas > 2 * sm_count(device):
+    if wanted is None and split > CLUSTER_MAX_SPLIT:
         return False
     return fits()
 

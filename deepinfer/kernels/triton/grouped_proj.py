@@ -227,8 +227,7 @@ def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: di
     flat = out.view(T, G * R)
     cfg = sync.plan(T, G * R, d, sm_count(o.device), config)
     split = cfg["SPLIT_K"]
-    ctas = -(-T // sync.TOKENS) * -(-G * R // sync.rows_per_cta(cfg)) * split
-    if use_cluster(split, ctas, o.device, config, lambda: sync.cluster_fits(T, G * R, cfg, o.device, group_rows=R)):
+    if use_cluster(split, config, lambda: sync.cluster_fits(T, G * R, cfg, o.device, group_rows=R)):
         sync.fp8_linear_partials(o, w, flat, cfg, cluster_split=split, group_rows=R)
         return out
     _partials_then_sum(lambda dest: sync.fp8_linear_partials(o, w, dest, cfg, group_rows=R), split, flat)
