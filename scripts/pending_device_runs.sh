@@ -17,19 +17,18 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-tests)  # the twenty-first session's defaults (cluster split-K on mma.sync by fp8_gemm.use_cluster, lanes), wgmma
-    # without its cluster, wo_a's wgmma form (9..256 tokens), and the fast paths against the oracle with wo_a FP8
-    step gpu_tests 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear_mma.py \
-        tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_grouped_proj.py tests/test_engine_fast_decode.py \
-        tests/test_side_stream.py
-    DEEPINFER_WO_A_FP8=1 step gpu_tests_wo_a_fp8 250 python -m pytest -m gpu -q -rf -p no:cacheprovider \
-        tests/test_engine_fast_decode.py tests/test_engine_fast.py
+tests)  # the twenty-first session's defaults on the H200 (they ran on an H100): cluster split-K up to 4 splits,
+    # lanes, wo_a FP8 with its wgmma form; V4.1's fast path with wo_a FP8 (block 32) has run on no GPU yet
+    step gpu_tests 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear_mma.py \
+        tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_grouped_proj.py tests/test_side_stream.py
+    step gpu_tests_engine 250 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
+        tests/test_engine_fast.py tests/test_engine_fast_v41.py
     ;;
-anatomy)  # where the b1 / b32 / b128 steps go: the defaults against the switches' old values; then wo_a FP8 (read
+anatomy)  # where the b1 / b32 / b128 steps go: the defaults against the switches' old values; then wo_a bf16 (read
     # when the params are made: its own process)
     step decode_anatomy 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 45 \
         --env-sets "" DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0
-    DEEPINFER_WO_A_FP8=1 step decode_anatomy_wo_a_fp8 250 python benchmarks/decode_anatomy.py --layers 4 \
+    DEEPINFER_WO_A_FP8=0 step decode_anatomy_wo_a_bf16 250 python benchmarks/decode_anatomy.py --layers 4 \
         --batches 1 32 128 --top 45
     ;;
 linears)  # wo_a's forms and the cluster split-K, op by op
@@ -39,7 +38,7 @@ linears)  # wo_a's forms and the cluster split-K, op by op
 slice)  # the issue's ratios against transformers, the defaults and the switches' old values
     step engine_slice 580 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 --async-modes on \
         --output-kind final_only --transformers --env-sets "" \
-        DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0
+        DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0,DEEPINFER_WO_A_FP8=0
     ;;
 *)
     echo "unknown stage $stage: tests, anatomy, linears or slice"
