@@ -149,9 +149,10 @@ def input_problems(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, gro
     problems = []
     data, scale = w.data, w.scale
     n, k = data.shape
-    groups = n // group_rows if group_rows > 0 and n % group_rows == 0 else 1
-    if group_rows and (group_rows < 0 or n % group_rows):
+    grouped = group_rows > 0 and n % group_rows == 0
+    if group_rows and not grouped:
         problems.append(f"group_rows {group_rows} must divide the weight's {n} rows")
+    groups = n // group_rows if grouped else 1
     if a.dtype != torch.bfloat16 or a.dim() != 2 or not a.is_contiguous() or a.shape[1] != groups * k:
         problems.append(f"a must be contiguous bf16 [M, {groups * k}] (act_quant_wgmma's order), got {a.dtype} "
                         f"{tuple(a.shape)}")

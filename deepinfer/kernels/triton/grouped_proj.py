@@ -5,16 +5,17 @@ dequantisation `bf16(fp32(E4M3) x scale)` of the FP8 checkpoint weight. That val
 bits x a power of two), so the FP8 bytes and block scales hold the same weight in half the memory (V4-Flash:
 32 MB a layer, 1.4 GB over 43 layers) and a decode step reads half the bytes (64 -> 32 MB a layer).
 
-Three forms, the same math as the twin (`quant_weights.grouped_proj_fp8_torch`: exact bf16 products, fp32
+Four forms, the same math as the twin (`quant_weights.grouped_proj_fp8_torch`: exact bf16 products, fp32
 sums, one bf16 rounding), up to the fp32 summation order:
 * T <= SYNC_MAX_T (decode): the mma.sync CUDA kernel of fp8_linear's decode form
   (`kernels/cuda/fp8_linear_mma.cu` with RAW_ACT and GROUP_ROWS: the same E4M3 expansion, x's bf16 as it is,
   the rows of one group per CTA, split-K added in a fixed order). H200 2026-12-05 (twenty-first session,
   V4-Flash's wo_a): 14.4 us at T=1 and 15.3 at T=8 against cuBLAS's 21.6 on the bf16 weight;
-* WGMMA_MIN_T..WGMMA_MAX_T (batched decode; written 2026-12-05, not yet run on a GPU): fp8_linear's wgmma
-  CUDA kernel with GROUP_ROWS (`kernels/cuda/fp8_linear_wgmma.cu`: o's bf16 reordered once by
-  `act_quant_wgmma(quant=False)`, the rows of one group per CTA), where this Triton kernel was slower than
-  cuBLAS on the bf16 weight (T=32 27.1 against 22.4 us, T=128 36.2 against 24.7);
+* WGMMA_MIN_T..WGMMA_MAX_T (batched decode): fp8_linear's wgmma CUDA kernel with GROUP_ROWS
+  (`kernels/cuda/fp8_linear_wgmma.cu`: o's bf16 reordered once by `act_quant_wgmma(quant=False)`, the rows of
+  one group per CTA), where this Triton kernel was slower than cuBLAS on the bf16 weight (H200: T=32 27.1
+  against 22.4 us, T=128 36.2 against 24.7). H100 2026-12-05: T=32 24.5 against cuBLAS's 29.6, T=128 32.7
+  against 32.7 (its H200 timing is owed);
 * T <= FUSED_MAX_T tokens (where the CUDA forms cannot run): `_grouped_proj_fp8_kernel` expands each weight tile in
   registers (E4M3 -> fp32, x its block scale, -> bf16: convert.py's expression, bit for bit) and multiplies
   it on the bf16 tensor cores with fp32 accumulation; one program owns BLOCK_N consecutive rows of one
