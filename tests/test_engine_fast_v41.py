@@ -246,8 +246,10 @@ def test_v41_cuda_kernels_match_their_twins_on_model_inputs(parts, cuda_kernels,
     ctx = ForwardContext(tuple(SeqContext(len(p), 1, i, i, (2 * i, 2 * i + 1)) for i, p in enumerate(ps)))
     model(torch.tensor([7, 8, 9]), ctx)
     print("\nv41 cuda kernels vs twins (max rel_err):", {k: f"{v:.2e}" for k, v in sorted(errors.items())})
+    from deepinfer import env
+    wo_a_op = "grouped_proj_fp8" if env.wo_a_fp8_enabled() else "grouped_proj_bf16"  # wo_a's form follows the switch
     for op in ("fp8_linear", "fp4_moe_shared", "sparse_attn_sink_official_v41", "rms_norm", "hc_post_fused",
-               "grouped_proj_bf16", "linear_f32"):
+               wo_a_op, "linear_f32"):
         assert op in errors, f"{op} was not called on cuda"
     bad = {k: v for k, v in errors.items() if not v <= 2e-2}
     assert not bad, f"kernels off their twins on V4.1 inputs: {bad}"
