@@ -217,3 +217,62 @@ def act_quant_wgmma(x: torch.Tensor, block: int, quant: bool = True) -> torch.Te
     _act_quant_gather_kernel[(m, k // cols)](x, out, x, x, m, x.stride(0), out.stride(0), ROW_DIV=1, BT=1,
                                              BLOCK=block, COLS=cols, QUANT=quant, DENSE=True)
     return out
+
+
+# The FP8 wgmma expert GEMM's operand column order (kernels/cuda/fp4_moe_wgmma_fp8.cu's header): within each
+# 32-K block, logical column L = 16h + 4t + i holds natural column P = 8t + 2i + h (t < 4, i < 4, h < 2), so that
+# a lane's one 32-bit word of a packed FP4 row (natural 8t .. 8t + 7) gives its even nibbles to A register 0
+# (logical 4t + i) and its odd nibbles to register 2 (logical 16 + 4t + i). As index bits: P = (t1 t0 i1 i0 h)
+# -> L = (h t1 t0 i1 i0), a rotation of the 5 bits.
+def wgmma_fp8_k_order(cols: torch.Tensor) -> torch.Tensor:
+    """Natural column P held at logical column L (any int tensor of column indices, blocks of 32)."""
+    low = cols % 32
+    return cols - low + ((low & 15) << 1) + (low >> 4)
+
+
+@fast_launch
+@triton.jit
+def _act_quant_gather_fp8_kernel(x_ptr, q_ptr, s_ptr, sorted_ptr, block_expert_ptr, n_slots, n_rows, stride_xm,
+                                 stride_qm, ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr,
+                                 COLS: tl.constexpr):
+    """q[p, L] = act_quant's E4M3 code of x[sorted[p] // ROW_DIV, wgmma_fp8_k_order(L)] and s_t[g, p] its group
+    g's scale (the order permutes within 32-blocks, so a quantisation group holds the same values), zeros (and
+    the scale of zeros) for padding slots; nothing for the rows of unused routing blocks."""
+    p = tl.program_id(0)
+    if tl.load(block_expert_ptr + p // BT) < 0:
+        return
+    slot = tl.load(sorted_ptr + p)
+    valid = slot < n_slots
+    row = (tl.where(valid, slot, 0) // ROW_DIV).to(tl.int64)
+    logical = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    natural = (logical & ~31) + ((logical & 15) << 1) + ((logical >> 4) & 1)
+    x = tl.load(x_ptr + row * stride_xm + natural, mask=valid, other=0.0).to(tl.float32)
+    q, scale = quantise_rows(tl.reshape(x, [COLS // BLOCK, BLOCK]))
+    tl.store(q_ptr + p.to(tl.int64) * stride_qm + logical, tl.reshape(q, [COLS]))
+    groups = tl.program_id(1) * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)
+    tl.store(s_ptr + groups.to(tl.int64) * n_rows + p, scale)
+
+
+def act_quant_gather_fp8(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
+                         n_slots: int, row_div: int, bt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 wgmma expert GEMM's activation operands: (q float8_e4m3fn [len(sorted_slots), K], s_t fp32
+    [K / block, len(sorted_slots)]), row p = act_quant of x[sorted_slots[p] // row_div] (codes in
+    `wgmma_fp8_k_order` within each 32, scales transposed; zeros for padding slots >= n_slots; rows of unused
+    blocks unwritten). x [M, K] bf16/fp32 with K % 128 == 0 and block in 32 / 64 / 128."""
+    if x.dim() != 2 or x.shape[1] % WGMMA_K_GROUP or block not in (32, 64, 128):
+        raise ValueError(f"act_quant_gather_fp8: x must be [M, K] with K a multiple of {WGMMA_K_GROUP} and block "
+                         f"32, 64 or 128, got {tuple(x.shape)} and block {block}")
+    if sorted_slots.numel() != block_expert.numel() * bt:
+        raise ValueError(f"act_quant_gather_fp8: {sorted_slots.numel()} sorted slots for {block_expert.numel()} "
+                         f"blocks of {bt}")
+    x = x.contiguous()
+    k, rows = x.shape[1], sorted_slots.numel()
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s_t = torch.empty((k // block, rows), dtype=torch.float32, device=x.device)
+    if q.numel() == 0:
+        return q, s_t
+    cols = next(c for c in (1024, 512, 256, WGMMA_K_GROUP) if k % c == 0)
+    _act_quant_gather_fp8_kernel[(rows, k // cols)](x, q, s_t, sorted_slots, block_expert, n_slots, rows,
+                                                   x.stride(0), q.stride(0), ROW_DIV=row_div, BT=bt, BLOCK=block,
+                                                   COLS=cols)
+    return q, s_t
