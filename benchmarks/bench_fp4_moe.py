@@ -7,14 +7,12 @@ tile sweep per regime, V4-Flash dims (E=256, k=6, D=4096, I=2048), uniform rando
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --mma [--ts 1,8,32,128]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --tma [--ts 1,8,32,128]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --wgmma [--ts 512,2048,8192]
-    PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --wgmma-fp8 [--ts 512,2048,8192]
 
 --fp8: the current default (expand and plan chosen by the op) against the FP8 form's variants (`FP8_VARIANTS`);
 --mma: the current default against the mma.sync CUDA kernel's variants (`MMA_VARIANTS`, kernels/cuda/fp4_moe_mma);
 --tma: the current default against the TMA-fed CUDA kernel's variants (`TMA_VARIANTS`, kernels/cuda/fp4_moe_tma);
 --wgmma: the current default against the Triton prefill plan and the wgmma kernel's tiles (`WGMMA_VARIANTS`,
-kernels/cuda/fp4_moe_wgmma); --wgmma-fp8: the current default against the bf16 wgmma form and the FP8 wgmma
-kernel's tiles (`WGMMA_FP8_VARIANTS`, kernels/cuda/fp4_moe_wgmma_fp8); every variants row also gives the expert TFLOP/s (2 x slots x 3 x D x I);
+kernels/cuda/fp4_moe_wgmma); every variants row also gives the expert TFLOP/s (2 x slots x 3 x D x I);
 --variants: the default against the v2 path's variants (`fp4_moe(config=...)` with `V2_KEYS`: split-K with
 fixed-order reduces, pre-dequantised bf16 activations, one gate+up tile; `VARIANTS` below), each row with
 its speedup over the default at that T; writes $OUT/fp4_moe_variants.json.
@@ -138,15 +136,6 @@ WGMMA_VARIANTS = [  # (name, config, expand, max T)
     ("wgmma BT64 cwg2 s3 f1 h1 m3", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=3), None, 10 ** 9),
     ("wgmma BT64 cwg2 s4 f1 h1 m2", dict(WGMMA=True, BT=64, CWG=2, STAGES=4, FRAG_BUFS=1, HALVES=1, MIN_CTAS=2), None, 10 ** 9),
 ]
-WGMMA_FP8_VARIANTS = [  # (name, config, expand, max T): the FP8 wgmma form (kernels/cuda/fp4_moe_wgmma_fp8)
-    ("wgmma bf16 (its plan)", dict(WGMMA=True), None, 10 ** 9),
-    ("fp8 BT64 cwg2 s4 p1", dict(WGMMA_FP8=True, BT=64, CWG=2, STAGES=4, PBUFS=1), None, 10 ** 9),
-    ("fp8 BT64 cwg2 s4 p2", dict(WGMMA_FP8=True, BT=64, CWG=2, STAGES=4, PBUFS=2), None, 10 ** 9),
-    ("fp8 BT64 cwg3 s4 p1", dict(WGMMA_FP8=True, BT=64, CWG=3, STAGES=4, PBUFS=1), None, 10 ** 9),
-    ("fp8 BT128 cwg1 s4 p1", dict(WGMMA_FP8=True, BT=128, CWG=1, STAGES=4, PBUFS=1), None, 10 ** 9),
-    ("fp8 BT64 cwg1 s4 p2", dict(WGMMA_FP8=True, BT=64, CWG=1, STAGES=4, PBUFS=2), None, 10 ** 9),
-    ("fp8 BT64 cwg4 s4 p1", dict(WGMMA_FP8=True, BT=64, CWG=4, STAGES=4, PBUFS=1), None, 10 ** 9),
-]
 # (the seventh session's sweeps, results/fp4_moe_tma_h200_2026-12-02_s7*.log, also timed 8 stages, MT1 x 8
 # warps, WAVES 2 / 8 and three variants since removed from the kernel: each slower than the rows kept here)
 
@@ -178,11 +167,6 @@ def run_variants(b, ts, per_expert_bytes, variants=None) -> None:
             elif "TMA" in cfg:
                 pl = plan_tma(n_slots, E, D, I, sms, cfg)
                 desc = f"S13={pl['S13']} S2={pl['S2']} MT={pl['MT']} cw={pl['CWARPS']} st={pl['STAGES']}"
-            elif "WGMMA_FP8" in cfg:
-                from deepinfer.kernels.triton.fp4_moe import plan_wgmma_fp8
-
-                pl = plan_wgmma_fp8(cfg)
-                desc = f"BT={pl['BT']} CWG={pl['CWG']} st={pl['STAGES']} pb={pl['PBUFS']} m={pl['MIN_CTAS']}"
             elif "WGMMA" in cfg:
                 from deepinfer.kernels.cuda.fp4_moe_wgmma import tiles as wgmma_tiles
 
@@ -226,17 +210,16 @@ def main() -> None:
     ap.add_argument("--mma", action="store_true", help="the current default against MMA_VARIANTS (mma.sync kernel)")
     ap.add_argument("--tma", action="store_true", help="the current default against TMA_VARIANTS (TMA-fed kernel)")
     ap.add_argument("--wgmma", action="store_true", help="the current default against WGMMA_VARIANTS (prefill)")
-    ap.add_argument("--wgmma-fp8", action="store_true", help="the current default against WGMMA_FP8_VARIANTS")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     b = bank(dev)
     per_expert_bytes = (b.w13[0].numel() + b.w13_scale[0].numel() + b.w2[0].numel() + b.w2_scale[0].numel())
-    if args.variants or args.fp8 or args.mma or args.tma or args.wgmma or args.wgmma_fp8:
-        ts = args.ts or ("512,2048,8192" if args.wgmma or args.wgmma_fp8 else "1,8,32,128,512")
+    if args.variants or args.fp8 or args.mma or args.tma or args.wgmma:
+        ts = args.ts or ("512,2048,8192" if args.wgmma else "1,8,32,128,512")
         run_variants(b, [int(v) for v in ts.split(",")], per_expert_bytes,
                      FP8_VARIANTS if args.fp8 else MMA_VARIANTS if args.mma else TMA_VARIANTS if args.tma
-                     else WGMMA_VARIANTS if args.wgmma else WGMMA_FP8_VARIANTS if args.wgmma_fp8 else None)
+                     else WGMMA_VARIANTS if args.wgmma else None)
         return
     rows, res = [], []
     for t in (int(v) for v in (args.ts or "1,8,32,128,512,2048,8192").split(",")):

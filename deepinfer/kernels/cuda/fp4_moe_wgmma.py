@@ -85,29 +85,8 @@ def input_problems(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out:
                    sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int, gated: bool,
                    cfg: dict) -> list[str]:
     """Everything wrong with the inputs (empty: they can run), each naming the argument."""
-    problems = routing_problems(dict(a=a), w, w_scale, out, route_w, sorted_slots, block_expert, n_slots, gated,
-                                cfg["BT"])
-    if w.dim() != 3:
-        return problems
-    k = 2 * w.shape[2]
-    why = check_k(k, cfg)
-    if why:
-        problems.append(why)
-    bt = cfg["BT"]
-    if a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != k or not a.is_contiguous():
-        problems.append(f"a must be contiguous bf16 [n_blocks * {bt}, {k}], got {a.dtype} {tuple(a.shape)}")
-    elif a.shape[0] != block_expert.numel() * bt:
-        problems.append(f"a has {a.shape[0]} rows, the routing {block_expert.numel()} blocks of {bt}")
-    return problems
-
-
-def routing_problems(operands: dict[str, torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
-                     route_w: torch.Tensor, sorted_slots: torch.Tensor, block_expert: torch.Tensor, n_slots: int,
-                     gated: bool, bt: int) -> list[str]:
-    """What is wrong with the arguments both wgmma forms share (the bank, the routing, the output; `operands`
-    the form's activation tensors, checked here only for their device), each naming the argument."""
     problems = []
-    tensors = dict(operands, w=w, w_scale=w_scale, out=out, route_w=route_w, sorted_slots=sorted_slots,
+    tensors = dict(a=a, w=w, w_scale=w_scale, out=out, route_w=route_w, sorted_slots=sorted_slots,
                    block_expert=block_expert)
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1:
@@ -116,12 +95,20 @@ def routing_problems(operands: dict[str, torch.Tensor], w: torch.Tensor, w_scale
         return problems + [f"w must be uint8 [E, R, K/2], got {w.dtype} {tuple(w.shape)}"]
     e, rows, half_k = w.shape
     k = 2 * half_k
+    why = check_k(k, cfg)
+    if why:
+        problems.append(why)
     if w_scale.dtype != torch.uint8 or tuple(w_scale.shape) != (e, rows, k // 32):
         problems.append(f"w_scale must be uint8 [{e}, {rows}, {k // 32}], got {w_scale.dtype} {tuple(w_scale.shape)}")
     elif w_scale.stride(-1) != 1:
         problems.append("w_scale's last dimension must be contiguous")
     if w.stride(-1) != 1 or w.stride(1) % 16 or w.stride(0) % 16 or w.data_ptr() % 16:
         problems.append(f"w must have contiguous 16-byte aligned rows (the TMA), got strides {w.stride()}")
+    bt = cfg["BT"]
+    if a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != k or not a.is_contiguous():
+        problems.append(f"a must be contiguous bf16 [n_blocks * {bt}, {k}], got {a.dtype} {tuple(a.shape)}")
+    elif a.shape[0] != block_expert.numel() * bt:
+        problems.append(f"a has {a.shape[0]} rows, the routing {block_expert.numel()} blocks of {bt}")
     if sorted_slots.dtype != torch.int32 or sorted_slots.numel() != block_expert.numel() * bt:
         problems.append(f"sorted_slots must be int32 [{block_expert.numel() * bt}] (blocks of {bt}), got "
                         f"{sorted_slots.dtype} [{sorted_slots.numel()}]")

@@ -66,7 +66,7 @@ import triton.language as tl
 from deepinfer import env
 from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, check_shared, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, act_quant_gather,
-                                               act_quant_gather_fp8, e8m0_to_f32, interpreting, quantise_rows)
+                                               e8m0_to_f32, interpreting, quantise_rows)
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 from deepinfer.kernels.triton.fp4_fp8_gemm import fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
@@ -937,57 +937,6 @@ def _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, sha
     return _combine_rows(y, rows, topk_ids, shared)
 
 
-WGMMA_FP8_KEYS = ("WGMMA_FP8",)  # a config with any of these takes the FP8 wgmma form (fp4_moe_wgmma_fp8.cu)
-WGMMA_FP8_TILES = dict(BT=64, CWG=2, STAGES=4, PBUFS=1, MIN_CTAS=1)  # best of the H100 sweep (9.65 ms at T=8192)
-
-
-def wgmma_fp8_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
-    """The FP8 wgmma form can run this bank here: compute capability 9.0 with NVRTC and the driver, scale bytes
-    up to 248 (the weight scale built from fp32 exponent bits), D and I multiples of 128, an activation block
-    of 32, 64 or 128."""
-    from deepinfer.kernels.cuda import fp4_moe_wgmma as wg
-    from deepinfer.kernels.cuda import fp4_moe_wgmma_fp8 as wf
-
-    return (bank.scale_max <= wf.SCALE_MAX and bank.dim % 128 == 0 and bank.inter_dim % 128 == 0
-            and bank.act_block in wf.ACT_BLOCKS and wg.usable(device))
-
-
-def plan_wgmma_fp8(config: dict) -> dict:
-    """The FP8 wgmma form's tiles: WGMMA_FP8_TILES, then `config` on top (`fp4_moe_wgmma_fp8.tiles` checks)."""
-    from deepinfer.kernels.cuda import fp4_moe_wgmma_fp8 as wf
-
-    return wf.tiles({**WGMMA_FP8_TILES, **config})
-
-
-def _fp4_moe_wgmma_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared=None):
-    """The FP8 wgmma form of the prefill regime (kernels/cuda/fp4_moe_wgmma_fp8.cu): routing in blocks of BT
-    slots; act_quant'ed codes and scales gathered into sorted order and the kernel's K order in one pass
-    (`act_quant_gather_fp8`); w13 with the SwiGLU epilogue -> h bf16 [slots, I]; act_quant(h) gathered the
-    same way; w2 -> bf16 rows; the ordered k-row sum. The official fp4_gemm's own math: FP8 tensor-core
-    partial sums of 32 K promoted into fp32 with both scales (up to fp32 summation order). No host sync:
-    CUDA-graph capturable (compiled on first use)."""
-    from deepinfer.kernels.cuda import fp4_moe_wgmma_fp8 as wf
-
-    if not wgmma_fp8_form_usable(bank, x.device):
-        raise ValueError(f"fp4_moe FP8 wgmma form: needs sm_90, scale bytes <= {wf.SCALE_MAX} (this bank "
-                         f"{bank.scale_max}), D and I multiples of 128 ({bank.dim}, {bank.inter_dim}) and an "
-                         f"activation block in {wf.ACT_BLOCKS} ({bank.act_block})")
-    topk = topk_ids.shape[1]
-    cfg = plan_wgmma_fp8(config)
-    d, inter, n_slots, ab, bt = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block, cfg["BT"]
-    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, bt)
-    route_w = topk_weights.contiguous().view(-1)
-    xq, xs = act_quant_gather_fp8(x, ab, sorted_slots, block_expert, n_slots, topk, bt)
-    h = torch.empty((n_slots, inter), dtype=torch.bfloat16, device=x.device)
-    wf.expert_gemm(xq, xs, bank.w13, bank.w13_scale, h, route_w, sorted_slots, block_expert, n_slots, True, ab,
-                   swiglu_limit, cfg)
-    hq, hs = act_quant_gather_fp8(h, ab, sorted_slots, block_expert, n_slots, 1, bt)
-    rows = torch.empty((n_slots, d), dtype=torch.bfloat16, device=x.device)
-    wf.expert_gemm(hq, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, False, ab,
-                   0.0, cfg)
-    return _combine_rows(y, rows, topk_ids, shared)
-
-
 FP8_KEYS = ("FP8",)  # a config with any of these takes the FP8 form (`_fp4_moe_fp8`)
 
 
@@ -1049,11 +998,9 @@ DECODE_FORM = "tma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots
 # results/fp4_moe_mma_h200_2026-12-02.log, tiles below from _run3): the mma.sync form against the Triton v2
 # decode plan (expand 6): T=1 54 vs 75 us, T=8 236 vs 347, T=32 627 vs 811, T=128 1180 vs 1425 us; where
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
-PREFILL_FORM = "wgmma"  # what DEEPINFER_MOE_PREFILL_KERNEL=auto runs above 16 slots per expert: "wgmma_fp8"
-# (where `wgmma_fp8_form_usable`, else as "wgmma"), "wgmma" (where `wgmma_form_usable`, else the Triton plan) or
-# "triton" (PREFILL_V2)
+PREFILL_FORM = "wgmma"  # what DEEPINFER_MOE_PREFILL_KERNEL=auto runs above 16 slots per expert: "wgmma" (where
+# `wgmma_form_usable`, else the Triton plan) or "triton" (PREFILL_V2)
 PREFILL_WGMMA = dict(WGMMA=True)  # the wgmma form with `plan_wgmma`'s tiles for the regime
-PREFILL_WGMMA_FP8 = dict(WGMMA_FP8=True)  # the FP8 wgmma form with `plan_wgmma_fp8`'s tiles
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
 DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`), above ONE_PROGRAM_ROUTING_SLOTS slots
 
@@ -1118,10 +1065,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             config = DECODE_TMA
         elif form in ("tma", "mma") and mma_form_usable(bank, x.device):  # tma falls back to mma.sync, then Triton
             config = DECODE_MMA
-        prefill = _prefill_form()
-        if not few and prefill == "wgmma_fp8" and wgmma_fp8_form_usable(bank, x.device):
-            config = PREFILL_WGMMA_FP8
-        elif not few and prefill in ("wgmma_fp8", "wgmma") and wgmma_form_usable(bank, x.device):
+        if not few and _prefill_form() == "wgmma" and wgmma_form_usable(bank, x.device):
             config = PREFILL_WGMMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
@@ -1144,8 +1088,6 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         return y
     if config and any(key in config for key in MMA_KEYS + TMA_KEYS):
         return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
-    if config and any(key in config for key in WGMMA_FP8_KEYS):
-        return _fp4_moe_wgmma_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
     if config and any(key in config for key in WGMMA_KEYS):
         return _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
     if config and any(key in config for key in FP8_KEYS):
