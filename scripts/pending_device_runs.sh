@@ -1,12 +1,12 @@
 # The device checks the code of 2026-12-05 still owes the H200, in the order the next device run should take
 # them; each stage bounded so one `run` call (10 minutes) brings its logs back.
 #   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh tests     # with carry: [".whl"]
-#   ... anatomy | linears | slice
+#   ... anatomy | linears | prefill | slice
 # Logs go to $OUT (one file per step); each step's summary line is printed.
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: tests, anatomy, linears or slice}
+stage=${1:?stage: tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -35,13 +35,16 @@ linears)  # wo_a's forms and the cluster split-K, op by op
     step grouped_proj 150 python benchmarks/bench_grouped_proj.py --ts 1 8 32 128 --no-sweep
     step linear_sync 200 python benchmarks/bench_linear_sync.py --ms 1,8 --variants "split sum,cluster sum"
     ;;
+prefill)  # the 1k / 8k prefill with every change since the eleventh session (its last kernel breakdown)
+    step prefill_slice 400 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 --top 40
+    ;;
 slice)  # the issue's ratios against transformers, the defaults and the switches' old values
     step engine_slice 580 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 --async-modes on \
         --output-kind final_only --transformers --env-sets "" \
         DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0,DEEPINFER_WO_A_FP8=0
     ;;
 *)
-    echo "unknown stage $stage: tests, anatomy, linears or slice"
+    echo "unknown stage $stage: tests, anatomy, linears, prefill or slice"
     exit 2
     ;;
 esac
