@@ -1,7 +1,7 @@
 # The device checks the code of 2026-12-05 still owes the H200, in the order the next device run should take
 # them; each stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-second session got
-# only an H100: tests, linears and slice ran there (BENCHMARKS "twenty-second session"); on the H200 anatomy,
-# prefill (no GPU has profiled the 1k / 8k prefill since the eleventh session) and slice are still owed.
+# only an H100: tests, linears, slice and prefill ran there (BENCHMARKS "twenty-second session"); on the H200
+# anatomy, prefill and slice are still owed.
 #   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh tests     # with carry: [".whl"]
 #   ... anatomy | linears | prefill | slice
 # Logs go to $OUT (one file per step); each step's summary line is printed.
