@@ -65,7 +65,8 @@ def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: in
         kv_b = kv_all[: off + n * r].view(-1, r, cw)  # overlap: [n+1, r, 2w] (block 0 = previous block)
         sc_b = score_all[: off + n * r].view(-1, r, cw)
         pooled = k("compress_pool")(kv_b, sc_b, overlap)  # [n, width]
-        block_pos = (first_block + torch.arange(n, device=x.device)) * r  # RoPE at the block's first position
+        # RoPE at each block's first position (one launch: the arange's step is r)
+        block_pos = torch.arange(first_block * r, (first_block + n) * r, r, device=x.device)
         if official:
             pooled = pooled.to(torch.bfloat16).to(torch.float32)
             entries = k("rms_norm")(pooled, p["norm.weight"], eps).to(torch.bfloat16)
