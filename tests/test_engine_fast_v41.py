@@ -220,7 +220,7 @@ def test_v41_cuda_kernels_match_their_twins_on_model_inputs(parts, cuda_kernels,
     (fp32 summation order and bf16 rounding flips only). A wrong layout, block size or dtype contract of a
     kernel on V4.1 shapes shows as O(1) errors here, naming the op. The twin's output is what the model
     continues with, so every call sees inputs of the twin path."""
-    from deepinfer import kernels
+    from deepinfer import env, kernels
 
     errors: dict[str, float] = {}
 
@@ -246,7 +246,6 @@ def test_v41_cuda_kernels_match_their_twins_on_model_inputs(parts, cuda_kernels,
     ctx = ForwardContext(tuple(SeqContext(len(p), 1, i, i, (2 * i, 2 * i + 1)) for i, p in enumerate(ps)))
     model(torch.tensor([7, 8, 9]), ctx)
     print("\nv41 cuda kernels vs twins (max rel_err):", {k: f"{v:.2e}" for k, v in sorted(errors.items())})
-    from deepinfer import env
     wo_a_op = "grouped_proj_fp8" if env.wo_a_fp8_enabled() else "grouped_proj_bf16"  # wo_a's form follows the switch
     for op in ("fp8_linear", "fp4_moe_shared", "sparse_attn_sink_official_v41", "rms_norm", "hc_post_fused",
                wo_a_op, "linear_f32"):
