@@ -107,6 +107,18 @@ def linear_batch_form() -> str:
     return _kernel_choice("DEEPINFER_LINEAR_BATCH_FORM", LINEAR_BATCH_FORM_CHOICES)
 
 
+LINEAR_PREFILL_KERNEL_CHOICES = ("auto", "wgmma", "triton")
+
+
+def linear_prefill_kernel() -> str:
+    """DEEPINFER_LINEAR_PREFILL_KERNEL: which kernel runs op fp8_linear's FP8 form from FP8_MMA_MIN_M rows
+    (prefill) on CUDA: "wgmma" (the TMA-fed warpgroup-MMA CUDA kernel, kernels/cuda/fp8_linear_prefill.cu, on
+    sm_90 for V4's 128-blocks where it can run, else Triton), "triton" (the Triton "fp8" form), "auto" (the
+    default: kernels/triton/fp8_gemm.py PREFILL_LINEAR_FORM). The two forms give the same bits. Else a
+    ValueError naming the choices."""
+    return _kernel_choice("DEEPINFER_LINEAR_PREFILL_KERNEL", LINEAR_PREFILL_KERNEL_CHOICES)
+
+
 def stack_weights() -> bool:
     """DEEPINFER_STACK_WEIGHTS=0 keeps the fast params' weight pairs apart (model/params_fast.py `STACKS`:
     two GEMMs per pair as before 2026-12-03, for A/B runs); default on (one GEMM per pair)."""

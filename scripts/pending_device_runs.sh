@@ -8,7 +8,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: fp8_prefill, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -19,6 +19,11 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+fp8_prefill)  # the twenty-third session's prefill FP8 linear CUDA kernel: its tests, then against the Triton form
+    step gpu_tests_fp8_prefill 240 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
+        tests/test_kernels_fp8_linear_prefill.py
+    step bench_fp8_prefill 240 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    ;;
 tests)  # the twenty-first session's defaults on the H200 (they ran on an H100): cluster split-K up to 4 splits,
     # lanes, wo_a FP8 with its wgmma form; V4.1's fast path with wo_a FP8 (block 32) has run on no GPU yet
     step gpu_tests 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear_mma.py \
@@ -46,7 +51,7 @@ slice)  # the issue's ratios against transformers, the defaults and the switches
         DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0,DEEPINFER_WO_A_FP8=0
     ;;
 *)
-    echo "unknown stage $stage: tests, anatomy, linears, prefill or slice"
+    echo "unknown stage $stage: fp8_prefill, tests, anatomy, linears, prefill or slice"
     exit 2
     ;;
 esac

@@ -23,6 +23,10 @@ redo it). Three Triton tensor-core forms, chosen by `mma=` (module default `MMA`
   NVRTC, blocks 32 / 128, scales up to 2^7), 3-36% faster per V4-Flash shape than the previous default and
   13-27% over a layer's six linears at M = 32..256 (H200, 2026-12-04: M=128 wq_b 32.6 -> 27.8 us, wo_b
   35.7 -> 29.8, shared w13 29.0 -> 21.7; BENCHMARKS.md).
+* "fp8_wgmma" (`kernels/cuda/fp8_linear_prefill.cu`, not Triton): the "fp8" form's math step for step (the
+  same bits: the same FP8 MMA per 128 K, the same fused promotion, one rounding) in a TMA-fed, warp-specialised
+  CUDA kernel whose consumer warpgroups promote while the other's wgmmas run; V4's 128-blocks on sm_90 only.
+  The auto form from FP8_MMA_MIN_M rows where PREFILL_LINEAR_FORM / DEEPINFER_LINEAR_PREFILL_KERNEL say so.
 Split-K (every Triton form): when the (M, N) tiles would not fill the SMs (decode), S programs per tile each
 reduce a K range into an fp32 workspace [S, M, N]; `_split_sum_kernel` adds the S partials in a fixed order
 and rounds to bf16. Deterministic (no atomics), no host sync, CUDA-graph capturable. Rule: `_split_k`.
@@ -60,14 +64,18 @@ from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
 
-MMA_MODES = ("bf16", "fp8", "sync", "swap", "wgmma")  # "sync": the mma.sync CUDA kernel (kernels/cuda/fp8_linear_mma.cu);
-# "swap": the bf16 form with the weights as wgmma's register operand (kernels/triton/fp8_linear_swap.py);
-# "wgmma": the same roles in a TMA-fed, warp-specialised CUDA kernel (kernels/cuda/fp8_linear_wgmma.cu)
+MMA_MODES = ("bf16", "fp8", "sync", "swap", "wgmma", "fp8_wgmma")  # "sync": the mma.sync CUDA kernel
+# (kernels/cuda/fp8_linear_mma.cu); "swap": the bf16 form with the weights as wgmma's register operand
+# (kernels/triton/fp8_linear_swap.py); "wgmma": the same roles in a TMA-fed, warp-specialised CUDA kernel
+# (kernels/cuda/fp8_linear_wgmma.cu); "fp8_wgmma": the "fp8" form's math in a TMA-fed CUDA kernel
+# (kernels/cuda/fp8_linear_prefill.cu, V4's 128-blocks)
 MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN_M rows, "bf16" below, and
 # "sync" up to SYNC_MAX_M rows where it can run and DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so
 SYNC_MAX_M = 8  # the sync kernel's CTA takes 8 rows of x (the MMA's n8): above, each 8 more re-read the weight
 DECODE_LINEAR_FORM = "mma"  # what DEEPINFER_LINEAR_DECODE_KERNEL=auto runs up to SYNC_MAX_M rows: "mma" or "triton"
 FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096).
+PREFILL_LINEAR_FORM = "triton"  # what DEEPINFER_LINEAR_PREFILL_KERNEL=auto runs from FP8_MMA_MIN_M rows: "wgmma"
+# (kernels/cuda/fp8_linear_prefill.cu where it can run) or "triton" (the "fp8" form, the same bits)
 # 2026-12-02 (scripts/bench_gemm_kernels.py --batch-fp8, results/fp8_linear_batch_sweep_h200_2026-12-02.log): with
 # narrow tiles the fp8 form is also faster at M=32 and 128 (sum of a layer's seven decode shapes: M=32 183 -> 129
 # us, M=128 247 -> 143 us), but switching there was tried and reverted: a row's bits then depend on whether its
@@ -387,6 +395,33 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), cfg["SPLIT_K"], out)
 
 
+def _prefill_linear_form() -> str:
+    from deepinfer import env
+
+    choice = env.linear_prefill_kernel()
+    return PREFILL_LINEAR_FORM if choice == "auto" else choice
+
+
+def _prefill_usable(w: QuantLinearWeight, out: torch.Tensor) -> bool:
+    """The prefill CUDA kernel can run this weight into out here (sm_90 with NVRTC, V4's 128-blocks, whole
+    tiles, 16-byte aligned output rows: `fp8_linear_prefill.usable_weight`)."""
+    if out.device.type != "cuda" or out.stride(0) % 8 or out.data_ptr() % 16:
+        return False
+    from deepinfer.kernels.cuda import fp8_linear_prefill as pf
+
+    return pf.usable(out.device) and pf.usable_weight(w)
+
+
+def _fp8_linear_prefill(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
+    """fp8_linear through the prefill CUDA kernel: one act_quant pass (codes and scales, as the "fp8" form's
+    unfused path), then the GEMM straight into out (no split-K: from FP8_MMA_MIN_M rows the tiles fill the GPU)."""
+    from deepinfer.kernels.cuda import fp8_linear_prefill as pf
+
+    cfg = pf.tiles(config)
+    xq, xs = act_quant(x, w.act_block)
+    return pf.fp8_linear_prefill(xq, xs, w, out, cfg)
+
+
 def _batch_form() -> str:
     from deepinfer import env
 
@@ -419,7 +454,8 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     its regime is M <= SYNC_MAX_M), "swap", "wgmma" (the TMA-fed CUDA kernel: exact products; its regime is
     WGMMA_MIN_M..WGMMA_MAX_M) or "auto" (by M: "sync" up to SYNC_MAX_M where it can run and
     DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so, "wgmma" for WGMMA_MIN_M..WGMMA_MAX_M where it
-    can run and DEEPINFER_LINEAR_BATCH_FORM says so, "fp8" from FP8_MMA_MIN_M); None: `MMA`.
+    can run and DEEPINFER_LINEAR_BATCH_FORM says so, "fp8" from FP8_MMA_MIN_M, there the "fp8_wgmma" CUDA kernel
+    where it can run and PREFILL_LINEAR_FORM / DEEPINFER_LINEAR_PREFILL_KERNEL say so); None: `MMA`.
     out: optional bf16 [M, N] destination (tests poison it to check every element is written)."""
     if not x.is_cuda and not interpreting():
         return fp8_linear_torch(x, w)
@@ -438,6 +474,9 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     if m == 0:
         return out
     mma = mma or MMA
+    if mma == "fp8_wgmma" or (mma == "auto" and m >= FP8_MMA_MIN_M and _prefill_linear_form() == "wgmma"
+                              and _prefill_usable(w, out)):
+        return _fp8_linear_prefill(x, w, config, out)
     if mma == "sync" or (mma == "auto" and m <= SYNC_MAX_M and _decode_linear_form() == "mma"
                          and _sync_usable(w, x.device)):
         return _fp8_linear_sync(x, w, config, out)
