@@ -8,7 +8,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: fp8_prefill, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: fp8_prefill, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -20,9 +20,15 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 
 case $stage in
 fp8_prefill)  # the twenty-third session's prefill FP8 linear CUDA kernel: its tests, then against the Triton form
-    step gpu_tests_fp8_prefill 240 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
+    step gpu_tests_fp8_prefill 150 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
         tests/test_kernels_fp8_linear_prefill.py
-    step bench_fp8_prefill 240 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    step bench_fp8_prefill 150 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    ;;
+prefill_ab)  # the 1k / 8k prefill with the prefill FP8 linears on the CUDA kernel and on the Triton form
+    for form in wgmma triton; do
+        DEEPINFER_LINEAR_PREFILL_KERNEL=$form step prefill_slice_$form 140 python benchmarks/run_slice.py --layers 4 \
+            --no-hf --batches --prefills 1024 8192 --top 25
+    done
     ;;
 tests)  # the twenty-first session's defaults on the H200 (they ran on an H100): cluster split-K up to 4 splits,
     # lanes, wo_a FP8 with its wgmma form; V4.1's fast path with wo_a FP8 (block 32) has run on no GPU yet
@@ -51,7 +57,7 @@ slice)  # the issue's ratios against transformers, the defaults and the switches
         DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0,DEEPINFER_WO_A_FP8=0
     ;;
 *)
-    echo "unknown stage $stage: fp8_prefill, tests, anatomy, linears, prefill or slice"
+    echo "unknown stage $stage: fp8_prefill, prefill_ab, tests, anatomy, linears, prefill or slice"
     exit 2
     ;;
 esac
