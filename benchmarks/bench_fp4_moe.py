@@ -129,6 +129,10 @@ TMA_VARIANTS = [  # (name, config, expand, max T)
 WGMMA_VARIANTS = [  # (name, config, expand, max T)
     ("triton prefill (PREFILL_V2, expand 6)", dict(A_BF16=True), 6, 10 ** 9),
     ("wgmma BT128 cwg4 s4 f1 h0", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0), None, 10 ** 9),
+    ("wgmma BT128 cwg4 s4 f1 h0 untrimmed", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, TRIM=0),
+     None, 10 ** 9),
+    ("wgmma BT64 cwg2 s3 f1 h1 m3 untrimmed", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1,
+                                                    MIN_CTAS=3, TRIM=0), None, 10 ** 9),
     ("wgmma BT64 cwg4 s4 f1 h1", dict(WGMMA=True, BT=64, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1), None, 10 ** 9),
     ("wgmma BT128 cwg2 s2 f1 h0 m2", dict(WGMMA=True, BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2), None, 10 ** 9),
     ("wgmma BT128 cwg2 s2 f1 h1 m2", dict(WGMMA=True, BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=1, MIN_CTAS=2), None, 10 ** 9),

@@ -19,10 +19,12 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-fp8_prefill)  # the twenty-third session's prefill FP8 linear CUDA kernel: its tests, then against the Triton form
-    step gpu_tests_fp8_prefill 150 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
-        tests/test_kernels_fp8_linear_prefill.py
-    step bench_fp8_prefill 150 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+fp8_prefill)  # the twenty-third session's kernels: the prefill FP8 linear CUDA kernel and the experts' trimmed
+    # routing blocks: their tests, then each against what it replaces
+    step gpu_tests_s23_kernels 230 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_fp8_linear_prefill.py tests/test_kernels_fp4_moe_wgmma.py
+    step bench_fp8_prefill 130 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    step bench_fp4_moe_trim 170 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
     ;;
 prefill_ab)  # the 1k / 8k prefill with the prefill FP8 linears on the CUDA kernel and on the Triton form
     for form in wgmma triton; do

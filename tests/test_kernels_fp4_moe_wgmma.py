@@ -155,8 +155,11 @@ def test_plan_tiles_by_regime():
     pytest.importorskip("triton")
     from deepinfer.kernels.triton.fp4_moe import WGMMA_TILES, WGMMA_TILES_FEW, plan_wgmma
 
-    assert plan_wgmma(8192 * 6, 256, {"WGMMA": True}) == WGMMA_TILES
-    assert plan_wgmma(2048 * 6, 256, {"WGMMA": True}) == WGMMA_TILES_FEW  # 48 slots per expert
+    from deepinfer.kernels.cuda.fp4_moe_wgmma import tiles
+
+    assert plan_wgmma(8192 * 6, 256, {"WGMMA": True}) == tiles(WGMMA_TILES) == dict(WGMMA_TILES, TRIM=1)
+    assert plan_wgmma(2048 * 6, 256, {"WGMMA": True}) == tiles(WGMMA_TILES_FEW)  # 48 slots per expert
+    assert plan_wgmma(8192 * 6, 256, {"WGMMA": True, "TRIM": 0})["TRIM"] == 0
     assert plan_wgmma(8192 * 6, 256, {"WGMMA": True, "BT": 64})["BT"] == 64
     two = {"WGMMA": True, "CWG": 2, "FRAG_BUFS": 2, "HALVES": 0}
     assert plan_wgmma(8192 * 6, 256, two)["FRAG_BUFS"] == 2
@@ -277,6 +280,41 @@ def test_gated_kernel_is_the_official_swiglu_of_its_sums(cfg):
         print(f"{_tag(cfg)} limit={limit}: {int(off.sum())} of {off.numel()} outputs differ, "
               f"max {float((diff / ulp).max()):.2f} ulp")
         assert bool((diff <= ulp).all()) and int(off.sum()) <= off.numel() // 1000, (cfg, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [TILE_CONFIGS[5], dict(BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=3),
+                                 TILE_CONFIGS[0]], ids=_tag)
+def test_trimmed_blocks_match_untrimmed_bit_for_bit(cfg):
+    """TRIM 1 (a routing block's wgmmas over the smallest N of 16 .. BT that holds its real slots) gives the
+    untrimmed kernel's bits, plain and gated: every output element is the same per-element MMA sum. The
+    experts' slot counts are set so the last blocks hold 1..BT real slots (every width runs)."""
+    from deepinfer.kernels.cuda.fp4_moe_wgmma import expert_gemm, tiles
+    from deepinfer.kernels.triton.act_quant import act_quant_gather
+    from deepinfer.kernels.triton.fp4_moe import align_by_expert
+
+    dev = _cuda()
+    gen = torch.Generator().manual_seed(33)
+    bt = cfg["BT"]
+    counts = [1, 9, 16, 17, 33, 64, 65, 100, bt, bt + 1, 2 * bt - 1, 40]  # slots per expert
+    e, d, inter = len(counts), 512, 256
+    expert = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)])
+    expert = expert[torch.randperm(expert.numel(), generator=gen)]
+    n = expert.numel()
+    w = torch.randint(0, 256, (e, 2 * inter, d // 2), dtype=torch.uint8, generator=gen).to(dev)
+    s = torch.randint(110, 126, (e, 2 * inter, d // 32), dtype=torch.uint8, generator=gen).to(dev)
+    x = torch.randn(n, d, generator=gen).to(BF16).to(dev)
+    route_w = torch.rand(n, generator=gen).to(dev)
+    sorted_slots, block_expert = align_by_expert(expert.view(-1, 1).to(dev), e, bt)
+    ag = act_quant_gather(x, 128, sorted_slots, block_expert, n, 1, bt, quant=False)
+    for gated, shape, dtype in ((False, (n, 2 * inter), torch.float32), (True, (n, inter), BF16)):
+        outs = []
+        for trim in (1, 0):
+            out = torch.full(shape, float("nan"), device=dev, dtype=dtype)
+            expert_gemm(ag, w, s, out, route_w, sorted_slots, block_expert, n, gated, 7.0, tiles(dict(cfg, TRIM=trim)))
+            outs.append(out)
+        print(f"trim {_tag(cfg)} gated={gated}: {int((outs[0] != outs[1]).sum())} of {outs[0].numel()} differ")
+        assert not torch.isnan(outs[0].float()).any() and torch.equal(outs[0], outs[1]), (cfg, gated)
 
 
 @pytest.fixture(scope="module")

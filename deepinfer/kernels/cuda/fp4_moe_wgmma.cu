@@ -66,6 +66,9 @@
 #ifndef OUT_F32
 #define OUT_F32 0
 #endif
+#ifndef TRIM
+#define TRIM 1  // 1: a routing block's wgmmas span only the smallest N (16, 32, .., BT) that holds its real slots
+#endif
 #define KSTEP 128
 #define ROWS (64 * CWG)
 #define W_STAGE (ROWS * KSTEP / 2)  // bytes of weights per stage
@@ -98,6 +101,19 @@ __device__ __forceinline__ void expand_fragments(u32 (&fr)[2 * NQ][4], const uin
         fr[2 * qq + 1][2] = bmul2(e2m1_pair<3>(x0), m0);
         fr[2 * qq + 1][3] = bmul2(e2m1_pair<3>(x1), m1);
     }
+}
+
+template <int V>
+struct Width {
+    static constexpr int value = V;
+};
+
+// wgmma_rs over the first W tokens of the accumulator fragment: the m64nW fragment is the m64nBT one's first W / 2
+// registers (d[4j + ..] holds tokens 8j + 2t + e, j < W / 8), so the same array serves every width
+template <int W, int NA>
+__device__ __forceinline__ void wgmma_rs_w(float (&d)[NA], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    static_assert(W % 16 == 0 && W / 2 <= NA, "W: 16, 32, 64 or 128 tokens within the fragment");
+    wgmma_rs(*reinterpret_cast<float(*)[W / 2]>(&d[0]), a0, a1, a2, a3, desc);
 }
 
 extern "C" __global__ void __launch_bounds__(128 * CWG + 32, MIN_CTAS)
@@ -197,14 +213,15 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
         st.a_base = smem_u32(a_ring + s * A_STAGE);
         return st;
     };
-    // NK 16-K steps from k16: A fragments fr[0..NK), B in activation box k16 >> 2, 32 bytes a step; one group
-    auto issue = [&](auto& fr, u32 a_base, int k16, int nk) {
+    // NK 16-K steps from k16 over the block's first W tokens: A fragments fr[0..NK), B in activation box k16 >> 2,
+    // 32 bytes a step; one group
+    auto issue = [&](auto width, auto& fr, u32 a_base, int k16, int nk) {
         keep_all(acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < nk; ++kk)
-            wgmma_rs(acc, fr[kk][0], fr[kk][1], fr[kk][2], fr[kk][3],
-                     desc_sw128(a_base + ((k16 + kk) >> 2) * A_HALF + ((k16 + kk) & 3) * 32));
+            wgmma_rs_w<decltype(width)::value>(acc, fr[kk][0], fr[kk][1], fr[kk][2], fr[kk][3],
+                                                desc_sw128(a_base + ((k16 + kk) >> 2) * A_HALF + ((k16 + kk) & 3) * 32));
         wgmma_commit();
     };
     // the wgmmas reading stage `step` are done: its ring slot goes back to the producer (one arrival a warp)
@@ -213,47 +230,70 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
         if (lane == 0) mbar_arrive(empty0 + 8 * (step % STAGES));
     };
 
+    // the pipeline over the block's first `width` tokens (a compile-time Width<W>)
+    auto run = [&](auto width) {
 #if HALVES
-    static_assert(FRAG_BUFS == 1, "HALVES pipelines half stages within one stage's registers");
-    u32 h0[4][4], h1[4][4];
-    for (int step = 0; step < steps; ++step) {
-        const Stage st = take(step);
-        wgmma_wait<1>();  // the previous stage's first half is done: h0 is free
-        keep_all(h0);
-        expand_fragments<2>(h0, st.w0, st.w1, st.m0, st.m1, 0);
-        issue(h0, st.a_base, 0, 4);
-        wgmma_wait<1>();  // the previous stage's second half is done: h1 and that stage's ring slot are free
-        keep_all(h1);
-        if (step > 0) release(step - 1);
-        expand_fragments<2>(h1, st.w0, st.w1, st.m0, st.m1, 2);
-        issue(h1, st.a_base, 4, 4);
-    }
+        static_assert(FRAG_BUFS == 1, "HALVES pipelines half stages within one stage's registers");
+        u32 h0[4][4], h1[4][4];
+        for (int step = 0; step < steps; ++step) {
+            const Stage st = take(step);
+            wgmma_wait<1>();  // the previous stage's first half is done: h0 is free
+            keep_all(h0);
+            expand_fragments<2>(h0, st.w0, st.w1, st.m0, st.m1, 0);
+            issue(width, h0, st.a_base, 0, 4);
+            wgmma_wait<1>();  // the previous stage's second half is done: h1 and that stage's ring slot are free
+            keep_all(h1);
+            if (step > 0) release(step - 1);
+            expand_fragments<2>(h1, st.w0, st.w1, st.m0, st.m1, 2);
+            issue(width, h1, st.a_base, 4, 4);
+        }
 #else
-    // one whole stage: with FRAG_BUFS 2 `prev` (the previous stage's fragments) is freed after the wait
-    auto stage = [&](u32 (&fr)[8][4], u32 (&prev)[8][4], int step) {
-        const Stage st = take(step);
-        expand_fragments<4>(fr, st.w0, st.w1, st.m0, st.m1, 0);
-        issue(fr, st.a_base, 0, 8);
+        // one whole stage: with FRAG_BUFS 2 `prev` (the previous stage's fragments) is freed after the wait
+        auto stage = [&](u32 (&fr)[8][4], u32 (&prev)[8][4], int step) {
+            const Stage st = take(step);
+            expand_fragments<4>(fr, st.w0, st.w1, st.m0, st.m1, 0);
+            issue(width, fr, st.a_base, 0, 8);
 #if FRAG_BUFS == 2
-        wgmma_wait<1>();  // stage step - 1's wgmmas are done: its A registers and its ring slot are free
-        keep_all(prev);
-        if (step > 0) release(step - 1);
+            wgmma_wait<1>();  // stage step - 1's wgmmas are done: its A registers and its ring slot are free
+            keep_all(prev);
+            if (step > 0) release(step - 1);
 #else
-        wgmma_wait<0>();
-        keep_all(fr);
-        release(step);
+            wgmma_wait<0>();
+            keep_all(fr);
+            release(step);
 #endif
-        keep_all(acc);
+            keep_all(acc);
+        };
+        u32 fa[8][4], fb[8][4];
+#if FRAG_BUFS == 2
+        for (int step = 0; step < steps; step += 2) {  // steps is even (K % 256 == 0)
+            stage(fa, fb, step);
+            stage(fb, fa, step + 1);
+        }
+#else
+        for (int step = 0; step < steps; ++step) stage(fa, fb, step);
+#endif
+#endif
     };
-    u32 fa[8][4], fb[8][4];
-#if FRAG_BUFS == 2
-    for (int step = 0; step < steps; step += 2) {  // steps is even (K % 256 == 0)
-        stage(fa, fb, step);
-        stage(fb, fa, step + 1);
+#if TRIM
+    // the block's real slots come first and its padding (slot n_slots) last (`align_by_expert`): the wgmmas span
+    // the smallest N that holds the real ones (a block's uniform choice; the epilogue skips padding slots)
+    const int* bslots = sorted_slots + blk * BT;
+    int width = BT;
+    while (width > 16 && bslots[width / 2] >= n_slots) width /= 2;
+    if (width == BT) {
+        run(Width<BT>{});
+    } else if (width == BT / 2) {
+        run(Width<BT / 2>{});
+    } else if (width == BT / 4) {
+        run(Width<BT / 4>{});
+#if BT == 128
+    } else if (width == 16) {
+        run(Width<16>{});
+#endif
     }
 #else
-    for (int step = 0; step < steps; ++step) stage(fa, fb, step);
-#endif
+    run(Width<BT>{});
 #endif
     wgmma_wait<0>();
     keep_all(acc);
