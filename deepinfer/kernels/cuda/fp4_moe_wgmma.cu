@@ -34,6 +34,9 @@
 //   stage i's 8 wgmmas run (wgmma.wait_group 1), the A registers of two stages alive. With FRAG_BUFS 1 and
 //   HALVES 1 it expands each half stage (4 16-K steps) while the previous half's 4 wgmmas run: the same 32
 //   A registers as one whole stage (what fits beside the accumulators at 4 consumer warpgroups, 96 registers).
+// * TRIM 1: a block's real slots come first and its padding last, so its wgmmas span only the smallest N of
+//   16, 32, .., BT holding the real ones (the m64nW fragment is the m64nBT one's first W / 2 registers; the
+//   pipeline is instantiated per width, the block picks one). The same per-element sums: the same bits.
 // Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)), routing blocks), block 128 CWG + 32, dynamic shared
 // memory `fp4_moe_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
 // Requires: K % 256 == 0 (FRAG_BUFS 2) or % 128; E8M0 bytes <= 128 (the exact bf16x2 expansion's range).
