@@ -8,7 +8,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: fp8_prefill, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: fp8_prefill, s23b, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -25,6 +25,13 @@ fp8_prefill)  # the twenty-third session's kernels: the prefill FP8 linear CUDA 
         tests/test_kernels_fp8_linear_prefill.py tests/test_kernels_fp4_moe_wgmma.py
     step bench_fp8_prefill 130 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
     step bench_fp4_moe_trim 170 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
+    ;;
+s23b)  # the prefill FP8 kernel's persistent form (tests and the sweep), the trimmed experts at T=1024, the prefill A/B
+    step gpu_tests_fp8_prefill 120 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
+        tests/test_kernels_fp8_linear_prefill.py
+    step bench_fp8_prefill 110 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    step bench_fp4_moe_trim_1024 60 python benchmarks/bench_fp4_moe.py --wgmma --ts 1024
+    bash "$0" prefill_ab
     ;;
 prefill_ab)  # the 1k / 8k prefill with the prefill FP8 linears on the CUDA kernel and on the Triton form
     for form in wgmma triton; do
@@ -59,7 +66,7 @@ slice)  # the issue's ratios against transformers, the defaults and the switches
         DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0,DEEPINFER_WO_A_FP8=0
     ;;
 *)
-    echo "unknown stage $stage: fp8_prefill, prefill_ab, tests, anatomy, linears, prefill or slice"
+    echo "unknown stage $stage: fp8_prefill, s23b, prefill_ab, tests, anatomy, linears, prefill or slice"
     exit 2
     ;;
 esac

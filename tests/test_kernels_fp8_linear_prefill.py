@@ -27,6 +27,9 @@ TILE_CONFIGS = [dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=0), dict(CWG=1, BN
                 dict(CWG=2, BN=64, STAGES=0, GROUP_M=4, PIPE=0), dict(CWG=1, BN=64, STAGES=3, GROUP_M=1, PIPE=0),
                 dict(CWG=2, BN=128, STAGES=2, GROUP_M=16, PIPE=0), dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=1),
                 dict(CWG=1, BN=128, STAGES=3, GROUP_M=8, PIPE=1), dict(CWG=2, BN=64, STAGES=0, GROUP_M=8, PIPE=1)]
+TILE_CONFIGS = [dict(c, PERSIST=0) for c in TILE_CONFIGS] + [
+    dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=0, PERSIST=1), dict(CWG=2, BN=128, STAGES=3, GROUP_M=1, PIPE=0, PERSIST=1),
+    dict(CWG=1, BN=64, STAGES=2, GROUP_M=4, PIPE=0, PERSIST=1)]
 
 
 # the Triton "fp8" form on wgmma at every M (its own plan takes BM 16, mma.sync, up to 16 rows, whose FP8 sums are
@@ -35,7 +38,7 @@ TRITON_WGMMA_PLAN = dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_sta
 
 
 def _tag(c: dict) -> str:
-    return f"wg{c['CWG']}n{c['BN']}s{c['STAGES']}g{c['GROUP_M']}p{c['PIPE']}"
+    return f"wg{c['CWG']}n{c['BN']}s{c['STAGES']}g{c['GROUP_M']}p{c['PIPE']}{'P' if c['PERSIST'] else ''}"
 
 
 def _random_fp8_weight(n: int, k: int, dev):
@@ -83,6 +86,8 @@ def test_tile_rules():
         tiles({"BN": 256})
     with pytest.raises(ValueError, match="PIPE 0/1"):
         tiles({"PIPE": 2})
+    with pytest.raises(ValueError, match="not both"):
+        tiles({"PIPE": 1, "PERSIST": 1})
     assert tiles({"STAGES": 7})["STAGES"] == 7  # past the default budget, within the SM's 227 KB
     with pytest.raises(ValueError, match="shared memory"):
         tiles({"STAGES": 8})

@@ -55,6 +55,12 @@
 #ifndef PIPE
 #define PIPE 0  // 1: two partials, the next stage's wgmmas in flight while one is promoted
 #endif
+#ifndef PERSIST
+#define PERSIST 0  // 1: the persistent form (fp8_linear_prefill_persistent): a CTA an SM walks the tiles
+#endif
+#if PERSIST && PIPE
+#error "PERSIST takes one partial (PIPE 0)"
+#endif
 #if BN != 64 && BN != 128
 #error "BN must be 64 or 128"
 #endif
@@ -261,3 +267,111 @@ fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_consta
             *reinterpret_cast<const uint4*>(smem + r * LINE + 2 * col);
     }
 }
+
+#if PERSIST
+// The persistent form: gridDim.x CTAs (one an SM) walk the tiles t = blockIdx.x, + gridDim.x, ... in the same
+// grouped order. The ring runs on across tiles (one stage counter for the whole walk), so the producer loads the
+// next tile's first stages while the consumers finish this one and store it: a short K (wq_b's 8 stages) no
+// longer pays a pipeline fill and an epilogue per tile. The epilogue stores from the fragments (the ring is in
+// use): per lane two bf16 pairs of rows r0 and r0 + 8 per 8 columns. The math is the kernel above's.
+extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
+fp8_linear_prefill_persistent(const __grid_constant__ TensorMap tmap_x, const __grid_constant__ TensorMap tmap_w,
+                              const float* __restrict__ xs, i64 stride_xsm, const float* __restrict__ ws,
+                              i64 stride_wsn, u16* __restrict__ out, i64 stride_om, int M, int N, int K) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = N / BN, n_tiles = tiles_m * tiles_n;
+    const int steps = K / KSTEP;
+    auto origin = [&](int tile, int& m0, int& n0) {  // Triton's `_tile_ids` order, as the kernel above
+        const int per_group = GROUP_M * tiles_n;
+        const int first_m = (tile / per_group) * GROUP_M;
+        const int group_m = min(tiles_m - first_m, GROUP_M);
+        m0 = (first_m + (tile % per_group) % group_m) * BM;
+        n0 = ((tile % per_group) / group_m) * BN;
+    };
+
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = align_1024(smem_raw);
+    unsigned char* x_ring = smem;                     // [STAGES][BM][128], 128-byte swizzled
+    unsigned char* w_ring = smem + STAGES * A_STAGE;  // [STAGES][BN][128], 128-byte swizzled
+    u64* bars = reinterpret_cast<u64*>(w_ring + STAGES * B_STAGE);
+    const u32 full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
+    if (threadIdx.x == 0) ring_init(full0, empty0, STAGES, 4 * CWG);
+    __syncthreads();
+
+    if (warp == 4 * CWG) {
+        if (lane == 0) {
+            asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_x) : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
+            int it = 0;  // stages issued over the whole walk
+            for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+                int m0, n0;
+                origin(tile, m0, n0);
+                for (int step = 0; step < steps; ++step, ++it) {
+                    const int s = it % STAGES;
+                    if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+                    const u32 full = full0 + 8 * s;
+                    mbar_expect_tx(full, A_STAGE + B_STAGE);
+                    tma_load_2d(smem_u32(x_ring + s * A_STAGE), &tmap_x, step * KSTEP, m0, full);
+                    tma_load_2d(smem_u32(w_ring + s * B_STAGE), &tmap_w, step * KSTEP, n0, full);
+                }
+            }
+        }
+        return;
+    }
+
+    const int wg = warp >> 2, wi = warp & 3;
+    const int g = lane >> 2, t = lane & 3;
+    float acc[NACC], part[NACC];
+    int it = 0;
+    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+        int m0, n0;
+        origin(tile, m0, n0);
+        const int r0 = m0 + wg * 64 + wi * 16 + g;
+        const float* xs0 = xs + (i64)min(r0, M - 1) * stride_xsm;
+        const float* xs1 = xs + (i64)min(r0 + 8, M - 1) * stride_xsm;
+        const float* wsr = ws + (i64)(n0 / 128) * stride_wsn;
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+        float sa0 = xs0[0], sa1 = xs1[0], sw = wsr[0];
+        for (int step = 0; step < steps; ++step, ++it) {
+            const float p0 = sa0 * sw, p1 = sa1 * sw;
+            if (step + 1 < steps) {
+                sa0 = xs0[step + 1];
+                sa1 = xs1[step + 1];
+                sw = wsr[step + 1];
+            }
+            const int s = it % STAGES;
+            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            const u32 xa = smem_u32(x_ring + s * A_STAGE + wg * 64 * KSTEP);
+            const u32 wa = smem_u32(w_ring + s * B_STAGE);
+            keep_all(part);
+            wgmma_fence();
+#pragma unroll
+            for (int j = 0; j < KSTEP / 32; ++j)
+                wgmma_ss_e4m3(part, desc_sw128(xa + 32 * j), desc_sw128(wa + 32 * j), j);
+            wgmma_commit();
+            wgmma_wait<0>();
+            keep_all(part);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * s);
+#pragma unroll
+            for (int j = 0; j < NACC / 4; ++j) {
+                acc[4 * j] = fmaf(part[4 * j], p0, acc[4 * j]);
+                acc[4 * j + 1] = fmaf(part[4 * j + 1], p0, acc[4 * j + 1]);
+                acc[4 * j + 2] = fmaf(part[4 * j + 2], p1, acc[4 * j + 2]);
+                acc[4 * j + 3] = fmaf(part[4 * j + 3], p1, acc[4 * j + 3]);
+            }
+        }
+        u16* row0 = out + (i64)r0 * stride_om + n0 + 2 * t;
+        u16* row1 = row0 + 8 * stride_om;
+#pragma unroll
+        for (int j = 0; j < NACC / 4; ++j) {
+            const u32 lo = (__float_as_uint(bf16_round(acc[4 * j])) >> 16) | (__float_as_uint(bf16_round(acc[4 * j + 1])) & 0xFFFF0000u);
+            const u32 hi = (__float_as_uint(bf16_round(acc[4 * j + 2])) >> 16) | (__float_as_uint(bf16_round(acc[4 * j + 3])) & 0xFFFF0000u);
+            if (r0 < M) *reinterpret_cast<u32*>(row0 + 8 * j) = lo;
+            if (r0 + 8 < M) *reinterpret_cast<u32*>(row1 + 8 * j) = hi;
+        }
+    }
+}
+#endif

@@ -22,8 +22,9 @@ SOURCE = "fp8_linear_prefill.cu"
 KSTEP = 128  # K per ring stage = the promotion group (V4's act block)
 SMEM_BUDGET = 220 * 1024  # of an SM's 227 KB: one CTA an SM, as deep a ring as fits
 # CWG 3 (192 rows) spills in the sm_90a build (416 threads leave 128 registers a thread for 2 x 64 accumulators)
-DEFAULT_TILES = dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=0)  # STAGES 0: as deep as SMEM_BUDGET allows;
-# PIPE 1: two partials, a stage's wgmmas issued before the previous one is promoted (the .cu's header)
+DEFAULT_TILES = dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=0, PERSIST=0)  # STAGES 0: as deep as SMEM_BUDGET
+# allows; PIPE 1: two partials, a stage's wgmmas issued before the previous one is promoted; PERSIST 1: one CTA an
+# SM walks the tiles, the ring running on across them (the .cu's `fp8_linear_prefill_persistent`)
 _SIGNATURE = "mmplplpliii"  # tensor maps x / w, xs, stride_xsm, ws, stride_wsn, out, stride_om, M, N, K
 _KERNELS: dict[tuple, CudaKernel] = {}
 
@@ -31,7 +32,8 @@ _KERNELS: dict[tuple, CudaKernel] = {}
 def kernel(cfg: dict) -> CudaKernel:
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES)
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_prefill", _SIGNATURE, dict(key), arch_suffix="a")
+        name = "fp8_linear_prefill_persistent" if cfg["PERSIST"] else "fp8_linear_prefill"
+        _KERNELS[key] = CudaKernel(SOURCE, name, _SIGNATURE, dict(key), arch_suffix="a")
     return _KERNELS[key]
 
 
@@ -61,9 +63,9 @@ def tiles(config: dict | None = None) -> dict:
     cfg = dict(DEFAULT_TILES)
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
     if cfg["CWG"] not in (1, 2) or cfg["BN"] not in (64, 128) or cfg["GROUP_M"] < 1 or cfg["STAGES"] < 0 \
-            or cfg["PIPE"] not in (0, 1):
+            or cfg["PIPE"] not in (0, 1) or cfg["PERSIST"] not in (0, 1) or (cfg["PIPE"] and cfg["PERSIST"]):
         raise ValueError(f"fp8_linear_prefill tiles: CWG 1/2, BN 64/128, GROUP_M >= 1, STAGES >= 2 (0: as deep "
-                         f"as fits), PIPE 0/1, got {cfg}")
+                         f"as fits), PIPE 0/1, PERSIST 0/1 (not both), got {cfg}")
     if cfg["STAGES"] == 0:
         cfg["STAGES"] = min(8, (SMEM_BUDGET - 1024) // (stage_bytes(cfg) + 16))
     if cfg["STAGES"] < 2:  # (2 stages always hold the epilogue's staging tile: the .cu's static_assert)
@@ -72,6 +74,10 @@ def tiles(config: dict | None = None) -> dict:
         raise ValueError(f"fp8_linear_prefill tiles {cfg} need {smem_bytes(cfg)} bytes of shared memory per CTA "
                          f"(an SM has 227 KB)")
     return cfg
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def usable(device: torch.device) -> bool:
@@ -136,7 +142,8 @@ def fp8_linear_prefill(xq: torch.Tensor, xs: torch.Tensor, w: QuantLinearWeight,
     bm = rows_per_cta(cfg)
     tmap_w = runtime.cached_tensor_map(w.data.view(torch.uint8), (cfg["BN"], KSTEP), swizzle=128)
     tmap_x = runtime.encode_tensor_map(xq.view(torch.uint8), (bm, KSTEP), swizzle=128)
-    grid = (-(-m // bm) * (n // cfg["BN"]), 1, 1)
+    n_tiles = -(-m // bm) * (n // cfg["BN"])
+    grid = (min(n_tiles, _sm_count(xq.device)) if cfg["PERSIST"] else n_tiles, 1, 1)
     kernel(cfg).launch(grid, (threads(cfg), 1, 1),
                        (tmap_x, tmap_w, xs, xs.stride(0), w.scale, w.scale.stride(0), out, out.stride(0), m, n, k),
                        xq.device, shared=smem_bytes(cfg))
