@@ -27,16 +27,16 @@ fp8_prefill)  # the twenty-third session's kernels: the prefill FP8 linear CUDA 
     step bench_fp4_moe_trim 170 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
     ;;
 s23b)  # the prefill FP8 kernel's persistent form (tests and the sweep), the trimmed experts at T=1024, the prefill A/B
-    step gpu_tests_fp8_prefill 120 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
+    step gpu_tests_fp8_prefill 100 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
         tests/test_kernels_fp8_linear_prefill.py
-    step bench_fp8_prefill 110 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
-    step bench_fp4_moe_trim_1024 60 python benchmarks/bench_fp4_moe.py --wgmma --ts 1024
+    step bench_fp8_prefill 100 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    step bench_fp4_moe_trim_1024 45 python benchmarks/bench_fp4_moe.py --wgmma --ts 1024
     bash "$0" prefill_ab
     ;;
 prefill_ab)  # the 1k / 8k prefill with the prefill FP8 linears on the CUDA kernel and on the Triton form
     for form in wgmma triton; do
-        DEEPINFER_LINEAR_PREFILL_KERNEL=$form step prefill_slice_$form 140 python benchmarks/run_slice.py --layers 4 \
-            --no-hf --batches --prefills 1024 8192 --top 25
+        DEEPINFER_LINEAR_PREFILL_KERNEL=$form step prefill_slice_$form 110 python benchmarks/run_slice.py --layers 4 \
+            --no-hf --batches --prefills 1024 8192 --no-breakdown
     done
     ;;
 tests)  # the twenty-first session's defaults on the H200 (they ran on an H100): cluster split-K up to 4 splits,
