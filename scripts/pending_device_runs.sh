@@ -8,7 +8,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: fp8_prefill, s23b, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -25,6 +25,11 @@ fp8_prefill)  # the twenty-third session's kernels: the prefill FP8 linear CUDA 
         tests/test_kernels_fp8_linear_prefill.py tests/test_kernels_fp4_moe_wgmma.py
     step bench_fp8_prefill 130 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
     step bench_fp4_moe_trim 170 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
+    ;;
+s23c)  # the least of s23b: the persistent form's tests and the sweep
+    step gpu_tests_fp8_prefill 100 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
+        tests/test_kernels_fp8_linear_prefill.py
+    step bench_fp8_prefill 100 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
     ;;
 s23b)  # the prefill FP8 kernel's persistent form (tests and the sweep), the trimmed experts at T=1024, the prefill A/B
     step gpu_tests_fp8_prefill 100 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
@@ -66,7 +71,7 @@ slice)  # the issue's ratios against transformers, the defaults and the switches
         DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0,DEEPINFER_WO_A_FP8=0
     ;;
 *)
-    echo "unknown stage $stage: fp8_prefill, s23b, prefill_ab, tests, anatomy, linears, prefill or slice"
+    echo "unknown stage $stage: fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice"
     exit 2
     ;;
 esac
