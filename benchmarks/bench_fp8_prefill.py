@@ -30,8 +30,8 @@ from ceilings import fp8_matmul_tflops  # noqa: E402
 
 SHAPES = ((4096, 1536, "wq_a+wkv"), (1024, 32768, "wq_b"), (8192, 4096, "wo_b"), (4096, 4096, "shared w13"),
           (2048, 4096, "shared w2"), (1024, 8192, "index wq_b"))
-SWEEP = (dict(PERSIST=0), dict(PERSIST=0, PIPE=1), dict(GROUP_M=16), dict(STAGES=4), dict(GROUP_M=1),
-         dict(STAGES=5))
+SWEEP = (dict(PERSIST=1), dict(PERSIST=1, GROUP_M=16), dict(PERSIST=1, STAGES=4), dict(PIPE=1), dict(GROUP_M=16),
+         dict(GROUP_M=1))
 
 
 def _ms(fn) -> float:

@@ -22,7 +22,7 @@ SOURCE = "fp8_linear_prefill.cu"
 KSTEP = 128  # K per ring stage = the promotion group (V4's act block)
 SMEM_BUDGET = 220 * 1024  # of an SM's 227 KB: one CTA an SM, as deep a ring as fits
 # CWG 3 (192 rows) spills in the sm_90a build (416 threads leave 128 registers a thread for 2 x 64 accumulators)
-DEFAULT_TILES = dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=0, PERSIST=1)  # STAGES 0: as deep as SMEM_BUDGET
+DEFAULT_TILES = dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=0, PERSIST=0)  # STAGES 0: as deep as SMEM_BUDGET
 # allows; PIPE 1: two partials, a stage's wgmmas issued before the previous one is promoted; PERSIST 1: one CTA an
 # SM walks the tiles, the ring running on across them (the .cu's `fp8_linear_prefill_persistent`)
 _SIGNATURE = "mmplplpliii"  # tensor maps x / w, xs, stride_xsm, ws, stride_wsn, out, stride_om, M, N, K
