@@ -1,9 +1,10 @@
-# The device checks the code of 2026-12-05 still owes the H200, in the order the next device run should take
-# them; each stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-second session got
-# only an H100: tests, linears, slice and prefill ran there (BENCHMARKS "twenty-second session"); on the H200
-# anatomy, prefill and slice are still owed.
-#   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh tests     # with carry: [".whl"]
-#   ... anatomy | linears | prefill | slice
+# The device checks the code of 2026-12-06 still owes, in the order the next device run should take them; each
+# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-third session's one device run
+# (an H100) ran fp8_prefill; still owed: s23c (the prefill FP8 kernel's persistent form: tests and sweep), then
+# prefill_ab (the 1k / 8k prefill with the trimmed experts, either linear form) and, on the H200, anatomy,
+# prefill and slice with the current defaults.
+#   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh s23c     # with carry: [".whl"]
+#   ... prefill_ab | s23b (both of them and the trimmed experts at T=1024) | tests | anatomy | linears | prefill | slice
 # Logs go to $OUT (one file per step); each step's summary line is printed.
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
