@@ -113,19 +113,60 @@ __device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[64], u64 desc_a, u64 de
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// the first output row and column of tile `tile` in the grouped order (Triton's `_tile_ids`): GROUP_M row tiles
+// walk the N tiles together
+__device__ __forceinline__ void tile_origin(int tile, int tiles_m, int tiles_n, int& m0, int& n0) {
+    const int per_group = GROUP_M * tiles_n;
+    const int first_m = (tile / per_group) * GROUP_M;
+    const int group_m = min(tiles_m - first_m, GROUP_M);
+    m0 = (first_m + (tile % per_group) % group_m) * BM;
+    n0 = ((tile % per_group) / group_m) * BN;
+}
+
+// the producer's stage: the activation box (BM rows) and the weight box (BN rows) at K offset k into ring slot s
+__device__ __forceinline__ void load_stage(const TensorMap* tmap_x, const TensorMap* tmap_w, unsigned char* x_ring,
+                                           unsigned char* w_ring, u32 full0, int s, int k, int m0, int n0) {
+    const u32 full = full0 + 8 * s;
+    mbar_expect_tx(full, A_STAGE + B_STAGE);
+    tma_load_2d(smem_u32(x_ring + s * A_STAGE), tmap_x, k, m0, full);
+    tma_load_2d(smem_u32(w_ring + s * B_STAGE), tmap_w, k, n0, full);
+}
+
+// one 128-K group into a fresh partial: 4 k32 wgmmas from the warpgroup's activation rows (xa) and the weight
+// rows (wa), one commit group
+__device__ __forceinline__ void issue_group(float (&part)[NACC], u32 xa, u32 wa) {
+    keep_all(part);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < KSTEP / 32; ++j) wgmma_ss_e4m3(part, desc_sw128(xa + 32 * j), desc_sw128(wa + 32 * j), j);
+    wgmma_commit();
+}
+
+// the official promotion: acc += part x (activation scale x weight scale), one FMA each; p0 for the lane's row
+// r0 (fragment entries 4j, 4j + 1), p1 for row r0 + 8 (4j + 2, 4j + 3)
+__device__ __forceinline__ void promote(float (&acc)[NACC], const float (&part)[NACC], float p0, float p1) {
+#pragma unroll
+    for (int j = 0; j < NACC / 4; ++j) {
+        acc[4 * j] = fmaf(part[4 * j], p0, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], p0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], p1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], p1, acc[4 * j + 3]);
+    }
+}
+
+// two outputs as one bf16x2 word (each rounded to nearest even), lo's in the low half: adjacent columns
+__device__ __forceinline__ u32 bf16x2_bits(float lo, float hi) {
+    return (__float_as_uint(bf16_round(lo)) >> 16) | (__float_as_uint(bf16_round(hi)) & 0xFFFF0000u);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_constant__ TensorMap tmap_w,
                    const float* __restrict__ xs, i64 stride_xsm, const float* __restrict__ ws, i64 stride_wsn,
                    u16* __restrict__ out, i64 stride_om, int M, int N, int K) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    // grouped tile order (Triton's `_tile_ids`): GROUP_M row tiles walk the N tiles together
-    const int tiles_m = (M + BM - 1) / BM, tiles_n = N / BN;
-    const int pid = blockIdx.x, per_group = GROUP_M * tiles_n;
-    const int first_m = (pid / per_group) * GROUP_M;
-    const int group_m = min(tiles_m - first_m, GROUP_M);
-    const int m0 = (first_m + (pid % per_group) % group_m) * BM;
-    const int n0 = ((pid % per_group) / group_m) * BN;
+    int m0, n0;
+    tile_origin(blockIdx.x, (M + BM - 1) / BM, N / BN, m0, n0);
     const int steps = K / KSTEP;
 
     extern __shared__ unsigned char smem_raw[];
@@ -149,10 +190,7 @@ fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_consta
             for (int step = 0; step < steps; ++step) {
                 const int s = step % STAGES;
                 if (step >= STAGES) mbar_wait(empty0 + 8 * s, ((step / STAGES) & 1) ^ 1);
-                const u32 full = full0 + 8 * s;
-                mbar_expect_tx(full, A_STAGE + B_STAGE);
-                tma_load_2d(smem_u32(x_ring + s * A_STAGE), &tmap_x, step * KSTEP, m0, full);
-                tma_load_2d(smem_u32(w_ring + s * B_STAGE), &tmap_w, step * KSTEP, n0, full);
+                load_stage(&tmap_x, &tmap_w, x_ring, w_ring, full0, s, step * KSTEP, m0, n0);
             }
         }
         return;
@@ -188,26 +226,11 @@ fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_consta
     auto issue = [&](float (&part)[NACC], int step) {
         const int s = step % STAGES;
         mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
-        const u32 xa = smem_u32(x_ring + s * A_STAGE + wg * 64 * KSTEP);
-        const u32 wa = smem_u32(w_ring + s * B_STAGE);
-        keep_all(part);
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < KSTEP / 32; ++j) wgmma_ss_e4m3(part, desc_sw128(xa + 32 * j), desc_sw128(wa + 32 * j), j);
-        wgmma_commit();
+        issue_group(part, smem_u32(x_ring + s * A_STAGE + wg * 64 * KSTEP), smem_u32(w_ring + s * B_STAGE));
     };
     auto release = [&](int step) {  // this warp's reads of stage `step` are done: one arrival on its empty barrier
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * (step % STAGES));
-    };
-    auto promote = [&](const float (&part)[NACC], float p0, float p1) {
-#pragma unroll
-        for (int j = 0; j < NACC / 4; ++j) {
-            acc[4 * j] = fmaf(part[4 * j], p0, acc[4 * j]);
-            acc[4 * j + 1] = fmaf(part[4 * j + 1], p0, acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(part[4 * j + 2], p1, acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(part[4 * j + 3], p1, acc[4 * j + 3]);
-        }
     };
 #if PIPE
     // two partials: stage i + 1's wgmmas are issued before stage i's partial is promoted, so a warpgroup's own
@@ -224,7 +247,7 @@ fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_consta
         }
         keep_all(cur);
         release(step);
-        promote(cur, p0, p1);
+        promote(acc, cur, p0, p1);
     };
     issue(pa, 0);
     int step = 0;
@@ -242,7 +265,7 @@ fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_consta
         wgmma_wait<0>();
         keep_all(part);
         release(step);
-        promote(part, p0, p1);
+        promote(acc, part, p0, p1);
     }
 #endif
 
@@ -253,10 +276,8 @@ fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_consta
 #pragma unroll
     for (int j = 0; j < NACC / 4; ++j) {
         const int col = 8 * j + 2 * t;
-        const u32 lo = (__float_as_uint(bf16_round(acc[4 * j])) >> 16) | (__float_as_uint(bf16_round(acc[4 * j + 1])) & 0xFFFF0000u);
-        const u32 hi = (__float_as_uint(bf16_round(acc[4 * j + 2])) >> 16) | (__float_as_uint(bf16_round(acc[4 * j + 3])) & 0xFFFF0000u);
-        *reinterpret_cast<u32*>(smem + lr0 * LINE + 2 * col) = lo;
-        *reinterpret_cast<u32*>(smem + (lr0 + 8) * LINE + 2 * col) = hi;
+        *reinterpret_cast<u32*>(smem + lr0 * LINE + 2 * col) = bf16x2_bits(acc[4 * j], acc[4 * j + 1]);
+        *reinterpret_cast<u32*>(smem + (lr0 + 8) * LINE + 2 * col) = bf16x2_bits(acc[4 * j + 2], acc[4 * j + 3]);
     }
     asm volatile("bar.sync 1, %0;" ::"n"(128 * CWG) : "memory");
     constexpr int CHUNKS = BN / 8;  // 16-byte chunks per output row
@@ -282,13 +303,6 @@ fp8_linear_prefill_persistent(const __grid_constant__ TensorMap tmap_x, const __
     const int warp = threadIdx.x >> 5;
     const int tiles_m = (M + BM - 1) / BM, tiles_n = N / BN, n_tiles = tiles_m * tiles_n;
     const int steps = K / KSTEP;
-    auto origin = [&](int tile, int& m0, int& n0) {  // Triton's `_tile_ids` order, as the kernel above
-        const int per_group = GROUP_M * tiles_n;
-        const int first_m = (tile / per_group) * GROUP_M;
-        const int group_m = min(tiles_m - first_m, GROUP_M);
-        m0 = (first_m + (tile % per_group) % group_m) * BM;
-        n0 = ((tile % per_group) / group_m) * BN;
-    };
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = align_1024(smem_raw);
@@ -306,14 +320,11 @@ fp8_linear_prefill_persistent(const __grid_constant__ TensorMap tmap_x, const __
             int it = 0;  // stages issued over the whole walk
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
                 int m0, n0;
-                origin(tile, m0, n0);
+                tile_origin(tile, tiles_m, tiles_n, m0, n0);
                 for (int step = 0; step < steps; ++step, ++it) {
                     const int s = it % STAGES;
                     if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
-                    const u32 full = full0 + 8 * s;
-                    mbar_expect_tx(full, A_STAGE + B_STAGE);
-                    tma_load_2d(smem_u32(x_ring + s * A_STAGE), &tmap_x, step * KSTEP, m0, full);
-                    tma_load_2d(smem_u32(w_ring + s * B_STAGE), &tmap_w, step * KSTEP, n0, full);
+                    load_stage(&tmap_x, &tmap_w, x_ring, w_ring, full0, s, step * KSTEP, m0, n0);
                 }
             }
         }
@@ -326,7 +337,7 @@ fp8_linear_prefill_persistent(const __grid_constant__ TensorMap tmap_x, const __
     int it = 0;
     for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
         int m0, n0;
-        origin(tile, m0, n0);
+        tile_origin(tile, tiles_m, tiles_n, m0, n0);
         const int r0 = m0 + wg * 64 + wi * 16 + g;
         const float* xs0 = xs + (i64)min(r0, M - 1) * stride_xsm;
         const float* xs1 = xs + (i64)min(r0 + 8, M - 1) * stride_xsm;
@@ -343,34 +354,19 @@ fp8_linear_prefill_persistent(const __grid_constant__ TensorMap tmap_x, const __
             }
             const int s = it % STAGES;
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
-            const u32 xa = smem_u32(x_ring + s * A_STAGE + wg * 64 * KSTEP);
-            const u32 wa = smem_u32(w_ring + s * B_STAGE);
-            keep_all(part);
-            wgmma_fence();
-#pragma unroll
-            for (int j = 0; j < KSTEP / 32; ++j)
-                wgmma_ss_e4m3(part, desc_sw128(xa + 32 * j), desc_sw128(wa + 32 * j), j);
-            wgmma_commit();
+            issue_group(part, smem_u32(x_ring + s * A_STAGE + wg * 64 * KSTEP), smem_u32(w_ring + s * B_STAGE));
             wgmma_wait<0>();
             keep_all(part);
             __syncwarp();
             if (lane == 0) mbar_arrive(empty0 + 8 * s);
-#pragma unroll
-            for (int j = 0; j < NACC / 4; ++j) {
-                acc[4 * j] = fmaf(part[4 * j], p0, acc[4 * j]);
-                acc[4 * j + 1] = fmaf(part[4 * j + 1], p0, acc[4 * j + 1]);
-                acc[4 * j + 2] = fmaf(part[4 * j + 2], p1, acc[4 * j + 2]);
-                acc[4 * j + 3] = fmaf(part[4 * j + 3], p1, acc[4 * j + 3]);
-            }
+            promote(acc, part, p0, p1);
         }
         u16* row0 = out + (i64)r0 * stride_om + n0 + 2 * t;
         u16* row1 = row0 + 8 * stride_om;
 #pragma unroll
         for (int j = 0; j < NACC / 4; ++j) {
-            const u32 lo = (__float_as_uint(bf16_round(acc[4 * j])) >> 16) | (__float_as_uint(bf16_round(acc[4 * j + 1])) & 0xFFFF0000u);
-            const u32 hi = (__float_as_uint(bf16_round(acc[4 * j + 2])) >> 16) | (__float_as_uint(bf16_round(acc[4 * j + 3])) & 0xFFFF0000u);
-            if (r0 < M) *reinterpret_cast<u32*>(row0 + 8 * j) = lo;
-            if (r0 + 8 < M) *reinterpret_cast<u32*>(row1 + 8 * j) = hi;
+            if (r0 < M) *reinterpret_cast<u32*>(row0 + 8 * j) = bf16x2_bits(acc[4 * j], acc[4 * j + 1]);
+            if (r0 + 8 < M) *reinterpret_cast<u32*>(row1 + 8 * j) = bf16x2_bits(acc[4 * j + 2], acc[4 * j + 3]);
         }
     }
 }
