@@ -23,7 +23,7 @@ from deepinfer import formats
 from deepinfer.kernels.cuda import fp8_linear_prefill as pf
 from deepinfer.kernels.quant_weights import QuantLinearWeight
 from deepinfer.kernels.triton.act_quant import act_quant
-from deepinfer.kernels.triton.fp8_gemm import fp8_linear
+from deepinfer.kernels.triton.fp8_gemm import fp8_linear, sm_count
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ceilings import fp8_matmul_tflops  # noqa: E402
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the CUDA kernel's other tile plans")
     args = ap.parse_args()
     peak = fp8_matmul_tflops()
+    sms = sm_count(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: FP8 matmul ceiling {peak:.0f} TFLOP/s (cuBLASLt 8192^3)")
     totals: dict[tuple[int, str], float] = {}
     for k, n, name in SHAPES:
@@ -64,7 +65,7 @@ def main() -> None:
             flop = 2.0 * m * n * k
             cfg = pf.tiles()
             op_t, op_c = _ms(lambda: fp8_linear(x, w, mma="fp8")), _ms(lambda: fp8_linear(x, w, mma="fp8_wgmma"))
-            gemm_c = _ms(lambda: pf.fp8_linear_prefill(xq, xs, w, out, cfg))
+            gemm_c = _ms(lambda: pf.fp8_linear_prefill(xq, xs, w, out, cfg, sms))
             aq = _ms(lambda: act_quant(x, 128))
             gemm_t = op_t - aq  # the Triton form's GEMM alone: its op less the same act_quant pass
             for key, v in (("triton", gemm_t), ("cuda", gemm_c)):
@@ -76,7 +77,7 @@ def main() -> None:
             if args.sweep:
                 for extra in SWEEP:
                     c = pf.tiles(extra)
-                    t = _ms(lambda: pf.fp8_linear_prefill(xq, xs, w, out, c))
+                    t = _ms(lambda: pf.fp8_linear_prefill(xq, xs, w, out, c, sms))
                     print(f"    {str(extra):18s} -> {c}: {t * 1e3:8.1f} us ({flop / t / 1e9:6.0f} TFLOP/s)")
     for m in args.ms:
         t, c = totals[(m, "triton")], totals[(m, "cuda")]

@@ -57,20 +57,20 @@ def test_launcher_rejects_bad_inputs_before_launching():
     out = torch.zeros(m, n, dtype=BF16)
     cfg = tiles()
     with pytest.raises(ValueError, match="128 x 128 blocks and act block 128"):
-        fp8_linear_prefill(xq, xs, _weight(codes, torch.ones(8, 16), 32, 32), out, cfg)
+        fp8_linear_prefill(xq, xs, _weight(codes, torch.ones(8, 16), 32, 32), out, cfg, 132)
     with pytest.raises(ValueError, match="N of the plan's BN 128"):
-        fp8_linear_prefill(xq, xs, _weight(codes[:192], torch.ones(2, 4), 128, 128), out[:, :192], cfg)
+        fp8_linear_prefill(xq, xs, _weight(codes[:192], torch.ones(2, 4), 128, 128), out[:, :192], cfg, 132)
     with pytest.raises(ValueError, match="w.data must be contiguous"):
         fp8_linear_prefill(xq, xs, _weight(torch.zeros(k, n, dtype=torch.uint8).t(), torch.ones(2, 4), 128, 128),
-                           out, cfg)
+                           out, cfg, 132)
     with pytest.raises(ValueError, match="xq must be contiguous 16-byte aligned float8_e4m3fn"):
-        fp8_linear_prefill(xq.view(torch.uint8), xs, w, out, cfg)
+        fp8_linear_prefill(xq.view(torch.uint8), xs, w, out, cfg, 132)
     with pytest.raises(ValueError, match=r"xs must be fp32 \[3, 4\]"):
-        fp8_linear_prefill(xq, xs[:, :2], w, out, cfg)
+        fp8_linear_prefill(xq, xs[:, :2], w, out, cfg, 132)
     with pytest.raises(ValueError, match="out must be bf16"):
-        fp8_linear_prefill(xq, xs, w, out.float(), cfg)
+        fp8_linear_prefill(xq, xs, w, out.float(), cfg, 132)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
-        fp8_linear_prefill(xq, xs, w, torch.zeros(m, n + 4, dtype=BF16)[:, :n], cfg)
+        fp8_linear_prefill(xq, xs, w, torch.zeros(m, n + 4, dtype=BF16)[:, :n], cfg, 132)
 
 
 def test_tile_rules():
@@ -131,10 +131,11 @@ def _cuda():
 def _run(x: torch.Tensor, w, cfg: dict) -> torch.Tensor:
     from deepinfer.kernels.cuda.fp8_linear_prefill import fp8_linear_prefill, tiles
     from deepinfer.kernels.triton.act_quant import act_quant
+    from deepinfer.kernels.triton.fp8_gemm import sm_count
 
     xq, xs = act_quant(x, 128)
     out = torch.full((x.shape[0], w.out_features), float("nan"), dtype=BF16, device=x.device)
-    return fp8_linear_prefill(xq, xs, w, out, tiles(cfg))
+    return fp8_linear_prefill(xq, xs, w, out, tiles(cfg), sm_count(x.device))
 
 
 @pytest.mark.gpu

@@ -2,9 +2,10 @@
 operands' E4M3 codes TMA-fed into shared memory, the official per-128-K promotion (see the .cu's header for the
 layout and the math: `fp8_gemm`'s "fp8" Triton form, bit for bit).
 
-`fp8_linear_prefill(xq, xs, w, out, cfg)`: xq float8_e4m3fn [M, K] and xs fp32 [M, K / 128] (act_quant's codes
+`fp8_linear_prefill(xq, xs, w, out, cfg, sms)`: xq float8_e4m3fn [M, K] and xs fp32 [M, K / 128] (act_quant's codes
 and scales, block 128), w a `QuantLinearWeight` of 128 x 128 blocks (`usable_weight`), out bf16 [M, N] with
-16-byte aligned rows. `tiles(config)`: the plan (CWG, BN, STAGES, GROUP_M).
+16-byte aligned rows, sms the device's SM count (the persistent form's grid; the caller's cached
+`fp8_gemm.sm_count`). `tiles(config)`: the plan (CWG, BN, STAGES, GROUP_M, PIPE, PERSIST).
 The weights' tensor maps are kept (`runtime.cached_tensor_map`); the activation's is encoded per call (one
 driver call, ~us).
 Needs compute capability 9.0 exactly (wgmma is sm_90a): `usable(device)`.
@@ -76,10 +77,6 @@ def tiles(config: dict | None = None) -> dict:
     return cfg
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def usable(device: torch.device) -> bool:
     """A CUDA device of compute capability exactly 9.0 (wgmma is sm_90a) with NVRTC and the driver."""
     return (device.type == "cuda" and runtime.available()
@@ -104,13 +101,12 @@ def input_problems(xq: torch.Tensor, xs: torch.Tensor, w: QuantLinearWeight, out
                         f"{w.act_block}")
     if k % KSTEP or n % cfg["BN"]:
         problems.append(f"w [{n}, {k}]: K must be a multiple of {KSTEP} and N of the plan's BN {cfg['BN']}")
-    if data.dtype != torch.float8_e4m3fn or not data.is_contiguous() or data.data_ptr() % 16:
-        problems.append(f"w.data must be contiguous 16-byte aligned float8_e4m3fn [N, K] (the TMA), got "
-                        f"{data.dtype} strides {data.stride()}")
-    if scale.dtype != torch.float32 or scale.dim() != 2 or scale.stride(1) != 1 \
-            or tuple(scale.shape) != (-(-n // 128), k // 128):
-        problems.append(f"w.scale must be fp32 [{-(-n // 128)}, {k // 128}] with unit column stride, got "
-                        f"{scale.dtype} {tuple(scale.shape)} strides {scale.stride()}")
+    # (QuantLinearWeight itself holds data E4M3 [N, K] and scale fp32 [N / block, K / block] on data's device)
+    if not data.is_contiguous() or data.data_ptr() % 16:
+        problems.append(f"w.data must be contiguous 16-byte aligned float8_e4m3fn [N, K] (the TMA), got strides "
+                        f"{data.stride()}")
+    if scale.stride(1) != 1:
+        problems.append(f"w.scale must have unit column stride, got strides {scale.stride()}")
     if xq.dtype != torch.float8_e4m3fn or xq.dim() != 2 or xq.shape[1] != k or not xq.is_contiguous() \
             or xq.data_ptr() % 16:
         problems.append(f"xq must be contiguous 16-byte aligned float8_e4m3fn [M, {k}] (act_quant's codes), got "
@@ -123,16 +119,16 @@ def input_problems(xq: torch.Tensor, xs: torch.Tensor, w: QuantLinearWeight, out
             or out.data_ptr() % 16:
         problems.append(f"out must be bf16 [{m}, {n}] with unit column stride and 16-byte aligned rows, got "
                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    if len({t.device for t in (xq, xs, data, scale, out)}) != 1:
+    if len({t.device for t in (xq, xs, data, out)}) != 1:
         problems.append(f"xq, xs, w and out must be on one device, got {xq.device}, {xs.device}, {data.device}, "
-                        f"{scale.device}, {out.device}")
+                        f"{out.device}")
     return problems
 
 
 def fp8_linear_prefill(xq: torch.Tensor, xs: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor,
-                       cfg: dict) -> torch.Tensor:
+                       cfg: dict, sms: int) -> torch.Tensor:
     """Launch the kernel with plan `cfg` (`tiles`) into `out` and return it (ValueError naming every problem
-    with the inputs, before any launch)."""
+    with the inputs, before any launch). sms: the SMs the persistent form's CTAs may fill."""
     problems = input_problems(xq, xs, w, out, cfg)
     if problems:
         raise ValueError("fp8_linear_prefill: " + "; ".join(problems))
@@ -143,7 +139,7 @@ def fp8_linear_prefill(xq: torch.Tensor, xs: torch.Tensor, w: QuantLinearWeight,
     tmap_w = runtime.cached_tensor_map(w.data.view(torch.uint8), (cfg["BN"], KSTEP), swizzle=128)
     tmap_x = runtime.encode_tensor_map(xq.view(torch.uint8), (bm, KSTEP), swizzle=128)
     n_tiles = -(-m // bm) * (n // cfg["BN"])
-    grid = (min(n_tiles, _sm_count(xq.device)) if cfg["PERSIST"] else n_tiles, 1, 1)
+    grid = (min(n_tiles, sms) if cfg["PERSIST"] else n_tiles, 1, 1)
     kernel(cfg).launch(grid, (threads(cfg), 1, 1),
                        (tmap_x, tmap_w, xs, xs.stride(0), w.scale, w.scale.stride(0), out, out.stride(0), m, n, k),
                        xq.device, shared=smem_bytes(cfg))

@@ -419,7 +419,7 @@ def _fp8_linear_prefill(x: torch.Tensor, w: QuantLinearWeight, config: dict | No
 
     cfg = pf.tiles(config)
     xq, xs = act_quant(x, w.act_block)
-    return pf.fp8_linear_prefill(xq, xs, w, out, cfg)
+    return pf.fp8_linear_prefill(xq, xs, w, out, cfg, sm_count(x.device))
 
 
 def _batch_form() -> str:
