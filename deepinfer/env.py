@@ -22,6 +22,22 @@ def cuda_graphs_enabled() -> bool:
     return os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") not in ("0", "false", "no")
 
 
+def extend_graph_tokens() -> int:
+    """DEEPINFER_EXTEND_GRAPH_TOKENS: the most tokens of an extend step (prefill chunk, mixed step's extend
+    half) the fast CUDA engine replays through its piecewise CUDA graphs (model/extend_graphs.py), capped
+    by max_num_batched_tokens; 0 runs every extend step eagerly. Default 2048 (above it the steps are bound
+    by the device, not by the host's launches). The decode graphs' switches (DEEPINFER_CUDA_GRAPHS=0,
+    EngineConfig(cuda_graphs=False)) turn these off too."""
+    value = os.environ.get("DEEPINFER_EXTEND_GRAPH_TOKENS", "2048").strip()
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"DEEPINFER_EXTEND_GRAPH_TOKENS={value!r}: want a token count >= 0 (0: off)")
+    return tokens
+
+
 def batched_decode_enabled() -> bool:
     """DEEPINFER_BATCHED_DECODE=0 sends the fast engine's pure-decode steps through the general varlen path
     instead of the batched decode path (model/decode_step.py), in one process and in a parallel group: the

@@ -328,7 +328,10 @@ def test_exact_cuda_matches_cpu_exact(tiny_v4_dir, tiny_v4_raw, cuda_kernels):
 
 
 @pytest.mark.gpu
-def test_llm_fast_cuda_generates(tiny_v4_dir, tiny_v4_raw, oracle_run, cuda_kernels):
+@pytest.mark.parametrize("extend_graphs", ["2048", "0"])
+def test_llm_fast_cuda_generates(tiny_v4_dir, tiny_v4_raw, oracle_run, cuda_kernels, extend_graphs, monkeypatch):
+    """The engine on CUDA, its prefill steps through the piecewise graphs (model/extend_graphs.py) or eager."""
+    monkeypatch.setenv("DEEPINFER_EXTEND_GRAPH_TOKENS", extend_graphs)
     cfg, _ = tiny_v4_raw
     ref, tokens = oracle_run[:2]
     noise = float(floor_figures(oracle_run)["delta_margin"].max())
@@ -337,5 +340,10 @@ def test_llm_fast_cuda_generates(tiny_v4_dir, tiny_v4_raw, oracle_run, cuda_kern
     outs = llm.generate([p.tolist() for p in prompts(cfg)],
                         SamplingParams(temperature=0, max_tokens=STEPS + 1, ignore_eos=True))
     checked = greedy_agreement(outs, ref, tokens, noise)
-    print(f"\nLLM fast cuda: {checked} greedy tokens equal to the oracle's")
+    print(f"\nLLM fast cuda (extend graphs {extend_graphs}): {checked} greedy tokens equal to the oracle's")
     assert checked >= 2 * len(LENS)
+    extender = llm.engine.runner.extender
+    if extend_graphs == "0":
+        assert extender is None
+    else:  # the prompts' steps replayed the pieces, bound to the serving model (not the sizing one)
+        assert extender.replayed > 0 and extender.model is llm.engine.runner.model

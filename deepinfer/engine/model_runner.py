@@ -27,6 +27,7 @@ from deepinfer.model.cache import V4Cache
 from deepinfer.devices import host_to_device
 from deepinfer.model.context import ForwardContext, SeqContext, resolve_device
 from deepinfer.model.decode_step import DecodeRunner
+from deepinfer.model.extend_graphs import ExtendGraphs
 from deepinfer.model.factory import v4_cache, v4_params, value_dtype
 from deepinfer.model.mixed_step import can_split, forward_split
 from deepinfer.model.v4 import V4EngineModel
@@ -60,6 +61,8 @@ class ModelRunner:
         self.comm = comm
         self.device = resolve_device(config.device)
         self.decoder = None  # the batched decode path (fast numerics, family v4)
+        self.extender: ExtendGraphs | None = None  # the extend steps' piecewise graphs (fast, cuda, family v4)
+        self._extend_graph_tokens = 0
         # (read once: a bad DEEPINFER_SPLIT_MIXED_STEPS fails the engine's start, not every mixed step)
         split = env.split_mixed_steps()
         self.split_mixed = split == "on" or (split == "auto" and self.device.type == "cuda")
@@ -85,6 +88,11 @@ class ModelRunner:
         else:  # this rank's slices (tensor/expert parallel), read a layer at a time
             raw = load_rank_tensors(config.model, cfg, comm.parallel)
         self.params = v4_params(raw, cfg, self.numerics, self.device)
+        # fast numerics on cuda in one process: extend steps up to `graph_tokens` through the piecewise CUDA
+        # graphs (model/extend_graphs.py), captured before the KV sizing so that their pool is counted
+        graphs = config.cuda_graphs and env.cuda_graphs_enabled() and self.device.type == "cuda"
+        graph_tokens = min(env.extend_graph_tokens(), config.max_num_batched_tokens, config.max_model_len)
+        self._extend_graph_tokens = graph_tokens if graphs and self.numerics == "fast" and comm is None else 0
         self.num_blocks = config.num_blocks or self._size_kv_cache()
         # fast numerics: pure-decode steps take the batched decode path, whose padding rows need a window/state
         # slot and a block the scheduler never hands out (the cache's last ones). In a parallel group every
@@ -93,6 +101,10 @@ class ModelRunner:
         extra = 1 if batched_decode else 0
         cache = self._cache(self.num_blocks + extra, config.max_num_seqs + extra)
         self.model = V4EngineModel(cfg, self.params, cache, self.numerics, comm=comm)
+        if self._extend_graph_tokens:
+            if self.extender is None:  # (num_blocks given: no sizing ran)
+                self.extender = ExtendGraphs(self.model, self._extend_graph_tokens)
+            self.extender.bind(self.model)
         if batched_decode:
             self.decoder = DecodeRunner(self.model, config.max_num_seqs, config.max_model_len,
                                         scratch_slot=config.max_num_seqs, scratch_block=self.num_blocks,
@@ -112,6 +124,8 @@ class ModelRunner:
         ctx = ForwardContext((SeqContext(0, tokens, 0, 0, tuple(range(blocks))),))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self._extend_graph_tokens:  # its graphs hold no cache tensor: bound to the real model later
+            self.extender = ExtendGraphs(scratch, self._extend_graph_tokens)
         scratch.forward(ids, ctx)
         fixed = V4Cache.bytes_per_sequence(cfg, self.dtype, self.numerics) * c.max_num_seqs
         if self.device.type == "cuda":
@@ -204,12 +218,13 @@ class ModelRunner:
         extends sends its decode rows there too (model/mixed_step.py); the rest through the general path.
         The choice depends on the batch and the runner's settings only, so every rank of a group makes it alike."""
         decoder = self.decoder  # (None: V4.1, or not fast numerics)
+        extend = self.model.forward if self.extender is None else self.extender  # (it takes what it fits)
         if decoder is not None and self.model.tap is None:
             if all(s.num_new == 1 for s in ctx.seqs):
                 return decoder(ids, ctx.seqs)  # one logits row per sequence (== its last token's)
             if split_mixed and can_split(ctx):
-                return forward_split(self.model.forward, decoder, ids, ctx)
-        return self.model.forward(ids, ctx)
+                return forward_split(extend, decoder, ids, ctx)
+        return extend(ids, ctx)
 
 
 def start_cuda_kernels() -> None:

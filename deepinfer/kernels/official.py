@@ -184,12 +184,19 @@ def indexer_scores_paged_bf16(q: torch.Tensor, weights: torch.Tensor, store: tor
 
 
 def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                              scale: float, initial_max: float = float("-inf")) -> torch.Tensor:
+                              scale: float, initial_max: float = float("-inf"),
+                              out: torch.Tensor | None = None) -> torch.Tensor:
     """The official sparse attention kernel: q [T, H, d] bf16, kv [N, d] bf16, sink [H] fp32, idx [T, K]
     (-1 = skip) -> [T, H, d] bf16. Online softmax over blocks of 64 indices in idx order (so the index
     order and width matter for the last bits), P rounded to bf16 before P.V, sink in the denominator only.
     `initial_max`: the running max's start (-inf in V4; -1e30 in V4.1, so a row with no index gives 0).
+    out: a [T, H, d] tensor of q's dtype to write the result into (returned), e.g. a CUDA graph's buffer.
     """
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"sparse_attn_sink: out must be {tuple(q.shape)} {q.dtype}, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        return out.copy_(sparse_attn_sink_official(q, kv, sink, idx, scale, initial_max))
     T, H, d = q.shape
     K = idx.shape[-1]
     valid = idx >= 0

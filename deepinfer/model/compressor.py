@@ -21,7 +21,7 @@ def project(lin, x: torch.Tensor, p: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return pair(lin, x, p, "wkv_wgate.weight", "wkv.weight", "wgate.weight")
 
 
-def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: int, x: torch.Tensor,
+def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: int, x: torch.Tensor | None,
                     start_pos: int, inv_freq: torch.Tensor, eps: float, rotate: bool,
                     official: bool = False, kernel_device: str = "cpu",
                     projected: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, torch.Tensor]:
@@ -33,21 +33,23 @@ def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: in
     The returned entries are NOT fake-quantised: the cache's packed layout does that when they are stored.
     kernel_device: whose registry kernels to use ("cpu": the torch twins, which run on any device).
     projected: (x @ wkv.T, x @ wgate.T) of these rows when the caller projected the whole batch at once
-    (fast numerics: one GEMM per compressor and layer instead of one per sequence).
+    (fast numerics: one GEMM per compressor and layer instead of one per sequence); x may then be None.
     """
     def k(name: str):
         return kernels.get(name, kernel_device)
 
     r, overlap = state.ratio, state.overlap
-    S = x.shape[0]
-    end = start_pos + S
-    positions = torch.arange(start_pos, end, device=x.device)
-    if projected is not None:  # x itself is not read again: no fp32 copy of it (an [S, dim] cast per call)
+    if projected is not None:  # x itself is not read: no fp32 copy of it (an [S, dim] cast per call)
         kv, gate = projected
     else:
+        if x is None:
+            raise ValueError("compress_extend needs x or its projections")
         if official:
             x = x.to(torch.float32)
         kv, gate = x @ p["wkv.weight"].T, x @ p["wgate.weight"].T  # [S, c*width]
+    S = kv.shape[0]
+    end = start_pos + S
+    positions = torch.arange(start_pos, end, device=kv.device)
     score = gate + p["ape"][positions % r]
     first_block = start_pos // r
     n_part = start_pos - first_block * r  # rows of the current block already stored
@@ -66,7 +68,7 @@ def compress_extend(p: dict[str, torch.Tensor], state: CompressorState, slot: in
         sc_b = score_all[: off + n * r].view(-1, r, cw)
         pooled = k("compress_pool")(kv_b, sc_b, overlap)  # [n, width]
         # RoPE at each block's first position (one launch: the arange's step is r)
-        block_pos = torch.arange(first_block * r, (first_block + n) * r, r, device=x.device)
+        block_pos = torch.arange(first_block * r, (first_block + n) * r, r, device=kv.device)
         if official:
             pooled = pooled.to(torch.bfloat16).to(torch.float32)
             entries = k("rms_norm")(pooled, p["norm.weight"], eps).to(torch.bfloat16)

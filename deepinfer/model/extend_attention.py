@@ -20,6 +20,8 @@ Must not: import the oracle; read host values of device tensors (no .item(), .to
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -48,33 +50,33 @@ def _decode(attn, lc: LayerCache, role: str, stored: torch.Tensor) -> torch.Tens
     return stored if lc.layouts is None else kernels.get("kv_decode", attn.kdev)(lc.layouts[role], stored)
 
 
-def compress_step(attn, lc: LayerCache, ctx: ForwardContext, x: torch.Tensor, rr: RatioExtendRows,
-                  rows: ExtendRows | None = None) -> None:
-    """Run both compressors of every sequence (one projection GEMM each for the batch) and store the entries
-    the step completes: one encode and one scatter per compressor. Several sequences go through
-    `compress_batch` (a fixed number of ops for the batch, its plan built once per step and ratio); one
-    sequence through `compress_extend` (views of its rows, no gathers)."""
+def compress_step(attn, lc: LayerCache, ctx: ForwardContext, projected: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  rr: RatioExtendRows, rows: ExtendRows | None = None) -> None:
+    """Run both compressors of every sequence on the batch's projections (`projected[role]` = (x @ wkv.T,
+    x @ wgate.T) of the layer's input x, one GEMM each: `attention_pre`) and store the entries the step
+    completes: one encode and one scatter per compressor. Several sequences go through `compress_batch` (a
+    fixed number of ops for the batch, its plan built once per step and ratio); one sequence through
+    `compress_extend` (views of its rows, no gathers)."""
     jobs = [(attn.comp_p, lc.comp_state, lc.comp, False, "compressed")]
     if attn.has_indexer:
         jobs.append((attn.idx_comp_p, lc.index_state, lc.index_keys, True, "index"))
-    lin = kernels.get("linear_f32", attn.kdev)  # the official fp32 matmul of the bf16 x and weights
     if BATCH_SEQUENCES and rows is not None and len(ctx.seqs) > 1:
         plan = step_memo(rows, ("compress plan", attn.ratio), lambda: build_plan(
-            ctx, attn.ratio, lc.comp_state.kv.shape[1], rr.ent_start, x.device))
+            ctx, attn.ratio, lc.comp_state.kv.shape[1], rr.ent_start, rr.entry_rows.device))
         for p, state, store, rotate, role in jobs:
-            kv_all, gate_all = project(lin, x, p)
+            kv_all, gate_all = projected[role]
             e = compress_batch(p, state, plan, kv_all, gate_all, rows.positions, attn.inv_freq, attn.eps, rotate,
                                attn.kdev)
             if e is not None:
                 store[rr.entry_rows[plan.entry_index]] = _encode(attn, lc, role, e)
         return
     for p, state, store, rotate, role in jobs:
-        kv_all, gate_all = project(lin, x, p)
+        kv_all, gate_all = projected[role]
         entries, where = [], []
         for i, s in enumerate(ctx.seqs):
-            rows = ctx.rows(i)
-            first, e = compress_extend(p, state, s.state_slot, x[rows], s.start_pos, attn.inv_freq, attn.eps,
-                                       rotate, True, attn.kdev, (kv_all[rows], gate_all[rows]))
+            rows_i = ctx.rows(i)
+            first, e = compress_extend(p, state, s.state_slot, None, s.start_pos, attn.inv_freq, attn.eps,
+                                       rotate, True, attn.kdev, (kv_all[rows_i], gate_all[rows_i]))
             if e.shape[0]:
                 start = rr.ent_start[i] + first
                 entries.append(e)
@@ -162,9 +164,33 @@ def _index_rows(rows: ExtendRows, comp_cols: torch.Tensor | None, comp_width: tu
     return out.scatter_(1, cols, comp_cols)[:, :total]
 
 
-def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
-    """x [T, D] bf16 (normed input of the flat batch) -> [T, D] bf16."""
-    cfg, p, r = attn.cfg, attn.p, attn.ratio
+@dataclass
+class AttnPre:
+    """What one layer's attention computes from its input rows alone (no cache, no batch layout): the
+    queries, the new KV rows as stored and as attended to, the indexer's queries and weights, the
+    compressors' projections. Every op's shapes depend on the token count only, so the extend graphs
+    (model/extend_graphs.py) capture it per token bucket; `attention_core` reads it for the step's rows."""
+
+    q: torch.Tensor  # [T, H, hd] normed, rotated queries
+    kv_stored: torch.Tensor  # [T, bytes] the new rows in the window layout (kv itself without a layout)
+    kv: torch.Tensor  # [T, hd] their decoded values: what the oracle attends to and caches
+    q_idx: torch.Tensor | None  # [T, nh, ihd] the indexer's queries (indexer layers)
+    w_idx: torch.Tensor | None  # [T, nh] its head weights
+    projected: dict[str, tuple[torch.Tensor, torch.Tensor]]  # role -> (x @ wkv.T, x @ wgate.T) (ratio layers)
+
+
+def step_tables(attn, ctx: ForwardContext, cache: V4Cache) -> tuple[ExtendRows, torch.Tensor, torch.Tensor]:
+    """(the step's rows, its positions, the RoPE table of attn's frequencies at them), shared by the layers."""
+    rows = current_extend_rows(ctx, attn.cfg, cache)
+    return rows, ctx.positions, rope_table(attn, rows, ctx.positions)
+
+
+def attention_pre(attn, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, layouts: dict | None,
+                  indexer: bool = True) -> AttnPre:
+    """x [T, D] bf16 (normed input of the flat batch), its positions and RoPE table, the cache's packed
+    layouts (`V4Cache.layouts`) -> AttnPre. indexer=False skips the indexer's queries (a step whose
+    sequences see no compressed entry yet reads none)."""
+    cfg, p = attn.cfg, attn.p
 
     def k(name: str):
         return kernels.get(name, attn.kdev)
@@ -176,48 +202,62 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
         # three there, bit-identical on the CPU twin; norm_hc.rms_norm_bf16 says why)
         return k("rms_norm_bf16")(t, w, attn.eps)
 
-    rows = current_extend_rows(ctx, cfg, cache)
-    lc = cache.layers[attn.layer]
-    pos = ctx.positions
-    table = rope_table(attn, rows, pos)
-
-    def rope(t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        # in place: every t here is the fresh output of the op before it (only the rope channels move)
-        return rope32(t, pos, attn.inv_freq, inverse, table=table, inplace=True)
-
     T = x.shape[0]
     q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
     qr = rms(q_lora, p["q_norm.weight"])
     q = qlinear(qr, p["wq_b.weight"]).view(T, attn.H, attn.hd)
     q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table)  # per-head norm, then RoPE (one kernel)
-    kv = rope(rms(kv_lin, p["kv_norm.weight"]))  # [T, hd]
-    kv_stored = _encode(attn, lc, "window", kv)
-    kv = _decode(attn, lc, "window", kv_stored)  # the fake-quantised values the oracle attends to and caches
-    if not lc.ring.is_contiguous():  # flatten would copy, and the ring writes below would be lost
-        raise ValueError(f"layer {attn.layer}: the window ring must be contiguous")
-    ring = lc.ring.flatten(0, 1)  # [slots * window, bytes] view
-    ring_kv = _decode(attn, lc, "window", ring[rows.ring_read])  # read before this step's rows overwrite it
-    ring[rows.ring_write] = kv_stored[rows.kv_write]
-    pool = [ring_kv, kv]
-    comp_cols, comp_width, idx = None, (), None  # idx: set here when the step already built it
-    if r:
-        rr = rows.ratios[r]
-        compress_step(attn, lc, ctx, x, rr, rows)  # entries completed by this step are visible to it
-        base = ring_kv.shape[0] + T  # the compressed entries' first pool row
-        if any(rr.n_ent):
-            if attn.has_indexer:
+    # RoPE in place: the normed rows are this op's fresh output (only the rope channels move)
+    kv = rope32(rms(kv_lin, p["kv_norm.weight"]), pos, attn.inv_freq, table=table, inplace=True)  # [T, hd]
+    kv_stored = kv if layouts is None else k("kv_encode")(layouts["window"], kv)
+    if layouts is not None:  # the fake-quantised values the oracle attends to and caches
+        kv = k("kv_decode")(layouts["window"], kv_stored)
+    q_idx = w_idx = None
+    projected = {}
+    if attn.ratio:
+        lin = k("linear_f32")  # the official fp32 matmul of the bf16 x and weights
+        projected["compressed"] = project(lin, x, attn.comp_p)
+        if attn.has_indexer:
+            projected["index"] = project(lin, x, attn.idx_comp_p)
+            if indexer:
                 ihd, nh = cfg.index_head_dim, cfg.index_n_heads
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(T, nh, ihd)
                 q_idx = k("indexer_q_rotate")(q_idx, pos, attn.inv_freq, table)  # RoPE, Hadamard, FP4 fake quant
                 w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+    return AttnPre(q, kv_stored, kv, q_idx, w_idx, projected)
+
+
+def attention_core(attn, pre: AttnPre, ctx: ForwardContext, cache: V4Cache, rows: ExtendRows,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's cache reads and writes and the sparse attention: pre's rows -> o [T, H, hd] bf16 (before
+    the inverse RoPE), into `out` when given (the extend graphs' static buffer)."""
+    cfg, p, r = attn.cfg, attn.p, attn.ratio
+    lc = cache.layers[attn.layer]
+    T = pre.q.shape[0]
+    if not lc.ring.is_contiguous():  # flatten would copy, and the ring writes below would be lost
+        raise ValueError(f"layer {attn.layer}: the window ring must be contiguous")
+    ring = lc.ring.flatten(0, 1)  # [slots * window, bytes] view
+    ring_kv = _decode(attn, lc, "window", ring[rows.ring_read])  # read before this step's rows overwrite it
+    ring[rows.ring_write] = pre.kv_stored[rows.kv_write]
+    pool = [ring_kv, pre.kv]
+    comp_cols, comp_width, idx = None, (), None  # idx: set here when the step already built it
+    if r:
+        rr = rows.ratios[r]
+        compress_step(attn, lc, ctx, pre.projected, rr, rows)  # entries completed by this step are visible
+        base = ring_kv.shape[0] + T  # the compressed entries' first pool row
+        if any(rr.n_ent):
+            if attn.has_indexer:
+                if pre.q_idx is None:
+                    raise ValueError(f"layer {attn.layer}: the step's sequences see compressed entries, but "
+                                     f"attention_pre ran without the indexer's queries")
                 select = _indexer_selection_batched if BATCH_SEQUENCES and len(ctx.seqs) > 1 else _indexer_selection
-                stored, comp_cols = select(attn, lc, ctx, rows, rr, q_idx, w_idx, base)
+                stored, comp_cols = select(attn, lc, ctx, rows, rr, pre.q_idx, pre.w_idx, base)
                 comp_width = tuple(min(cfg.index_topk, n) for n in rr.n_ent)
             else:  # every visible entry, ascending: the same index rows for every layer of this ratio
                 stored = lc.comp[rr.entry_rows]
 
                 def build_ascending(base=base) -> torch.Tensor:
-                    j = torch.arange(max(rr.n_ent), device=x.device)
+                    j = torch.arange(max(rr.n_ent), device=pre.q.device)
                     cols = torch.where(j < rr.visible.unsqueeze(1), base + rr.ent_start_row.unsqueeze(1) + j, -1)
                     return _index_rows(rows, cols, rr.n_ent)
 
@@ -225,9 +265,26 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
             pool.append(_decode(attn, lc, "compressed", stored))
     if idx is None:
         idx = _index_rows(rows, comp_cols, comp_width)
-    o = k("sparse_attn_sink_official")(q, torch.cat(pool), p["attn_sink"], idx, attn.hd**-0.5)
-    o = rope(o, inverse=True)
-    G = attn.G
-    z = out_lora(k, o.reshape(T, G, -1), p["wo_a.weight"])  # the official bf16 einsum's math, wo_a kept FP8
-    out = qlinear(z.flatten(1), p["wo_b.weight"])
+    return kernels.get("sparse_attn_sink_official", attn.kdev)(pre.q, torch.cat(pool), p["attn_sink"], idx,
+                                                               attn.hd**-0.5, out=out)
+
+
+def attention_post(attn, o: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """o [T, H, hd] -> the layer's output [T, D] bf16: inverse RoPE, the grouped wo_a, wo_b (and the
+    tensor-parallel sum). o is rotated in place (the core's fresh output, or the graphs' buffer of it)."""
+    def k(name: str):
+        return kernels.get(name, attn.kdev)
+
+    T = o.shape[0]
+    o = k("rope32")(o, pos, attn.inv_freq, True, table=table, inplace=True)
+    z = out_lora(k, o.reshape(T, attn.G, -1), attn.p["wo_a.weight"])  # the official bf16 einsum's math, wo_a FP8
+    out = k("fp8_linear")(z.flatten(1), attn.p["wo_b.weight"])
     return out if attn.comm is None else attn.comm.attn_out(out)
+
+
+def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache) -> torch.Tensor:
+    """x [T, D] bf16 (normed input of the flat batch) -> [T, D] bf16."""
+    rows, pos, table = step_tables(attn, ctx, cache)
+    indexer = bool(attn.ratio) and any(rows.ratios[attn.ratio].n_ent)
+    pre = attention_pre(attn, x, pos, table, cache.layers[attn.layer].layouts, indexer)
+    return attention_post(attn, attention_core(attn, pre, ctx, cache, rows), pos, table)

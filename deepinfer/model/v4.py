@@ -101,15 +101,20 @@ class V4Block:
         """`_hc_official` as fused ops (fast numerics on a device: one or two kernels each side of the
         sublayer); their torch twins run exactly `_hc_official`'s rounding points. A PendingPost x (the
         previous sublayer's deferred mix-back) goes through `hc_post_pre_fused` with this hc_pre."""
-        cfg, p = self.cfg, self.p
-        pre = (p[f"hc_{which}_fn"], p[f"hc_{which}_scale"], p[f"hc_{which}_base"], p[f"{which}_norm.weight"],
-               cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        pre = self.hc_pre_args(which)
         if isinstance(x, PendingPost):
             x, y, post, comb = kernels.get("hc_post_pre_fused", self.kdev)(x.f, x.residual, x.post, x.comb, *pre)
         else:
             y, post, comb = kernels.get("hc_pre_fused", self.kdev)(x, *pre)
         pending = PendingPost(sub(y, *args), x, post, comb)
         return pending if defer else pending.resolve(self.kdev)
+
+    def hc_pre_args(self, which: str) -> tuple:
+        """The arguments after x of the fused hc_pre ops (`hc_pre_fused`, `hc_post_pre_fused`) for sublayer
+        `which` ("attn" / "ffn")."""
+        cfg, p = self.cfg, self.p
+        return (p[f"hc_{which}_fn"], p[f"hc_{which}_scale"], p[f"hc_{which}_base"], p[f"{which}_norm.weight"],
+                cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
     def __call__(self, x: "torch.Tensor | PendingPost", ids: torch.Tensor, ctx: ForwardContext, cache: V4Cache,
                  tap=None, name: str = "", defer: bool = False) -> "torch.Tensor | PendingPost":
@@ -169,14 +174,8 @@ class V4EngineModel:
         """The final 4-stream residual [T, hc, D] of the current ForwardContext's batch.
         (Official numerics: `forward` calls this one sequence at a time, see there; called directly on a
         batch it is correct but only chaotically close to the oracle's batch-1 bits.)"""
-        ctx = get_forward_context()
-        self._check(token_ids, ctx)  # on the ids as given (the runner passes host ids: no device sync)
-        token_ids, ctx = host_to_device(token_ids, self.device), ctx.on(self.device)
-        self.cache.begin_step()
-        self.cache.reset_fresh(ctx.seqs)  # fresh sequences: nothing of a slot's previous owner may leak in
-        table = self.p["embed.weight"]
-        x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
-        x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [T, hc, D]
+        token_ids, ctx = self.start_step(token_ids, get_forward_context())
+        x = self.embed(token_ids)
         tap = self._per_sequence_tap(ctx) if self.tap else None
         if tap:
             tap("embed", x)
@@ -184,6 +183,21 @@ class V4EngineModel:
             for i, block in enumerate(self.layers):  # (defer: each hc_post inside the next hc_pre where it can)
                 x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}", defer=True)
         return resolved(x, self.kdev)
+
+    def start_step(self, token_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ForwardContext]:
+        """Check the batch, move its ids and positions to the device, start the cache's step (fresh
+        sequences' slots reset: nothing of a slot's previous owner may leak in) -> (ids, ctx) on the device."""
+        self._check(token_ids, ctx)  # on the ids as given (the runner passes host ids: no device sync)
+        token_ids, ctx = host_to_device(token_ids, self.device), ctx.on(self.device)
+        self.cache.begin_step()
+        self.cache.reset_fresh(ctx.seqs)
+        return token_ids, ctx
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] on the device -> the embedding in every hc stream [T, hc, D]."""
+        table = self.p["embed.weight"]
+        x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
+        return x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
 
     def _extend_rows(self, ctx: ForwardContext):
         if not self.fast or not V4Attention.batched_extend:

@@ -149,13 +149,18 @@ def _block_h(T: int, H: int) -> int:
 def sparse_attn_sink_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                             scale: float, initial_max: float = float("-inf"),
                             block_h: int | None = None, num_warps: int | None = None,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T,H,d] bf16, kv [N,d] bf16, sink [H] fp32, idx [T,K] (-1 = skip) -> [T,H,d] bf16 (official numerics).
-    block_h / num_warps / num_stages: launch knobs for benchmarks and tests (the defaults are the measured best)."""
+    block_h / num_warps / num_stages: launch knobs for benchmarks and tests (the defaults are the measured best).
+    out: where to write it (a [T,H,d] bf16 tensor whose last dim is dense, e.g. a CUDA graph's buffer)."""
     _check(q, kv, sink, idx)
     T, H, d = q.shape
     K = idx.shape[1]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense, whatever q's strides
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense, whatever q's strides
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"sparse_attn_sink: out must be {tuple(q.shape)} {q.dtype} on {q.device} with a dense "
+                         f"last dim, got {tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
     if T == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -175,9 +180,10 @@ def sparse_attn_sink_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tenso
 
 
 def sparse_attn_sink_official_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                                   scale: float, initial_max: float = float("-inf")) -> torch.Tensor:
+                                   scale: float, initial_max: float = float("-inf"),
+                                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Same signature as `official.sparse_attn_sink_official` (the V4 kernel: running max from -inf)."""
-    return sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max)
+    return sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max, out=out)
 
 
 def sparse_attn_sink_official_v41_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
