@@ -27,10 +27,10 @@ fp8_prefill)  # the twenty-third session's kernels: the prefill FP8 linear CUDA 
     step bench_fp8_prefill 130 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
     step bench_fp4_moe_trim 170 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
     ;;
-s24a)  # the extend graphs: GPU tests, the prefill eager vs graphs; then s23c
-    step gpu_tests_extend_graphs 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_extend_graphs.py
-    step bench_extend_graphs 150 python benchmarks/bench_extend_graphs.py --layers 4 --tokens 256 512 1024 2048
-    bash "$0" s23c
+s24a)  # the extend graphs: GPU tests (and the engine's with them on and off), the prefill eager vs graphs
+    step gpu_tests_extend_graphs 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_extend_graphs.py \
+        tests/test_engine_fast.py -k "extend_graphs or llm_fast_cuda"
+    step bench_extend_graphs 200 python benchmarks/bench_extend_graphs.py --layers 4 --tokens 256 512 1024 2048
     ;;
 s23c)  # the least of s23b: the persistent form's tests and the sweep
     step gpu_tests_fp8_prefill 100 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
