@@ -87,6 +87,10 @@ def test_sparse_attn_sink_every_head_block(block_h):
     q, kv, sink, idx = _attn_inputs(g, 40, 64, 512, 3000, 384)
     out = sparse_attn.sparse_attn_sink_triton(q, kv, sink, idx, 512**-0.5, block_h=block_h)
     assert rel_err(out, official.sparse_attn_sink_official(q, kv, sink, idx, 512**-0.5)) <= BF16_BOUND
+    # out=: the first rows of a larger buffer (the extend graphs' o), the same bits, the rest untouched
+    buf = torch.full((64, 64, 512), 7.0, device="cuda", dtype=torch.bfloat16)
+    into = sparse_attn.sparse_attn_sink_triton(q, kv, sink, idx, 512**-0.5, block_h=block_h, out=buf[:40])
+    assert into.data_ptr() == buf.data_ptr() and torch.equal(buf[:40], out) and bool((buf[40:] == 7).all())
 
 
 @gpu
@@ -115,6 +119,22 @@ def test_sparse_attn_sink_rejects_bad_input():
     with pytest.raises(ValueError, match="bf16"):
         sparse_attn.sparse_attn_sink_triton(q.float(), kv, torch.zeros(4, device="cuda"),
                                             torch.zeros(2, 8, device="cuda", dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="out must be"):
+        sparse_attn.sparse_attn_sink_triton(q, kv, torch.zeros(4, device="cuda"),
+                                            torch.zeros(2, 8, device="cuda", dtype=torch.int32), 1.0, out=q[:1])
+
+
+def test_sparse_attn_twin_writes_into_out():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 4, 64, generator=g).bfloat16()
+    kv = torch.randn(30, 64, generator=g).bfloat16()
+    sink, idx = torch.randn(4, generator=g), torch.randint(-1, 30, (6, 70), generator=g)
+    ref = official.sparse_attn_sink_official(q, kv, sink, idx, 0.125)
+    buf = torch.zeros(9, 4, 64, dtype=torch.bfloat16)
+    assert official.sparse_attn_sink_official(q, kv, sink, idx, 0.125, out=buf[:6]).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:6], ref) and not buf[6:].any()
+    with pytest.raises(ValueError, match="out must be"):
+        official.sparse_attn_sink_official(q, kv, sink, idx, 0.125, out=buf)
 
 
 # ------------------------------------------------------------------------------------------- RMSNorm / mHC

@@ -103,6 +103,9 @@ def _check(device: str, plant: str = "") -> None:
 
         ops_q = cpu(rope.rope32(norm_hc.head_rms_norm(q, eps), pos, freqs, table=table, inplace=True))
         got_q = cpu(k.head_rms_norm_rope(q, eps, pos, got_freqs, None))
+        buf = torch.full_like(q, float("nan"))  # out=: written there, the same bits
+        into = k.head_rms_norm_rope(q, eps, pos, got_freqs, None, out=buf)
+        assert into.data_ptr() == buf.data_ptr() and torch.equal(cpu(buf), got_q), ("head norm + rope out=", case)
         assert got_q.shape == q.shape and _ulps(got_q, ops_q) <= 2, ("head norm + rope", case)
         assert (got_q != ops_q).float().mean().item() <= 0.01, ("head norm + rope: bits", case)
         twin_q = official_fused.head_rms_norm_rope(cpu(q), eps, cpu(pos), cpu(freqs), None)
@@ -131,6 +134,8 @@ def _check(device: str, plant: str = "") -> None:
         k.qkv_norm_rope_store(q_lora, kv, qw[:-1], kvw, eps, pos, freqs, None, layout, store.clone(), rows)
     with pytest.raises(ValueError, match="head_rms_norm_rope"):
         k.head_rms_norm_rope(q, eps, pos.repeat(2), freqs, None)
+    with pytest.raises(ValueError, match="head_rms_norm_rope: out must be"):
+        k.head_rms_norm_rope(q, eps, pos, freqs, None, out=q[:1].clone())
 
 
 def _interpreted(plant: str = ""):

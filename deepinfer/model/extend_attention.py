@@ -186,10 +186,10 @@ def step_tables(attn, ctx: ForwardContext, cache: V4Cache) -> tuple[ExtendRows, 
 
 
 def attention_pre(attn, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, layouts: dict | None,
-                  indexer: bool = True) -> AttnPre:
+                  indexer: bool = True, q_out: torch.Tensor | None = None) -> AttnPre:
     """x [T, D] bf16 (normed input of the flat batch), its positions and RoPE table, the cache's packed
     layouts (`V4Cache.layouts`) -> AttnPre. indexer=False skips the indexer's queries (a step whose
-    sequences see no compressed entry yet reads none)."""
+    sequences see no compressed entry yet reads none); q_out: a [T, H, hd] bf16 buffer for the queries."""
     cfg, p = attn.cfg, attn.p
 
     def k(name: str):
@@ -206,7 +206,7 @@ def attention_pre(attn, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor,
     q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
     qr = rms(q_lora, p["q_norm.weight"])
     q = qlinear(qr, p["wq_b.weight"]).view(T, attn.H, attn.hd)
-    q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table)  # per-head norm, then RoPE (one kernel)
+    q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table, out=q_out)  # per-head norm, RoPE: one kernel
     # RoPE in place: the normed rows are this op's fresh output (only the rope channels move)
     kv = rope32(rms(kv_lin, p["kv_norm.weight"]), pos, attn.inv_freq, table=table, inplace=True)  # [T, hd]
     kv_stored = kv if layouts is None else k("kv_encode")(layouts["window"], kv)

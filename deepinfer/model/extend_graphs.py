@@ -114,18 +114,25 @@ class ExtendGraphs:
     def _k(self, name: str):
         return kernels.get(name, self.model.kdev)
 
+    def _buffer(self, name: str, tail: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The handoff buffer [max_tokens, *tail] for `name` (made by the warm-up, before any capture)."""
+        key = (name, tail, dtype)
+        buf = self._hand.get(key)
+        if buf is None:
+            dev = self.model.device
+            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"extend graphs: handoff buffer {key} first met inside a capture")
+            buf = self._hand[key] = torch.empty((self.max_tokens, *tail), dtype=dtype, device=dev)
+        return buf
+
     def _handoff(self, pre: AttnPre) -> AttnPre:
-        """pre copied into the static handoff buffers (views of their first rows)."""
+        """pre copied into the static handoff buffers (views of their first rows); a tensor already written
+        into its buffer (q: `attention_pre`'s q_out) is not copied."""
         def put(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
-            key = (name, tuple(t.shape[1:]), t.dtype)
-            buf = self._hand.get(key)
-            if buf is None:
-                if t.is_cuda and torch.cuda.is_current_stream_capturing():  # (the warm-up makes them all)
-                    raise RuntimeError(f"extend graphs: handoff buffer {key} first met inside a capture")
-                buf = self._hand[key] = torch.empty((self.max_tokens, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            return buf[: t.shape[0]].copy_(t)
+            view = self._buffer(name, tuple(t.shape[1:]), t.dtype)[: t.shape[0]]
+            return t if t.data_ptr() == view.data_ptr() else view.copy_(t)
 
         return AttnPre(put("q", pre.q), put("kv_stored", pre.kv_stored), put("kv", pre.kv), put("q_idx", pre.q_idx),
                        put("w_idx", pre.w_idx),
@@ -133,7 +140,9 @@ class ExtendGraphs:
 
     def _attention_pre(self, layer: int, y: torch.Tensor, Tb: int, tables: dict) -> AttnPre:
         a = self.model.layers[layer].attn
-        pre = attention_pre(a, y, self._pos[:Tb], tables[a.rope_key], self.model.cache.layers[layer].layouts)
+        q_out = self._buffer("q", (a.H, a.hd), torch.bfloat16)[:Tb]  # the q norm + RoPE writes it there
+        pre = attention_pre(a, y, self._pos[:Tb], tables[a.rope_key], self.model.cache.layers[layer].layouts,
+                            q_out=q_out)
         return self._handoff(pre)
 
     def _piece0(self, Tb: int, tables: dict) -> _Carry:

@@ -183,13 +183,14 @@ def _head_rms_norm_rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, n_rows, heads, 
 
 
 def head_rms_norm_rope(q: torch.Tensor, eps: float, positions: torch.Tensor, freqs: torch.Tensor,
-                       table: torch.Tensor | None) -> torch.Tensor:
+                       table: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `official_fused.head_rms_norm_rope` (q [B, heads, d]; `table`: `rope.rope_table32`'s
     cos / sin of `positions`, or None). One launch for bf16 q; the separate ops otherwise."""
     if q.dtype == torch.float64 or (not q.is_cuda and not interpreting()):
-        return official_fused.head_rms_norm_rope(q, eps, positions, freqs, table)
+        return official_fused.head_rms_norm_rope(q, eps, positions, freqs, table, out)
     if q.dtype != BF16 or not env.attn_fusions_enabled():  # the separate ops
-        return rope.rope32(norm_hc.head_rms_norm(q, eps), positions, freqs, table=table, inplace=True)
+        y = rope.rope32(norm_hc.head_rms_norm(q, eps), positions, freqs, table=table, inplace=True)
+        return y if out is None else official_fused._into(out, y, "head_rms_norm_rope")
     half = freqs.shape[0]
     if q.dim() != 3 or positions.shape != (q.shape[0],) or 2 * half > q.shape[2] or half & (half - 1):
         raise ValueError(f"head_rms_norm_rope: want q [B, heads, d] with positions [B] and a power-of-two count "
@@ -204,7 +205,13 @@ def head_rms_norm_rope(q: torch.Tensor, eps: float, positions: torch.Tensor, fre
     x2 = q.reshape(B * H, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=BF16, device=q.device)
+    if out is None:
+        out = torch.empty(x2.shape, dtype=BF16, device=q.device)
+    elif out.shape != q.shape or out.dtype != BF16 or not out.is_contiguous() or out.device != q.device:
+        raise ValueError(f"head_rms_norm_rope: out must be a contiguous bf16 {tuple(q.shape)} on {q.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}, strides {out.stride()}")
+    else:
+        out = out.view(x2.shape)
     n = x2.shape[0]
     if n:
         block = next_power_of_2(D)
