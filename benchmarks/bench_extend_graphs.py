@@ -1,6 +1,7 @@
 """One-sequence prefills of the V4-Flash slice eagerly (`V4EngineModel.forward`) and through the piecewise
 CUDA graphs (`model/extend_graphs.py`), in one process: wall time (CUDA events, median), the host's call time
-(host clock around the call, no sync: when it exceeds the wall the step is host-bound), TFLOP/s against
+(host clock around the call, no sync: when it exceeds the wall the step is host-bound), the kernels' summed
+time and count (torch.profiler), TFLOP/s against
 the measured FP8 peak, and the logits of the two paths against each other.
 
     PYTHONPATH=$PWD python benchmarks/bench_extend_graphs.py --layers 4 [--tokens 512 1024 2048] [--padded]
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ceilings  # noqa: E402
 from slice_config import flops_per_token_layer, slice_config  # noqa: E402
+from prefill_host import kernel_us  # noqa: E402
 from timing import cuda_time_ms  # noqa: E402
 from v4_slice import SliceRunner  # noqa: E402
 
@@ -78,9 +80,11 @@ def main() -> None:
             logits[name] = fn().float()
             wall = cuda_time_ms(fn, reps=10, warmup=2)
             host = host_ms(fn)
+            kus, launches = kernel_us(fn)  # (a graph replay's kernels are listed one by one too)
             tflops = flops_tok[t] * t * n / (wall * 1e-3) / 1e12
-            print(f"prefill {t:5d} {name:6s}: wall {wall:7.2f} ms, host call {host:7.2f} ms, {tflops:6.0f} TFLOP/s "
-                  f"= {100 * tflops / peak:5.1f}% of FP8 peak, {t / wall * 1e3:8.0f} tok/s", flush=True)
+            print(f"prefill {t:5d} {name:6s}: wall {wall:7.2f} ms, host call {host:7.2f} ms, kernels "
+                  f"{kus / 1e3:7.2f} ms in {launches} launches, {tflops:6.0f} TFLOP/s = {100 * tflops / peak:5.1f}% "
+                  f"of FP8 peak, {t / wall * 1e3:8.0f} tok/s", flush=True)
         a, b = logits["graphs"], logits["eager"]
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
         rel = ((a - b).norm() / b.norm()).item()
