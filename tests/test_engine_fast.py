@@ -346,4 +346,4 @@ def test_llm_fast_cuda_generates(tiny_v4_dir, tiny_v4_raw, oracle_run, cuda_kern
     if extend_graphs == "0":
         assert extender is None
     else:  # the prompts' steps replayed the pieces, bound to the serving model (not the sizing one)
-        assert extender.replayed > 0 and extender.model is llm.engine.runner.model
+        assert extender.replayed > 0 and extender.model is llm.engine.runner.model, (extender.replayed, extender.eager)

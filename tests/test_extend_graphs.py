@@ -37,6 +37,14 @@ class RandomPadding(ExtendGraphs):
         self._o[T:Tb] = torch.randn(self._o[T:Tb].shape, generator=self.g).to(self._o)
 
 
+@pytest.fixture(scope="module")
+def fast_params_cuda(tiny_v4_raw, cuda_kernels):
+    from deepinfer.model.factory import v4_params
+
+    cfg, raw = tiny_v4_raw
+    return cfg, v4_params(raw, cfg, "fast", "cuda")
+
+
 def _run(cfg, params, device, graphs: bool | None, buckets, cls=ExtendGraphs, steps=STEPS, **kw):
     """`steps` through an ExtendGraphs (its `graphs` argument) and through forward on a twin model ->
     (runner, [runner's model, twin], [(runner's logits, forward's)], the sequences' end positions)."""
@@ -149,3 +157,25 @@ def test_padding_rows_change_no_real_row_on_gpu(fast_params_cuda):
     for (got, _), (other, _) in zip(runs[0][2], runs[1][2]):
         assert torch.equal(got, other)
     assert_caches_equal(runs[0][1][0], runs[1][1][0], runs[0][3])
+
+
+@pytest.mark.gpu
+def test_bound_model_replays_after_the_captured_one_is_dropped(fast_params_cuda):
+    """The engine captures on its KV-sizing model and binds the serving one: the graphs must not read
+    anything the sizing model owned and freed (its layers' RoPE frequencies were, until kept alive)."""
+    import gc
+
+    cfg, params = fast_params_cuda
+    runner = ExtendGraphs(fresh_model(cfg, params, "cuda"), max_tokens=128, buckets=EXACT)
+    serving = fresh_model(cfg, params, "cuda")
+    runner.bind(serving)
+    gc.collect()  # (no empty_cache: the allocator keeps the freed blocks, and the junk below takes them)
+    junk = [torch.full((n,), float("nan"), device="cuda") for n in (16, 32, 64, 128, 256, 1024) * 300]
+    twin = fresh_model(cfg, params, "cuda")
+    g = torch.Generator().manual_seed(5)
+    for step in STEPS:
+        ctx = ForwardContext(tuple(SeqContext(start, n, i, i, table(i)) for i, start, n in step))
+        ids = torch.randint(2, cfg.vocab_size, (ctx.num_tokens,), generator=g).cuda()
+        assert torch.equal(runner(ids, ctx), twin(ids, ctx))
+    assert runner.replayed == len(STEPS)
+    del junk

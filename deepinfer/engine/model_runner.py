@@ -91,7 +91,7 @@ class ModelRunner:
         # fast numerics on cuda in one process: extend steps up to `graph_tokens` through the piecewise CUDA
         # graphs (model/extend_graphs.py), captured before the KV sizing so that their pool is counted
         graphs = config.cuda_graphs and env.cuda_graphs_enabled() and self.device.type == "cuda"
-        graph_tokens = min(env.extend_graph_tokens(), config.max_num_batched_tokens, config.max_model_len)
+        graph_tokens = min(env.extend_graph_tokens(), config.max_num_batched_tokens)  # (a step: several prompts)
         self._extend_graph_tokens = graph_tokens if graphs and self.numerics == "fast" and comm is None else 0
         self.num_blocks = config.num_blocks or self._size_kv_cache()
         # fast numerics: pure-decode steps take the batched decode path, whose padding rows need a window/state

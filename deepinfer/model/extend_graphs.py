@@ -100,6 +100,7 @@ class ExtendGraphs:
         self._final: dict[int, torch.Tensor] = {}
         self._tables: dict[int, dict] = {}
         self.replayed = self.eager = 0  # steps through the graphs / the eager pieces (benchmarks read them)
+        self._captured = None  # the model the graphs were captured on, once another is bound (`bind`)
         if self.graphs_on:
             self.capture()
 
@@ -108,6 +109,9 @@ class ExtendGraphs:
         KV-sizing model, whose cache no graph reads, then binds the serving one)."""
         if model.p is not self.model.p or model.cfg is not self.model.cfg or not model.fast or model.comm is not None:
             raise ValueError("ExtendGraphs.bind: the model must share the captured model's params and config")
+        # the graphs read tensors the captured model's layers made for themselves (each attention's RoPE
+        # frequencies): it stays alive with them (its own cache is the sizing run's few blocks)
+        self._captured = self._captured or self.model
         self.model = model
 
     # ------------------------------------------------------------------ the pieces
