@@ -1,15 +1,15 @@
 # The device checks the code of 2026-12-06 still owes, in the order the next device run should take them; each
-# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-third session's one device run
-# (an H100) ran fp8_prefill; still owed: s23c (the prefill FP8 kernel's persistent form: tests and sweep), then
-# prefill_ab (the 1k / 8k prefill with the trimmed experts, either linear form) and, on the H200, anatomy,
-# prefill and slice with the current defaults.
-#   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh s23c     # with carry: [".whl"]
+# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-fourth session ran s24a (the
+# extend graphs, on an H100); still owed: s24b (their tests after the bind fix), s23c (the prefill FP8
+# kernel's persistent form: tests and sweep), then prefill_ab (the 1k / 8k prefill with the trimmed experts,
+# either linear form) and, on the H200, anatomy, prefill and slice with the current defaults.
+#   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh s24b     # with carry: [".whl"]
 #   ... prefill_ab | s23b (both of them and the trimmed experts at T=1024) | tests | anatomy | linears | prefill | slice
 # Logs go to $OUT (one file per step); each step's summary line is printed.
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -26,6 +26,10 @@ fp8_prefill)  # the twenty-third session's kernels: the prefill FP8 linear CUDA 
         tests/test_kernels_fp8_linear_prefill.py tests/test_kernels_fp4_moe_wgmma.py
     step bench_fp8_prefill 130 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
     step bench_fp4_moe_trim 170 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
+    ;;
+s24b)  # the extend graphs after the bind fix: their GPU tests (the bound-model one new) and the engine's
+    step gpu_tests_extend_graphs_bind 200 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_extend_graphs.py tests/test_engine_fast.py -k "extend_graphs or llm_fast_cuda"
     ;;
 s24a)  # the extend graphs: GPU tests (and the engine's with them on and off), the prefill eager vs graphs
     step gpu_tests_extend_graphs 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_extend_graphs.py \
@@ -77,7 +81,7 @@ slice)  # the issue's ratios against transformers, the defaults and the switches
         DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0,DEEPINFER_WO_A_FP8=0
     ;;
 *)
-    echo "unknown stage $stage: fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice"
+    echo "unknown stage $stage: s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice"
     exit 2
     ;;
 esac
