@@ -81,8 +81,9 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, projected: dict[str
                 start = rr.ent_start[i] + first
                 entries.append(e)
                 where.append(rr.entry_rows[start : start + e.shape[0]])
-        if entries:
-            store[torch.cat(where)] = _encode(attn, lc, role, torch.cat(entries))
+        if entries:  # (one sequence: no cat, which would copy each)
+            rows_e, e = (where[0], entries[0]) if len(entries) == 1 else (torch.cat(where), torch.cat(entries))
+            store[rows_e] = _encode(attn, lc, role, e)
 
 
 def _indexer_selection_batched(attn, lc: LayerCache, ctx: ForwardContext, rows: ExtendRows, rr: RatioExtendRows,
