@@ -22,6 +22,7 @@ from slice_config import decode_bytes_per_layer, flops_per_token_layer, slice_co
 
 DECODE_BATCHES = (1, 8, 32, 128)
 PREFILLS = (1024, 8192)
+GRAPH_PREFILL_MAX = 2048  # prompts up to this many tokens also through the extend graphs (the engine's default cap)
 
 
 def engine_part(cfg, args, res: dict) -> None:
@@ -60,6 +61,9 @@ def engine_part(cfg, args, res: dict) -> None:
         per_layer = blocks / n
         res[f"prefill_{s}"] = {"ms": full, "blocks_ms": blocks, "per_layer_ms": per_layer, "tok_s": s / full * 1e3,
                                "tflops": flops_tok[s] * s / (per_layer * 1e-3) / 1e12}
+        if s <= GRAPH_PREFILL_MAX:  # the engine's path for it: the piecewise extend graphs (whole forward)
+            g = runner.prefill_graphs_ms(s, tuple(sorted({t for t in args.prefills if t <= GRAPH_PREFILL_MAX})))
+            res[f"prefill_{s}"].update(graphs_ms=g, graphs_tflops=flops_tok[s] * s * n / (g * 1e-3) / 1e12)
         print("prefill", s, res[f"prefill_{s}"], flush=True)
     if PREFILLS[-1] in args.prefills and not args.no_breakdown:
         res[f"prefill_{PREFILLS[-1]}_kernels"] = runner.prefill_kernel_breakdown(PREFILLS[-1], top=args.top)
@@ -104,6 +108,10 @@ def table(res: dict) -> str:
             ratio = f", x{p['tok_s'] / h['tok_s']:.1f} transformers" if h else ""
             lines.append(f"prefill {s:<5} {p['ms']:8.1f} ms  {p['per_layer_ms']:7.2f} ms/layer  {p['tflops']:6.0f} TFLOP/s"
                          f" = {100 * p['tflops'] / c['fp8_tflops']:5.1f}% FP8 peak  {p['tok_s']:8.0f} tok/s{ratio}")
+            if "graphs_ms" in p:
+                lines.append(f"prefill {s:<5} {p['graphs_ms']:8.1f} ms through the extend graphs (blocks + head): "
+                             f"{p['graphs_tflops']:6.0f} TFLOP/s = {100 * p['graphs_tflops'] / c['fp8_tflops']:5.1f}% "
+                             f"FP8 peak  {s / p['graphs_ms'] * 1e3:8.0f} tok/s")
     for key in ("decode_b1_kernels", "decode_b128_kernels", f"prefill_{PREFILLS[-1]}_kernels"):
         if key in res:
             what = "one fresh prefill" if key.startswith("prefill") else "one eager batched step"

@@ -4,7 +4,8 @@ made on the GPU): decode steps at several batch sizes and one-sequence prefills,
 Decode: `batch` sequences whose `context`-token prompts were prefilled first, then one-token steps that really
 advance every sequence (positions move, rings and compressor states update). Prefill: one fresh sequence of
 `tokens` tokens. Each measurement is reported for the whole forward (blocks + head) and for the blocks alone
-(`V4EngineModel.hidden`), the latter divided by the number of layers = time per layer.
+(`V4EngineModel.hidden`), the latter divided by the number of layers = time per layer; prompts of up to 2048
+tokens also through the extend graphs (the CUDA engine's path for them; whole forward only).
 """
 from __future__ import annotations
 
@@ -125,6 +126,19 @@ class SliceRunner:
         ctx = ForwardContext((SeqContext(0, tokens, 0, 0, self._table(0)),))
         ids = self._ids(tokens)
         return _profile_rows(lambda: self.model.forward(ids, ctx), top)
+
+    @torch.no_grad()
+    def prefill_graphs_ms(self, tokens: int, buckets: tuple[int, ...], reps: int = 10) -> float:
+        """A fresh `tokens`-token prefill (blocks + head) as the CUDA engine runs it: through the piecewise
+        graphs (`model/extend_graphs.py`; captured once for `buckets`, which should hold `tokens` itself: the
+        engine's default buckets hold 1024 and 2048)."""
+        from deepinfer.model.extend_graphs import ExtendGraphs
+
+        if getattr(self, "_extend_graphs", None) is None or self._extend_graphs.buckets != tuple(sorted(buckets)):
+            self._extend_graphs = ExtendGraphs(self.model, max(buckets), buckets=buckets)
+        ctx = ForwardContext((SeqContext(0, tokens, 0, 0, self._table(0)),))
+        ids = self._ids(tokens)
+        return cuda_time_ms(lambda: self._extend_graphs(ids, ctx), reps=reps, warmup=2)
 
     @torch.no_grad()
     def prefill_ms(self, tokens: int, reps: int = 10, blocks_only: bool = False) -> float:
