@@ -165,3 +165,17 @@ def test_attn_norm_rope_ops_are_their_twins_on_the_gpu():
 
     register_cuda_kernels()
     _check("cuda")
+
+
+def test_head_rms_norm_rope_twin_writes_into_out():
+    from deepinfer.kernels import official_fused
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 64, generator=g).bfloat16()
+    pos, freqs = torch.arange(5), torch.rand(8, generator=g)
+    ref = official_fused.head_rms_norm_rope(q, 1e-6, pos, freqs, None)
+    buf = torch.full((7, 4, 64), float("nan"), dtype=torch.bfloat16)
+    got = official_fused.head_rms_norm_rope(q, 1e-6, pos, freqs, None, out=buf[:5])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:5], ref) and bool(buf[5:].isnan().all())
+    with pytest.raises(ValueError, match="head_rms_norm_rope: out must be"):
+        official_fused.head_rms_norm_rope(q, 1e-6, pos, freqs, None, out=buf)

@@ -183,6 +183,13 @@ def indexer_scores_paged_bf16(q: torch.Tensor, weights: torch.Tensor, store: tor
     return indexer_scores_batched_bf16(q, weights, keys).masked_fill(hidden, float("-inf"))
 
 
+def write_into(out: torch.Tensor, y: torch.Tensor, op: str) -> torch.Tensor:
+    """y copied into the caller's `out` (an op's `out=`: same shape and dtype, checked) -> out."""
+    if out.shape != y.shape or out.dtype != y.dtype:
+        raise ValueError(f"{op}: out must be {tuple(y.shape)} {y.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return out.copy_(y)
+
+
 def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                               scale: float, initial_max: float = float("-inf"),
                               out: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,10 +200,7 @@ def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Ten
     out: a [T, H, d] tensor of q's dtype to write the result into (returned), e.g. a CUDA graph's buffer.
     """
     if out is not None:
-        if out.shape != q.shape or out.dtype != q.dtype:
-            raise ValueError(f"sparse_attn_sink: out must be {tuple(q.shape)} {q.dtype}, got "
-                             f"{tuple(out.shape)} {out.dtype}")
-        return out.copy_(sparse_attn_sink_official(q, kv, sink, idx, scale, initial_max))
+        return write_into(out, sparse_attn_sink_official(q, kv, sink, idx, scale, initial_max), "sparse_attn_sink")
     T, H, d = q.shape
     K = idx.shape[-1]
     valid = idx >= 0

@@ -241,14 +241,7 @@ def head_rms_norm_rope(q: torch.Tensor, eps: float, positions: torch.Tensor, fre
     bf16 torch ops), then RoPE of each head's last 2 * len(freqs) channels at `positions`: a new tensor
     (out: written into that [B, heads, d] tensor of q's dtype instead, e.g. a CUDA graph's buffer)."""
     y = official.rope32(torch_ops.head_rms_norm(q, eps), positions, freqs, table=table, inplace=True)
-    return y if out is None else _into(out, y, "head_rms_norm_rope")
-
-
-def _into(out: torch.Tensor, y: torch.Tensor, op: str) -> torch.Tensor:
-    """y copied into the caller's `out` (same shape and dtype, checked)."""
-    if out.shape != y.shape or out.dtype != y.dtype:
-        raise ValueError(f"{op}: out must be {tuple(y.shape)} {y.dtype}, got {tuple(out.shape)} {out.dtype}")
-    return out.copy_(y)
+    return y if out is None else official.write_into(out, y, "head_rms_norm_rope")
 
 
 def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,

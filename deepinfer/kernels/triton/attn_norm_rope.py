@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import env
-from deepinfer.kernels import official_fused
+from deepinfer.kernels import official, official_fused
 from deepinfer.kernels.triton import kv_pack, norm_hc, rope
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
@@ -190,7 +190,7 @@ def head_rms_norm_rope(q: torch.Tensor, eps: float, positions: torch.Tensor, fre
         return official_fused.head_rms_norm_rope(q, eps, positions, freqs, table, out)
     if q.dtype != BF16 or not env.attn_fusions_enabled():  # the separate ops
         y = rope.rope32(norm_hc.head_rms_norm(q, eps), positions, freqs, table=table, inplace=True)
-        return y if out is None else official_fused._into(out, y, "head_rms_norm_rope")
+        return y if out is None else official.write_into(out, y, "head_rms_norm_rope")
     half = freqs.shape[0]
     if q.dim() != 3 or positions.shape != (q.shape[0],) or 2 * half > q.shape[2] or half & (half - 1):
         raise ValueError(f"head_rms_norm_rope: want q [B, heads, d] with positions [B] and a power-of-two count "
