@@ -179,6 +179,16 @@ class AttnPre:
     w_idx: torch.Tensor | None  # [T, nh] its head weights
     projected: dict[str, tuple[torch.Tensor, torch.Tensor]]  # role -> (x @ wkv.T, x @ wgate.T) (ratio layers)
 
+    def map(self, fn) -> "AttnPre":
+        """A new AttnPre of fn(name, tensor) for every tensor (None fields stay None); the projections are
+        named "{role} kv" and "{role} gate"."""
+        def f(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(name, t)
+
+        return AttnPre(f("q", self.q), f("kv_stored", self.kv_stored), f("kv", self.kv), f("q_idx", self.q_idx),
+                       f("w_idx", self.w_idx),
+                       {role: (fn(f"{role} kv", a), fn(f"{role} gate", b)) for role, (a, b) in self.projected.items()})
+
 
 def step_tables(attn, ctx: ForwardContext, cache: V4Cache) -> tuple[ExtendRows, torch.Tensor, torch.Tensor]:
     """(the step's rows, its positions, the RoPE table of attn's frequencies at them), shared by the layers."""

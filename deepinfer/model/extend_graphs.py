@@ -40,7 +40,6 @@ from deepinfer import kernels
 from deepinfer.devices import host_to_device
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.extend_attention import AttnPre, attention_core, attention_post, attention_pre
-from deepinfer.model.extend_metadata import build_extend_rows, extend_step
 from deepinfer.model.v4 import PendingPost
 
 # token buckets: powers of two up to 256, then steps of at most half the smaller bucket (padding < 50%
@@ -58,13 +57,6 @@ class _Carry:
     comb: torch.Tensor | None
     pre: AttnPre | None
     final: torch.Tensor | None = None  # [Tb, hc, D]
-
-
-def _first_rows(pre: AttnPre, T: int) -> AttnPre:
-    """pre's first T rows (views)."""
-    cut = lambda t: None if t is None else t[:T]  # noqa: E731
-    return AttnPre(pre.q[:T], pre.kv_stored[:T], pre.kv[:T], cut(pre.q_idx), cut(pre.w_idx),
-                   {role: (a[:T], b[:T]) for role, (a, b) in pre.projected.items()})
 
 
 class ExtendGraphs:
@@ -91,7 +83,6 @@ class ExtendGraphs:
         # AttnPre handoff: a piece copies its layer's AttnPre here, where the core reads it. Its own outputs
         # live in the graph pool, which the piece two layers on reuses; layers of one kind share a buffer.
         self._hand: dict[tuple, torch.Tensor] = {}
-        self._ratios = tuple(sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r}))
         self.graphs_on = cuda_graphs and dev.type == "cuda"
         # per bucket: a graph per piece, the AttnPre views each core reads, the final residual (the RoPE tables
         # are kept too: every piece of the bucket reads them)
@@ -132,15 +123,11 @@ class ExtendGraphs:
     def _handoff(self, pre: AttnPre) -> AttnPre:
         """pre copied into the static handoff buffers (views of their first rows); a tensor already written
         into its buffer (q: `attention_pre`'s q_out) is not copied."""
-        def put(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
+        def put(name: str, t: torch.Tensor) -> torch.Tensor:
             view = self._buffer(name, tuple(t.shape[1:]), t.dtype)[: t.shape[0]]
             return t if t.data_ptr() == view.data_ptr() else view.copy_(t)
 
-        return AttnPre(put("q", pre.q), put("kv_stored", pre.kv_stored), put("kv", pre.kv), put("q_idx", pre.q_idx),
-                       put("w_idx", pre.w_idx),
-                       {role: (put(f"{role} kv", a), put(f"{role} gate", b)) for role, (a, b) in pre.projected.items()})
+        return pre.map(put)
 
     def _attention_pre(self, layer: int, y: torch.Tensor, Tb: int, tables: dict) -> AttnPre:
         a = self.model.layers[layer].attn
@@ -248,12 +235,13 @@ class ExtendGraphs:
         self._pos[:T].copy_(ctx.positions)
         self._pad(T, Tb)
         cache = model.cache
-        rows = build_extend_rows(ctx, model.cfg.window_size, cache.block_size, self._ratios, model.device)
 
         def core(layer: int, pre: AttnPre) -> None:
-            attention_core(model.layers[layer].attn, _first_rows(pre, T), ctx, cache, rows, out=self._o[:T])
+            attention_core(model.layers[layer].attn, pre.map(lambda _, t: t[:T]), ctx, cache, rows, out=self._o[:T])
 
-        with extend_step(ctx, rows):
+        with model.extend_rows(ctx) as rows:  # the step's rows, built once (as forward builds them)
+            if rows is None:
+                raise ValueError("the extend graphs run the batched extend path (V4Attention.batched_extend)")
             if (self.graphs_on if graphs is None else graphs) and Tb in self._graphs:
                 graphs_ = self._graphs[Tb]
                 graphs_[0].replay()

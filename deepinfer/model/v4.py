@@ -179,7 +179,7 @@ class V4EngineModel:
         tap = self._per_sequence_tap(ctx) if self.tap else None
         if tap:
             tap("embed", x)
-        with self._extend_rows(ctx):  # fast numerics: the rows every layer reads, built once per step
+        with self.extend_rows(ctx):  # fast numerics: the rows every layer reads, built once per step
             for i, block in enumerate(self.layers):  # (defer: each hc_post inside the next hc_pre where it can)
                 x = block(x, token_ids, ctx, self.cache, tap, f"layers.{i}", defer=True)
         return resolved(x, self.kdev)
@@ -199,7 +199,9 @@ class V4EngineModel:
         x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
         return x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
 
-    def _extend_rows(self, ctx: ForwardContext):
+    def extend_rows(self, ctx: ForwardContext):
+        """A context entering the step's `ExtendRows` (built once, read by every layer; `as` gives them), or
+        a null one giving None outside the batched extend path (not fast numerics, or its reference off)."""
         if not self.fast or not V4Attention.batched_extend:
             return contextlib.nullcontext()
         cfg = self.cfg
