@@ -1,5 +1,6 @@
 # The device checks the code of 2026-12-06 still owes, in the order the next device run should take them; each
-# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-fourth session ran s24a (the
+# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-fifth session owes s25 (V4.1's
+# batched decode path and its CUDA graphs: tests and the slice's decode steps). The twenty-fourth session ran s24a (the
 # extend graphs, on an H100); still owed: s24b (their tests after the bind fix), s23c (the prefill FP8
 # kernel's persistent form: tests and sweep), then prefill_ab (the 1k / 8k prefill with the trimmed experts,
 # either linear form) and, on the H200, anatomy, prefill and slice with the current defaults.
@@ -9,7 +10,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -20,6 +21,11 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s25)  # V4.1's batched decode path (graphs): its GPU tests and the V4.1 engine's, then the slice's decode steps
+    step gpu_tests_v41_decode 300 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
+    step bench_v41_decode 240 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048
+    ;;
 fp8_prefill)  # the twenty-third session's kernels: the prefill FP8 linear CUDA kernel and the experts' trimmed
     # routing blocks: their tests, then each against what it replaces
     step gpu_tests_s23_kernels 230 python -m pytest -m gpu -q -rf -p no:cacheprovider \

@@ -60,13 +60,13 @@ class ModelRunner:
         this rank's slices of the checkpoint); None in one process."""
         self.comm = comm
         self.device = resolve_device(config.device)
-        self.decoder = None  # the batched decode path (fast numerics, family v4)
+        self.decoder = None  # the batched decode path (fast numerics)
         self.extender: ExtendGraphs | None = None  # the extend steps' piecewise graphs (fast, cuda, family v4)
         self._extend_graph_tokens = 0
         # (read once: a bad DEEPINFER_SPLIT_MIXED_STEPS fails the engine's start, not every mixed step)
         split = env.split_mixed_steps()
         self.split_mixed = split == "on" or (split == "auto" and self.device.type == "cuda")
-        if cfg.is_v41:  # family v41: its own model, cache and sizing (any numerics; no batched decode path)
+        if cfg.is_v41:  # family v41: its own model, cache and sizing (any numerics)
             from deepinfer.model.v41 import build_for_runner
 
             if self.device.type == "cuda":
@@ -74,7 +74,14 @@ class ModelRunner:
             self.config, self.cfg, self.numerics = config, cfg, config.numerics
             self.dtype = torch.float64 if config.numerics == "exact" else torch.float32  # logits dtype
             load = None if comm is None else (lambda d, c: load_rank_tensors(d, c, comm.parallel))
-            self.params, self.num_blocks, self.model = build_for_runner(config, cfg, comm, load)
+            # fast numerics (one process: V4.1 fast runs no parallel group): pure-decode steps through the
+            # batched decode path (model/v41_decode.py), eager or graphed, its padding rows on a scratch slot/block
+            batched_decode = self.numerics == "fast" and env.batched_decode_enabled()
+            self.params, self.num_blocks, self.model = build_for_runner(config, cfg, comm, load, batched_decode)
+            if batched_decode:
+                self.decoder = DecodeRunner(self.model, config.max_num_seqs, config.max_model_len,
+                                            scratch_slot=config.max_num_seqs, scratch_block=self.num_blocks,
+                                            cuda_graphs=config.cuda_graphs and env.cuda_graphs_enabled())
             return
         self.config, self.cfg = config, cfg
         # "exact" (float64), "official" (bf16/FP8 emulation, revision current) or "fast" (official rounding
@@ -217,7 +224,7 @@ class ModelRunner:
         batched decode path when there is one; with `split_mixed`, a step mixing decode rows with prefills /
         extends sends its decode rows there too (model/mixed_step.py); the rest through the general path.
         The choice depends on the batch and the runner's settings only, so every rank of a group makes it alike."""
-        decoder = self.decoder  # (None: V4.1, or not fast numerics)
+        decoder = self.decoder  # (None: not fast numerics, or switched off)
         extend = self.model.forward if self.extender is None else self.extender  # (it takes what it fits)
         if decoder is not None and self.model.tap is None:
             if all(s.num_new == 1 for s in ctx.seqs):

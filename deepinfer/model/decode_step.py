@@ -1,5 +1,5 @@
-"""Pure-decode steps of a fast-numerics `V4EngineModel`: eager, or replayed from CUDA graphs captured per
-(batch size, context) bucket.
+"""Pure-decode steps of a fast-numerics `V4EngineModel` (or `V41EngineModel`: model/v41_decode.py's layers):
+eager, or replayed from CUDA graphs captured per (batch size, context) bucket.
 
 Owns: `decode_logits(model, ids, meta)` (the whole batched decode forward: embedding, every block with
 `decode_attention`, the head) and `DecodeRunner` (one `DecodeMetadata` per bucket, a token-id buffer per
@@ -82,6 +82,13 @@ class DecodeRunner:
         self._ratios = [r for r in model.cfg.compress_ratios[: model.cfg.n_layers] if r]
         self._meta: dict[tuple[int, int], DecodeMetadata] = {}
         self._ids = {b: torch.zeros(b, dtype=torch.long, device=model.device) for b in self.buckets}
+        # family v41 (model/v41_decode.py): its own layer math, and the Engram rows of a step in static buffers
+        self._v41 = model.cfg.is_v41
+        self._engram = {}
+        if self._v41 and model.engrams:
+            from deepinfer.model.v41_decode import EngramInputs
+
+            self._engram = {b: EngramInputs(model, b) for b in self.buckets}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.last_bucket: tuple[int, int] | None = None  # the (batch, context) bucket of the last step
         self.replayed = self.eager = 0  # steps run from a captured graph / eagerly (benchmarks read them)
@@ -119,18 +126,28 @@ class DecodeRunner:
                 meta, ids = self._meta_for(b, c), self._ids[b]
                 meta.fill([], *self.scratch)
                 ids.zero_()
+                if b in self._engram:
+                    self._engram[b].fill(ids, [])
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        decode_logits(self.model, ids, meta)
+                        self._forward(b, c)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = decode_logits(self.model, ids, meta)
+                    out = self._forward(b, c)
                 pool = graph.pool()
                 self._graphs[(b, c)] = (graph, out)
         torch.cuda.synchronize()
+
+    def _forward(self, b: int, c: int) -> torch.Tensor:
+        """The decode forward of bucket (b, c) on its buffers (what a graph of the bucket captures)."""
+        if self._v41:
+            from deepinfer.model import v41_decode
+
+            return v41_decode.decode_logits(self.model, self._ids[b], self._meta[(b, c)], self._engram.get(b))
+        return decode_logits(self.model, self._ids[b], self._meta[(b, c)])
 
     def prepare(self, ids: torch.Tensor, seqs: Sequence[SeqContext]) -> tuple[int, int]:
         """Fill the bucket's buffers for this step (and reset fresh sequences' slots); returns the bucket."""
@@ -147,6 +164,8 @@ class DecodeRunner:
         for s in seqs:
             if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
                 cache.reset(s.window_slot, s.state_slot)
+        if b in self._engram:  # (after the resets: a fresh sequence's n-gram history starts empty)
+            self._engram[b].fill(ids, seqs)
         buf = self._ids[b]
         buf[:n].copy_(ids, non_blocking=True)
         buf[n:].zero_()
@@ -163,6 +182,6 @@ class DecodeRunner:
             graph.replay()
             self.replayed += 1
         else:
-            out = decode_logits(self.model, self._ids[b], self._meta[(b, c)])
+            out = self._forward(b, c)
             self.eager += 1
         return out[: len(seqs)]

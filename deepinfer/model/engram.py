@@ -150,6 +150,27 @@ class EngramHasher:
             out.append(torch.cat(cols, dim=-1) + self.offsets)
         return torch.cat(out)
 
+    def decode_hashes(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`__call__` of a pure-decode batch (one new token per sequence) without its per-sequence loop: ids,
+        slots (distinct state slots), positions [B] (host int64) -> hash ids [B, n layers, cols]; the slots'
+        histories advance by the token. The same integer arithmetic, row by row, as `__call__`."""
+        h = self.n - 1
+        comp = self.token_map[ids.long()]  # [B]
+        seq = torch.cat([self.history[slots], comp.unsqueeze(1)], dim=1)  # [B, n]: column k <-> position p - h + k
+        blocked = torch.zeros(ids.shape[0], dtype=torch.bool)
+        tokens = []
+        for shift in range(self.n):
+            src = seq[:, h - shift]
+            blocked = blocked | (positions < shift) | (src == DEAD)
+            tokens.append(torch.where(blocked, self.pad, src))
+        self.history[slots] = seq[:, -h:]
+        products = torch.stack(tokens, -1).unsqueeze(1) * self.mult  # [B, nL, n]
+        rolling, cols = products[..., 0], []
+        for k in range(1, self.n):
+            rolling = rolling ^ products[..., k]
+            cols.append(torch.remainder(rolling.unsqueeze(-1), self.primes[:, k - 1]))
+        return torch.cat(cols, dim=-1) + self.offsets
+
     def layer_index(self, layer: int) -> int:
         return self.layer_ids.index(layer)
 
@@ -208,20 +229,41 @@ class EngramLayer:
             uniq = uniq - self.row_start
             foreign = (uniq < 0) | (uniq >= n_rows)
             uniq = uniq.masked_fill(foreign, 0)
-        acc = torch.float32 if self.official else torch.float64
         # gathered where the table lives, only the step's unique rows move (stored bytes: E4M3 + E8M0)
-        w = torch.index_select(table, 0, uniq).to(self.device).to(acc)
-        s = formats.scale_to_float(torch.index_select(scale, 0, uniq).to(self.device)).to(acc)
-        vals = (w.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
-        if self.official:
-            vals = vals.to(torch.bfloat16)  # fp32 `fp8 * scale` rounded to bf16
+        vals = self.dequant(torch.index_select(table, 0, uniq).to(self.device),
+                            torch.index_select(scale, 0, uniq).to(self.device))
         if foreign is not None:
             vals = self.comm.engram_sum(vals.masked_fill(foreign.to(self.device).unsqueeze(-1), 0))
         return vals[inverse.to(self.device)].reshape(*hashes.shape, hd)
 
+    def stored_rows(self, hashes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hashes [T, cols] (host) -> the table's stored rows they name, (values [T, cols, hd], scale bytes
+        [T, cols, hd / 32]), still on the host and one row per hash (no dedup: fixed shapes, for the batched
+        decode path's static buffers; `dequant` of them on the device is what `rows` returns). One process only."""
+        if self.comm is not None:
+            raise NotImplementedError("stored_rows reads a whole table (one process)")
+        table, scale = self.p["embed.weight"], self.p["embed.scale"]
+        flat = hashes.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.total_rows):
+            raise IndexError(f"engram hash ids outside the table's {self.total_rows} rows")
+        return (torch.index_select(table, 0, flat).unflatten(0, hashes.shape),
+                torch.index_select(scale, 0, flat).unflatten(0, hashes.shape))
+
+    def dequant(self, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Stored table rows (E4M3 values [..., hd], E8M0 scale bytes [..., hd / 32]) on the model's device ->
+        their values: official / fast `bf16(fp32 fp8 * scale)`, exact float64."""
+        acc = torch.float32 if self.official else torch.float64
+        s = formats.scale_to_float(s).to(acc)
+        vals = (w.to(acc).unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
+        return vals.to(torch.bfloat16) if self.official else vals  # official: fp32 `fp8 * scale` rounded to bf16
+
     def _official(self, x: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+        return self.update_official(x, self.rows(hashes))
+
+    def update_official(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """x [T, hc, D] bf16, emb [T, cols, hd] bf16 (the looked-up rows) -> the updated residual (official /
+        fast numerics)."""
         f32 = torch.float32
-        emb = self.rows(hashes)  # [T, cols, hd] bf16
         if self.fast:
             kv = kernels.get("fp8_linear", self.device.type)(emb.flatten(-2), self.p["wkv.weight"])  # bf16
         else:

@@ -17,8 +17,8 @@ for the params' device (Triton on cuda once registered); the head is the checkpo
 accumulation and logits (`linear_f32`). Any numerics runs on the device its params and cache live on:
 token ids and positions move there once per forward, the engram hashes and table rows are computed and
 gathered on the host (model/engram.py says why), the logits stay on the device (the engine samples there).
-V4.1 has no batched decode path or CUDA graphs (model/decode_*.py are V4 only): every step takes this
-general varlen path.
+Pure-decode steps of fast numerics take the batched decode path instead (model/v41_decode.py, through
+`decode_step.DecodeRunner`: eager or CUDA graphs); every other step takes this general varlen path.
 Debug tap: `tap(name, x, seq_index)` receives, per sequence of the ForwardContext, that sequence's rows of
 the FULL 4-stream residual [S, hc, D] after the embedding ("embed"), each engram update
 ("layers.{i}.engram") and each sublayer's hc_post ("layers.{i}.attn", "layers.{i}.ffn"), and the normed
@@ -64,7 +64,7 @@ class V41Block:
     def __call__(self, x, pre_mix, ctx: ForwardContext, cache: V41Cache, shared: dict, tap=None, name: str = ""):
         """x [T, hc, D], pre_mix [T, hc] -> (x, the pre mix for the next sublayer)."""
         if self.official:
-            return self._official(x, pre_mix, ctx, cache, shared, tap, name)
+            return self.official_block(x, pre_mix, lambda y: self.attn(y, ctx, cache, shared), tap, name)
         rms, collapse, post_fn, eps = kernels.get("rms_norm"), kernels.get("hc_collapse"), kernels.get("hc_post"), \
             self.cfg.norm_eps
         attn_pre, post, comb = self._mixes(x, "attn")
@@ -79,10 +79,11 @@ class V41Block:
             tap(f"{name}.ffn", x)
         return x, ffn_pre
 
-    def _official(self, x, pre_mix, ctx: ForwardContext, cache: V41Cache, shared: dict, tap, name: str):
+    def official_block(self, x, pre_mix, attention: Callable[[torch.Tensor], torch.Tensor], tap=None, name: str = ""):
         """x [T, hc, D] bf16, pre_mix [T, hc] fp32: mixes, Sinkhorn, collapse, norm and mix-back in fp32,
         rounded to bf16 after the collapse, the norm and the mix-back (fast: the mix-back as the fused
-        `hc_post_fused` op, whose twin is exactly these steps)."""
+        `hc_post_fused` op, whose twin is exactly these steps). `attention(y)`: the attention sublayer on the
+        normed rows (the varlen path's `V41Attention`, or the batched decode path's, model/v41_decode.py)."""
         k, eps = self._k, self.cfg.norm_eps
         rms, collapse = k("rms_norm"), k("hc_collapse")
 
@@ -94,7 +95,7 @@ class V41Block:
         xf = x.to(F32)
         attn_pre, post, comb = self._mixes(xf, "attn")
         y = rms(collapse(xf, pre_mix).to(BF16).to(F32), self.p["attn_norm.weight"], eps).to(BF16)
-        x = mix_back(self.attn(y, ctx, cache, shared), x, xf, post, comb)
+        x = mix_back(attention(y), x, xf, post, comb)
         if tap:
             tap(f"{name}.attn", x)
         xf = x.to(F32)
@@ -278,13 +279,15 @@ def build_v41_model(cfg: ModelConfig, raw: Mapping[str, torch.Tensor], tokenizer
     return V41EngineModel(cfg, params, cache, raw, tokenizer, numerics, comm)
 
 
-def build_for_runner(config, cfg: ModelConfig, comm=None, load=None) -> tuple[dict[str, torch.Tensor], int,
-                                                                            V41EngineModel]:
+def build_for_runner(config, cfg: ModelConfig, comm=None, load=None,
+                     decode_scratch: bool = False) -> tuple[dict[str, torch.Tensor], int, V41EngineModel]:
     """The engine runner's V4.1 model: (params, num_blocks, model) for an `EngineConfig`-like `config`
     (model, numerics, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, device,
     kv_cache_bytes, gpu_memory_utilization). The KV budget is sized like the V4 runner: one worst-case
     warm-up forward on a throwaway cache, the rest of the budget to blocks (on cuda: free memory, and no
-    more blocks than every sequence slot at max_model_len can use)."""
+    more blocks than every sequence slot at max_model_len can use). decode_scratch: the model's cache gets one slot
+    and one block more than the scheduler hands out (slot max_num_seqs, block num_blocks: the batched decode
+    path's padding rows)."""
     from deepinfer.model.context import SeqContext
     from deepinfer.tokenizer import Tokenizer
     from deepinfer.weights import load_tensors
@@ -339,4 +342,5 @@ def build_for_runner(config, cfg: ModelConfig, comm=None, load=None) -> tuple[di
         if num_blocks < need:
             raise ValueError(f"KV budget holds {num_blocks} blocks but one sequence of max_model_len "
                              f"{c.max_model_len} needs {need}: raise kv_cache_bytes or lower max_model_len")
-    return params, int(num_blocks), model(int(num_blocks), c.max_num_seqs)
+    extra = 1 if decode_scratch else 0
+    return params, int(num_blocks), model(int(num_blocks) + extra, c.max_num_seqs + extra)

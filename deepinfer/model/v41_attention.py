@@ -130,6 +130,10 @@ class V41Attention:
         self.inv_freq = kernels.get(freqs)(
             cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor, cfg.beta_fast, cfg.beta_slow
         ).to(self.device)
+        # what determines inv_freq's values: layers with equal keys share one RoPE table per step (the batched
+        # decode path's `step_memo.rope_table`, as V4Attention.rope_key)
+        self.rope_key = (self.official, cfg.rope_head_dim, original, cfg.rope_base(layer), cfg.rope_factor,
+                         cfg.beta_fast, cfg.beta_slow)
         self.is_kv_source = bool(r) and layer in cfg.kv_source_layers
         self.is_index_source = bool(r) and layer in cfg.index_source_layers
         self.kv_src = cfg.kv_source_of(layer) if r else None
