@@ -101,6 +101,20 @@ class V41Slice:
         pos[0] = context  # rewound: the kernels' work depends on the context bucket, not on the values
         return alone, back_to_back_ms(step, reps)
 
+    @torch.no_grad()
+    def breakdown(self, batch: int, context: int, top: int) -> list[tuple[str, int, float]]:
+        """Kernels of one eager batched decode step (what its graph replays), largest first."""
+        from deepinfer.model.context import SeqContext
+        from deepinfer.model.decode_step import DecodeRunner
+        from v4_slice import _profile_rows
+
+        self.prefill(batch, context)
+        runner = DecodeRunner(self.model, batch, context + 64, *self.scratch, cuda_graphs=False, buckets=(batch,),
+                              contexts=(context + 64,))
+        seqs = [SeqContext(context, 1, i, i, self.table(i)) for i in range(batch)]
+        ids = self.ids(batch)
+        return _profile_rows(lambda: runner(ids, seqs), top)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -108,6 +122,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-varlen", action="store_true", help="skip the (slow) varlen path")
+    ap.add_argument("--top", type=int, default=0, help="also list the top kernels of one step per batch")
     args = ap.parse_args()
 
     from deepinfer.kernels.triton import register_cuda_kernels
@@ -136,6 +151,11 @@ def main() -> None:
             print(f"b{b:<4} {name:16s}: {alone:8.3f} ms a step ({b2b:7.3f} back to back), {b / alone * 1e3:9.0f} tok/s, "
                   f"{gbs:6.0f} GB/s = {100 * gbs / ceil['copy_gbs']:5.1f}% of copy "
                   f"({nbytes / 1e9:.2f} GB a step)")
+        if args.top:
+            rows = sl.breakdown(b, args.context, args.top)
+            print(f"b{b:<4} kernels of one step (eager, {sum(n for _, n, _ in rows)} launches of the top {args.top}):")
+            for name, n, us in rows:
+                print(f"      {us:9.1f} us {n:5d}x  {name}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ the decode-path code they come from. Runs the tiny V4 checkpoint's DecodeRunner 
 (torch twins); ops that are one Triton kernel on cuda (`fp8_linear`, `fp4_moe`, `hc_pre_fused`, ...) are
 counted as ONE launch each, so the totals approximate the cuda step's kernel count.
 
-    PYTHONPATH=$PWD python benchmarks/count_decode_ops.py [--batch 4] [--pos 130]
+    PYTHONPATH=$PWD python benchmarks/count_decode_ops.py [--batch 4] [--pos 130] [--family v41]
 
 Must not: change the model; it only observes one step with torch.profiler (with_stack).
 """
@@ -96,8 +96,10 @@ class _OpCounter(TorchDispatchMode):
             path = f.f_code.co_filename
             if "deepinfer/kernels/" in path:
                 if f.f_code.co_name.removesuffix("_torch") in self.fused_ops:
-                    layout = f.f_locals.get("layout")  # kv_pack: the FP8 and FP4-key codecs are Triton kernels
-                    if layout is None or getattr(layout, "codec", None) in ("fp8_e8m0", "fp4_e8m0"):
+                    layout = f.f_locals.get("layout")  # kv_pack: the FP8 and FP4-key codecs are Triton kernels,
+                    codec = getattr(layout, "codec", None)  # and the decode of V4.1's E4M3-scaled FP4 latents
+                    if layout is None or codec in ("fp8_e8m0", "fp4_e8m0") or (
+                            codec == "fp4_e4m3" and f.f_code.co_name == "kv_decode"):
                         fused = f  # keep the outermost fused call
                 outer = f
             elif "deepinfer/model/" in path:
@@ -118,7 +120,9 @@ class _OpCounter(TorchDispatchMode):
             n = cuda_launches(name.removesuffix("_torch"), fused.f_locals)
         g = next((gname for gname, rx in GROUPS if re.search(rx, model_frame)), None)
         if g is None:
-            if "decode_attention.py:decode_attention" in model_frame:
+            if model_frame.startswith(("v41_decode.py:", "v41.py:", "v41_moe.py:", "engram.py:")):
+                g = model_frame.rsplit(":", 1)[0]  # V4.1: by function
+            elif "decode_attention.py:decode_attention" in model_frame:
                 g = self.line_of.get(int(model_frame.rsplit(":", 1)[1]), "attention (other)")
             else:
                 g = model_frame
@@ -160,6 +164,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=0, help="also print the N most frequent source lines")
     ap.add_argument("--with", dest="extra", default="", help="Triton modules not yet in KERNEL_MODULES to count "
                     "as registered, comma-separated (e.g. fp4_quant)")
+    ap.add_argument("--family", choices=("v4", "v41"), default="v4", help="the tiny checkpoint's family")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from deepinfer.config import ModelConfig
@@ -169,12 +174,19 @@ def main() -> None:
     from deepinfer.tiny import default_model_dir
     from deepinfer.weights import load_tensors
 
-    d = default_model_dir("v4", seed=0)
+    d = default_model_dir(args.family, seed=0)
     cfg = ModelConfig.from_checkpoint(d)
-    params = v4_params(load_tensors(d, cfg, progress=False), cfg, "fast", "cpu")
     B, bps = args.batch, 4
     slots = B + 1
-    model = V4EngineModel(cfg, params, v4_cache(cfg, "fast", bps * slots, 128, slots, "cpu"), "fast")
+    if args.family == "v41":  # model/v41_decode.py's layers
+        from deepinfer.model.v41 import build_v41_model
+        from deepinfer.tokenizer import Tokenizer
+
+        model = build_v41_model(cfg, load_tensors(d, cfg, progress=False), Tokenizer.from_checkpoint(d), "fast", "cpu",
+                                num_blocks=bps * slots, max_num_seqs=slots)
+    else:
+        params = v4_params(load_tensors(d, cfg, progress=False), cfg, "fast", "cpu")
+        model = V4EngineModel(cfg, params, v4_cache(cfg, "fast", bps * slots, 128, slots, "cpu"), "fast")
     tab = [tuple(range(bps * i, bps * (i + 1))) for i in range(B)]
     prompt = torch.randint(2, cfg.vocab_size, (B * args.pos,), generator=torch.Generator().manual_seed(0))
     model(prompt, ForwardContext(tuple(SeqContext(0, args.pos, i, i, tab[i]) for i in range(B))))
@@ -188,7 +200,8 @@ def main() -> None:
     groups, lines = counter.groups, counter.lines
     n_layers = cfg.n_layers
     total = sum(groups.values())
-    print(f"tiny V4 ({n_layers} layers, ratios {cfg.compress_ratios[:n_layers]}), batch {B}, position {args.pos}")
+    print(f"tiny {args.family} ({n_layers} layers, ratios {cfg.compress_ratios[:n_layers]}), batch {B}, position "
+          f"{args.pos}")
     print(f"{'group':36s} {'launches/step':>14s}")
     for g, n in groups.most_common():
         print(f"{g:36s} {n:14d}")

@@ -3,7 +3,7 @@
 renormalise, scale in one Triton kernel; the twin is exactly `V4MoE.route`'s sequence of torch ops), the hash
 layers' gate (`moe_gate_hash_sqrtsoftplus`: the token id's table row, its experts' scores renormalised) and the
 indexer q's FP4 fake quantisation (`fp4_fake_quant`) and the FP4 index-key codec (`fp4_kv_encode` /
-`fp4_kv_decode` vs `KVLayout.store` / `.load`), bit for bit: also checked under TRITON_INTERPRET on the CPU
+`fp4_kv_decode` vs `KVLayout.store` / `.load`; the decode of V4.1's E4M3-scaled latents too), bit for bit: also checked under TRITON_INTERPRET on the CPU
 when triton is installed, since their GPU tests have not run yet.
 
 CPU: the twin equals the route's formula written out, and rejects bad shapes. GPU (-m gpu): the Triton
@@ -61,6 +61,24 @@ def test_hash_gate_twin_is_the_route_formula():
         moe_gate_hash_sqrtsoftplus(logits, table.float(), ids, 1.0)
 
 
+def test_gate_twin_with_norm_eps_is_the_v41_route():
+    """norm_eps=1e-20 (V4.1's renormalisation, spec §10.4) is exactly V41MoE.route's torch ops, and it matters
+    only where the k weights sum to ~1e-20 (every logit far below 0); norm_eps=0 is the V4 formula's bits."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 32, generator=g) * 6
+    logits[1] = -120.0 - torch.rand(32, generator=g)  # softplus underflows to 0: the 1e-20 keeps 0 / 0 away
+    bias = torch.randn(32, generator=g) * 0.3
+    w, idx = moe_gate_sqrtsoftplus(logits, bias, 4, 1.5, 1e-20)
+    scores = F.softplus(logits).sqrt()
+    ref_idx = (scores + bias).topk(4, dim=-1).indices
+    ref_w = scores.gather(1, ref_idx)
+    ref_w = ref_w / (ref_w.sum(dim=-1, keepdim=True) + 1e-20) * 1.5
+    assert torch.equal(idx, ref_idx) and torch.equal(w, ref_w)
+    assert torch.equal(w[1], torch.zeros(4))
+    w4, _ = moe_gate_sqrtsoftplus(logits, bias, 4, 1.5)  # V4's formula (no eps): 0 / 0 there
+    assert bool(w4[1].isnan().all()) and torch.equal(w4[0], w[0])
+
+
 def test_gate_rejects_bad_shapes():
     with pytest.raises(ValueError, match="topk"):
         moe_gate_sqrtsoftplus(torch.zeros(2, 8), torch.zeros(8), 9, 1.0)
@@ -80,6 +98,11 @@ def test_gate_triton_matches_its_twin(T, E, k):
     w, idx = gate_triton(logits, bias, k, 1.5)
     w_ref, idx_ref = moe_gate_sqrtsoftplus(logits, bias, k, 1.5)
     assert idx.dtype == torch.int64 and torch.equal(idx, idx_ref)
+    torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0)
+    logits[-1] = -120.0  # V4.1's renormalisation (norm_eps): the 1e-20 dominates this row's sum
+    w, idx = gate_triton(logits, bias, k, 1.5, 1e-20)
+    w_ref, idx_ref = moe_gate_sqrtsoftplus(logits, bias, k, 1.5, 1e-20)
+    assert torch.equal(idx, idx_ref)
     torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0)
     with pytest.raises(ValueError, match="fp32"):
         gate_triton(logits.half(), bias, k, 1.5)
@@ -142,8 +165,19 @@ def _check_fp4_codec(device: str, subnormal_scales: bool = True) -> None:
                 assert torch.equal(got.isnan(), ref.isnan()), name
                 same = got.view(torch.int16) == ref.view(torch.int16)
                 assert bool((same | ref.isnan()).all()), name
+    # V4.1's latents (E4M3 scale bytes per 16): decode only; every scale byte, E4M3 NaN (0x7F / 0xFF) and -0
+    # (0x80) among them, with random value bytes, and the codec's own bytes of real values
+    lat = get_layout("v41_latent_fp4", cfg)
+    rnd = torch.randint(0, 256, (256, lat.bytes_per_token), generator=g, dtype=torch.uint8)
+    rnd[:, lat.value_bytes] = torch.arange(256, dtype=torch.uint8)
+    for packed in (rnd.to(device), lat.store(_fp4_inputs(g, (6, lat.dim), 2.0, device))):
+        got, ref = fp4_kv_decode(lat, packed), lat.load(packed)
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert bool(((got.view(torch.int16) == ref.view(torch.int16)) | ref.isnan()).all())
     with pytest.raises(ValueError, match="not supported"):
         fp4_kv_encode(get_layout("v4_fp8_ds_mla", cfg), torch.zeros(1, cfg.head_dim, device=device))
+    with pytest.raises(ValueError, match="not supported"):
+        fp4_kv_encode(lat, torch.zeros(1, lat.dim, device=device))  # (its encode stays on the torch codec)
 
 
 _INTERPRET_CHECK = """

@@ -28,7 +28,7 @@ import torch
 from deepinfer import formats
 from deepinfer.kernels import official, torch_ops
 
-__all__ = ["hc_pre_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus",
+__all__ = ["hc_pre_fused", "hc_pre_deferred_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus",
            "moe_gate_hash_sqrtsoftplus", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
            "sparse_attn_sink_paged_rope", "indexer_q_rotate", "index_key_rotate_store",
@@ -49,6 +49,22 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     pre, post, comb = torch_ops.hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
     y = torch_ops.hc_collapse(xf, pre).to(BF16).to(F32)
     return torch_ops.rms_norm(y, norm_weight, norm_eps).to(BF16), post, comb
+
+
+def hc_pre_deferred_fused(x: torch.Tensor, pre_mix: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                          base: torch.Tensor, norm_weight: torch.Tensor, hc: int, iters: int, hc_eps: float,
+                          norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V4.1's deferred hc_pre (spec §10.2): x [T, hc, D] bf16, pre_mix [T, hc] fp32 (the PREVIOUS sublayer's
+    pre) -> y [T, D] bf16 = bf16(RMSNorm(bf16(sum_j pre_mix_j x_j))) and this sublayer's mixes of x: pre [T, hc]
+    (the next sublayer's pre_mix), post [T, hc], comb [T, hc, hc] fp32. `hc_pre_fused`'s steps, collapsing with
+    the given pre instead of the one it computes."""
+    if x.dim() != 3 or x.shape[1] != hc or tuple(pre_mix.shape) != (x.shape[0], hc):
+        raise ValueError(f"hc_pre_deferred_fused: x must be [T, hc={hc}, D] and pre_mix [T, hc]; got "
+                         f"{tuple(x.shape)}, {tuple(pre_mix.shape)}")
+    xf = x.to(F32)
+    pre, post, comb = torch_ops.hc_split_sinkhorn(torch_ops.hc_mix(xf, fn, norm_eps), scale, base, hc, iters, hc_eps)
+    y = torch_ops.hc_collapse(xf, pre_mix).to(BF16).to(F32)
+    return torch_ops.rms_norm(y, norm_weight, norm_eps).to(BF16), pre, post, comb
 
 
 def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -101,18 +117,18 @@ def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     return layout.load(packed)
 
 
-def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
-                          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
+                          norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (weights [T, topk] fp32, indices [T, topk] int64): scores sqrt(softplus(logits)),
-    the experts of the top-k biased scores (descending), their UNbiased scores renormalised to sum 1, times
-    route_scale (spec §3.9; the bias only selects)."""
+    the experts of the top-k biased scores (descending), their UNbiased scores renormalised to sum 1 (w / (sum
+    + norm_eps): 0 for V4, 1e-20 for V4.1, spec §10.4), times route_scale (spec §3.9; the bias only selects)."""
     if logits.dim() != 2 or bias.shape != logits.shape[-1:] or not 0 < topk <= logits.shape[-1]:
         raise ValueError(f"moe_gate: logits [T, E], bias [E], 0 < topk <= E; got {tuple(logits.shape)}, "
                          f"{tuple(bias.shape)}, topk {topk}")
     scores = torch.nn.functional.softplus(logits).sqrt()
     indices = (scores + bias).topk(topk, dim=-1).indices
     weights = scores.gather(1, indices)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + norm_eps)  # (+ 0.0 leaves V4's sum as it is)
     return weights * route_scale, indices
 
 

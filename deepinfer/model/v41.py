@@ -84,24 +84,26 @@ class V41Block:
         rounded to bf16 after the collapse, the norm and the mix-back (fast: the mix-back as the fused
         `hc_post_fused` op, whose twin is exactly these steps). `attention(y)`: the attention sublayer on the
         normed rows (the varlen path's `V41Attention`, or the batched decode path's, model/v41_decode.py)."""
-        k, eps = self._k, self.cfg.norm_eps
-        rms, collapse = k("rms_norm"), k("hc_collapse")
+        k, cfg, p = self._k, self.cfg, self.p
 
-        def mix_back(f: torch.Tensor, residual: torch.Tensor, xf: torch.Tensor, post, comb) -> torch.Tensor:
+        def hc_pre(x: torch.Tensor, pre_mix: torch.Tensor, which: str):
+            # mixes, Sinkhorn, collapse with the previous pre, norm: one op (two launches on cuda, where the
+            # separate ops were ~90: the Sinkhorn's reductions one launch each); its twin is those ops
+            return k("hc_pre_deferred_fused")(x, pre_mix, p[f"hc_{which}_fn"], p[f"hc_{which}_scale"],
+                                              p[f"hc_{which}_base"], p[f"{which}_norm.weight"], cfg.hc_mult,
+                                              cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+
+        def mix_back(f: torch.Tensor, residual: torch.Tensor, post, comb) -> torch.Tensor:
             if self.fast:  # f and the residual bf16, fp32 arithmetic inside, bf16 out
                 return k("hc_post_fused")(f, residual, post, comb)
-            return k("hc_post")(f.to(F32), xf, post, comb).to(BF16)
+            return k("hc_post")(f.to(F32), residual.to(F32), post, comb).to(BF16)
 
-        xf = x.to(F32)
-        attn_pre, post, comb = self._mixes(xf, "attn")
-        y = rms(collapse(xf, pre_mix).to(BF16).to(F32), self.p["attn_norm.weight"], eps).to(BF16)
-        x = mix_back(attention(y), x, xf, post, comb)
+        y, attn_pre, post, comb = hc_pre(x, pre_mix, "attn")
+        x = mix_back(attention(y), x, post, comb)
         if tap:
             tap(f"{name}.attn", x)
-        xf = x.to(F32)
-        ffn_pre, post, comb = self._mixes(xf, "ffn")
-        y = rms(collapse(xf, attn_pre).to(BF16).to(F32), self.p["ffn_norm.weight"], eps).to(BF16)
-        x = mix_back(self.ffn(y), x, xf, post, comb)
+        y, ffn_pre, post, comb = hc_pre(x, attn_pre, "ffn")
+        x = mix_back(self.ffn(y), x, post, comb)
         if tap:
             tap(f"{name}.ffn", x)
         return x, ffn_pre

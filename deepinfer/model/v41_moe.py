@@ -39,7 +39,14 @@ class V41MoE:
         """x [T, D] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
         if self.fast:  # the official fp32 matmul of the bf16 x and weight (tensor cores on cuda)
-            logits = kernels.get("linear_f32", self.kdev)(x, self.p["gate.weight"]) / cfg.gate_temp
+            logits = kernels.get("linear_f32", self.kdev)(x, self.p["gate.weight"])
+            if cfg.gate_temp != 1.0:  # (a division by 1.0 changes no bit: no launch for it)
+                logits = logits / cfg.gate_temp
+            if cfg.score_func == "sqrtsoftplus" and cfg.norm_topk_prob and self.topk > 1:
+                # one op for the rest (one Triton kernel on cuda, ~11 before); its cpu twin is exactly the lines
+                # below with this renormalisation's + 1e-20
+                return kernels.get("moe_gate_sqrtsoftplus", self.kdev)(logits, self.p["gate.bias"], self.topk,
+                                                                       cfg.route_scale, 1e-20)
         else:
             logits = ((x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T) / cfg.gate_temp
         if cfg.score_func == "softmax":

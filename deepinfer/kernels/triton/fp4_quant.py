@@ -4,7 +4,8 @@
 Owns: `fp4_fake_quant(x, block=32)`, and `fp4_kv_encode(layout, x)` / `fp4_kv_decode(layout, packed)`: the
 same quantisation as the packed codec of the index-key layouts (codec "fp4_e8m0" with no raw tail:
 v4_index_fp4, v41_index_fp4), the CUDA twins of `KVLayout.store` / `.load` byte for byte (codes packed two
-a byte, even index in the low nibble, then one E8M0 byte per block; zero pad).
+a byte, even index in the low nibble, then one E8M0 byte per block; zero pad). `fp4_kv_decode` also reads V4.1's
+latents (codec "fp4_e4m3": an E4M3 scale byte per block of 16, exact in fp32 as well).
 Per block of 32 values: amax (floored at 6 * 2**-126) -> the official pow2 scale
 2**ceil(log2(amax * fp32(1/6))) by the exponent-bit trick -> x / s (exact: s is a power of two, applied as
 its exact reciprocal) clamped to 6 -> the nearest E2M1 value, ties to the even code ->
@@ -104,9 +105,23 @@ def _fp4_encode_kernel(x_ptr, out_ptr, stride_x, BPT, dst_ptr, keep_ptr, NB: tl.
         tl.store(out_ptr + base + NB * HALF + NB + p, tl.zeros([PAD_P2], dtype=tl.uint8), mask=p < PAD)
 
 
+@triton.jit
+def _e4m3_value(b):
+    """E4M3 (fn) bytes 0..255 as int32 -> their exact fp32 values: sign, 4 exponent bits (bias 7), 3 mantissa
+    bits; exponent 0 is subnormal (m * 2**-9), 0x7F / 0xFF NaN (no infinities in the fn variant). Built from
+    the bits, not by a float8 cast (which the CPU interpreter does not have)."""
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)  # 2**(e - 7) * (1 + m / 8)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
+    v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    return v * tl.where((b & 0x80) != 0, -1.0, 1.0)  # a product keeps -0.0 (Triton's negation is 0 - x)
+
+
 @fast_launch
 @triton.jit
-def _fp4_decode_kernel(p_ptr, out_ptr, BPT, NB: tl.constexpr, NB_P2: tl.constexpr, HALF: tl.constexpr):
+def _fp4_decode_kernel(p_ptr, out_ptr, BPT, NB: tl.constexpr, NB_P2: tl.constexpr, HALF: tl.constexpr,
+                       E4M3: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     nb = tl.arange(0, NB_P2)
     j = tl.arange(0, HALF)
@@ -114,9 +129,12 @@ def _fp4_decode_kernel(p_ptr, out_ptr, BPT, NB: tl.constexpr, NB_P2: tl.constexp
     m = bm[:, None] & (j[None, :] < HALF)
     byte = tl.load(p_ptr + row * BPT + nb[:, None] * HALF + j[None, :], mask=m, other=0).to(tl.int32)
     b = tl.load(p_ptr + row * BPT + NB * HALF + nb, mask=bm, other=127).to(tl.int32)
-    # 2**(b - 127): the normal fp32 with exponent field b; b == 0 is the subnormal 2**-127; 0xFF is NaN
-    s = tl.where(b == 0, tl.full([NB_P2], 0x00400000, tl.int32), b << 23).to(tl.float32, bitcast=True)
-    s = tl.where(b == 0xFF, float("nan"), s)
+    if E4M3:  # V4.1's latents: one E4M3 scale byte per block
+        s = _e4m3_value(b)
+    else:
+        # 2**(b - 127): the normal fp32 with exponent field b; b == 0 is the subnormal 2**-127; 0xFF is NaN
+        s = tl.where(b == 0, tl.full([NB_P2], 0x00400000, tl.int32), b << 23).to(tl.float32, bitcast=True)
+        s = tl.where(b == 0xFF, float("nan"), s)
     lo = (_fp4_value(byte & 15) * s[:, None]).to(tl.bfloat16, fp_downcast_rounding="rtne")
     hi = (_fp4_value(byte >> 4) * s[:, None]).to(tl.bfloat16, fp_downcast_rounding="rtne")
     ch = nb[:, None] * (2 * HALF) + 2 * j[None, :]
@@ -158,9 +176,16 @@ def fp4_kv_encode(layout, x: torch.Tensor, into: tuple | None = None) -> torch.T
     return out.reshape(*lead, bpt) if into is None else None
 
 
+def fp4_decode_supported(layout) -> bool:
+    """What `fp4_kv_decode` reads: the `fp4_codec_supported` layouts and V4.1's fp4_e4m3 latents (an E4M3
+    scale byte per block; their encode stays on the torch codec)."""
+    return fp4_codec_supported(layout) or (layout.codec == "fp4_e4m3" and layout.raw_dim == 0
+                                           and layout.block >= 2 and layout.block & (layout.block - 1) == 0)
+
+
 def fp4_kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
-    """Same contract as `layout.load(packed)` for `fp4_codec_supported` layouts: uint8 [..., bpt] -> bf16."""
-    if not fp4_codec_supported(layout):
+    """Same contract as `layout.load(packed)` for `fp4_decode_supported` layouts: uint8 [..., bpt] -> bf16."""
+    if not fp4_decode_supported(layout):
         raise ValueError(f"fp4_kv_decode: layout {layout.name} ({layout.codec}, raw {layout.raw_dim}) not supported")
     bpt = layout.bytes_per_token
     if packed.dtype != torch.uint8 or packed.shape[-1] != bpt:
@@ -171,7 +196,7 @@ def fp4_kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     if p2.shape[0]:
         nb = layout.n_scales
         _fp4_decode_kernel[(p2.shape[0],)](p2, out, bpt, NB=nb, NB_P2=next_power_of_2(nb),
-                                           HALF=layout.block // 2, num_warps=1)
+                                           HALF=layout.block // 2, E4M3=layout.codec == "fp4_e4m3", num_warps=1)
     return out.reshape(*lead, layout.dim)
 
 

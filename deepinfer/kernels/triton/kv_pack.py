@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported, fp4_kv_decode, fp4_kv_encode
+from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported, fp4_decode_supported, fp4_kv_decode, fp4_kv_encode
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 
 FP8_MAX = tl.constexpr(448.0)  # jit code reads module globals only as constexpr
@@ -165,7 +165,7 @@ def kv_encode_into(layout, x: torch.Tensor, store: torch.Tensor, rows: torch.Ten
 
 def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     """Same contract as `layout.load(packed)`: uint8 [..., bytes_per_token] -> bf16 [..., dim]."""
-    if fp4_codec_supported(layout) and _on_device(packed):  # the FP4 index keys
+    if fp4_decode_supported(layout) and _on_device(packed):  # the FP4 index keys, V4.1's FP4 latents
         return fp4_kv_decode(layout, packed)
     if not _supported(layout) or not _on_device(packed):
         return layout.load(packed)

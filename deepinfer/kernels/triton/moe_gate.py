@@ -1,7 +1,7 @@
 """Triton V4 MoE gate after its logits GEMM: the CUDA twin of `official_fused.moe_gate_sqrtsoftplus`.
 
-Owns: `moe_gate_sqrtsoftplus(logits, bias, topk, route_scale)`. One program per token row: sqrt(softplus)
-scores (`_sqrt_softplus`: torch's softplus, IEEE sqrt), the top-k of the biased
+Owns: `moe_gate_sqrtsoftplus(logits, bias, topk, route_scale, norm_eps=0)` (V4.1 renormalises by sum + 1e-20).
+One program per token row: sqrt(softplus) scores (`_sqrt_softplus`: torch's softplus, IEEE sqrt), the top-k of the biased
 scores by k rounds of max + lowest index of the max (descending, as torch.topk returns them), the unbiased
 scores of those experts renormalised and scaled. On torch this is ~9 kernels (softplus, sqrt, add, topk,
 gather, sum, div, mul + the index cast); here one.
@@ -49,7 +49,7 @@ def _hash_gate_kernel(logits_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, stride_t, st
 
 @fast_launch
 @triton.jit
-def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
+def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale, norm_eps,
                  K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
@@ -69,12 +69,12 @@ def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
         biased = tl.where(e == j, float("-inf"), biased)
     total = tl.sum(sel_w, axis=0)
     kmask = kk < K
-    tl.store(w_ptr + t * K + kk, sel_w / total * route_scale, mask=kmask)
+    tl.store(w_ptr + t * K + kk, sel_w / (total + norm_eps) * route_scale, mask=kmask)
     tl.store(idx_ptr + t * K + kk, sel_idx.to(tl.int64), mask=kmask)
 
 
-def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
-                          route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
+                          norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (weights [T, topk] fp32, indices [T, topk] int64); see the torch twin."""
     if logits.dim() != 2 or bias.shape != logits.shape[-1:] or not 0 < topk <= logits.shape[-1]:
         raise ValueError(f"moe_gate: logits [T, E], bias [E], 0 < topk <= E; got {tuple(logits.shape)}, "
@@ -87,7 +87,8 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int,
     idx = torch.empty(T, topk, dtype=torch.int64, device=logits.device)
     if T:
         e_p2 = next_power_of_2(E)
-        _gate_kernel[(T,)](logits, bias.contiguous(), w, idx, E, logits.stride(0), float(route_scale), K=topk,
+        _gate_kernel[(T,)](logits, bias.contiguous(), w, idx, E, logits.stride(0), float(route_scale),
+                           float(norm_eps), K=topk,
                            E_P2=e_p2, K_P2=next_power_of_2(topk), num_warps=4 if e_p2 <= 1024 else 8)
     return w, idx
 

@@ -12,6 +12,8 @@ Owns:
   `kernels.official_fused.hc_pre_fused`: exactly the sequence of torch ops the engine runs today. The mix
   GEMM runs on bf16 tensor cores with exact products (fn split in three bf16 parts); `mix_plan` is its
   launch geometry, which `hc_pre_fused(..., config=)` overrides (the benchmark's sweep).
+* `hc_pre_deferred_fused(x, pre_mix, ...) -> (y, pre, post, comb)`: V4.1's hc_pre (the collapse takes the
+  previous sublayer's pre; this one's is returned), the same two launches.
 * `hc_post(f, residual, post, comb)`: registered under the torch op's name (fp32 result);
   `hc_post_fused(...)` writes the bf16 residual directly (the official path rounds right after).
 float64 inputs (exact numerics on a GPU) fall back to the torch ops: these kernels compute in fp32.
@@ -219,8 +221,9 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
 @fast_launch
 @triton.jit
 def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
-                                 T, D, splits, iters, hc_eps, norm_eps,
-                                 HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr):
+                                 pre_in_ptr, pre_out_ptr, T, D, splits, iters, hc_eps, norm_eps,
+                                 HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr,
+                                 DEFERRED: tl.constexpr):
     """One token, in two programs (grid (T, 2); (T, 1) for HEAD): both sum the split-K partials they need
     and r-normalise them; program 0 collapses the token's hc streams with the pre weights, rounds to bf16,
     RMSNorms and rounds again (y); program 1 runs the Sinkhorn split (post, comb), which y does not need.
@@ -230,7 +233,8 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
     tree (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first, to overlap their
     latency with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 ->
     9.2 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre weights
-    alone, no post, comb or Sinkhorn."""
+    alone, no post, comb or Sinkhorn. DEFERRED (V4.1's deferred pre, `hc_pre_deferred_fused`): program 0 stores
+    the pre weights it computes (pre_out [T, HC]) and collapses with the given ones (pre_in [T, HC] fp32)."""
     t = tl.program_id(0).to(tl.int64)
     if HEAD:
         n_mix = HC
@@ -245,6 +249,9 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
     if tl.program_id(1) == 0:
         m_pre = tl.sum(tl.load(part_ptr + row[:, None] + j[None, :], mask=live[:, None], other=0.0), axis=0)
         pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
+        if DEFERRED:  # this sublayer's pre goes to the next sublayer; the collapse takes the previous one's
+            tl.store(pre_out_ptr + t * HC + j, pre)
+            pre = tl.load(pre_in_ptr + t * HC + j)
         cols = tl.arange(0, BLOCK_D)
         dmask = cols < D
         x = tl.load(x_ptr + t * HC * D + j[:, None] * D + cols[None, :], mask=dmask[None, :],
@@ -418,6 +425,36 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     return y, post, comb
 
 
+def hc_pre_deferred_fused(x: torch.Tensor, pre_mix: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                          base: torch.Tensor, norm_weight: torch.Tensor, hc: int, iters: int, hc_eps: float,
+                          norm_eps: float, config: dict | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Op "hc_pre_deferred_fused" (twin `official_fused.hc_pre_deferred_fused`): V4.1's hc_pre, which
+    collapses with the previous sublayer's pre -> (y, pre, post, comb), in `hc_pre_fused`'s two launches where
+    its separate ops were ~90 (the Sinkhorn's 2 x iters reductions one launch each)."""
+    _check_hc_pre(x, fn, scale, base, norm_weight, hc)
+    T = x.shape[0]
+    _need(tuple(pre_mix.shape) == (T, hc), f"hc_pre_deferred: pre_mix must be [{T}, {hc}], got {tuple(pre_mix.shape)}")
+    if _fallback(x, fn, pre_mix):
+        return official_fused.hc_pre_deferred_fused(x, pre_mix, fn, scale, base, norm_weight, hc, iters, hc_eps,
+                                                    norm_eps)
+    _need(x.dtype == BF16, f"hc_pre: x must be bf16 (an MMA operand as it is) or float64 (the twin), got {x.dtype}")
+    D = x.shape[2]
+    x = x.contiguous()
+    dev = x.device
+    y = torch.empty(T, D, dtype=BF16, device=dev)
+    pre = torch.empty(T, hc, dtype=F32, device=dev)
+    post = torch.empty(T, hc, dtype=F32, device=dev)
+    comb = torch.empty(T, hc, hc, dtype=F32, device=dev)
+    if T == 0:
+        return y, pre, post, comb
+    plan = mix_plan(T, hc * D, config)
+    part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
+    _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps,
+              deferred=(pre_mix.to(F32).contiguous(), pre))
+    return y, pre, post, comb
+
+
 def _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, config,
                       head: bool = False) -> None:
     """The two launches of hc_pre_fused / hc_head_fused: the split-K mix partials, then per token a collapse
@@ -430,14 +467,16 @@ def _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_
 
 
 def _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps,
-              head: bool = False) -> None:
-    """`_hc_sinkhorn_collapse_kernel` over the mix partials of `plan`: y (and, unless `head`, post / comb)."""
+              head: bool = False, deferred: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """`_hc_sinkhorn_collapse_kernel` over the mix partials of `plan`: y (and, unless `head`, post / comb);
+    deferred = (pre_in, pre_out): collapse with pre_in, store the computed pre into pre_out."""
     T, hc, D = x.shape
     block_d = next_power_of_2(D)
+    pre_in, pre_out = deferred if deferred is not None else (post, post)  # (unread without DEFERRED)
     _hc_sinkhorn_collapse_kernel[(T, 1 if head else 2)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
-        y, post, comb, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_D=block_d, SP=max(2, next_power_of_2(plan["SPLITS"])), HEAD=head,
+        y, post, comb, pre_in, pre_out, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
+        HC=hc, BLOCK_D=block_d, SP=max(2, next_power_of_2(plan["SPLITS"])), HEAD=head, DEFERRED=deferred is not None,
         num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
 
 
@@ -564,6 +603,7 @@ REGISTRATIONS = {
     "rms_norm_bf16": rms_norm_bf16,
     "head_rms_norm": head_rms_norm,
     "hc_pre_fused": hc_pre_fused,
+    "hc_pre_deferred_fused": hc_pre_deferred_fused,
     "hc_head_fused": hc_head_fused,
     "hc_post": hc_post,
     "hc_post_fused": hc_post_fused,
