@@ -22,9 +22,9 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 
 case $stage in
 s25)  # V4.1's batched decode path (graphs) and its kernels (deferred hc_pre, the E4M3-scaled FP4 latent decode,
-    # the gate with V4.1's renormalisation): their GPU tests and the V4.1 engine's, then the slice's decode steps
+    # the gate with V4.1's renormalisation, the two-layout paged attention): their GPU tests and the V4.1 engine's, then the slice's decode steps
     step gpu_tests_v41_kernels 120 python -m pytest -m gpu -q -rf -p no:cacheprovider \
-        tests/test_kernels_hc_pre_deferred.py tests/test_kernels_decode.py
+        tests/test_kernels_hc_pre_deferred.py tests/test_kernels_decode.py tests/test_kernels_attn_paged_mixed.py
     step gpu_tests_v41_decode 300 python -m pytest -m gpu -q -rf -p no:cacheprovider \
         tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
     step bench_v41_decode 240 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 30

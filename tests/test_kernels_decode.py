@@ -174,6 +174,13 @@ def _check_fp4_codec(device: str, subnormal_scales: bool = True) -> None:
         got, ref = fp4_kv_decode(lat, packed), lat.load(packed)
         assert torch.equal(got.isnan(), ref.isnan())
         assert bool(((got.view(torch.int16) == ref.view(torch.int16)) | ref.isnan()).all())
+    # the rows form (kv_decode_rows on cuda): rows of a store read where they are, -1 reading row 0
+    from deepinfer.kernels.official_fused import kv_decode_rows
+    for lay in (lat, get_layout("v41_index_fp4", cfg)):
+        store = lay.store(_fp4_inputs(g, (37, lay.dim), 1.0, device))
+        rows = torch.randint(-1, 37, (3, 21), generator=g).to(device)
+        got, ref = fp4_kv_decode(lay, store, rows), kv_decode_rows(lay, store, rows)
+        assert got.shape == (3, 21, lay.dim) and torch.equal(got.view(torch.int16), ref.view(torch.int16)), lay.name
     with pytest.raises(ValueError, match="not supported"):
         fp4_kv_encode(get_layout("v4_fp8_ds_mla", cfg), torch.zeros(1, cfg.head_dim, device=device))
     with pytest.raises(ValueError, match="not supported"):

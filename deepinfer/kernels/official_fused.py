@@ -28,10 +28,11 @@ import torch
 from deepinfer import formats
 from deepinfer.kernels import official, torch_ops
 
-__all__ = ["hc_pre_fused", "hc_pre_deferred_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "moe_gate_sqrtsoftplus",
+__all__ = ["hc_pre_fused", "hc_pre_deferred_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "kv_decode_rows",
+           "moe_gate_sqrtsoftplus",
            "moe_gate_hash_sqrtsoftplus", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
-           "sparse_attn_sink_paged_rope", "indexer_q_rotate", "index_key_rotate_store",
+           "sparse_attn_sink_paged_rope", "sparse_attn_sink_paged_mixed", "indexer_q_rotate", "index_key_rotate_store",
            "hc_post_pre_fused"]
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -115,6 +116,15 @@ def _check_encode_into(layout, x, store, rows, keep) -> None:
 def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     """`layout.load(packed)`: packed bytes -> the bf16 values the oracle holds in its cache."""
     return layout.load(packed)
+
+
+def kv_decode_rows(layout, store: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The values of the stored rows `rows` (int64, any shape; a negative index reads row 0, for the caller to
+    mask) of a packed store [N, bytes] -> [*rows.shape, dim]: `layout.load(store[rows.clamp(min=0)])`."""
+    if store.dim() != 2 or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_decode_rows: want store [N, bytes] and integer rows, got {tuple(store.shape)}, "
+                         f"{rows.dtype}")
+    return layout.load(store[rows.clamp(min=0)])
 
 
 def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
@@ -235,6 +245,31 @@ def sparse_attn_sink_paged(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tens
     pool_idx = torch.arange(T * K, device=idx.device).view(T, K)
     return official.sparse_attn_sink_official(q, kv.reshape(T * K, -1), sink, torch.where(idx >= 0, pool_idx, -1),
                                               scale, initial_max)
+
+
+def sparse_attn_sink_paged_mixed(q: torch.Tensor, ring: torch.Tensor, ring_layout, comp: torch.Tensor | None,
+                                 comp_layout, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                                 ring_cols: int, initial_max: float = float("-inf")) -> torch.Tensor:
+    """`sparse_attn_sink_paged` where the ring and the compressed rows have DIFFERENT layouts (V4.1: the FP8
+    window ring, the FP4 latents): idx [T, K]'s first `ring_cols` columns name ring rows (of ring [slots,
+    window, bytes] flattened) or -1, the rest compressed rows counted after the ring's rows or -1. Each part
+    decoded with its own layout into one pool, attended in idx's order: the same bits as attending the
+    decoded rows."""
+    if idx.dim() != 2 or q.dim() != 3 or idx.shape[0] != q.shape[0] or not 0 <= ring_cols <= idx.shape[1]:
+        raise ValueError(f"sparse_attn_sink_paged_mixed: want q [T, H, d], idx [T, K] and 0 <= ring_cols <= K; got "
+                         f"{tuple(q.shape)}, {tuple(idx.shape)}, ring_cols {ring_cols}")
+    if comp is None and ring_cols != idx.shape[1]:
+        raise ValueError("sparse_attn_sink_paged_mixed: index columns past ring_cols need compressed rows")
+    flat = ring.flatten(0, -2)
+    parts = [kv_decode_rows(ring_layout, flat, idx[:, :ring_cols])]
+    if ring_cols < idx.shape[1]:
+        comp_idx = idx[:, ring_cols:]
+        parts.append(kv_decode_rows(comp_layout, comp, torch.where(comp_idx >= 0, comp_idx - flat.shape[0], -1)))
+    pool = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [T, K, d]
+    T, K = idx.shape
+    cols = torch.arange(T * K, device=idx.device).view(T, K)
+    return official.sparse_attn_sink_official(q, pool.flatten(0, 1), sink, torch.where(idx >= 0, cols, -1), scale,
+                                              initial_max)
 
 
 def qkv_norm_rope_store(q_lora: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor,

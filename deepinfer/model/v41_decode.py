@@ -19,8 +19,8 @@ tests/test_engine_fast_v41_decode.py); the differences are in layout only:
   apply the candidate-block filter of the candidate source (published in the step's dict), take the stable
   top-k (k = min(index_topk, padded width): the picks past a row's visible entries sort last and become -1,
   the varlen path's own -1 padding) and publish the picks' cache rows; consumer layers reuse them;
-* the attended rows (window, then picks) are gathered and decoded per row into one pool for
-  `sparse_attn_sink_official_v41`.
+* the attention reads the window rows from the ring and the picks from the kv source's latents where they
+  are stored (`sparse_attn_sink_paged_mixed`: on cuda one kernel decodes both layouts in registers).
 Must not: import the oracle; read device values on the host; allocate per-sequence state.
 """
 from __future__ import annotations
@@ -113,20 +113,17 @@ def _attend(attn: V41Attention, q: torch.Tensor, lc: V41LayerCache, src: V41Laye
             comp_rows: torch.Tensor | None) -> torch.Tensor:
     """Sparse attention with the sink over this layer's window (its ring) and the picked entries of the kv
     source: the attended rows gathered and decoded into one pool, index columns in the official order."""
-    decode = _k(attn, "kv_decode")
     win_rows = ring_order_rows(rows, attn.win)
-    parts = [decode(lc.layouts["window"], lc.ring.flatten(0, 1)[win_rows.clamp(min=0)])]  # [B, win, hd]
-    valid = [win_rows >= 0]
-    if comp_rows is not None:
-        parts.append(decode(src.layouts["latent"], src.comp[comp_rows.clamp(min=0)]))  # [B, K, hd]
-        valid.append(comp_rows >= 0)
-    pool = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    ok = torch.cat(valid, dim=1) if len(valid) > 1 else valid[0]
-    B, W = ok.shape
-    cols = step_memo(rows, ("v41 pool cols", W), lambda: torch.arange(B * W, device=q.device).view(B, W))
-    idx = torch.where(ok, cols, -1)
-    return _k(attn, "sparse_attn_sink_official_v41")(q, pool.flatten(0, 1), attn.p["attn_sink"], idx,
-                                                     attn.hd**-0.5)
+    idx, comp = win_rows, None
+    if comp_rows is not None:  # compressed rows are counted after the ring's
+        n_ring = lc.ring.shape[0] * lc.ring.shape[1]
+        idx = torch.cat([win_rows, torch.where(comp_rows >= 0, comp_rows + n_ring, -1)], dim=1)
+        comp = src.comp
+    # cuda: one kernel decodes the FP8 ring rows and the FP4 latents in registers (the running max from -1e30:
+    # V4.1's kernel); the twin gathers and decodes each part into a pool first: the same bits unsplit
+    return _k(attn, "sparse_attn_sink_paged_mixed")(q, lc.ring, lc.layouts["window"], comp,
+                                                    src.layouts["latent"] if comp is not None else None,
+                                                    attn.p["attn_sink"], idx, attn.hd**-0.5, attn.win, -1e30)
 
 
 def decode_attention(attn: V41Attention, x: torch.Tensor, rows: DecodeRows, cache: V41Cache,

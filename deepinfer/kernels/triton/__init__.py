@@ -17,6 +17,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "fp4_moe",    # fp4_moe: routing + grouped FP4 expert GEMMs
     "sparse_attn",  # sparse_attn_sink_official(_v41): window + compressed sparse attention with the sink
     "sparse_attn_paged",  # sparse_attn_sink_paged: the same over the stored FP8 ring / compressed rows (decode)
+    "sparse_attn_paged_mixed",  # sparse_attn_sink_paged_mixed: V4.1's FP8 ring + FP4 latents (decode)
     "norm_hc",    # rms_norm, rms_norm_bf16, head_rms_norm, hc_pre_fused, hc_post, hc_post_fused
     "rope",       # rope32, rope_table32
     "indexer",    # indexer_scores_bf16, indexer_scores_paged_bf16 (decode: straight from the packed key cache)

@@ -180,4 +180,17 @@ def kv_decode(layout, packed: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, layout.dim)
 
 
-REGISTRATIONS = {"kv_encode": kv_encode, "kv_encode_into": kv_encode_into, "kv_decode": kv_decode}
+def kv_decode_rows(layout, store: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`official_fused.kv_decode_rows` (the values of a packed store's rows `rows`): the FP4 layouts in one
+    launch that reads the rows where they are (`fp4_kv_decode(..., rows=)`); the others gather, then decode."""
+    from deepinfer.kernels.official_fused import kv_decode_rows as twin
+
+    if fp4_decode_supported(layout) and _on_device(store) and store.dim() == 2 and rows.dtype == torch.int64:
+        return fp4_kv_decode(layout, store, rows)
+    if _on_device(store) and store.dim() == 2:
+        return kv_decode(layout, store[rows.clamp(min=0)])
+    return twin(layout, store, rows)
+
+
+REGISTRATIONS = {"kv_encode": kv_encode, "kv_encode_into": kv_encode_into, "kv_decode": kv_decode,
+                 "kv_decode_rows": kv_decode_rows}
