@@ -11,7 +11,9 @@ bf16 written and read again) and their launches with one read of the packed byte
 The first `ring_cols` index columns are ring rows: with ring_cols a multiple of the 64-column block (V4.1-Flash:
 a 128-row window) every block is of one kind, decoded by one branch; other widths (the tiny checkpoints'
 16-row window) take the twin's path: gathered decodes, then the pool kernel (`sparse_attn_sink_triton`).
-Unsplit, the same rows in the same order and tiles as the pool kernel: the same bits.
+Unsplit, the same rows in the same order and tiles as the pool kernel (`sparse_attn_sink_triton`) over the
+decoded pool: its bits at the same launch (8 warps, one stage; H100 2026-12-06: with its default 4 warps the
+pool kernel's MMAs sum in another order, and rows with compressed entries differ in last bits).
 Must not: import `cache` (the layouts are passed in), reorder an index row, or be imported off CUDA.
 """
 from __future__ import annotations
@@ -40,23 +42,24 @@ def _mixed_block(ring_ptr, comp_ptr, idx_ptr, t, stride_it, start, K, n_ring, RI
     offs = start + tl.arange(0, BLOCK_K)
     rows = tl.load(idx_ptr + t * stride_it + offs, mask=offs < K, other=-1).to(tl.int64)
     valid = rows >= 0
+    # (each branch's temporaries have their own names: Triton types every name both branches assign alike)
     if start < RING_COLS:  # window rows: E4M3 values, then an E8M0 byte per RBLOCK channels
-        base = ring_ptr + rows * RBPT
-        nb = tl.arange(0, D // RBLOCK)
-        raw = tl.load(base[:, None] + dims[None, :], mask=valid[:, None], other=0)
+        rbase = ring_ptr + rows * RBPT
+        rnb = tl.arange(0, D // RBLOCK)
+        raw = tl.load(rbase[:, None] + dims[None, :], mask=valid[:, None], other=0)
         if INTERPRET:  # (no float8 bitcast in the CPU interpreter: the same exact values from the bits)
-            v = _e4m3_value(raw.to(tl.int32))
+            v8 = _e4m3_value(raw.to(tl.int32))
         else:
-            v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s = e8m0_value(tl.load(base[:, None] + D + nb[None, :], mask=valid[:, None], other=127))
-        kv = tl.reshape(tl.reshape(v, (BLOCK_K, D // RBLOCK, RBLOCK)) * s[:, :, None], (BLOCK_K, D))
+            v8 = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s8 = e8m0_value(tl.load(rbase[:, None] + D + rnb[None, :], mask=valid[:, None], other=127))
+        kv = tl.reshape(tl.reshape(v8, (BLOCK_K, D // RBLOCK, RBLOCK)) * s8[:, :, None], (BLOCK_K, D))
     else:  # compressed rows: E2M1 nibbles (channel 2j low, 2j + 1 high), then an E4M3 byte per CBLOCK channels
-        base = comp_ptr + (rows - n_ring) * CBPT
-        nb = tl.arange(0, D // CBLOCK)
-        byte = tl.load(base[:, None] + (dims // 2)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        cbase = comp_ptr + (rows - n_ring) * CBPT
+        cnb = tl.arange(0, D // CBLOCK)
+        byte = tl.load(cbase[:, None] + (dims // 2)[None, :], mask=valid[:, None], other=0).to(tl.int32)
         code = tl.where((dims % 2 == 0)[None, :], byte & 15, byte >> 4)
-        s = _e4m3_value(tl.load(base[:, None] + D // 2 + nb[None, :], mask=valid[:, None], other=0x38).to(tl.int32))
-        kv = tl.reshape(tl.reshape(_fp4_value(code), (BLOCK_K, D // CBLOCK, CBLOCK)) * s[:, :, None], (BLOCK_K, D))
+        s4 = _e4m3_value(tl.load(cbase[:, None] + D // 2 + cnb[None, :], mask=valid[:, None], other=0x38).to(tl.int32))
+        kv = tl.reshape(tl.reshape(_fp4_value(code), (BLOCK_K, D // CBLOCK, CBLOCK)) * s4[:, :, None], (BLOCK_K, D))
     return kv.to(tl.bfloat16), valid
 
 
