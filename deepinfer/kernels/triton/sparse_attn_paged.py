@@ -20,6 +20,8 @@ Must not: import `cache` (the layout object is passed in), reorder an index row,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -221,41 +223,74 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
         raise ValueError(f"sparse_attn_sink_paged: rope_table {rope_table.dtype} {tuple(rope_table.shape)} is not "
                          f"rope_table32's fp32 [2, {T}, half] (a power of two <= d/2 = {d // 2})")
     cos, sin = (rope_table[0], rope_table[1]) if half else (sink, sink)  # (never read without ROPE_HALF)
-    plan_h, plan_chunk = split_plan(T, K, H) if env.decode_attn_split() == "auto" else (_block_h(T, H), 0)
-    chunk = plan_chunk if chunk is None else chunk
-    if chunk < 0 or chunk % SPARSE_ATTN_BLOCK:
-        raise ValueError(f"sparse_attn_sink_paged: chunk {chunk} must be a non-negative multiple of "
-                         f"{SPARSE_ATTN_BLOCK}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    plan = PagedLaunch.make("sparse_attn_sink_paged", q, idx, sink, out, chunk, block_h, initial_max)
     if T == 0:
         return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
     comp = ring if comp is None or comp.shape[0] == 0 else comp  # no compressed rows: every index is a ring row
-    sink = sink.to(torch.float32).contiguous()
-    bh = block_h or (plan_h if chunk == plan_chunk else _block_h(T, H))
-    S = cdiv(K, chunk) if chunk else 1
-    split = S > 1
-    f32 = dict(dtype=torch.float32, device=q.device)
-    # split states: [T, S, H] running max and sum, [T, S, H, d] unnormalised acc (unused without a split)
-    part_max, part_sum = (torch.empty(T, S, H, **f32), torch.empty(T, S, H, **f32)) if split else (out, out)
-    part_acc = torch.empty(T, S, H, d, **f32) if split else out
-    # the index rows as they come (int64 from the decode step's row ops; the kernel widens each to int64):
-    # no int32 copy, which was one more launch per layer on the decode step's main chain
-    idx_rows = idx if idx.dtype in (torch.int32, torch.int64) and idx.is_contiguous() else idx.to(torch.int32).contiguous()
-    _sparse_attn_paged_kernel[(cdiv(H, bh), T, S)](
-        q, ring, comp, ring.view(torch.int16), comp.view(torch.int16), sink, idx_rows, out,
-        part_acc, part_max, part_sum, cos, sin, H, K, ring.numel() // layout.bytes_per_token, float(scale),
-        max(float(initial_max), -1e30) if split else float(initial_max),  # split states: finite (the combine's note)
-        chunk if split else cdiv(K, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK,
-        q.stride(0), q.stride(1), K, out.stride(0), out.stride(1),
-        BPT=layout.bytes_per_token, QDIM=layout.quant_dim, SBLOCK=layout.block, D=d, BLOCK_H=bh,
-        BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=split, INTERPRET=_interpreting(), ROPE_HALF=half, num_warps=num_warps,
+    _sparse_attn_paged_kernel[plan.grid](
+        plan.q, ring, comp, ring.view(torch.int16), comp.view(torch.int16), plan.sink, plan.idx, out,
+        plan.part_acc, plan.part_max, plan.part_sum, cos, sin, H, K, ring.numel() // layout.bytes_per_token,
+        float(scale), plan.initial_max, plan.chunk, plan.q.stride(0), plan.q.stride(1), K, out.stride(0),
+        out.stride(1), BPT=layout.bytes_per_token, QDIM=layout.quant_dim, SBLOCK=layout.block, D=d, BLOCK_H=plan.bh,
+        BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=plan.split, INTERPRET=_interpreting(), ROPE_HALF=half, num_warps=num_warps,
         num_stages=num_stages)
-    if split:
-        _combine_splits_kernel[(cdiv(H, COMBINE_HEADS), T)](
-            part_acc, part_max, part_sum, sink, out, cos, sin, H, S, out.stride(0), out.stride(1), D=d,
-            BLOCK_H=COMBINE_HEADS, ROPE_HALF=half, num_warps=4)
+    plan.combine(out, cos, sin, half)
     return out
+
+
+@dataclass
+class PagedLaunch:
+    """What both paged kernels' launchers share (this module's and `sparse_attn_paged_mixed`'s): the heads per
+    program and the split of the index row (`split_plan`, or none with DEEPINFER_DECODE_ATTN_SPLIT=off; a
+    `chunk` / `block_h` given overrides), the split states, the kernel's chunk and initial max arguments, and
+    the combine launch."""
+
+    q: torch.Tensor  # (unit last stride)
+    sink: torch.Tensor  # fp32
+    idx: torch.Tensor  # the index rows as they come when int32/int64 and contiguous (the kernel widens each)
+    bh: int
+    grid: tuple[int, int, int]  # (head blocks, T, splits)
+    chunk: int  # index columns a program walks (the whole row rounded up to blocks without a split)
+    initial_max: float  # split states start finite (`_combine_splits_kernel`'s note)
+    part_max: torch.Tensor  # [T, S, H] running max and sum, [T, S, H, d] unnormalised acc (out: unused unsplit)
+    part_sum: torch.Tensor
+    part_acc: torch.Tensor
+
+    @property
+    def split(self) -> bool:
+        return self.grid[2] > 1
+
+    @staticmethod
+    def make(op: str, q: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, out: torch.Tensor, chunk: int | None,
+             block_h: int | None, initial_max: float) -> "PagedLaunch":
+        T, H, d = q.shape
+        K = idx.shape[1]
+        plan_h, plan_chunk = split_plan(T, K, H) if env.decode_attn_split() == "auto" else (_block_h(T, H), 0)
+        chunk = plan_chunk if chunk is None else chunk
+        if chunk < 0 or chunk % SPARSE_ATTN_BLOCK:
+            raise ValueError(f"{op}: chunk {chunk} must be a non-negative multiple of {SPARSE_ATTN_BLOCK}")
+        bh = block_h or (plan_h if chunk == plan_chunk else _block_h(T, H))
+        S = cdiv(K, chunk) if chunk else 1
+        f32 = dict(dtype=torch.float32, device=q.device)
+        split = S > 1
+        # the index rows as they come (int64 from the decode step's row ops): no int32 copy, which was one more
+        # launch per layer on the decode step's main chain
+        rows = idx if idx.dtype in (torch.int32, torch.int64) and idx.is_contiguous() else idx.to(torch.int32).contiguous()
+        return PagedLaunch(
+            q if q.stride(-1) == 1 else q.contiguous(), sink.to(torch.float32).contiguous(), rows, bh,
+            (cdiv(H, bh), T, S), chunk if split else cdiv(K, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK,
+            max(float(initial_max), -1e30) if split else float(initial_max),
+            torch.empty(T, S, H, **f32) if split else out, torch.empty(T, S, H, **f32) if split else out,
+            torch.empty(T, S, H, d, **f32) if split else out)
+
+    def combine(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> None:
+        """Merge the split states into out (nothing without a split)."""
+        if self.split:
+            H, d = out.shape[1], out.shape[2]
+            _combine_splits_kernel[(cdiv(H, COMBINE_HEADS), out.shape[0])](
+                self.part_acc, self.part_max, self.part_sum, self.sink, out, cos, sin, H, self.grid[2], out.stride(0),
+                out.stride(1), D=d, BLOCK_H=COMBINE_HEADS, ROPE_HALF=half, num_warps=4)
 
 
 def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,

@@ -22,14 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer import env
 from deepinfer.kernels.official_fused import sparse_attn_sink_paged_mixed as twin
 from deepinfer.kernels.triton.fp4_quant import _e4m3_value, _fp4_value
 from deepinfer.kernels.triton.kv_pack import e8m0_value
-from deepinfer.kernels.triton.launch import cdiv, fast_launch
-from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
-                                                  attend_block, finish_heads, head_block)
-from deepinfer.kernels.triton.sparse_attn_paged import COMBINE_HEADS, _combine_splits_kernel, split_plan
+from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _check, _interpreting, attend_block,
+                                                  finish_heads, head_block)
+from deepinfer.kernels.triton.sparse_attn_paged import PagedLaunch
 
 
 @triton.jit
@@ -122,38 +121,19 @@ def sparse_attn_sink_paged_mixed(q: torch.Tensor, ring: torch.Tensor, ring_layou
             raise ValueError(f"sparse_attn_sink_paged_mixed: {name} must be contiguous uint8 [..., "
                              f"{layout.bytes_per_token}] ({layout.name}), got {x.dtype} {tuple(x.shape)}")
     _check(q, None, sink, idx)
-    plan_h, plan_chunk = split_plan(T, K, H) if env.decode_attn_split() == "auto" else (_block_h(T, H), 0)
-    chunk = plan_chunk if chunk is None else chunk
-    if chunk < 0 or chunk % SPARSE_ATTN_BLOCK:
-        raise ValueError(f"sparse_attn_sink_paged_mixed: chunk {chunk} must be a non-negative multiple of "
-                         f"{SPARSE_ATTN_BLOCK}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    plan = PagedLaunch.make("sparse_attn_sink_paged_mixed", q, idx, sink, out, chunk, block_h, initial_max)
     if T == 0:
         return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    sink = sink.to(torch.float32).contiguous()
-    bh = block_h or (plan_h if chunk == plan_chunk else _block_h(T, H))
-    S = cdiv(K, chunk) if chunk else 1
-    split = S > 1
-    f32 = dict(dtype=torch.float32, device=q.device)
-    part_max, part_sum = (torch.empty(T, S, H, **f32), torch.empty(T, S, H, **f32)) if split else (out, out)
-    part_acc = torch.empty(T, S, H, d, **f32) if split else out
-    idx_rows = idx if idx.dtype in (torch.int32, torch.int64) and idx.is_contiguous() else idx.to(torch.int32).contiguous()
     n_ring = ring.numel() // ring_layout.bytes_per_token
-    cmp = comp if comp is not None else ring
-    _sparse_attn_mixed_kernel[(cdiv(H, bh), T, S)](
-        q, ring, cmp, sink, idx_rows, out, part_acc, part_max, part_sum, H, K, n_ring, float(scale),
-        max(float(initial_max), -1e30) if split else float(initial_max),  # split states: finite (the combine's)
-        chunk if split else cdiv(K, SPARSE_ATTN_BLOCK) * SPARSE_ATTN_BLOCK,
-        q.stride(0), q.stride(1), K, out.stride(0), out.stride(1),
-        RING_COLS=ring_cols, RBPT=ring_layout.bytes_per_token, RBLOCK=ring_layout.block,
-        CBPT=(comp_layout or ring_layout).bytes_per_token, CBLOCK=(comp_layout or ring_layout).block, D=d,
-        BLOCK_H=bh, BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=split, INTERPRET=_interpreting(), num_warps=num_warps,
-        num_stages=1)
-    if split:
-        _combine_splits_kernel[(cdiv(H, COMBINE_HEADS), T)](
-            part_acc, part_max, part_sum, sink, out, sink, sink, H, S, out.stride(0), out.stride(1), D=d,
-            BLOCK_H=COMBINE_HEADS, ROPE_HALF=0, num_warps=4)
+    cl = comp_layout or ring_layout  # (no compressed rows: every index is a ring row; the comp branch never runs)
+    _sparse_attn_mixed_kernel[plan.grid](
+        plan.q, ring, comp if comp is not None else ring, plan.sink, plan.idx, out, plan.part_acc, plan.part_max,
+        plan.part_sum, H, K, n_ring, float(scale), plan.initial_max, plan.chunk, plan.q.stride(0), plan.q.stride(1),
+        K, out.stride(0), out.stride(1), RING_COLS=ring_cols, RBPT=ring_layout.bytes_per_token,
+        RBLOCK=ring_layout.block, CBPT=cl.bytes_per_token, CBLOCK=cl.block, D=d, BLOCK_H=plan.bh,
+        BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=plan.split, INTERPRET=_interpreting(), num_warps=num_warps, num_stages=1)
+    plan.combine(out, plan.sink, plan.sink, 0)
     return out
 
 
