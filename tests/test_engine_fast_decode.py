@@ -175,16 +175,21 @@ def test_llm_fast_decodes_through_the_batched_path(tiny_v4_dir, tiny_v4_raw):
     """LLM(numerics="fast"): pure-decode steps go through the runner's DecodeRunner, and the greedy tokens
     equal those of the same engine with the decode path switched off (4 prompts finishing together: every
     decode step fills bucket 4 exactly, so on the CPU twins both paths are bit-identical)."""
+    engine_decodes_with_and_without_the_batched_path(tiny_v4_dir, tiny_v4_raw[0], (30, 9, 131, 4))
+
+
+def engine_decodes_with_and_without_the_batched_path(model_dir, cfg, lens) -> None:
+    """Greedy `LLM.generate` of prompts of `lens` tokens (4, finishing together) through the runner's
+    DecodeRunner and with it switched off: every decode step goes through it, and the tokens are equal."""
     from deepinfer import LLM, SamplingParams
 
-    cfg, _ = tiny_v4_raw
     g = torch.Generator().manual_seed(2)
-    ps = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (30, 9, 131, 4)]
+    ps = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     kw = dict(numerics="fast", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=512, num_blocks=8)
     runs = []
     for on in (True, False):
-        llm = LLM(tiny_v4_dir, **kw)
+        llm = LLM(model_dir, **kw)
         runner = llm.engine.runner
         assert runner.decoder is not None and runner.model.cache.max_num_seqs == 5
         calls = []

@@ -20,6 +20,7 @@ import torch
 
 import test_engine_fast as v4_fast
 import test_engine_fast_v41 as tf41
+from test_engine_fast_decode import engine_decodes_with_and_without_the_batched_path, rel_err
 from test_engine_fast_v41 import oracle_run, parts  # noqa: F401  (module-scoped fixtures)
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.decode_step import DecodeRunner
@@ -103,13 +104,9 @@ def run_both(models, tok, lens, runner, steps=STEPS):
         seqs = [SeqContext(n + k, 1, i, i, table(i)) for i, n in enumerate(lens)]
         ref = models[0](tok, ForwardContext(tuple(seqs)))
         got = runner(tok, seqs).clone()
-        errs.append(0.0 if torch.equal(got, ref) else v4_fast_rel_err(got, ref))
+        errs.append(0.0 if torch.equal(got, ref) else rel_err(got, ref))
         tok = ref.argmax(-1)
     return errs
-
-
-def v4_fast_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -188,28 +185,10 @@ def test_llm_fast_v41_decodes_through_the_batched_path(tiny_v41_dir):
     """LLM(numerics="fast") on V4.1: pure-decode steps go through the runner's DecodeRunner, and the greedy
     tokens equal those of the same engine with the decode path switched off (prompts long enough that every
     row sees index_topk entries, finishing together: bit-identical on the CPU twins)."""
-    from deepinfer import LLM, SamplingParams
     from deepinfer.config import ModelConfig
 
-    cfg = ModelConfig.from_checkpoint(tiny_v41_dir)
-    g = torch.Generator().manual_seed(2)
-    ps = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (30, 9, 131, 12)]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    kw = dict(numerics="fast", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=512, num_blocks=8)
-    runs = []
-    for on in (True, False):
-        llm = LLM(tiny_v41_dir, **kw)
-        runner = llm.engine.runner
-        assert runner.decoder is not None and runner.model.cache.max_num_seqs == 5
-        calls = []
-        if on:
-            inner = runner.decoder
-            runner.decoder = lambda ids, seqs: calls.append(len(seqs)) or inner(ids, seqs)
-        else:
-            runner.decoder = None
-        runs.append([o.outputs[0].token_ids for o in llm.generate(ps, params)])
-        assert len(calls) == (5 if on else 0), calls  # the 5 decode steps after the prefill step
-    assert runs[0] == runs[1]
+    engine_decodes_with_and_without_the_batched_path(tiny_v41_dir, ModelConfig.from_checkpoint(tiny_v41_dir),
+                                                     (30, 9, 131, 12))
 
 
 def test_v41_decode_runner_errors(parts, fast_params):  # noqa: F811
