@@ -83,12 +83,14 @@ class DecodeRunner:
         self._meta: dict[tuple[int, int], DecodeMetadata] = {}
         self._ids = {b: torch.zeros(b, dtype=torch.long, device=model.device) for b in self.buckets}
         # family v41 (model/v41_decode.py): its own layer math, and the Engram rows of a step in static buffers
-        self._v41 = model.cfg.is_v41
+        self._v41_logits = None
         self._engram = {}
-        if self._v41 and model.engrams:
-            from deepinfer.model.v41_decode import EngramInputs
+        if model.cfg.is_v41:
+            from deepinfer.model.v41_decode import EngramInputs, decode_logits as v41_decode_logits
 
-            self._engram = {b: EngramInputs(model, b) for b in self.buckets}
+            self._v41_logits = v41_decode_logits
+            if model.engrams:
+                self._engram = {b: EngramInputs(model, b) for b in self.buckets}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.last_bucket: tuple[int, int] | None = None  # the (batch, context) bucket of the last step
         self.replayed = self.eager = 0  # steps run from a captured graph / eagerly (benchmarks read them)
@@ -143,10 +145,8 @@ class DecodeRunner:
 
     def _forward(self, b: int, c: int) -> torch.Tensor:
         """The decode forward of bucket (b, c) on its buffers (what a graph of the bucket captures)."""
-        if self._v41:
-            from deepinfer.model import v41_decode
-
-            return v41_decode.decode_logits(self.model, self._ids[b], self._meta[(b, c)], self._engram.get(b))
+        if self._v41_logits is not None:
+            return self._v41_logits(self.model, self._ids[b], self._meta[(b, c)], self._engram.get(b))
         return decode_logits(self.model, self._ids[b], self._meta[(b, c)])
 
     def prepare(self, ids: torch.Tensor, seqs: Sequence[SeqContext]) -> tuple[int, int]:
