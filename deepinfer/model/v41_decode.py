@@ -18,7 +18,8 @@ tests/test_engine_fast_v41_decode.py); the differences are in layout only:
   `max_context // r` padded columns (`indexer_scores_paged_bf16`; V4.1's index keys have V4's FP4 layout),
   apply the candidate-block filter of the candidate source (published in the step's dict), take the stable
   top-k (k = min(index_topk, padded width): the picks past a row's visible entries sort last and become -1,
-  the varlen path's own -1 padding) and publish the picks' cache rows; consumer layers reuse them;
+  the varlen path's own -1 padding) and publish the index rows (window, then picks: `decode_select_rows`);
+  consumer layers reuse them;
 * the attention reads the window rows from the ring and the picks from the kv source's latents where they
   are stored (`sparse_attn_sink_paged_mixed`: on cuda one kernel decodes both layouts in registers).
 Must not: import the oracle; read device values on the host; allocate per-sequence state.
@@ -86,10 +87,12 @@ def _store_entries(attn: V41Attention, lc: V41LayerCache, lat: torch.Tensor, row
          rr.new_row, rr.complete)
 
 
-def _select(attn: V41Attention, src: V41LayerCache, x: torch.Tensor, qr: torch.Tensor, rows: DecodeRows,
-            rr: RatioRows, table: torch.Tensor, step: dict) -> torch.Tensor:
-    """An index source's top-k -> the picks' rows of the kv source's compressed cache [B, K] in position
-    order, -1 past the row's visible entries (`V41Attention._select` of every row at once)."""
+def _select(attn: V41Attention, lc: V41LayerCache, src: V41LayerCache, x: torch.Tensor, qr: torch.Tensor,
+            rows: DecodeRows, rr: RatioRows, table: torch.Tensor, step: dict) -> torch.Tensor:
+    """An index source's top-k (`V41Attention._select` of every row at once) -> the attention's index rows
+    [B, window + K]: the window's ring rows in the official order, then the picks in position order as rows of
+    the kv source's compressed cache counted after the ring's (-1 past the row's visible entries). Every
+    layer's ring has lc's shape, so the group's consumers attend with the same rows."""
     cfg, B = attn.cfg, x.shape[0]
     ihd, nh = cfg.index_head_dim, cfg.index_n_heads
     q_idx = _k(attn, "fp8_linear")(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
@@ -103,33 +106,27 @@ def _select(attn: V41Attention, src: V41LayerCache, x: torch.Tensor, qr: torch.T
                                                      cfg.candidate_block_size, attn.kdev)
     elif attn.uses_cand:
         scores = scores.masked_fill(~step["candidates"], float("-inf"))
-    E = scores.shape[1]
-    top = _k(attn, "stable_topk")(scores, min(cfg.index_topk, E)).sort(dim=-1).values
-    hid = top >= rr.visible.unsqueeze(1)
-    return torch.where(hid, -1, rr.entry_rows.gather(1, torch.where(hid, 0, top)))
+    top = _k(attn, "stable_topk")(scores, min(cfg.index_topk, scores.shape[1])).sort(dim=-1).values
+    # V4's decode op for the rest (one kernel on cuda): the window rows, then the picks' cache rows after the ring's
+    return _k(attn, "decode_select_rows")(ring_order_rows(rows, attn.win), top, rr.visible, rr.entry_rows,
+                                          lc.ring.shape[0] * lc.ring.shape[1])
 
 
-def _attend(attn: V41Attention, q: torch.Tensor, lc: V41LayerCache, src: V41LayerCache | None, rows: DecodeRows,
-            comp_rows: torch.Tensor | None) -> torch.Tensor:
-    """Sparse attention with the sink over this layer's window (its ring) and the picked entries of the kv
-    source: the attended rows gathered and decoded into one pool, index columns in the official order."""
-    win_rows = ring_order_rows(rows, attn.win)
-    idx, comp = win_rows, None
-    if comp_rows is not None:  # compressed rows are counted after the ring's
-        n_ring = lc.ring.shape[0] * lc.ring.shape[1]
-        idx = torch.cat([win_rows, torch.where(comp_rows >= 0, comp_rows + n_ring, -1)], dim=1)
-        comp = src.comp
-    # cuda: one kernel decodes the FP8 ring rows and the FP4 latents in registers (the running max from -1e30:
-    # V4.1's kernel); the twin gathers and decodes each part into a pool first: the same bits unsplit
-    return _k(attn, "sparse_attn_sink_paged_mixed")(q, lc.ring, lc.layouts["window"], comp,
-                                                    src.layouts["latent"] if comp is not None else None,
+def _attend(attn: V41Attention, q: torch.Tensor, lc: V41LayerCache, src: V41LayerCache | None,
+            idx: torch.Tensor) -> torch.Tensor:
+    """Sparse attention with the sink over index rows `idx` [B, window (+ K)]: this layer's ring rows, then
+    (src: the kv source of a compressed layer) rows of src's compressed cache counted after the ring's. On cuda
+    one kernel decodes the FP8 ring rows and the FP4 latents in registers (the running max from -1e30: V4.1's
+    kernel); the twin gathers and decodes each part into a pool first: the same bits unsplit."""
+    comp, comp_layout = (None, None) if src is None else (src.comp, src.layouts["latent"])
+    return _k(attn, "sparse_attn_sink_paged_mixed")(q, lc.ring, lc.layouts["window"], comp, comp_layout,
                                                     attn.p["attn_sink"], idx, attn.hd**-0.5, attn.win, -1e30)
 
 
 def decode_attention(attn: V41Attention, x: torch.Tensor, rows: DecodeRows, cache: V41Cache,
                      step: dict) -> torch.Tensor:
     """x [B, D] bf16 (one token per row, normed) -> [B, D] bf16. `step`: the step's dict shared by its layers
-    (index sources publish their picks under their layer, the candidate source its mask)."""
+    (index sources publish their index rows under their layer, the candidate source its mask)."""
     if not attn.fast:
         raise ValueError("the batched decode path runs fast numerics only")
     p, r, eps, B = attn.p, attn.ratio, attn.eps, x.shape[0]
@@ -143,16 +140,16 @@ def decode_attention(attn: V41Attention, x: torch.Tensor, rows: DecodeRows, cach
     kv = rope32(_rms_bf16(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"], eps, attn.kdev), pos, attn.inv_freq,
                 table=table, inplace=True)
     _k(attn, "kv_encode_into")(lc.layouts["window"], kv, lc.ring.flatten(0, 1), rows.ring_row)  # FP8 per 32
-    src = comp_rows = None
+    src, idx = None, ring_order_rows(rows, attn.win)  # (a window-only layer attends over its window alone)
     if r:
         rr, src = rows.ratios[r], cache.layers[attn.kv_src]
         if attn.is_kv_source:  # the entry this token completes is visible to it
             _store_entries(attn, lc, _compress(attn, lc, x, rows, rr), rows, rr)
         if attn.is_index_source:
-            comp_rows = step[attn.layer] = _select(attn, src, x, qr, rows, rr, table, step)
+            idx = step[attn.layer] = _select(attn, lc, src, x, qr, rows, rr, table, step)
         else:
-            comp_rows = step[attn.idx_src]
-    o = _attend(attn, q, lc, src, rows, comp_rows)
+            idx = step[attn.idx_src]
+    o = _attend(attn, q, lc, src, idx)
     o = rope32(o, pos, attn.inv_freq, inverse=True, table=table, inplace=True)
     z = out_lora(lambda name: _k(attn, name), o.reshape(B, attn.G, -1), p["wo_a.weight"])
     return qlinear(z.flatten(1), p["wo_b.weight"])
