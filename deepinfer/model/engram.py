@@ -134,37 +134,33 @@ class EngramHasher:
         for i, s in enumerate(ctx.seqs):
             comp = self.token_map[ids[ctx.rows(i)].long()]  # [S]
             seq = torch.cat([self.history[s.state_slot], comp])  # index k <-> position start_pos - h + k
-            pos = torch.arange(s.start_pos, s.end_pos)
-            blocked = torch.zeros(s.num_new, dtype=torch.bool)
-            tokens = []
-            for shift in range(self.n):
-                src = seq[torch.arange(s.num_new) + h - shift]
-                blocked = blocked | (pos < shift) | (src == DEAD)
-                tokens.append(torch.where(blocked, self.pad, src))
             self.history[s.state_slot] = seq[-h:]
-            products = torch.stack(tokens, -1).unsqueeze(1) * self.mult  # [S, nL, n]
-            rolling, cols = products[..., 0], []
-            for k in range(1, self.n):
-                rolling = rolling ^ products[..., k]
-                cols.append(torch.remainder(rolling.unsqueeze(-1), self.primes[:, k - 1]))
-            out.append(torch.cat(cols, dim=-1) + self.offsets)
+            # row j: the ids of positions start_pos + j - h .. start_pos + j
+            out.append(self._hash(seq.unfold(0, self.n, 1), torch.arange(s.start_pos, s.end_pos)))
         return torch.cat(out)
 
     def decode_hashes(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`__call__` of a pure-decode batch (one new token per sequence) without its per-sequence loop: ids,
         slots (distinct state slots), positions [B] (host int64) -> hash ids [B, n layers, cols]; the slots'
-        histories advance by the token. The same integer arithmetic, row by row, as `__call__`."""
-        h = self.n - 1
+        histories advance by the token."""
         comp = self.token_map[ids.long()]  # [B]
         seq = torch.cat([self.history[slots], comp.unsqueeze(1)], dim=1)  # [B, n]: column k <-> position p - h + k
-        blocked = torch.zeros(ids.shape[0], dtype=torch.bool)
+        self.history[slots] = seq[:, -(self.n - 1):]
+        return self._hash(seq, positions)
+
+    def _hash(self, window: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """window [R, n]: per row the compressed ids of positions p - n + 1 .. p (DEAD where unknown), positions
+        [R] = p -> hash ids [R, n layers, cols]: token_s = the id at p - s unless p < s or any id of p - s .. p
+        is DEAD (then the pad id); the rolling XOR of token_s * multiplier_s modulo each head's prime, plus the
+        column's table offset."""
+        h = self.n - 1
+        blocked = torch.zeros(window.shape[0], dtype=torch.bool)
         tokens = []
         for shift in range(self.n):
-            src = seq[:, h - shift]
+            src = window[:, h - shift]
             blocked = blocked | (positions < shift) | (src == DEAD)
             tokens.append(torch.where(blocked, self.pad, src))
-        self.history[slots] = seq[:, -h:]
-        products = torch.stack(tokens, -1).unsqueeze(1) * self.mult  # [B, nL, n]
+        products = torch.stack(tokens, -1).unsqueeze(1) * self.mult  # [R, nL, n]
         rolling, cols = products[..., 0], []
         for k in range(1, self.n):
             rolling = rolling ^ products[..., k]
@@ -216,14 +212,19 @@ class EngramLayer:
                 raise ValueError(f"engram layer {layer}: table holds {n} rows, this rank owns "
                                  f"[{self.row_start}, {end}) of {self.total_rows}")
 
+    def _check_rows(self, lo: int, hi: int) -> None:
+        """IndexError unless hash ids lo..hi (the smallest and largest of a step's) name rows of the table."""
+        if lo < 0 or hi >= self.total_rows:
+            raise IndexError(f"engram hash ids outside the table's {self.total_rows} rows")
+
     def rows(self, hashes: torch.Tensor) -> torch.Tensor:
         """hashes [T, cols] (host) -> dequantised rows [T, cols, hd] on the model's device."""
         table, scale = self.p["embed.weight"], self.p["embed.scale"]
         n_rows, hd = table.shape
         flat = hashes.reshape(-1).long().to(table.device)
         uniq, inverse = torch.unique(flat, return_inverse=True)
-        if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.total_rows):
-            raise IndexError(f"engram hash ids outside the table's {self.total_rows} rows")
+        if uniq.numel():  # (sorted: its ends are the extremes)
+            self._check_rows(int(uniq[0]), int(uniq[-1]))
         foreign = None
         if self.comm is not None:  # rows of other ranks: read row 0, zeroed below, summed in by their owner
             uniq = uniq - self.row_start
@@ -244,8 +245,8 @@ class EngramLayer:
             raise NotImplementedError("stored_rows reads a whole table (one process)")
         table, scale = self.p["embed.weight"], self.p["embed.scale"]
         flat = hashes.reshape(-1).long()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.total_rows):
-            raise IndexError(f"engram hash ids outside the table's {self.total_rows} rows")
+        if flat.numel():
+            self._check_rows(int(flat.min()), int(flat.max()))
         return (torch.index_select(table, 0, flat).unflatten(0, hashes.shape),
                 torch.index_select(scale, 0, flat).unflatten(0, hashes.shape))
 
