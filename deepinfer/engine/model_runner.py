@@ -79,9 +79,7 @@ class ModelRunner:
             batched_decode = self.numerics == "fast" and env.batched_decode_enabled()
             self.params, self.num_blocks, self.model = build_for_runner(config, cfg, comm, load, batched_decode)
             if batched_decode:
-                self.decoder = DecodeRunner(self.model, config.max_num_seqs, config.max_model_len,
-                                            scratch_slot=config.max_num_seqs, scratch_block=self.num_blocks,
-                                            cuda_graphs=config.cuda_graphs and env.cuda_graphs_enabled())
+                self.decoder = self._decode_runner()
             return
         self.config, self.cfg = config, cfg
         # "exact" (float64), "official" (bf16/FP8 emulation, revision current) or "fast" (official rounding
@@ -113,9 +111,14 @@ class ModelRunner:
                 self.extender = ExtendGraphs(self.model, self._extend_graph_tokens)
             self.extender.bind(self.model)
         if batched_decode:
-            self.decoder = DecodeRunner(self.model, config.max_num_seqs, config.max_model_len,
-                                        scratch_slot=config.max_num_seqs, scratch_block=self.num_blocks,
-                                        cuda_graphs=config.cuda_graphs and env.cuda_graphs_enabled())
+            self.decoder = self._decode_runner()
+
+    def _decode_runner(self) -> DecodeRunner:
+        """The batched decode path over the model's cache, its padding rows on the slot and block past what the
+        scheduler hands out (the cache was built with one of each more)."""
+        c = self.config
+        return DecodeRunner(self.model, c.max_num_seqs, c.max_model_len, scratch_slot=c.max_num_seqs,
+                            scratch_block=self.num_blocks, cuda_graphs=c.cuda_graphs and env.cuda_graphs_enabled())
 
     def _cache(self, num_blocks: int, max_num_seqs: int) -> V4Cache:
         return v4_cache(self.cfg, self.numerics, num_blocks, self.config.block_size, max_num_seqs, self.device)
