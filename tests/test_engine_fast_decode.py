@@ -140,12 +140,7 @@ def test_padding_rows_touch_only_the_scratch(fast_params):
     assert runners[1].bucket(3) == 4
     before = {k: v.clone() for k, v in cache_tensors(models[1]).items()}
     steps = 6
-    for k in range(steps):
-        seqs = [SeqContext(n + k, 1, i, i, table(i)) for i, n in enumerate(lens)]
-        full = runners[0](tok, seqs).clone()
-        padded = runners[1](tok[:3], seqs[:3])
-        assert torch.equal(padded, full[:3]), f"step {k}"
-        tok = full.argmax(-1)
+    padded_steps_equal_full(runners, tok, lens, steps, table)
     assert_caches_equal(models[1], models[0], {i: n + steps for i, n in enumerate(lens[:3])})
     got = cache_tensors(models[1])
     for name, t in got.items():
@@ -153,6 +148,17 @@ def test_padding_rows_touch_only_the_scratch(fast_params):
         assert torch.equal(t[idx], before[name][idx]), name
     # the padding row did run: it wrote the scratch slot's ring
     assert not torch.equal(got["0.ring"][SLOTS - 1], before["0.ring"][SLOTS - 1])
+
+
+def padded_steps_equal_full(runners, tok, lens, steps: int, table) -> None:
+    """`steps` teacher-forced decode steps of the sequences of `lens` (slot i, blocks table(i)): runners[0]
+    decodes all of them, runners[1] the first 3 padded to the bucket; the 3 rows' logits bit-identical."""
+    for k in range(steps):
+        seqs = [SeqContext(n + k, 1, i, i, table(i)) for i, n in enumerate(lens)]
+        full = runners[0](tok, seqs).clone()
+        padded = runners[1](tok[:3], seqs[:3])
+        assert torch.equal(padded, full[:3]), f"step {k}"
+        tok = full.argmax(-1)
 
 
 def test_batched_indexer_scores_equal_the_per_sequence_op():

@@ -20,7 +20,7 @@ import torch
 
 import test_engine_fast as v4_fast
 import test_engine_fast_v41 as tf41
-from test_engine_fast_decode import engine_decodes_with_and_without_the_batched_path, rel_err
+from test_engine_fast_decode import engine_decodes_with_and_without_the_batched_path, padded_steps_equal_full, rel_err
 from test_engine_fast_v41 import oracle_run, parts  # noqa: F401  (module-scoped fixtures)
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.decode_step import DecodeRunner
@@ -139,12 +139,7 @@ def test_v41_padding_rows_touch_only_the_scratch(parts, fast_params):  # noqa: F
     assert runners[1].bucket(3) == 4
     before = {k: v.clone() for k, v in cache_tensors(models[1]).items()}
     steps = 5
-    for k in range(steps):
-        seqs = [SeqContext(n + k, 1, i, i, table(i)) for i, n in enumerate(LONG)]
-        full = runners[0](tok, seqs).clone()
-        padded = runners[1](tok[:3], seqs[:3])
-        assert torch.equal(padded, full[:3]), f"step {k}"
-        tok = full.argmax(-1)
+    padded_steps_equal_full(runners, tok, LONG, steps, table)
     assert_caches_equal(models[1], models[0], {i: n + steps for i, n in enumerate(LONG[:3])})
     cfg, got = parts[0], cache_tensors(models[1])
     for name, t in got.items():
