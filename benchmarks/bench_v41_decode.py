@@ -26,10 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ceilings  # noqa: E402
 from slice_config import decode_bytes_per_layer  # noqa: E402
-from timing import back_to_back_ms, cuda_time_ms  # noqa: E402
+from v4_slice import BLOCK, SliceRunner  # noqa: E402
 
 V41_FLASH_CONFIG = Path(__file__).resolve().parents[1] / "tests/fixtures/configs/v41-flash/inference/config.json"
-BLOCK = 128
 
 
 def slice_config_v41():
@@ -42,78 +41,17 @@ def slice_config_v41():
     return ModelConfig.from_dict(args, family="v41")
 
 
-class V41Slice:
-    def __init__(self, cfg, raw, max_batch: int, max_tokens: int) -> None:
+class V41Slice(SliceRunner):
+    """v4_slice's runner over a V4.1 model: the same prefill, varlen decode step (`decode_ms`), batched decode
+    steps (`decode_batched_ms`) and kernel breakdown."""
+
+    prefill_group = 4  # (V4.1 prefills of 8 x 2048 tokens were not tried on an 80 GB card)
+
+    def _build(self, cfg, raw, num_blocks: int, max_num_seqs: int):
         from deepinfer.model.v41 import build_v41_model
 
-        self.cfg = cfg
-        self.blocks_per_seq = -(-max_tokens // BLOCK)
-        self.scratch = (max_batch, max_batch * self.blocks_per_seq)  # the batched decode path's padding scratch
-        self.model = build_v41_model(cfg, raw, None, "fast", "cuda", num_blocks=max_batch * self.blocks_per_seq + 1,
-                                     block_size=BLOCK, max_num_seqs=max_batch + 1)
-        self.g = torch.Generator(device="cuda").manual_seed(0)
-
-    def table(self, i: int) -> tuple[int, ...]:
-        return tuple(range(i * self.blocks_per_seq, (i + 1) * self.blocks_per_seq))
-
-    def ids(self, n: int) -> torch.Tensor:
-        return torch.randint(0, self.cfg.vocab_size, (n,), device="cuda", generator=self.g)
-
-    @torch.no_grad()
-    def prefill(self, batch: int, tokens: int, group: int = 4) -> None:
-        from deepinfer.model.context import ForwardContext, SeqContext
-
-        for start in range(0, batch, group):
-            part = range(start, min(batch, start + group))
-            self.model.forward(self.ids(tokens * len(part)),
-                               ForwardContext(tuple(SeqContext(0, tokens, i, i, self.table(i)) for i in part)))
-
-    @torch.no_grad()
-    def varlen_ms(self, batch: int, context: int, reps: int) -> float:
-        from deepinfer.model.context import ForwardContext, SeqContext
-
-        self.prefill(batch, context)
-        pos = [context]
-
-        def step():
-            ctx = ForwardContext(tuple(SeqContext(pos[0], 1, i, i, self.table(i)) for i in range(batch)))
-            self.model.forward(self.ids(batch), ctx)
-            pos[0] += 1
-
-        return cuda_time_ms(step, reps=reps, warmup=2)
-
-    @torch.no_grad()
-    def batched_ms(self, batch: int, context: int, reps: int, graphs: bool) -> tuple[float, float]:
-        """(ms a step alone, ms a step back to back) through the DecodeRunner (bucket `batch` only)."""
-        from deepinfer.model.context import SeqContext
-        from deepinfer.model.decode_step import DecodeRunner
-
-        self.prefill(batch, context)
-        runner = DecodeRunner(self.model, batch, context + 64, *self.scratch, cuda_graphs=graphs, buckets=(batch,),
-                              contexts=(context + 64,))
-        pos = [context]
-
-        def step():
-            runner(self.ids(batch), [SeqContext(pos[0], 1, i, i, self.table(i)) for i in range(batch)])
-            pos[0] += 1
-
-        alone = cuda_time_ms(step, reps=reps, warmup=3)
-        pos[0] = context  # rewound: the kernels' work depends on the context bucket, not on the values
-        return alone, back_to_back_ms(step, reps)
-
-    @torch.no_grad()
-    def breakdown(self, batch: int, context: int, top: int) -> list[tuple[str, int, float]]:
-        """Kernels of one eager batched decode step (what its graph replays), largest first."""
-        from deepinfer.model.context import SeqContext
-        from deepinfer.model.decode_step import DecodeRunner
-        from v4_slice import _profile_rows
-
-        self.prefill(batch, context)
-        runner = DecodeRunner(self.model, batch, context + 64, *self.scratch, cuda_graphs=False, buckets=(batch,),
-                              contexts=(context + 64,))
-        seqs = [SeqContext(context, 1, i, i, self.table(i)) for i in range(batch)]
-        ids = self.ids(batch)
-        return _profile_rows(lambda: runner(ids, seqs), top)
+        return build_v41_model(cfg, raw, None, "fast", "cuda", num_blocks=num_blocks, block_size=BLOCK,
+                               max_num_seqs=max_num_seqs)
 
 
 def main() -> None:
@@ -142,9 +80,9 @@ def main() -> None:
             2 * cfg.vocab_size * cfg.dim
         rows = {}
         if not args.no_varlen:
-            rows["varlen path"] = (sl.varlen_ms(b, args.context, max(3, args.reps // 2)), float("nan"))
-        eager = sl.batched_ms(b, args.context, args.reps, graphs=False)
-        graph = sl.batched_ms(b, args.context, args.reps, graphs=True)
+            rows["varlen path"] = (sl.decode_ms(b, args.context, reps=max(3, args.reps // 2)), float("nan"))
+        eager = sl.decode_batched_ms(b, args.context, args.reps, graphs=False)
+        graph = sl.decode_batched_ms(b, args.context, args.reps, graphs=True)
         rows["batched, eager"], rows["batched, graphs"] = eager, graph
         for name, (alone, b2b) in rows.items():
             gbs = nbytes / (alone * 1e-3) / 1e9
@@ -152,7 +90,7 @@ def main() -> None:
                   f"{gbs:6.0f} GB/s = {100 * gbs / ceil['copy_gbs']:5.1f}% of copy "
                   f"({nbytes / 1e9:.2f} GB a step)")
         if args.top:
-            rows = sl.breakdown(b, args.context, args.top)
+            rows = sl.decode_kernel_breakdown(b, args.context, args.top)
             print(f"b{b:<4} kernels of one step (eager, {sum(n for _, n, _ in rows)} launches of the top {args.top}):")
             for name, n, us in rows:
                 print(f"      {us:9.1f} us {n:5d}x  {name}")

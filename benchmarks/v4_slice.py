@@ -36,14 +36,20 @@ def _profile_rows(fn, top: int) -> list[tuple[str, int, float]]:
 
 
 class SliceRunner:
+    prefill_group = 8  # sequences one prefill forward takes
+
     def __init__(self, cfg, raw, max_batch: int, max_tokens: int) -> None:
         self.cfg = cfg
         self.blocks_per_seq = -(-max_tokens // BLOCK)
         # one slot and one block more than the sequences use: the batched decode path's padding scratch
         self.scratch = (max_batch, max_batch * self.blocks_per_seq)
-        self.model = build_v4_model(cfg, raw, "fast", "cuda", num_blocks=max_batch * self.blocks_per_seq + 1,
-                                    block_size=BLOCK, max_num_seqs=max_batch + 1)
+        self.model = self._build(cfg, raw, max_batch * self.blocks_per_seq + 1, max_batch + 1)
         self.g = torch.Generator(device="cuda").manual_seed(0)
+
+    def _build(self, cfg, raw, num_blocks: int, max_num_seqs: int):
+        """The slice's fast-numerics model on cuda (a subclass builds another family's)."""
+        return build_v4_model(cfg, raw, "fast", "cuda", num_blocks=num_blocks, block_size=BLOCK,
+                              max_num_seqs=max_num_seqs)
 
     def _table(self, i: int) -> tuple[int, ...]:
         return tuple(range(i * self.blocks_per_seq, (i + 1) * self.blocks_per_seq))
@@ -52,7 +58,8 @@ class SliceRunner:
         return torch.randint(0, self.cfg.vocab_size, (n,), device="cuda", generator=self.g)
 
     @torch.no_grad()
-    def prefill(self, seqs: list[int], tokens: int, group: int = 8) -> None:
+    def prefill(self, seqs: list[int], tokens: int, group: int | None = None) -> None:
+        group = group or self.prefill_group
         for start in range(0, len(seqs), group):
             part = seqs[start : start + group]
             ctx = ForwardContext(tuple(SeqContext(0, tokens, i, i, self._table(i)) for i in part))
