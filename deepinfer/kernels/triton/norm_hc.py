@@ -412,16 +412,7 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     _check_hc_pre(x, fn, scale, base, norm_weight, hc)
     if _fallback(x, fn):
         return official_fused.hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps)
-    _need(x.dtype == BF16, f"hc_pre: x must be bf16 (an MMA operand as it is) or float64 (the twin), got {x.dtype}")
-    T, _, D = x.shape
-    x = x.contiguous()
-    dev = x.device
-    y = torch.empty(T, D, dtype=BF16, device=dev)
-    post = torch.empty(T, hc, dtype=F32, device=dev)
-    comb = torch.empty(T, hc, hc, dtype=F32, device=dev)
-    if T == 0:
-        return y, post, comb
-    _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, config)
+    y, _, post, comb = _hc_pre(x, None, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, config)
     return y, post, comb
 
 
@@ -438,32 +429,35 @@ def hc_pre_deferred_fused(x: torch.Tensor, pre_mix: torch.Tensor, fn: torch.Tens
     if _fallback(x, fn, pre_mix):
         return official_fused.hc_pre_deferred_fused(x, pre_mix, fn, scale, base, norm_weight, hc, iters, hc_eps,
                                                     norm_eps)
+    return _hc_pre(x, pre_mix, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, config)
+
+
+def _hc_pre(x, pre_mix, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, config):
+    """hc_pre_fused's and hc_pre_deferred_fused's outputs and launches -> (y, pre, post, comb); pre (the
+    computed pre weights) only with a pre_mix to collapse with (deferred), else None."""
     _need(x.dtype == BF16, f"hc_pre: x must be bf16 (an MMA operand as it is) or float64 (the twin), got {x.dtype}")
-    D = x.shape[2]
+    T, hc, D = x.shape
     x = x.contiguous()
     dev = x.device
     y = torch.empty(T, D, dtype=BF16, device=dev)
-    pre = torch.empty(T, hc, dtype=F32, device=dev)
+    pre = None if pre_mix is None else torch.empty(T, hc, dtype=F32, device=dev)
     post = torch.empty(T, hc, dtype=F32, device=dev)
     comb = torch.empty(T, hc, hc, dtype=F32, device=dev)
-    if T == 0:
-        return y, pre, post, comb
-    plan = mix_plan(T, hc * D, config)
-    part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
-    _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps,
-              deferred=(pre_mix.to(F32).contiguous(), pre))
+    if T:
+        _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, config,
+                          deferred=None if pre_mix is None else (pre_mix.to(F32).contiguous(), pre))
     return y, pre, post, comb
 
 
 def _mix_and_collapse(x, fn, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, config,
-                      head: bool = False) -> None:
-    """The two launches of hc_pre_fused / hc_head_fused: the split-K mix partials, then per token a collapse
-    program into y and (unless `head`: the head has its pre weights only, and post / comb are never written
-    then) a Sinkhorn program into post / comb."""
+                      head: bool = False, deferred: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The two launches of hc_pre_fused / hc_pre_deferred_fused / hc_head_fused: the split-K mix partials, then
+    per token a collapse program into y and (unless `head`: the head has its pre weights only, and post / comb
+    are never written then) a Sinkhorn program into post / comb (`_collapse`, deferred as there)."""
     T, hc, D = x.shape
     plan = mix_plan(T, hc * D, config)
     part, ssq = hc_mix_partials(x.view(T, hc * D), fn, plan)
-    _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, head)
+    _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps, head, deferred)
 
 
 def _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters, hc_eps, norm_eps,
