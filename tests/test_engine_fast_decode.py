@@ -161,6 +161,22 @@ def padded_steps_equal_full(runners, tok, lens, steps: int, table) -> None:
         tok = full.argmax(-1)
 
 
+def replay_steps_equal_eager(runners, tok, lens, steps: int, table) -> None:
+    """`steps` teacher-forced decode steps of the 4 sequences of `lens` (slot i, blocks table(i); on odd steps
+    sequence 3 waits, so bucket 4 runs full and padded): runners[0] eagerly, runners[1] by its default (the
+    graphs where captured); their logits bit-identical."""
+    pos, tok = list(lens), tok.clone()
+    for k in range(steps):
+        active = list(range(len(lens) if k % 2 == 0 else 3))  # odd steps: sequence 3 waits
+        seqs = [SeqContext(pos[i], 1, i, i, table(i)) for i in active]
+        eager = runners[0](tok[active], seqs, graphs=False).clone()
+        replay = runners[1](tok[active], seqs).clone()
+        assert torch.equal(replay, eager), f"step {k}"
+        tok[active] = eager.argmax(-1)
+        for i in active:
+            pos[i] += 1
+
+
 def test_batched_indexer_scores_equal_the_per_sequence_op():
     """indexer_scores_batched_bf16 (per-sequence keys) vs indexer_scores_bf16 run one sequence at a time."""
     from deepinfer import kernels
@@ -267,16 +283,7 @@ def test_graph_replay_is_bit_identical_to_eager(tiny_v4_raw, cuda_kernels):
     runners = [DecodeRunner(m, max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1,
                             scratch_block=BPS * (SLOTS - 1), cuda_graphs=True) for m in models]
     assert set(runners[1]._graphs) == {(b, c) for b in (1, 2, 4) for c in (128, 256)}
-    pos, tok = list(lens), tok.clone()
-    for k in range(STEPS):
-        active = list(range(len(LENS) if k % 2 == 0 else 3))  # odd steps: sequence 3 waits
-        seqs = [SeqContext(pos[i], 1, i, i, table(i)) for i in active]
-        eager = runners[0](tok[active], seqs, graphs=False).clone()
-        replay = runners[1](tok[active], seqs).clone()
-        assert torch.equal(replay, eager), f"step {k}"
-        tok[active] = eager.argmax(-1)
-        for i in active:
-            pos[i] += 1
+    replay_steps_equal_eager(runners, tok, lens, STEPS, table)
     for name, ref in cache_tensors(models[0]).items():  # same path both sides: every row, stale ones too
         assert torch.equal(cache_tensors(models[1])[name], ref), name
 

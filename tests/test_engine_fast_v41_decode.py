@@ -20,7 +20,8 @@ import torch
 
 import test_engine_fast as v4_fast
 import test_engine_fast_v41 as tf41
-from test_engine_fast_decode import engine_decodes_with_and_without_the_batched_path, padded_steps_equal_full, rel_err
+from test_engine_fast_decode import (engine_decodes_with_and_without_the_batched_path, padded_steps_equal_full, rel_err,
+                                     replay_steps_equal_eager)
 from test_engine_fast_v41 import oracle_run, parts  # noqa: F401  (module-scoped fixtures)
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.decode_step import DecodeRunner
@@ -212,16 +213,7 @@ def test_v41_graph_replay_is_bit_identical_to_eager(parts, cuda_kernels):  # noq
     models, tok = prefilled_pair(parts, params, LONG, "cuda")
     runners = [runner_for(m, cuda_graphs=True) for m in models]
     assert set(runners[1]._graphs) == {(b, c) for b in (1, 2, 4) for c in (128, 256)}
-    pos, tok = list(LONG), tok.clone()
-    for k in range(STEPS):
-        active = list(range(4 if k % 2 == 0 else 3))  # odd steps: sequence 3 waits
-        seqs = [SeqContext(pos[i], 1, i, i, table(i)) for i in active]
-        eager = runners[0](tok[active], seqs, graphs=False).clone()
-        replay = runners[1](tok[active], seqs).clone()
-        assert torch.equal(replay, eager), f"step {k}"
-        tok[active] = eager.argmax(-1)
-        for i in active:
-            pos[i] += 1
+    replay_steps_equal_eager(runners, tok, LONG, STEPS, table)
     assert runners[1].replayed == STEPS
     for name, ref in cache_tensors(models[0]).items():  # same path both sides: every row, stale ones too
         assert torch.equal(cache_tensors(models[1])[name].cpu(), ref.cpu()), name
