@@ -10,7 +10,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -21,6 +21,16 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s25b)  # what the twenty-fifth session's review changed after its last device run: V4.1's decode on V4's
+    # decode_select_rows, hc_pre through the shared _hc_pre, the shared replay-vs-eager helper (both families),
+    # bench_v41_decode as a SliceRunner subclass
+    step gpu_tests_s25b_kernels 120 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_hc_pre_deferred.py tests/test_kernels_hc_post_pre.py
+    step gpu_tests_s25b_decode 330 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py tests/test_engine_fast_decode.py -k \
+        "graph or v41"
+    step bench_v41_decode_s25b 130 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 12
+    ;;
 s25)  # V4.1's batched decode path (graphs) and its kernels (deferred hc_pre, the E4M3-scaled FP4 latent decode,
     # the gate with V4.1's renormalisation, the two-layout paged attention): their GPU tests and the V4.1 engine's, then the slice's decode steps
     step gpu_tests_v41_kernels 120 python -m pytest -m gpu -q -rf -p no:cacheprovider \
