@@ -10,7 +10,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -21,6 +21,13 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s26a)  # the TMA expert form on any K (the bank's 16-byte scale rows): its GPU tests (V4.1-Flash's w2 K = 2304 new),
+    # then the V4.1 slice's decode with it (the default) and with the mma.sync form it replaces there
+    step gpu_tests_tma_any_k 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py
+    step bench_v41_decode_tma 130 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 8
+    DEEPINFER_MOE_DECODE_KERNEL=mma step bench_v41_decode_mma 130 python benchmarks/bench_v41_decode.py \
+        --batches 8 32 --context 2048 --top 4
+    ;;
 s25b)  # what the twenty-fifth session's review changed after its last device run: V4.1's decode on V4's
     # decode_select_rows, hc_pre through the shared _hc_pre, the shared replay-vs-eager helper (both families),
     # bench_v41_decode as a SliceRunner subclass

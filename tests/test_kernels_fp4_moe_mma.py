@@ -157,10 +157,11 @@ def assert_one_hot_exact(partials, cfg: dict, splits, dev, n: int = 96, k: int =
         assert not bad.any(), (cfg, split, int(bad.sum()), bad.nonzero()[:8].tolist())
 
 
-def assert_partials_match_float64(partials, cfg: dict, d: int, splits, dev, e: int = 16, i: int = 512) -> None:
+def assert_partials_match_float64(partials, cfg: dict, d: int, splits, dev, e: int = 16, i: int = 512,
+                                  lay_scales=lambda s: s) -> None:
     """`partials` against float64 partial sums for T = 1, 5, 40 top-6 rows over E experts, w13's shape
     (2I rows, K = d), every split in `splits`: rel_err <= 1e-5 (exact products, fp32 sums), no entry left
-    unwritten (the output is NaN first)."""
+    unwritten (the output is NaN first). lay_scales: the device scales' layout (e.g. 16-byte strided rows)."""
     gen = torch.Generator(device="cpu").manual_seed(11)
     w = torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, generator=gen)
     s = torch.randint(100, 129, (e, 2 * i, d // 32), dtype=torch.uint8, generator=gen)
@@ -170,7 +171,7 @@ def assert_partials_match_float64(partials, cfg: dict, d: int, splits, dev, e: i
         sorted_slots, block_expert = _routing(ids, e)
         for split in splits:
             out = torch.full((split, t * 6, 2 * i), float("nan"), device=dev)
-            partials(x.to(dev), w.to(dev), s.to(dev), out, sorted_slots.to(dev), block_expert.to(dev), t * 6, 6, cfg)
+            partials(x.to(dev), w.to(dev), lay_scales(s.to(dev)), out, sorted_slots.to(dev), block_expert.to(dev), t * 6, 6, cfg)
             want = _reference_partials(x, w, s, sorted_slots, block_expert, t * 6, 6, split)
             got = out.cpu().double()
             assert not torch.isnan(got).any(), (cfg, t, split, int(torch.isnan(got).sum()))

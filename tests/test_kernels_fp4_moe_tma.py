@@ -53,8 +53,36 @@ def test_launcher_rejects_bad_inputs_before_launching():
     wide = torch.zeros(2, 32, 24, dtype=torch.uint8)[:, :, :16]  # right shape, rows 24 bytes apart
     with pytest.raises(ValueError, match="w_scale must start 16-byte aligned with 16-byte aligned rows"):
         expert_gemm_partials(a, w, wide, out, slots, blocks, 4, 1)
-    with pytest.raises(ValueError, match=r"K=256 must be a multiple of 512"):
-        expert_gemm_partials(a, w[:, :, :128], s[:, :, :8], out, slots, blocks, 4, 1)
+    # K = 256: 8 scale bytes a row, contiguous (the tensor map needs 16-byte rows: the bank pads them)
+    with pytest.raises(ValueError, match="sixteen_byte_rows"):
+        expert_gemm_partials(a[:, :256].contiguous(), w[:, :, :128], s[:, :, :8].contiguous(), out, slots, blocks, 4, 1)
+
+
+def test_bank_keeps_scale_rows_16_byte_strided():
+    """V4.1-Flash's w2 scales are 72 bytes a row (I = 2304): the bank lays any row length out 16-byte strided
+    (a zero-padded buffer, the same values), keeps rows that already are, carries the padding through `to`,
+    counts it in the memory check, and dequantises the same weights."""
+    from deepinfer.kernels.quant_weights import sixteen_byte_rows
+    from deepinfer.model.params_fast import param_bytes
+
+    gen = torch.Generator().manual_seed(3)
+    e, d, i = 3, 256, 96  # w2 scales 3 bytes a row, w13's 8
+    w13 = torch.randint(0, 256, (e, 2 * i, d // 2), dtype=torch.uint8, generator=gen)
+    w2 = torch.randint(0, 256, (e, d, i // 2), dtype=torch.uint8, generator=gen)
+    s13 = torch.randint(110, 129, (e, 2 * i, d // 32), dtype=torch.uint8, generator=gen)
+    s2 = torch.randint(110, 129, (e, d, i // 32), dtype=torch.uint8, generator=gen)
+    bank = FP4ExpertBank(w13, s13.clone(), w2, s2.clone(), 32)
+    for got, want in ((bank.w13_scale, s13), (bank.w2_scale, s2)):
+        assert torch.equal(got, want) and got.stride() == (got.shape[1] * 16, 16, 1), got.stride()
+    moved = bank.to("cpu")
+    assert moved.w2_scale.stride() == bank.w2_scale.stride() and torch.equal(moved.w2_scale, s2)
+    plain = FP4ExpertBank.__new__(FP4ExpertBank)  # the same tensors without the layout, for the dequant
+    plain.w13, plain.w13_scale, plain.w2, plain.w2_scale = w13, s13, w2, s2
+    for a, b in zip(bank.dequant_expert(1), FP4ExpertBank.dequant_expert(plain, 1)):
+        assert torch.equal(a, b)
+    assert param_bytes({"experts": bank}) == w13.numel() + w2.numel() + e * d * 16 + e * 2 * i * 16
+    aligned = torch.zeros(2, 4, 32, dtype=torch.uint8)
+    assert sixteen_byte_rows(aligned) is aligned
 
 
 def test_shape_rules_and_shared_memory():
@@ -151,6 +179,41 @@ def test_partials_match_float64(cfg):
     assert_partials_match_float64(expert_gemm_partials, cfg, 2048, (1, 2, 4, 8, 16), _cuda())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TILE_CONFIGS[:2], ids=_tag)
+def test_partials_match_float64_with_v41_flash_w2_k(cfg):
+    """K = 2304 (V4.1-Flash's w2: 72 scale bytes a row, 16-byte strided by `sixteen_byte_rows`, the tensor
+    map's box reaching past the row's end): splits 1, 2, 3, 6, 9, 18 (768 / 256 / 128 K, boxes from
+    mid-group starts)."""
+    from deepinfer.kernels.cuda.fp4_moe_tma import expert_gemm_partials
+    from deepinfer.kernels.quant_weights import sixteen_byte_rows
+
+    assert_partials_match_float64(expert_gemm_partials, cfg, 2304, (1, 2, 3, 6, 9, 18), _cuda(), i=256,
+                                  lay_scales=sixteen_byte_rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 32])
+def test_op_matches_twin_and_mma_v41_flash_expert_dims(t):
+    """V4.1-Flash's expert shape (I = 2304, act_block 32; D = 1024 and 32 experts to keep it small) on the
+    TMA form against the torch twin and the mma.sync form (rel_err <= 1e-3), and graph replay == eager."""
+    from deepinfer.kernels.triton.fp4_moe import fp4_moe, tma_form_usable
+    from test_kernels_fp4_moe_split import _inputs
+    from test_kernels_gemm import _random_bank, _rel, assert_replay_is_eager
+
+    dev = _cuda()
+    bank = _random_bank(32, 1024, 2304, 32, dev)
+    assert tma_form_usable(bank, dev) and bank.w2_scale.stride(1) == 80
+    x, ids, weights = _inputs(t, dev, e=32, d=1024)
+    want = fp4_moe_torch(x, ids, weights, bank, 10.0)
+    mma = fp4_moe(x, ids, weights, bank, 10.0, config={"MMA_SYNC": True})
+    got = fp4_moe(x, ids, weights, bank, 10.0, config={"TMA": True})
+    rel, rel_mma = _rel(got, want), _rel(got, mma)
+    print(f"tma V4.1 dims T={t}: rel_err {rel:.2e} vs twin, {rel_mma:.2e} vs mma.sync")
+    assert bool(torch.isfinite(got).all()) and max(rel, rel_mma) <= 1e-3, (rel, rel_mma)
+    assert_replay_is_eager(lambda: fp4_moe(x, ids, weights, bank, 10.0, config={"TMA": True}), f"v41 tma T={t}")
+
+
 @pytest.fixture(scope="module")
 def flash_bank():
     from test_kernels_gemm import _random_bank
@@ -199,8 +262,8 @@ def test_op_small_bank_act_block_32_and_graph_replay():
 @pytest.mark.gpu
 def test_decode_default_follows_the_env_choice(monkeypatch):
     """DEEPINFER_MOE_DECODE_KERNEL=tma and the default (auto, DECODE_FORM "tma") run the TMA form above 8 slots
-    (bit-identical to config TMA) and the mma.sync form up to 8 (T=1: 6 slots); on a bank the TMA form cannot
-    run (I = 256: the scales' rows are 8 bytes) they fall back to the mma.sync form, bit-identical to that."""
+    (bit-identical to config TMA) and the mma.sync form up to 8 (T=1: 6 slots); I = 256 (scale rows of 8
+    bytes, laid 16 apart by the bank) runs the TMA form too."""
     from deepinfer.kernels.triton.fp4_moe import fp4_moe, tma_form_usable
     from test_kernels_fp4_moe_split import _inputs
     from test_kernels_gemm import _random_bank
@@ -209,9 +272,9 @@ def test_decode_default_follows_the_env_choice(monkeypatch):
     tma, mma = {"TMA": True}, {"MMA_SYNC": True}
     for choice in ("tma", "auto"):
         monkeypatch.setenv("DEEPINFER_MOE_DECODE_KERNEL", choice)
-        for inter, t, form in ((512, 3, tma), (512, 1, mma), (256, 3, mma)):
+        for inter, t, form in ((512, 3, tma), (512, 1, mma), (256, 3, tma)):
             bank = _random_bank(32, 512, inter, 128, dev)
-            assert tma_form_usable(bank, dev) == (inter == 512)
+            assert tma_form_usable(bank, dev)
             x, ids, weights = _inputs(t, dev, e=32, d=512)
             got, want = fp4_moe(x, ids, weights, bank, 10.0), fp4_moe(x, ids, weights, bank, 10.0, config=form)
             assert torch.equal(got, want), (choice, inter, t, form)

@@ -5,7 +5,8 @@ Owns:
   weight block edge (128 in V4, 32 in V4.1) and the activation quantisation block used before the GEMM.
 * `FP4ExpertBank`: every routed expert of one MoE layer, stacked and still packed in FP4 E2M1 (half the bytes
   of FP8): `w13` = gate (w1) rows then up (w3) rows, `w2` the down projection; per-32 E8M0 scales as raw
-  uint8 bytes (value 2**(byte-127); a quarter of the bytes of fp32 scales, decoded inside the kernels).
+  uint8 bytes (value 2**(byte-127); a quarter of the bytes of fp32 scales, decoded inside the kernels), each
+  scale row starting 16 bytes after a 16-byte boundary (`sixteen_byte_rows`: the TMA kernel's tensor maps).
 * `fp8_linear_torch` / `fp4_moe_torch`: the torch twins of ops "fp8_linear" / "fp4_moe". They compute with
   the exact dequantised weights, like `kernels.official.qlinear` and `model/moe.py::_forward_official`, so
   on CPU they are bit-identical to the engine's official numerics; the Triton kernels are tested against
@@ -187,13 +188,39 @@ def _e8m0_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+SCALE_ROW_ALIGN = 16  # bytes: a TMA tensor map's strides must be multiples of 16
+
+
+def sixteen_byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [E, N, C] uint8 -> the same values as a view whose rows start every ceil16(C) bytes (a zero-filled
+    [E, N, ceil16(C)] buffer), t itself where its rows already are. Why: the TMA expert kernel reads the
+    scales through a tensor map, whose strides must be multiples of 16 bytes; V4.1-Flash's w2 scales are 72
+    bytes a row (I = 2304 / 32). Every other kernel takes the row stride as an argument."""
+    e, n, c = t.shape
+    width = _ceil_div(c, SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
+    if t.stride(2) == 1 and t.stride(1) % SCALE_ROW_ALIGN == 0 and t.stride(0) % SCALE_ROW_ALIGN == 0 \
+            and t.data_ptr() % SCALE_ROW_ALIGN == 0:
+        return t
+    rows = torch.zeros((e, n, width), dtype=t.dtype, device=t.device)
+    rows[:, :, :c] = t
+    return rows[:, :, :c]
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """The whole buffer behind a `sixteen_byte_rows` view (its padding included), t itself otherwise."""
+    if t.dim() == 3 and t.stride(2) == 1 and t.stride(1) > t.shape[2] and t.numel():
+        return t.as_strided((t.shape[0], t.shape[1], t.stride(1)), t.stride())
+    return t
+
+
 @dataclass
 class FP4ExpertBank:
     """All routed experts of one layer, packed FP4 (two E2M1 codes per byte, low nibble = even K index).
 
     w13 uint8 [E, 2I, D/2] (rows 0..I-1 gate = w1, rows I..2I-1 up = w3), w13_scale uint8 E8M0 [E, 2I, D/32];
     w2 uint8 [E, D, I/2], w2_scale uint8 E8M0 [E, D, I/32]. act_block: activation quantisation block
-    before each expert GEMM (128 in V4, 32 in V4.1).
+    before each expert GEMM (128 in V4, 32 in V4.1). The scales are kept as `sixteen_byte_rows` views (a
+    copy at construction only where a row is not already 16-byte strided: V4.1's w2, 72 bytes a row).
     """
 
     w13: torch.Tensor
@@ -227,6 +254,7 @@ class FP4ExpertBank:
             raise ValueError(f"FP4ExpertBank dims must be multiples of {formats.FP4_BLOCK}: D={d}, I={inter}")
         if d % self.act_block or inter % self.act_block:
             raise ValueError(f"FP4ExpertBank dims D={d}, I={inter} must be multiples of act_block {self.act_block}")
+        self.w13_scale, self.w2_scale = sixteen_byte_rows(self.w13_scale), sixteen_byte_rows(self.w2_scale)
         if self.scale_max is None:
             self.scale_max = max([int(t.max()) for t in (self.w13_scale, self.w2_scale) if t.numel()] or [0])
 
@@ -268,9 +296,18 @@ class FP4ExpertBank:
     def inter_dim(self) -> int:
         return self.w13.shape[1] // 2
 
+    @property
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        """The tensors as stored, the scales' row padding included (memory accounting)."""
+        return self.w13, _stored(self.w13_scale), self.w2, _stored(self.w2_scale)
+
     def to(self, device: torch.device | str) -> "FP4ExpertBank":
-        return FP4ExpertBank(self.w13.to(device), self.w13_scale.to(device), self.w2.to(device),
-                             self.w2_scale.to(device), self.act_block, self.tile_experts, self.scale_max)
+        """The bank on `device`; padded scale rows move with their padding (no second copy there)."""
+        def scales(t: torch.Tensor) -> torch.Tensor:
+            return _stored(t).to(device)[:, :, : t.shape[2]]
+
+        return FP4ExpertBank(self.w13.to(device), scales(self.w13_scale), self.w2.to(device),
+                             scales(self.w2_scale), self.act_block, self.tile_experts, self.scale_max)
 
     def dequant_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Exact fp32 (w1 [I, D], w3 [I, D], w2 [D, I]) of expert e."""

@@ -186,7 +186,7 @@ def param_bytes(params: Mapping[str, ParamValue]) -> int:
         if isinstance(v, QuantLinearWeight):
             tensors = (v.data, v.scale)
         elif isinstance(v, FP4ExpertBank):
-            tensors = (v.w13, v.w13_scale, v.w2, v.w2_scale)
+            tensors = v.stored
         else:
             tensors = (v,)
         total += sum(t.numel() * t.element_size() for t in tensors)

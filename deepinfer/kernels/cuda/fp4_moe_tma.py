@@ -69,13 +69,12 @@ def smem_bytes(cfg: dict, k_split: int) -> int:
 
 
 def check_shapes(k: int, split: int, cfg: dict) -> str | None:
-    """Why this K and split cannot run (None: they can): whole 128-K stages per split, the scale rows of the
-    tensor map 16-byte strided (K a multiple of 512), the split's scale box at most 256 bytes, the CTA's shared
-    memory within the 227 KB an sm_90 block may have."""
+    """Why this K and split cannot run (None: they can): whole 128-K stages per split, the split's scale box at
+    most 256 bytes, the CTA's shared memory within the 227 KB an sm_90 block may have. The scales' rows must
+    also be 16-byte strided (a tensor map's rule; any K, as `quant_weights.sixteen_byte_rows` lays them out):
+    `expert_gemm_partials` checks the tensor itself."""
     if split < 1 or k % split or (k // split) % KSTEP:
         return f"split {split} must divide K={k} into multiples of {KSTEP}"
-    if k % 512:
-        return f"K={k} must be a multiple of 512 (the scales' rows, K/32 bytes, 16-byte strided for the TMA)"
     if scale_row_bytes(k // split) > 256:
         return f"K per split {k // split}: its scale box would exceed 256 bytes; split more"
     if smem_bytes(cfg, k // split) > 227 * 1024:
@@ -99,7 +98,8 @@ def expert_gemm_partials(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     why = check_shapes(k, split, cfg)
     problems = ([why] if why else []) + input_problems(a, w, w_scale, out, sorted_slots, block_expert, n_slots)
     if w_scale.stride(1) % 16 or w_scale.stride(0) % 16 or w_scale.data_ptr() % 16:  # the scales' tensor map
-        problems.append(f"w_scale must start 16-byte aligned with 16-byte aligned rows, got strides {w_scale.stride()}")
+        problems.append(f"w_scale must start 16-byte aligned with 16-byte aligned rows (FP4ExpertBank lays them out "
+                        f"so: quant_weights.sixteen_byte_rows), got strides {w_scale.stride()}")
     if problems:
         raise ValueError("fp4_moe_tma.expert_gemm_partials: " + "; ".join(problems))
     if n_slots == 0 or block_expert.numel() == 0:

@@ -836,10 +836,11 @@ def plan_tma(n_slots: int, n_experts: int, d: int, inter: int, sms: int, config:
 
 def tma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
     """The TMA form can run this bank here: sm_90+ with NVRTC and the driver, scale bytes in the exact
-    expansion's range, D and I multiples of 512 (the scales' tensor maps need 16-byte rows)."""
+    expansion's range, D and I multiples of 128 (whole ring stages; the bank keeps its scale rows 16-byte
+    strided for the tensor maps, so V4.1-Flash's I = 2304 runs too)."""
     from deepinfer.kernels.cuda import fp4_moe_tma as tma
 
-    return (bank.scale_max <= tma.SCALE_MAX and bank.dim % 512 == 0 and bank.inter_dim % 512 == 0
+    return (bank.scale_max <= tma.SCALE_MAX and bank.dim % tma.KSTEP == 0 and bank.inter_dim % tma.KSTEP == 0
             and tma.usable(device))
 
 
