@@ -10,7 +10,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -21,6 +21,14 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s26b)  # V4.1's top-k in position order (topk_positions): its GPU test, V4.1's decode and engine GPU tests with it,
+    # the slice's decode steps
+    step gpu_tests_topk_positions 200 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_topk_positions.py tests/test_kernels_attn.py -k "topk"
+    step gpu_tests_v41_topk 300 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
+    step bench_v41_decode_topk 130 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 10
+    ;;
 s26a)  # the TMA expert form on any K (the bank's 16-byte scale rows): its GPU tests (V4.1-Flash's w2 K = 2304 new),
     # then the V4.1 slice's decode with it (the default) and with the mma.sync form it replaces there
     step gpu_tests_tma_any_k 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py

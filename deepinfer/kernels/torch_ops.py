@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "rms_norm", "head_rms_norm", "rope_inv_freq", "rope", "hadamard", "hc_mix", "hc_split_sinkhorn",
-    "hc_collapse", "hc_post", "compress_pool", "indexer_scores", "stable_topk", "sparse_attn_sink", "swiglu",
+    "hc_collapse", "hc_post", "compress_pool", "indexer_scores", "stable_topk", "topk_positions", "sparse_attn_sink", "swiglu",
     "greedy_sample",
 ]
 
@@ -143,6 +143,12 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest along the last dim, ties toward the LOWER index (relu makes ties common)."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`stable_topk`'s picks in ascending position order (V4.1's index rows and candidate blocks want the set,
+    not the score order): int64 [..., min(k, E)]."""
+    return stable_topk(scores, k).sort(dim=-1).values
 
 
 def sparse_attn_sink(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,

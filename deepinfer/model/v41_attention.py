@@ -106,7 +106,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blo
     nb = bs.shape[-1]
     newest = ((visible - 1) // block).unsqueeze(-1)
     bs = bs.masked_fill(torch.arange(nb, device=scores.device) == newest, float("inf"))
-    chosen = kernels.get("stable_topk", kdev)(bs, min(top_blocks, nb))
+    chosen = kernels.get("topk_positions", kdev)(bs, min(top_blocks, nb))  # the stable top-k's set (order unused)
     reachable = bs.gather(-1, chosen) > float("-inf")
     keep = torch.zeros_like(bs, dtype=torch.bool).scatter(-1, chosen, reachable)
     return keep.repeat_interleave(block, dim=-1)[..., :width]
@@ -184,7 +184,7 @@ class V41Attention:
                                               self.cfg.candidate_block_size, self.kdev)
         elif self.uses_cand:
             scores = scores.masked_fill(~cand[i], float("-inf"))
-        top = self._k("stable_topk")(scores, min(self.cfg.index_topk, n_ent)).sort(dim=-1).values
+        top = self._k("topk_positions")(scores, min(self.cfg.index_topk, n_ent))  # the stable top-k, ascending
         return torch.where(top < visible.unsqueeze(1), top, -1)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:

@@ -106,7 +106,7 @@ def _select(attn: V41Attention, lc: V41LayerCache, src: V41LayerCache, x: torch.
                                                      cfg.candidate_block_size, attn.kdev)
     elif attn.uses_cand:
         scores = scores.masked_fill(~step["candidates"], float("-inf"))
-    top = _k(attn, "stable_topk")(scores, min(cfg.index_topk, scores.shape[1])).sort(dim=-1).values
+    top = _k(attn, "topk_positions")(scores, min(cfg.index_topk, scores.shape[1]))  # the stable top-k, ascending
     # V4's decode op for the rest (one kernel on cuda): the window rows, then the picks' cache rows after the ring's
     return _k(attn, "decode_select_rows")(ring_order_rows(rows, attn.win), top, rr.visible, rr.entry_rows,
                                           lc.ring.shape[0] * lc.ring.shape[1])

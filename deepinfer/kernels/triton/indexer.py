@@ -14,7 +14,8 @@ Owns:
 The top-k after it stays `torch_ops.stable_topk` on CUDA too: `torch.sort(stable=True)` is stable there (a
 radix sort; tested with heavy ties in tests/test_kernels_attn.py), and measured on the H200 it beat a top-k
 over packed (score, position) int64 keys 4-10x (T=1, E=65536: 40 us vs 393 us; T=8192, E=2048: 345 us vs
-1684 us), so no kernel is registered for it.
+1684 us), so no kernel is registered for it. V4.1, which wants the picks in position order, not score order,
+takes `topk_positions` (kernels/triton/topk_positions.py: a histogram selection, no sort) instead.
 Must not: be imported off CUDA (imports triton); import `cache` (the layout object is passed in);
 mask visibility in `indexer_scores_bf16` (the caller sets invisible entries to -inf there).
 """

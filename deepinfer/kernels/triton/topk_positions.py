@@ -1,0 +1,115 @@
+"""Op `topk_positions(scores [R, E], k) -> int64 [R, min(k, E)]`: each row's stable top-k in position order,
+the CUDA twin of `torch_ops.topk_positions` (= `stable_topk(scores, k).sort().values`).
+
+Why: V4.1 attends its compressed picks in position order (`V41Attention._select`, the decode path's
+`_select`) and keeps candidate blocks as a mask, so it never needs the picks in score order. The twin sorts
+every row twice on the GPU (a stable radix sort of the scores, then one of the k picks): at batch 1 those
+sorts were ~117 us of a 1.9 ms V4.1-Flash slice step (H100, 2026-12-06). A selection needs no sort:
+* the scores' bf16 bits become 16-bit keys ordered as torch orders the values (-0.0 equal to +0.0, NaN above
+  +inf, every NaN equal);
+* two histogram passes find the k-th largest key: its high byte from the 256 high-byte counts, then its low
+  byte from the counts of the keys sharing that high byte (`_kth_bin`);
+* a last pass keeps, in position order, every key above that threshold and the first (k - those) keys equal
+  to it: the stable sort's tie rule (ties toward the lower position) gives exactly these.
+One program per row streams the row three times in BLOCK chunks (any E; at decode the row is a few KB, L2).
+Only bf16 rows run here (the indexer's scores); other dtypes go to the twin.
+Must not: reorder ties differently from `torch_ops.stable_topk` (the index order is visible in attention's
+last bits), import the model.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels import torch_ops
+from deepinfer.kernels.triton.launch import fast_launch
+
+BLOCK = 1024  # keys per chunk of a pass
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _order_keys(x):
+    """bf16 values -> int32 keys in [0, 65536), ordered as torch.sort orders the values: -0.0 == +0.0, every
+    NaN equal and above +inf. Positive bit patterns get the top bit set; negative ones are complemented."""
+    bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    bits = tl.where(bits == 0x8000, 0, bits)  # -0.0 sorts as +0.0
+    bits = tl.where(x != x, 0x7FC0, bits)  # NaN: one value, above +inf (0x7F80)
+    return tl.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
+
+
+@triton.jit
+def _kth_bin(hist, k, bins):
+    """hist [256] counts of one byte of the keys -> (b, above): b = the byte of the k-th largest key (the
+    largest b whose keys at or above it number >= k), above = how many keys lie in bins above b."""
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    b = tl.max(tl.where(at_or_above >= k, bins, -1), axis=0)
+    above = tl.sum(tl.where(bins > b, hist, 0), axis=0)
+    return b, above
+
+
+@fast_launch
+@triton.jit
+def _topk_positions_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    src = s_ptr + row * stride_s
+    bins = tl.arange(0, 256)
+    hist = tl.zeros((256,), tl.int32)
+    for start in range(0, E, BLOCK):  # pass 1: the high bytes
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < E
+        key = _order_keys(tl.load(src + offs, mask=inside, other=0.0))
+        hist += tl.histogram(key >> 8, 256, mask=inside)
+    hi, above_hi = _kth_bin(hist, k, bins)
+    hist = tl.zeros((256,), tl.int32)
+    for start in range(0, E, BLOCK):  # pass 2: the low bytes of the keys in the threshold's high byte
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < E
+        key = _order_keys(tl.load(src + offs, mask=inside, other=0.0))
+        hist += tl.histogram(key & 0xFF, 256, mask=inside & ((key >> 8) == hi))
+    lo, above_lo = _kth_bin(hist, k - above_hi, bins)
+    threshold = hi * 256 + lo
+    ties = k - above_hi - above_lo  # keys equal to the threshold that are kept: the first `ties` of them
+    taken = 0
+    seen = 0
+    for start in range(0, E, BLOCK):  # pass 3: the picks in position order
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < E
+        key = _order_keys(tl.load(src + offs, mask=inside, other=0.0))
+        eq = (inside & (key == threshold)).to(tl.int32)
+        tie_rank = seen + tl.cumsum(eq, axis=0) - eq
+        keep = (inside & (key > threshold)) | ((eq == 1) & (tie_rank < ties))
+        kept = keep.to(tl.int32)
+        slot = taken + tl.cumsum(kept, axis=0) - kept
+        tl.store(out_ptr + row * stride_o + slot, offs.to(tl.int64), mask=keep)
+        taken += tl.sum(kept, axis=0)
+        seen += tl.sum(eq, axis=0)
+
+
+def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., E] -> int64 [..., min(k, E)]: the positions of each row's k largest (ties toward the lower
+    position, NaN largest) in ascending order. bf16 CUDA rows run the kernel, the rest the twin."""
+    if k < 0:
+        raise ValueError(f"topk_positions: k must be >= 0, got {k}")
+    on_device = scores.is_cuda or _interpreting()
+    if scores.dtype != torch.bfloat16 or not on_device or scores.dim() == 0:
+        return torch_ops.topk_positions(scores, k)
+    E = scores.shape[-1]
+    k = min(k, E)
+    rows = scores.reshape(-1, E)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], k), dtype=torch.int64, device=scores.device)
+    if k and rows.shape[0]:
+        _topk_positions_kernel[(rows.shape[0],)](rows, out, E, k, rows.stride(0), out.stride(0), BLOCK=BLOCK,
+                                                 num_warps=4)
+    return out.view(*scores.shape[:-1], k)
+
+
+REGISTRATIONS = {"topk_positions": topk_positions}

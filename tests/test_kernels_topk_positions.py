@@ -1,0 +1,88 @@
+"""Op "topk_positions" (kernels/triton/topk_positions.py: a row's stable top-k in position order by two histogram
+passes and a compaction, no sort) against its twin (`torch_ops.topk_positions` = `stable_topk(...).sort()`),
+bit for bit: under the interpreter on the CPU and on the GPU (`-m gpu`, fresh random rows).
+
+The rows are built to break a wrong selection: heavy exact ties at and around the threshold (relu zeros,
+a few repeated values), -0.0 beside +0.0 (torch orders them equal), -inf (hidden entries), NaN (torch sorts
+it above +inf), rows whose k-th value sits in a high byte shared with many others, E around the chunk size
+(1023 / 1024 / 1025 / 2500 and 65536 on the GPU), k from 1 to E and above it (min(k, E) columns).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import torch_ops
+from interpreted import run_interpreted
+
+CASES = [(1, 7, 3), (3, 1023, 512), (2, 1024, 1024), (2, 1025, 1), (2, 2500, 512), (4, 64, 65), (5, 300, 17)]
+
+
+def rows(r: int, e: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """bf16 [r, e]: row 0 mixed (random, zeros, -0.0, -inf, two NaN), row 1 few distinct values (ties at
+    every threshold), the rest random with relu zeros."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(r, e, generator=g)
+    s[:, ::3] = 0.0
+    s = s.bfloat16()
+    s[0, 1::7] = -0.0
+    s[0, 2::11] = float("-inf")
+    if e > 20:
+        s[0, 5] = s[0, 17] = float("nan")
+    if r > 1:
+        s[1] = torch.randint(0, 4, (e,), generator=g).bfloat16() * 0.25
+    return s.to(device)
+
+
+def _check(device: str) -> None:
+    from deepinfer.kernels.triton.topk_positions import topk_positions
+
+    for i, (r, e, k) in enumerate(CASES):
+        s = rows(r, e, 80 + i, device)
+        got, want = topk_positions(s, k), torch_ops.topk_positions(s.cpu(), k)
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), want), (r, e, k)
+    same = torch.full((2, 40), 0.5, dtype=torch.bfloat16, device=device)  # every value tied: the first k positions
+    assert torch.equal(topk_positions(same, 9).cpu(), torch.arange(9).expand(2, 9))
+
+
+def test_twin_is_the_stable_top_k_in_position_order():
+    s = torch.tensor([[0.5, 2.0, 0.5, -1.0, 2.0, 0.5]]).bfloat16()
+    assert torch_ops.topk_positions(s, 4).tolist() == [[0, 1, 2, 4]]  # 2.0, 2.0, then the first two 0.5 ties
+
+
+def test_off_device_rows_and_other_dtypes_take_the_twin():
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.topk_positions import topk_positions
+
+    s = rows(3, 100, 1)
+    assert torch.equal(topk_positions(s, 10), torch_ops.topk_positions(s, 10))
+    assert torch.equal(topk_positions(s.float(), 10), torch_ops.topk_positions(s.float(), 10))
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        topk_positions(s, -1)
+
+
+def test_topk_positions_under_the_interpreter():
+    pytest.importorskip("triton")
+    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the interpreter's loop bounds (numpy 2)
+
+    res = run_interpreted(_INTERPRETER_FIXES + "import test_kernels_topk_positions as t\nt._check('cpu')\nprint('ok')",
+                          timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_topk_positions_on_the_gpu():
+    """The cases above, then decode-sized rows (batch 1..64, E up to 65536: a 128K context at ratio 2, k 512)
+    from fresh seeds, and a leading batch dim (the varlen path's [S, E])."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from deepinfer.kernels.triton.topk_positions import topk_positions
+
+    _check("cuda")
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    for i, (r, e) in enumerate([(1, 1024), (8, 4096), (64, 1024), (1, 65536), (4, 65536)]):
+        s = rows(r, e, seed + i, "cuda")
+        for k in (1, 512, e):
+            assert torch.equal(topk_positions(s, k).cpu(), torch_ops.topk_positions(s.cpu(), k)), (seed, r, e, k)
+    s = rows(6, 3000, seed, "cuda").view(2, 3, 3000)
+    assert torch.equal(topk_positions(s, 512).cpu(), torch_ops.topk_positions(s.cpu(), 512))
