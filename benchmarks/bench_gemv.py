@@ -4,6 +4,7 @@ decode shapes, and sweep the GEMV's tiles to set `_gemv_tiles` (provisional unti
 
     PYTHONPATH=$PWD python benchmarks/bench_gemv.py [--budget 420] [--no-sweep] [--head]
         [--tiles "BN,BK,warps[,stages];..."]   # sweep these tiles instead of the default grid
+        [--k 5120 --ns 64,384,512,2048]        # other shapes (these: V4.1-Flash's; the names then say "N=...")
 
 Shapes (K = 4096 = dim, V4-Flash config): N = 64 (indexer weights_proj, blinear), 256 (MoE gate; the indexer's
 compressor wkv / wgate: ratio 4 -> 2 x index_head_dim 128), 512 (main compressor wkv / wgate at ratio 128:
@@ -42,11 +43,11 @@ MS = (1, 2, 4, 8, 16, 32)
 SWEEP_MS = (1, 4, 16)
 
 
-def _copies(n: int) -> list[torch.Tensor]:
-    """Copies of one random bf16 weight [n, K], >= 4x the L2 size in all (at least 2, at most 512)."""
-    w = (torch.randn(n, K, device="cuda") * 0.02).to(torch.bfloat16)
+def _copies_k(n: int, k: int) -> list[torch.Tensor]:
+    """Copies of one random bf16 weight [n, k], >= 4x the L2 size in all (at least 2, at most 512)."""
+    w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    return [w.clone() for _ in range(max(2, min(512, math.ceil(4 * l2 / (2 * n * K)))))]
+    return [w.clone() for _ in range(max(2, min(512, math.ceil(4 * l2 / (2 * n * k)))))]
 
 
 def _per_call_us(op, x, weights) -> float:
@@ -89,26 +90,30 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--head", action="store_true", help="also the LM head (N = 129280)")
     ap.add_argument("--tiles", default=None, help='sweep these: "BN,BK,warps[,stages];..."')
+    ap.add_argument("--k", type=int, default=K, help="the weights' K (default V4-Flash's dim)")
+    ap.add_argument("--ns", default=None, help="comma-separated N to time instead of V4-Flash's shapes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gemv: needs CUDA")
+    k = args.k
     torch.manual_seed(0)
     start, end = time.time(), time.time() + args.budget
     dev = torch.cuda.get_device_properties(0)
     print(f"{dev.name}, {dev.multi_processor_count} SMs, triton {triton.__version__}, torch {torch.__version__}")
-    shapes = SHAPES + ((HEAD,) if args.head else ())
+    shapes = tuple((int(n), f"N={n}") for n in args.ns.split(",")) if args.ns else SHAPES
+    shapes += (HEAD,) if args.head else ()
     rows, sweep = [], []
-    print(f"\n== linear_f32, K={K}: us per call (graph replay, L2-cold weights) and weight GB/s ==")
+    print(f"\n== linear_f32, K={k}: us per call (graph replay, L2-cold weights) and weight GB/s ==")
     print(f"{'N':>6s} {'M':>3s} | {'cuBLAS':>16s} | {'GEMV (rule)':>16s} | {'speedup':>7s} | {'rel_err':>8s} | tiles")
     for n, name in shapes:
-        weights = _copies(n)
-        nbytes = 2 * n * K
+        weights = _copies_k(n, k)
+        nbytes = 2 * n * k
         for m in MS:
             if time.time() > end:
                 rows.append(dict(N=n, M=m, skipped="time budget"))
                 continue
-            x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
-            rec = dict(N=n, M=m, name=name, tiles=bf16_gemv._gemv_tiles(m, n, K))
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            rec = dict(N=n, M=m, name=name, tiles=bf16_gemv._gemv_tiles(m, n, k))
             try:
                 rec["cublas_us"] = _per_call_us(bf16_gemm.linear_f32_cublas, x, weights)
                 rec["gemv_us"] = _per_call_us(_gemv(None), x, weights)
@@ -123,7 +128,7 @@ def main() -> None:
             rows.append(rec)
         if not args.no_sweep and n != HEAD[0]:
             for m in SWEEP_MS:
-                x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 best = None
                 for tiles in _sweep_tiles(args.tiles, m):
                     if time.time() > end:
@@ -142,7 +147,7 @@ def main() -> None:
                              else f"FAILED {rec['error']}"), flush=True)
                 if best is not None:
                     print(f"  best  N={n:5d} M={m:2d} {best['tiles']} {best['us']:.2f} us "
-                          f"(rule {bf16_gemv._gemv_tiles(m, n, K)})", flush=True)
+                          f"(rule {bf16_gemv._gemv_tiles(m, n, k)})", flush=True)
         del weights
         torch.cuda.empty_cache()
     skipped = sum("skipped" in r for r in rows + sweep)
@@ -151,7 +156,7 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_gemv.json"), "w") as f:
-            json.dump(dict(device=dev.name, K=K, rows=rows, sweep=sweep), f, indent=1)
+            json.dump(dict(device=dev.name, K=k, rows=rows, sweep=sweep), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -21,6 +21,11 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s26c)  # linear_f32 at V4.1-Flash's decode shapes (K 5120: the MoE gate N 384 took cuBLAS's 3-CTA fp32 kernel at
+    # b8, 2 x 51 us a step), then the owed 1k / 8k prefill A/B
+    step bench_gemv_v41 120 python benchmarks/bench_gemv.py --k 5120 --ns 64,384,512,1024,2048 --no-sweep --budget 90
+    bash "$0" prefill_ab
+    ;;
 s26b)  # V4.1's top-k in position order (topk_positions): its GPU test, V4.1's decode and engine GPU tests with it,
     # the slice's decode steps
     step gpu_tests_topk_positions 200 python -m pytest -m gpu -q -rf -p no:cacheprovider \
