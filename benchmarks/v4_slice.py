@@ -159,4 +159,6 @@ class SliceRunner:
             else:
                 self.model.forward(ids, ctx)
 
-        return cuda_time_ms(run, reps=reps, warmup=2)  # 3 reps moved the 1k prefill by 30% between runs
+        # 3 reps moved the 1k prefill by 30% between runs; 2 warm-ups left the 8k's whole forward ~10 ms over its
+        # blocks in every rep of the first measurement, 8 none (H100 2026-12-06, benchmarks/prefill_forward_gap.py)
+        return cuda_time_ms(run, reps=reps, warmup=4)
