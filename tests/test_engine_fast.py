@@ -180,8 +180,8 @@ def test_fast_params_keep_the_checkpoint_quantised(tiny_v4_raw):
             continue
         size = t.numel() * t.element_size()
         scale = raw.get(name[: -len(".weight")] + ".scale")
-        if ".ffn.experts." in name:
-            expected += size + scale.numel() * scale.element_size()
+        if ".ffn.experts." in name:  # the scale rows as the bank stores them: 16-byte strided (sixteen_byte_rows)
+            expected += size + scale.shape[0] * -(-scale.shape[1] // 16) * 16 * scale.element_size()
         elif name == "head.weight" or name.endswith(BF16_GEMM_WEIGHTS) or (
                 name.endswith("attn.wo_a.weight") and not isinstance(fast[name], QuantLinearWeight)):
             # bf16 values, no fp32 copy (the compressors, the MoE gate, weights_proj: the checkpoint's bf16)

@@ -40,10 +40,12 @@ from deepinfer.kernels.quant_weights import FP4ExpertBank, QuantLinearWeight
 ParamValue = torch.Tensor | QuantLinearWeight | FP4ExpertBank
 
 # bf16 checkpoint weights that only feed GEMMs of bf16 activations: the compressors' projections and the MoE
-# gate (official: fp32 matmuls of the bf16 values, op "linear_f32") and the indexer's weights_proj (official:
-# a bf16 linear, op "blinear"); kept bf16 they take the tensor cores and half the bytes
+# gate (official: fp32 matmuls of the bf16 values, op "linear_f32") and the indexer's weights_proj and V4.1's
+# index-key projection wk (official: bf16 linears, op "blinear"); kept bf16 they take the tensor cores (or the
+# one-launch GEMV at decode) and half the bytes. An fp32 copy of V4.1's wk went to cuBLAS's fp32 path: at batch
+# 8, 2 x 51 us a step on an H100 (results/bench_v41_decode_topk_h100_2026-12-06_s26.log, sm80_xmma_gemm_f32f32)
 BF16_GEMM_WEIGHTS = ("compressor.wkv.weight", "compressor.wgate.weight", "ffn.gate.weight",
-                     "indexer.weights_proj.weight")
+                     "indexer.weights_proj.weight", "indexer.wk.weight")
 
 
 def _expert_prefix(name: str) -> str | None:
