@@ -10,7 +10,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -21,6 +21,11 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s26d)  # V4.1's wk kept bf16 (the GEMV / cuBLAS bf16 instead of cuBLAS fp32): V4.1's decode and engine GPU tests, the slice
+    step gpu_tests_v41_wk 300 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
+    step bench_v41_decode_wk 130 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 10
+    ;;
 s26c)  # linear_f32 at V4.1-Flash's decode shapes (K 5120: the MoE gate N 384 took cuBLAS's 3-CTA fp32 kernel at
     # b8, 2 x 51 us a step), then the owed 1k / 8k prefill A/B
     step bench_gemv_v41 120 python benchmarks/bench_gemv.py --k 5120 --ns 64,384,512,1024,2048 --no-sweep --budget 90
