@@ -1,10 +1,9 @@
 # The device checks the code of 2026-12-06 still owes, in the order the next device run should take them; each
-# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-fifth session ran s24b (the
-# extend graphs after the bind fix: passed) and s25 (V4.1's batched decode path and its kernels: passed, on an
-# H100); still owed: s23c (the prefill FP8 kernel's persistent form: tests and sweep), then prefill_ab (the 1k /
-# 8k prefill with the trimmed experts, either linear form) and, on the H200, anatomy, prefill and slice with the
-# current defaults.
-#   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh s23c     # with carry: [".whl"]
+# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-sixth session ran s25b (the
+# twenty-fifth session's review), s26a-d (its own changes) and prefill_ab, all on an H100 (passed; numbers in
+# BENCHMARKS.md); still owed, on the H200: anatomy, prefill and slice with the current defaults (the issue's
+# ratios against transformers were last measured on an H100 in the twenty-second session).
+#   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh anatomy     # with carry: [".whl"]
 #   ... prefill_ab | s23b (both of them and the trimmed experts at T=1024) | tests | anatomy | linears | prefill | slice
 # Logs go to $OUT (one file per step); each step's summary line is printed.
 set -u
