@@ -12,7 +12,6 @@ so the gap was the first measurement's warm-up, not the forward (results/prefill
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -20,7 +19,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from slice_config import slice_config  # noqa: E402
 
 
 def main() -> None:
@@ -28,18 +26,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
-    from deepinfer.kernels.triton import register_cuda_kernels
     from deepinfer.model.context import ForwardContext, SeqContext, forward_context
-    from deepinfer.tiny import make_tensors
     from v4_slice import SliceRunner
 
-    register_cuda_kernels()
-    cfg = slice_config(args.layers)
-    raw = make_tensors(cfg, seed=0, device="cuda")
-    runner = SliceRunner(cfg, raw, 128, args.tokens + 64)
-    del raw
-    gc.collect()
-    torch.cuda.empty_cache()
+    runner = SliceRunner.random(args.layers, 128, args.tokens + 64)
     ctx = ForwardContext((SeqContext(0, args.tokens, 0, 0, runner._table(0)),))
     ids = runner._ids(args.tokens)
 

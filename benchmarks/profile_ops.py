@@ -15,7 +15,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from slice_config import slice_config  # noqa: E402
 
 
 def op_rows(fn, top: int) -> list[tuple[str, str, int, float]]:
@@ -45,19 +44,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    from deepinfer.kernels.triton import register_cuda_kernels
     from deepinfer.model.context import ForwardContext, SeqContext
     from deepinfer.model.decode_step import DecodeRunner
-    from deepinfer.tiny import make_tensors
     from v4_slice import SliceRunner
 
-    register_cuda_kernels()
-    cfg = slice_config(args.layers)
-    raw = make_tensors(cfg, seed=0, device="cuda")
     batch = max(1, args.decode)
-    runner = SliceRunner(cfg, raw, batch, max(args.prefill, args.context + 64))
-    del raw
-    torch.cuda.empty_cache()
+    runner = SliceRunner.random(args.layers, batch, max(args.prefill, args.context + 64))
     work = []
     if args.prefill:
         ctx = ForwardContext((SeqContext(0, args.prefill, 0, 0, runner._table(0)),))

@@ -46,6 +46,24 @@ class SliceRunner:
         self.model = self._build(cfg, raw, max_batch * self.blocks_per_seq + 1, max_batch + 1)
         self.g = torch.Generator(device="cuda").manual_seed(0)
 
+    @classmethod
+    def random(cls, layers: int, max_batch: int, max_tokens: int) -> "SliceRunner":
+        """The Triton kernels registered, then a runner over a `layers`-layer V4-Flash slice (`slice_config`)
+        with random weights in the official format drawn on the GPU (the raw tensors freed once loaded)."""
+        import gc
+
+        from slice_config import slice_config
+
+        from deepinfer.kernels.triton import register_cuda_kernels
+        from deepinfer.tiny import make_tensors
+
+        register_cuda_kernels()
+        cfg = slice_config(layers)
+        runner = cls(cfg, make_tensors(cfg, seed=0, device="cuda"), max_batch, max_tokens)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return runner
+
     def _build(self, cfg, raw, num_blocks: int, max_num_seqs: int):
         """The slice's fast-numerics model on cuda (a subclass builds another family's)."""
         return build_v4_model(cfg, raw, "fast", "cuda", num_blocks=num_blocks, block_size=BLOCK,
