@@ -1,6 +1,13 @@
 """Running a test script through Triton's interpreter: a fresh Python with TRITON_INTERPRET=1 (the Triton
 kernels then run on CPU tensors), the repository and tests/ importable; or the same compiled for the GPU. A fresh process because the
-interpreter is chosen when triton is imported. Callers skip first when triton is missing."""
+interpreter is chosen when triton is imported. Callers skip first when triton is missing.
+
+Also `GPU_ROUNDINGS`, the source a script runs first to make Triton 3.6's interpreter round as the GPU does
+(test-only patches): a dot of bf16 operands multiplies their raw uint16 bit patterns; fp32 -> bf16 casts
+truncate; fp32 -> E4M3 "rtne" rounds ties up and drops the mantissa carry (31.0 -> 16.0); and (with numpy 2)
+a loop bound that is a runtime int fails to convert. And the two verdicts every interpreter test gives:
+`assert_ran_ok` (exit 0, "ok" printed last) and `assert_check_failed` (a planted bug: the check's assertion
+fired)."""
 from __future__ import annotations
 
 import os
@@ -14,6 +21,56 @@ ROOT = Path(__file__).resolve().parents[1]
 def _env(**extra: str) -> dict:
     path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
     return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+GPU_ROUNDINGS = '''
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import interpreter as _interp
+
+_dot, _convert = _interp.InterpreterBuilder.create_dot, _interp._convert_float
+
+
+def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    def f32(t):  # bf16 is stored as raw uint16 bits: np.matmul would multiply the bit patterns
+        if t.dtype.scalar == tl.bfloat16:
+            return _interp.TensorHandle(_convert(t.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+        return t
+    return _dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+
+
+def _convert_float(data, src, dst, rounding_mode):
+    if src == tl.float32 and dst in (tl.bfloat16, tl.float8e4nv):  # round to nearest even, as the GPU does
+        t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+        if dst == tl.bfloat16:
+            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    return _convert(data, src, dst, rounding_mode)
+
+
+_patch_tensor = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor, scope):  # a runtime int is a 1-element array there; numpy 2 refuses int() of it
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+_interp.InterpreterBuilder.create_dot = _create_dot
+_interp._convert_float = _convert_float
+_interp._patch_lang_tensor = _patch_lang_tensor
+'''
+
+
+def assert_ran_ok(res: subprocess.CompletedProcess) -> None:
+    """The script exited 0 and printed "ok" last (its output's tails as the message otherwise)."""
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def assert_check_failed(res: subprocess.CompletedProcess) -> None:
+    """A check run with a planted bug: it must fail on its own assertion (not on anything else)."""
+    assert res.returncode != 0 and "AssertionError" in res.stderr, res.stdout[-2000:] + res.stderr[-3000:]
 
 
 def run_interpreted(script: str, *argv: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -92,8 +92,8 @@ def check(cfg_params, monkeypatch, device):
 
 
 _BATCHED_ROWS_UNDER_INTERPRETER = """
-from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's fp32 -> bf16 rounding (the interpreter truncates)
-exec(_INTERPRETER_FIXES)
+from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
+exec(GPU_ROUNDINGS)
 import torch
 from deepinfer.kernels.triton import compress_pool as cp, hadamard, norm_hc, rope
 
@@ -151,7 +151,7 @@ def test_triton_kernels_give_batched_rows_the_per_sequence_bits_under_the_interp
     bits (compress_pool: once the pair across each boundary is dropped). The kernels' own code, not the
     twins'; the GPU run of the whole path is the -m gpu test above."""
     pytest.importorskip("triton")
-    from interpreted import run_interpreted
+    from interpreted import assert_ran_ok, run_interpreted
 
     res = run_interpreted(_BATCHED_ROWS_UNDER_INTERPRETER, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)

@@ -227,7 +227,7 @@ def _check_hc_mix_exact(device):
 _HC_PRE_INTERPRET = """
 # the interpreter patched as in test_kernels_fp8_linear: fp32 -> bf16 rounds to nearest even as on the GPU
 # (y's bf16 roundings), and a runtime loop bound works under numpy 2
-exec(__import__("test_kernels_fp8_linear")._INTERPRETER_FIXES)
+exec(__import__("interpreted").GPU_ROUNDINGS)
 import test_kernels_attn as t
 
 t._check_hc_mix_exact("cpu")
@@ -249,10 +249,10 @@ def test_hc_pre_fused_matches_twin_under_the_interpreter():
     import): the mix kernel's products exact, and y / post / comb against the torch twin at small shapes
     (ragged K, several token blocks, a non-default launch plan)."""
     pytest.importorskip("triton")
-    from interpreted import run_interpreted
+    from interpreted import assert_ran_ok, run_interpreted
 
     res = run_interpreted(_HC_PRE_INTERPRET, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 def test_hc_mix_plan():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
 
 CASES = [  # (B, q_lora_rank, heads, head_dim, rope_dim)
     (1, 1024, 64, 512, 64),
@@ -95,7 +95,7 @@ def _check(device: str, plant: str = "") -> None:
         assert same >= 0.99 and bool(((dec_got - dec_ops).abs() <= step).all()), ("ring rows", case, same)
         # the twin sums the squares in torch's order (on the GPU a one-ulp norm can move an E4M3 code or a
         # block scale) and rotates by torch.polar's table; equal here at these shapes (the interpreter rounds
-        # as the GPU does, _INTERPRETER_FIXES)
+        # as the GPU does, GPU_ROUNDINGS)
         dec_twin = layout.load(twin_store[r]).float()
         q_dim = layout.quant_dim
         assert _rel(dec_got[:, :q_dim], dec_twin[:, :q_dim]) <= 0.05, ("FP8 channels vs the twin", case)
@@ -140,21 +140,21 @@ def _check(device: str, plant: str = "") -> None:
 
 def _interpreted(plant: str = ""):
     pytest.importorskip("triton")
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's roundings (RNE to bf16 / FP8) in the interpreter
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
-    return run_interpreted(_INTERPRETER_FIXES + f"import test_kernels_attn_norm_rope as t\nt._check('cpu', {plant!r})\nprint('ok')",
+    return run_interpreted(GPU_ROUNDINGS + f"import test_kernels_attn_norm_rope as t\nt._check('cpu', {plant!r})\nprint('ok')",
                            timeout=600)
 
 
 def test_attn_norm_rope_ops_are_their_twins_under_the_interpreter():
     res = _interpreted()
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 @pytest.mark.parametrize("plant", ["rows", "rope"])
 def test_the_check_catches_a_planted_bug(plant):
     res = _interpreted(plant)
-    assert res.returncode != 0 and "AssertionError" in res.stderr, res.stdout[-2000:] + res.stderr[-3000:]
+    assert_check_failed(res)
 
 
 @pytest.mark.gpu

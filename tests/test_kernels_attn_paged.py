@@ -211,23 +211,23 @@ print("ok")
 
 def test_paged_kernel_under_the_interpreter():
     pytest.importorskip("triton")
-    from interpreted import run_interpreted
+    from interpreted import assert_ran_ok, run_interpreted
 
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's roundings in Triton's interpreter
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
-    res = run_interpreted(_INTERPRETER_FIXES + _SCRIPT, "cpu", timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    res = run_interpreted(GPU_ROUNDINGS + _SCRIPT, "cpu", timeout=600)
+    assert_ran_ok(res)
 
 
 @pytest.mark.gpu
 def test_paged_kernel_on_the_gpu(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from interpreted import run_compiled
+    from interpreted import assert_ran_ok, run_compiled
 
     res = run_compiled(_SCRIPT.replace("device = sys.argv[1]", "device = 'cuda'"), tmp_path)
     print(res.stdout)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 def test_split_env_choice(monkeypatch):

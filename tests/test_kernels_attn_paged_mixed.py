@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
 
 
 def _layouts(d: int):
@@ -86,21 +86,21 @@ def _check(device: str, d: int, H: int, win: int, picks: int, plant: str = "") -
 
 def _interpreted(plant: str = ""):
     pytest.importorskip("triton")
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's roundings (RNE to bf16 / FP8) in the interpreter
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
     script = (f"import test_kernels_attn_paged_mixed as t\nt._check('cpu', 64, 16, 64, 128, {plant!r})\n"
               "print('ok')")
-    return run_interpreted(_INTERPRETER_FIXES + script, timeout=900)
+    return run_interpreted(GPU_ROUNDINGS + script, timeout=900)
 
 
 def test_mixed_paged_attention_under_the_interpreter():
     res = _interpreted()
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 def test_the_check_catches_swapped_nibbles():
     res = _interpreted("nibbles")
-    assert res.returncode != 0 and "AssertionError" in res.stderr, res.stdout[-2000:] + res.stderr[-3000:]
+    assert_check_failed(res)
 
 
 @pytest.mark.gpu

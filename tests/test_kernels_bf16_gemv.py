@@ -5,7 +5,7 @@ CPU (no interpreter; the module imports triton, so these skip without it): the w
 M > GEMV_MAX_ROWS, M x N > GEMV_MAX_WORK and fp32 weights to cuBLAS's versions, i.e. the twins (the same bits); bad inputs raise
 ValueError naming the op; the tile rule's invariants.
 Interpreter (TRITON_INTERPRET=1 in a fresh process, the GPU's fp32 -> bf16 rounding restored by
-`_INTERPRETER_FIXES`), seeded random inputs: M in {1, 3, 8}, (N, K) with tails of BN and BK, default and
+`GPU_ROUNDINGS`), seeded random inputs: M in {1, 3, 8}, (N, K) with tails of BN and BK, default and
 explicit tiles (several K steps), strided x; the wrappers' routing (M <= GEMV_MAX_ROWS, M x N <= GEMV_MAX_WORK). Bounds: both the kernel and the twin sum the same exact fp32
 products in some order, so each is within gamma_K * sum_k |x_k w_k| of the exact sum (gamma_K = K u / (1 - K u),
 u = 2**-24, the worst case of any summation order) and they are within twice that of each other: asserted
@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_ran_ok, run_interpreted
 from deepinfer.kernels import bf16_gemm, official
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -132,8 +132,8 @@ def test_registrations_and_tile_rule():
 
 # ------------------------------------------------------------------------- Triton, interpreter on CPU
 _INTERPRET_CHECK = """
-from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's fp32 -> bf16 rounding (the interpreter truncates)
-exec(_INTERPRETER_FIXES)
+from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
+exec(GPU_ROUNDINGS)
 import torch
 
 from test_kernels_bf16_gemv import _check_bf16, _check_f32, _grid_inputs, _inputs
@@ -201,7 +201,7 @@ def test_triton_gemv_under_the_interpreter():
     """The kernel vs the twins on CPU bf16 inputs (TRITON_INTERPRET=1 in a fresh process: read at import)."""
     pytest.importorskip("triton")
     res = run_interpreted(_INTERPRET_CHECK, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 # ---------------------------------------------------------------------------------------------- cuda

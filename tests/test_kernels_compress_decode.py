@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_ran_ok, run_interpreted
 from deepinfer import kernels
 from deepinfer.kernels import official_fused, torch_ops
 
@@ -193,11 +193,11 @@ print("ok")
 def test_triton_kernel_is_the_twin_under_the_interpreter():
     """A fresh process (the flag is read at import), with the interpreter's bf16 rounding fixed."""
     pytest.importorskip("triton")
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
-    res = run_interpreted(_INTERPRETER_FIXES + _INTERPRET_CHECK, timeout=600)
+    res = run_interpreted(GPU_ROUNDINGS + _INTERPRET_CHECK, timeout=600)
     print(res.stdout[-3000:])
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

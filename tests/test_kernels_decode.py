@@ -379,10 +379,10 @@ DECODE_STEP_CHECKS = ["_check_encode_into", "_check_decode_rows", "_check_select
 @pytest.mark.parametrize("check", DECODE_STEP_CHECKS)
 def test_decode_step_triton_ops_are_their_twins_under_the_interpreter(check):
     pytest.importorskip("triton")
-    from interpreted import run_interpreted
+    from interpreted import assert_ran_ok, run_interpreted
 
     res = run_interpreted(f"import test_kernels_decode as t\nt.{check}('cpu')\nprint('ok')", timeout=300)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 @pytest.mark.gpu

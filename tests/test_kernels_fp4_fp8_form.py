@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_compiled, run_interpreted
+from interpreted import assert_ran_ok, run_compiled, run_interpreted
 from deepinfer.kernels.quant_weights import fp4_moe_torch
 
 BF16 = torch.bfloat16
@@ -43,8 +43,8 @@ def test_perm32_is_the_k32_register_order():
 
 
 _INTERPRET_CHECK = r'''
-from test_kernels_fp8_linear import _INTERPRETER_FIXES
-exec(_INTERPRETER_FIXES)
+from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
+exec(GPU_ROUNDINGS)
 import torch, triton, triton.language as tl
 from deepinfer import formats
 from deepinfer.kernels.triton.act_quant import act_quant, perm32
@@ -94,7 +94,7 @@ def test_fp8_form_matches_the_twin_under_the_interpreter():
     pytest.importorskip("triton")
     res = run_interpreted(_INTERPRET_CHECK, timeout=1200)
     print(res.stdout[-3000:])
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ print("ok")
 def test_fp8_form_ptx_conversion_equals_the_tl_form_for_every_half(tmp_path):
     _cuda()
     res = run_compiled(_GPU_CONVERSION, tmp_path)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 @pytest.fixture(scope="module")

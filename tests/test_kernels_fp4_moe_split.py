@@ -5,7 +5,7 @@ order computed in the sum kernel. Every variant must compute the twin's function
 
 CPU (needs triton, no GPU): the split rule; expand 5's byte conversion equals expand 1's for every byte,
 bit for bit; every variant under TRITON_INTERPRET=1 in a fresh process with
-the interpreter's numeric bugs patched (tests/test_kernels_fp8_linear.py `_INTERPRETER_FIXES`) against the
+the interpreter's numeric bugs patched (`tests/interpreted.py` `GPU_ROUNDINGS`) against the
 torch twin at tiny shapes (E=8, D=512, I=256 so that w2's K=256 splits in 2; T in 1, 3, 40; act blocks 128
 and 32; limits 10 and 0). Measured when written: every variant 0 .. 0.02 "row ulps" (|diff| over the bf16
 ulp of the row's largest |y|), the same as the default kernel under the interpreter; asserted <= 2 row ulps
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_compiled, run_interpreted
+from interpreted import assert_ran_ok, run_compiled, run_interpreted
 from deepinfer.kernels.quant_weights import fp4_moe_torch
 
 BF16 = torch.bfloat16
@@ -170,8 +170,8 @@ def test_expand6_byte_conversion_is_exact_on_the_gpu(tmp_path):
 
 
 _INTERPRET_CHECK = r'''
-from test_kernels_fp8_linear import _INTERPRETER_FIXES
-exec(_INTERPRETER_FIXES)
+from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
+exec(GPU_ROUNDINGS)
 import torch
 
 from deepinfer.kernels.quant_weights import FP4ExpertBank
@@ -198,7 +198,7 @@ def test_fp4_moe_v2_variants_match_the_twin_under_the_interpreter():
     pytest.importorskip("triton")
     res = run_interpreted(_INTERPRET_CHECK, timeout=900)
     print(res.stdout[-4000:])
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 # ----------------------------------------------------------------------------------------------

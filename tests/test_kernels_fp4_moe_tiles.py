@@ -46,7 +46,7 @@ def test_fp4_moe_kernel_tiles_and_real_dims(cfg):
 
 
 _WHOLE_OP_CHECK = r"""
-exec(__import__("test_kernels_fp8_linear")._INTERPRETER_FIXES)  # the GPU's roundings in Triton's interpreter
+exec(__import__("interpreted").GPU_ROUNDINGS)  # the GPU's roundings in Triton's interpreter
 import torch
 
 from deepinfer.kernels.quant_weights import FP4ExpertBank, fp4_moe_torch

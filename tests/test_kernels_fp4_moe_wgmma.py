@@ -90,9 +90,9 @@ def test_act_quant_gather_matches_act_quant_and_the_order():
     pytest.importorskip("triton")
     from interpreted import run_interpreted
 
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the interpreter's E4M3 / bf16 rounding, restored
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
-    done = run_interpreted(_INTERPRETER_FIXES + "\nfrom test_kernels_fp4_moe_wgmma import check_act_quant_gather as c\n"
+    done = run_interpreted(GPU_ROUNDINGS + "\nfrom test_kernels_fp4_moe_wgmma import check_act_quant_gather as c\n"
                            "c()\nprint('ok')\n")
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 

@@ -5,7 +5,7 @@ CPU (needs triton, no GPU):
 * both forms (mma "bf16" and "fp8"), split and unsplit, fused (M <= 64) and pre-quantised (M > 64)
   activations, blocks 128 and 32, M = 1 / 5 / 130, N not a multiple of the tile, run by TRITON_INTERPRET=1 in
   a fresh process against the torch twin. Triton 3.6's interpreter has three numeric bugs that the
-  subprocess patches (test-only, `_INTERPRETER_FIXES`): a dot of bf16 operands multiplies their raw uint16
+  subprocess patches (test-only, `interpreted.GPU_ROUNDINGS`): a dot of bf16 operands multiplies their raw uint16
   bit patterns; fp32 -> bf16 casts truncate; fp32 -> E4M3 "rtne" rounds ties up and drops the mantissa
   carry (31.0 -> 16.0); and (with numpy 2) a loop bound that is a runtime int fails to convert. With the GPU's rounding restored, every case equals the twin bit for bit (measured
   0 bf16 ulps at these shapes: K <= 1024, the fp32 summation-order differences vanish in the bf16
@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import GPU_ROUNDINGS, assert_ran_ok, run_interpreted
 from deepinfer import formats
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch
 from test_kernels_gemm import assert_replay_is_eager
@@ -113,46 +113,8 @@ def test_auto_form_and_batched_decode_tiles():
 # ----------------------------------------------------------------------------------------------
 # CPU: the kernels under TRITON_INTERPRET=1
 # ----------------------------------------------------------------------------------------------
-_INTERPRETER_FIXES = '''
-import numpy as np
-import torch
-import triton.language as tl
-from triton.runtime import interpreter as _interp
 
-_dot, _convert = _interp.InterpreterBuilder.create_dot, _interp._convert_float
-
-
-def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    def f32(t):  # bf16 is stored as raw uint16 bits: np.matmul would multiply the bit patterns
-        if t.dtype.scalar == tl.bfloat16:
-            return _interp.TensorHandle(_convert(t.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
-        return t
-    return _dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
-
-
-def _convert_float(data, src, dst, rounding_mode):
-    if src == tl.float32 and dst in (tl.bfloat16, tl.float8e4nv):  # round to nearest even, as the GPU does
-        t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
-        if dst == tl.bfloat16:
-            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    return _convert(data, src, dst, rounding_mode)
-
-
-_patch_tensor = _interp._patch_lang_tensor
-
-
-def _patch_lang_tensor(tensor, scope):  # a runtime int is a 1-element array there; numpy 2 refuses int() of it
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-_interp.InterpreterBuilder.create_dot = _create_dot
-_interp._convert_float = _convert_float
-_interp._patch_lang_tensor = _patch_lang_tensor
-'''
-
-_INTERPRET_CHECK = _INTERPRETER_FIXES + '''
+_INTERPRET_CHECK = GPU_ROUNDINGS + '''
 import torch
 
 import test_kernels_fp8_linear as t
@@ -208,7 +170,7 @@ def test_fp8_linear_kernels_match_the_twin_under_the_interpreter():
     pytest.importorskip("triton")
     res = run_interpreted(_INTERPRET_CHECK, timeout=600)
     print(res.stdout[-4000:])
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 # ----------------------------------------------------------------------------------------------

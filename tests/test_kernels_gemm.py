@@ -319,10 +319,10 @@ def test_routing_kernels_equal_align_by_expert_under_the_interpreter():
     align_by_expert's outputs exactly: E=256 k=6 at T=1..64 (6..384 slots), odd expert counts, block sizes
     16/32/64/128, 2400 slots (several chunks of the per-expert kernel), a skewed routing."""
     pytest.importorskip("triton")
-    from interpreted import run_interpreted
+    from interpreted import assert_ran_ok, run_interpreted
 
     res = run_interpreted(_CHUNKED_ROUTING_CHECK, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 @pytest.mark.gpu

@@ -100,7 +100,7 @@ def test_fast_model_logits_same_bits_with_wo_a_fp8_or_bf16(tiny_v4_raw, monkeypa
 
 
 _INTERPRET = """
-exec(__import__("test_kernels_fp8_linear")._INTERPRETER_FIXES)  # the GPU's fp32 -> bf16 rounding
+exec(__import__("interpreted").GPU_ROUNDINGS)  # the GPU's fp32 -> bf16 rounding
 import torch
 import test_kernels_grouped_proj as t
 from deepinfer.kernels.triton import grouped_proj as gp
@@ -125,10 +125,10 @@ print("ok")
 
 def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    from interpreted import run_interpreted
+    from interpreted import assert_ran_ok, run_interpreted
 
     res = run_interpreted(_INTERPRET, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 def test_sync_launcher_rejects_bad_grouped_inputs():

@@ -1,6 +1,6 @@
 """The Triton `hadamard32` (deepinfer/kernels/triton/hadamard.py) against its torch twin
 `official.hadamard32`: under the Triton interpreter on CPU (a fresh process, with the GPU's fp32 -> bf16
-rounding restored by `_INTERPRETER_FIXES`), on cuda (-m gpu) at V4's shapes, non-contiguous inputs and CUDA
+rounding restored by `GPU_ROUNDINGS`), on cuda (-m gpu) at V4's shapes, non-contiguous inputs and CUDA
 graph replay; and its twin fallback (other dtypes, CPU tensors) is the twin exactly.
 Bounds: rel_err <= 2e-3 (tests/test_kernels_attn.py's kernel-vs-twin bound for bf16 outputs); the kernel's
 fp32 sums differ from the twin's GEMM only in order, then both round to bf16 once, so nearly every element
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_ran_ok, run_interpreted
 from deepinfer.kernels import official
 
 BF16 = torch.bfloat16
@@ -63,8 +63,8 @@ def test_registration():
 
 # ------------------------------------------------------------------------- Triton, interpreter on CPU
 _INTERPRET_CHECK = """
-from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's fp32 -> bf16 rounding (the interpreter truncates)
-exec(_INTERPRETER_FIXES)
+from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
+exec(GPU_ROUNDINGS)
 import torch
 
 from test_kernels_hadamard import BF16_BOUND, _rel, _same
@@ -97,7 +97,7 @@ def test_triton_hadamard32_under_the_interpreter():
     """The kernel vs the twin on CPU bf16 inputs (TRITON_INTERPRET=1 in a fresh process: read at import)."""
     pytest.importorskip("triton")
     res = run_interpreted(_INTERPRET_CHECK, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 # ---------------------------------------------------------------------------------------------- cuda

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
 
 CASES = [(1, 256), (3, 128), (16, 64), (20, 256)]
 
@@ -79,20 +79,20 @@ def _check(device: str, plant: str = "") -> None:
 
 def _interpreted(plant: str = ""):
     pytest.importorskip("triton")
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's roundings (RNE to bf16 / FP8) in the interpreter
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
-    return run_interpreted(_INTERPRETER_FIXES + f"import test_kernels_hc_post_pre as t\nt._check('cpu', {plant!r})\nprint('ok')",
+    return run_interpreted(GPU_ROUNDINGS + f"import test_kernels_hc_post_pre as t\nt._check('cpu', {plant!r})\nprint('ok')",
                            timeout=900)
 
 
 def test_hc_post_pre_is_the_two_ops_under_the_interpreter():
     res = _interpreted()
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 def test_the_check_catches_a_planted_bug():
     res = _interpreted("stream")
-    assert res.returncode != 0 and "AssertionError" in res.stderr, res.stdout[-2000:] + res.stderr[-3000:]
+    assert_check_failed(res)
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
 
 CASES = [(1, 256), (3, 128), (40, 64)]
 
@@ -47,20 +47,20 @@ def _check(device: str, plant: str = "") -> None:
 
 def _interpreted(plant: str = ""):
     pytest.importorskip("triton")
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's roundings (RNE to bf16 / FP8) in the interpreter
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
-    return run_interpreted(_INTERPRETER_FIXES + f"import test_kernels_hc_pre_deferred as t\nt._check('cpu', {plant!r})\n"
+    return run_interpreted(GPU_ROUNDINGS + f"import test_kernels_hc_pre_deferred as t\nt._check('cpu', {plant!r})\n"
                            "print('ok')", timeout=900)
 
 
 def test_hc_pre_deferred_under_the_interpreter():
     res = _interpreted()
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 def test_the_check_catches_a_collapse_with_the_wrong_pre():
     res = _interpreted("pre")
-    assert res.returncode != 0 and "AssertionError" in res.stderr, res.stdout[-2000:] + res.stderr[-3000:]
+    assert_check_failed(res)
 
 
 def test_the_twin_is_the_separate_ops():

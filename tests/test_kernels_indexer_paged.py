@@ -164,9 +164,9 @@ print("differing", total)
 
 def test_triton_kernel_is_its_twin_under_the_interpreter():
     pytest.importorskip("triton")
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
-    res = run_interpreted(_INTERPRETER_FIXES + _INTERPRET_CHECK, timeout=600)
+    res = run_interpreted(GPU_ROUNDINGS + _INTERPRET_CHECK, timeout=600)
     assert res.returncode == 0 and "differing" in res.stdout, res.stderr[-3000:]
     print(res.stdout.strip())
 

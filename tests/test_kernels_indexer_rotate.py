@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
 
 CASES = [(1, 64), (5, 64), (3, 4)]  # (tokens, heads)
 D, ROPE = 128, 64
@@ -91,21 +91,21 @@ def _check(device: str, plant: str = "") -> None:
 
 def _interpreted(plant: str = ""):
     pytest.importorskip("triton")
-    from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's roundings (RNE to bf16 / FP8) in the interpreter
+    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
 
-    return run_interpreted(_INTERPRETER_FIXES + f"import test_kernels_indexer_rotate as t\nt._check('cpu', {plant!r})\nprint('ok')",
+    return run_interpreted(GPU_ROUNDINGS + f"import test_kernels_indexer_rotate as t\nt._check('cpu', {plant!r})\nprint('ok')",
                            timeout=600)
 
 
 def test_indexer_rotate_ops_are_the_separate_kernels_under_the_interpreter():
     res = _interpreted()
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 @pytest.mark.parametrize("plant", ["rope", "rows"])
 def test_the_check_catches_a_planted_bug(plant):
     res = _interpreted(plant)
-    assert res.returncode != 0 and "AssertionError" in res.stderr, res.stdout[-2000:] + res.stderr[-3000:]
+    assert_check_failed(res)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import assert_ran_ok, run_interpreted
 from deepinfer.kernels import official, torch_ops
 
 BF16_BOUND = 2e-3  # tests/test_kernels_attn.py's kernel-vs-twin bound for bf16 outputs
@@ -111,8 +111,8 @@ def head_norm_steps(x, eps):
     return (xf * r).bfloat16()
 """
 _INTERPRET_CHECK = """
-from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's fp32 -> bf16 rounding (the interpreter truncates)
-exec(_INTERPRETER_FIXES)
+from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
+exec(GPU_ROUNDINGS)
 import torch
 
 from test_kernels_rope_table import FREQS, _HEAD_NORM_CHECK, _inputs, _same
@@ -160,7 +160,7 @@ def test_triton_kernels_under_the_interpreter():
     process: the flag is read at import)."""
     pytest.importorskip("triton")
     res = run_interpreted(_INTERPRET_CHECK, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 # ---------------------------------------------------------------------------------------------- cuda

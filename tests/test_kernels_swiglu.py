@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interpreted import run_interpreted
+from interpreted import assert_ran_ok, run_interpreted
 from deepinfer import kernels
 from deepinfer.kernels import official
 
@@ -59,8 +59,8 @@ def close(got, want, what):
 """
 
 _INTERPRET_CHECK = """
-from test_kernels_fp8_linear import _INTERPRETER_FIXES  # the GPU's fp32 -> bf16 rounding (the interpreter truncates)
-exec(_INTERPRETER_FIXES)
+from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
+exec(GPU_ROUNDINGS)
 import torch
 from test_kernels_swiglu import _CLOSE, _inputs
 from deepinfer.kernels import official
@@ -82,7 +82,7 @@ print("ok")
 def test_triton_under_the_interpreter():
     pytest.importorskip("triton")
     res = run_interpreted(_INTERPRET_CHECK, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+    assert_ran_ok(res)
 
 
 @pytest.mark.gpu
