@@ -6,7 +6,7 @@ Owns:
 * `FP4ExpertBank`: every routed expert of one MoE layer, stacked and still packed in FP4 E2M1 (half the bytes
   of FP8): `w13` = gate (w1) rows then up (w3) rows, `w2` the down projection; per-32 E8M0 scales as raw
   uint8 bytes (value 2**(byte-127); a quarter of the bytes of fp32 scales, decoded inside the kernels), each
-  scale row starting 16 bytes after a 16-byte boundary (`sixteen_byte_rows`: the TMA kernel's tensor maps).
+  scale row starting on a 16-byte boundary (`sixteen_byte_rows`: the TMA kernel's tensor maps).
 * `fp8_linear_torch` / `fp4_moe_torch`: the torch twins of ops "fp8_linear" / "fp4_moe". They compute with
   the exact dequantised weights, like `kernels.official.qlinear` and `model/moe.py::_forward_official`, so
   on CPU they are bit-identical to the engine's official numerics; the Triton kernels are tested against
