@@ -43,6 +43,10 @@ def _check(device: str) -> None:
         assert got.dtype == torch.int64 and torch.equal(got.cpu(), want), (r, e, k)
     same = torch.full((2, 40), 0.5, dtype=torch.bfloat16, device=device)  # every value tied: the first k positions
     assert torch.equal(topk_positions(same, 9).cpu(), torch.arange(9).expand(2, 9))
+    for shape, k in (((3, 0), 5), ((0, 7), 3), ((2, 5), 0)):  # no entries yet, no rows, k = 0: empty, as the twin
+        empty = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        got, want = topk_positions(empty, k), torch_ops.topk_positions(empty.cpu(), k)
+        assert got.shape == want.shape and got.dtype == torch.int64, (shape, k, got.shape, want.shape)
 
 
 def test_twin_is_the_stable_top_k_in_position_order():

@@ -102,13 +102,13 @@ def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
         return torch_ops.topk_positions(scores, k)
     E = scores.shape[-1]
     k = min(k, E)
+    if k == 0 or scores.numel() == 0:  # no entries yet (a sequence shorter than its ratio) or no rows
+        return torch.empty((*scores.shape[:-1], k), dtype=torch.int64, device=scores.device)
     rows = scores.reshape(-1, E)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], k), dtype=torch.int64, device=scores.device)
-    if k and rows.shape[0]:
-        _topk_positions_kernel[(rows.shape[0],)](rows, out, E, k, rows.stride(0), out.stride(0), BLOCK=BLOCK,
-                                                 num_warps=4)
+    _topk_positions_kernel[(rows.shape[0],)](rows, out, E, k, rows.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
     return out.view(*scores.shape[:-1], k)
 
 
