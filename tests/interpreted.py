@@ -78,6 +78,16 @@ def run_interpreted(script: str, *argv: str, timeout: int = 600) -> subprocess.C
                           text=True, timeout=timeout)
 
 
+def run_check(module: str, call: str, roundings: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`t.<call>` of test module `module` (imported as t) under the interpreter, then "ok" printed: the shape of
+    most interpreter tests (`GPU_ROUNDINGS` first unless roundings is False). Skips the test without triton."""
+    import pytest
+
+    pytest.importorskip("triton")
+    script = f"import {module} as t\nt.{call}\nprint('ok')"
+    return run_interpreted((GPU_ROUNDINGS if roundings else "") + script, timeout=timeout)
+
+
 def run_compiled(script: str, directory: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """The same kind of script compiled for the GPU (no interpreter), from a file in `directory`: Triton's
     jit reads a kernel's source from its file, which `python -c` does not have."""

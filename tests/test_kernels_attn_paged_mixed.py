@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_check
 
 
 def _layouts(d: int):
@@ -85,12 +85,7 @@ def _check(device: str, d: int, H: int, win: int, picks: int, plant: str = "") -
 
 
 def _interpreted(plant: str = ""):
-    pytest.importorskip("triton")
-    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
-
-    script = (f"import test_kernels_attn_paged_mixed as t\nt._check('cpu', 64, 16, 64, 128, {plant!r})\n"
-              "print('ok')")
-    return run_interpreted(GPU_ROUNDINGS + script, timeout=900)
+    return run_check("test_kernels_attn_paged_mixed", f"_check('cpu', 64, 16, 64, 128, {plant!r})", timeout=900)
 
 
 def test_mixed_paged_attention_under_the_interpreter():

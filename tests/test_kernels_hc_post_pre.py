@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_check
 
 CASES = [(1, 256), (3, 128), (16, 64), (20, 256)]
 
@@ -78,11 +78,7 @@ def _check(device: str, plant: str = "") -> None:
 
 
 def _interpreted(plant: str = ""):
-    pytest.importorskip("triton")
-    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
-
-    return run_interpreted(GPU_ROUNDINGS + f"import test_kernels_hc_post_pre as t\nt._check('cpu', {plant!r})\nprint('ok')",
-                           timeout=900)
+    return run_check("test_kernels_hc_post_pre", f"_check('cpu', {plant!r})", timeout=900)
 
 
 def test_hc_post_pre_is_the_two_ops_under_the_interpreter():

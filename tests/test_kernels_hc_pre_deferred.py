@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_check
 
 CASES = [(1, 256), (3, 128), (40, 64)]
 
@@ -46,11 +46,7 @@ def _check(device: str, plant: str = "") -> None:
 
 
 def _interpreted(plant: str = ""):
-    pytest.importorskip("triton")
-    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
-
-    return run_interpreted(GPU_ROUNDINGS + f"import test_kernels_hc_pre_deferred as t\nt._check('cpu', {plant!r})\n"
-                           "print('ok')", timeout=900)
+    return run_check("test_kernels_hc_pre_deferred", f"_check('cpu', {plant!r})", timeout=900)
 
 
 def test_hc_pre_deferred_under_the_interpreter():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import assert_check_failed, assert_ran_ok, run_interpreted
+from interpreted import assert_check_failed, assert_ran_ok, run_check
 
 CASES = [(1, 64), (5, 64), (3, 4)]  # (tokens, heads)
 D, ROPE = 128, 64
@@ -90,11 +90,7 @@ def _check(device: str, plant: str = "") -> None:
 
 
 def _interpreted(plant: str = ""):
-    pytest.importorskip("triton")
-    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
-
-    return run_interpreted(GPU_ROUNDINGS + f"import test_kernels_indexer_rotate as t\nt._check('cpu', {plant!r})\nprint('ok')",
-                           timeout=600)
+    return run_check("test_kernels_indexer_rotate", f"_check('cpu', {plant!r})", timeout=600)
 
 
 def test_indexer_rotate_ops_are_the_separate_kernels_under_the_interpreter():

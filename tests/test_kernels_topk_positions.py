@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import torch_ops
-from interpreted import assert_ran_ok, run_interpreted
+from interpreted import assert_ran_ok, run_check
 
 CASES = [(1, 7, 3), (3, 1023, 512), (2, 1024, 1024), (2, 1025, 1), (2, 2500, 512), (4, 64, 65), (5, 300, 17)]
 
@@ -66,12 +66,7 @@ def test_off_device_rows_and_other_dtypes_take_the_twin():
 
 
 def test_topk_positions_under_the_interpreter():
-    pytest.importorskip("triton")
-    from interpreted import GPU_ROUNDINGS  # the GPU's roundings in Triton's interpreter
-
-    res = run_interpreted(GPU_ROUNDINGS + "import test_kernels_topk_positions as t\nt._check('cpu')\nprint('ok')",
-                          timeout=600)
-    assert_ran_ok(res)
+    assert_ran_ok(run_check("test_kernels_topk_positions", "_check('cpu')"))
 
 
 @pytest.mark.gpu
