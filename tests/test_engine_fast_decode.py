@@ -37,15 +37,23 @@ def fresh_model(cfg, params, device="cpu") -> V4EngineModel:
     return V4EngineModel(cfg, params, v4_cache(cfg, "fast", BPS * SLOTS, 128, SLOTS, device), "fast")
 
 
-def prefilled_pair(cfg, params, lens, device="cpu"):
-    """Two models over the same params, both with `lens` prompts prefilled by the existing path."""
+def prefilled_models(make, vocab_size: int, lens, tables, device="cpu"):
+    """Two models from `make()`, both with random prompts of `lens` tokens prefilled by the existing path into
+    slot i with block table tables(i) (the same logits asserted) -> (models, each sequence's greedy next
+    token). Both families' decode tests."""
     g = torch.Generator().manual_seed(1)
-    ps = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in lens]
-    ctx = ForwardContext(tuple(SeqContext(0, len(p), i, i, table(i)) for i, p in enumerate(ps)))
-    models = [fresh_model(cfg, params, device) for _ in range(2)]
+    ps = [torch.randint(2, vocab_size, (n,), generator=g) for n in lens]
+    ctx = ForwardContext(tuple(SeqContext(0, len(p), i, i, tables(i)) for i, p in enumerate(ps)))
+    models = [make() for _ in range(2)]
     logits = [m(torch.cat(ps).to(device), ctx) for m in models]
     assert torch.equal(logits[0], logits[1])
-    return models, logits[0].argmax(-1), lens
+    return models, logits[0].argmax(-1)
+
+
+def prefilled_pair(cfg, params, lens, device="cpu"):
+    """Two models over the same params, both with `lens` prompts prefilled by the existing path."""
+    models, tok = prefilled_models(lambda: fresh_model(cfg, params, device), cfg.vocab_size, lens, table, device)
+    return models, tok, lens
 
 
 def cache_tensors(model: V4EngineModel) -> dict[str, torch.Tensor]:

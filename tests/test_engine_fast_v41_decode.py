@@ -20,8 +20,8 @@ import torch
 
 import test_engine_fast as v4_fast
 import test_engine_fast_v41 as tf41
-from test_engine_fast_decode import (engine_decodes_with_and_without_the_batched_path, padded_steps_equal_full, rel_err,
-                                     replay_steps_equal_eager)
+from test_engine_fast_decode import (engine_decodes_with_and_without_the_batched_path, padded_steps_equal_full,
+                                     prefilled_models, rel_err, replay_steps_equal_eager)
 from test_engine_fast_v41 import oracle_run, parts  # noqa: F401  (module-scoped fixtures)
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.decode_step import DecodeRunner
@@ -51,14 +51,7 @@ def fresh_model(parts, params, device="cpu") -> V41EngineModel:  # noqa: F811
 
 def prefilled_pair(parts, params, lens, device="cpu"):  # noqa: F811
     """Two models over the same params, both with `lens` prompts prefilled by the varlen path."""
-    cfg = parts[0]
-    g = torch.Generator().manual_seed(1)
-    ps = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in lens]
-    ctx = ForwardContext(tuple(SeqContext(0, len(p), i, i, table(i)) for i, p in enumerate(ps)))
-    models = [fresh_model(parts, params, device) for _ in range(2)]
-    logits = [m(torch.cat(ps).to(device), ctx) for m in models]
-    assert torch.equal(logits[0], logits[1])
-    return models, logits[0].argmax(-1)
+    return prefilled_models(lambda: fresh_model(parts, params, device), parts[0].vocab_size, lens, table, device)
 
 
 def runner_for(model, max_batch=4, **kw) -> DecodeRunner:
