@@ -29,9 +29,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 def decode_hidden(model, ids: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
     """ids [B] on the model's device, meta filled -> final 4-stream residual [B, hc, D]."""
     rows = meta.derive()  # once per step, shared by every layer
-    table = model.p["embed.weight"]
-    x = table[ids] if model.comm is None else model.comm.embed(table, ids)
-    x = x.unsqueeze(1).repeat(1, model.cfg.hc_mult, 1)
+    x = model.embed(ids)
     for block in model.layers:  # each sublayer's hc_post runs inside the next one's hc_pre (PendingPost)
         x = block._hc(x, "attn", lambda y, b=block: decode_attention(b.attn, y, rows, model.cache), defer=True)
         x = block._hc(x, "ffn", block.ffn, ids, defer=True)

@@ -172,12 +172,7 @@ class V41EngineModel:
         hashes = self.hasher(token_ids.cpu(), ctx) if self.hasher is not None else None
         token_ids, ctx = token_ids.to(self.device), ctx.on(self.device)
         self.cache.begin_step()
-        T, hc = token_ids.shape[0], self.cfg.hc_mult
-        table = self.p["embed.weight"]
-        x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
-        x = x.unsqueeze(1).repeat(1, hc, 1)
-        pre_mix = torch.zeros(T, hc, dtype=F32 if self.official else x.dtype, device=self.device)
-        pre_mix[:, 0] = 1.0
+        x, pre_mix = self.embed(token_ids)
         tap = self._per_sequence_tap(ctx) if self.tap else None
         if tap:
             tap("embed", x)
@@ -188,6 +183,16 @@ class V41EngineModel:
                 if tap:
                     tap(f"layers.{i}.engram", x)
             x, pre_mix = block(x, pre_mix, ctx, self.cache, shared, tap, f"layers.{i}")
+        return x, pre_mix
+
+    def embed(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] on the device -> (the embedding in every hc stream [T, hc, D], the first block's pre mix
+        [T, hc]: stream 0 alone). The varlen path's and the batched decode path's start."""
+        table, hc = self.p["embed.weight"], self.cfg.hc_mult
+        x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
+        x = x.unsqueeze(1).repeat(1, hc, 1)
+        pre_mix = torch.zeros(token_ids.shape[0], hc, dtype=F32 if self.official else x.dtype, device=self.device)
+        pre_mix[:, 0] = 1.0
         return x, pre_mix
 
     def _per_sequence_tap(self, ctx: ForwardContext):

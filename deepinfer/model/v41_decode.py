@@ -190,10 +190,7 @@ def decode_hidden(model, ids: torch.Tensor, meta: DecodeMetadata,
     """ids [B] on the model's device, meta (and engram) filled -> (final 4-stream residual [B, hc, D], the
     last block's pre mix [B, hc])."""
     rows = meta.derive()  # once per step, shared by every layer
-    B, hc = ids.shape[0], model.cfg.hc_mult
-    x = model.p["embed.weight"][ids].unsqueeze(1).repeat(1, hc, 1)
-    pre_mix = torch.zeros(B, hc, dtype=F32, device=ids.device)
-    pre_mix[:, 0] = 1.0
+    x, pre_mix = model.embed(ids)
     step: dict = {}
     for i, block in enumerate(model.layers):
         if i in model.engrams:
