@@ -45,11 +45,8 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     post [T, hc] fp32, comb [T, hc, hc] fp32 (Sinkhorn-normalised; hc_post contracts its first index)."""
     if x.dim() != 3 or x.shape[1] != hc:
         raise ValueError(f"hc_pre_fused: x must be [T, hc={hc}, D], got {tuple(x.shape)}")
-    xf = x.to(F32)
-    mixes = torch_ops.hc_mix(xf, fn, norm_eps)
-    pre, post, comb = torch_ops.hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
-    y = torch_ops.hc_collapse(xf, pre).to(BF16).to(F32)
-    return torch_ops.rms_norm(y, norm_weight, norm_eps).to(BF16), post, comb
+    y, _, post, comb = _hc_pre(x, None, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps)
+    return y, post, comb
 
 
 def hc_pre_deferred_fused(x: torch.Tensor, pre_mix: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
@@ -62,9 +59,15 @@ def hc_pre_deferred_fused(x: torch.Tensor, pre_mix: torch.Tensor, fn: torch.Tens
     if x.dim() != 3 or x.shape[1] != hc or tuple(pre_mix.shape) != (x.shape[0], hc):
         raise ValueError(f"hc_pre_deferred_fused: x must be [T, hc={hc}, D] and pre_mix [T, hc]; got "
                          f"{tuple(x.shape)}, {tuple(pre_mix.shape)}")
+    return _hc_pre(x, pre_mix, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps)
+
+
+def _hc_pre(x, pre_mix, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps):
+    """Both hc_pre twins' steps -> (y, pre, post, comb): fp32 mixes, the Sinkhorn split, the collapse with
+    pre_mix (V4.1's deferred pre) or, None, with the pre just computed, bf16, RMSNorm, bf16."""
     xf = x.to(F32)
     pre, post, comb = torch_ops.hc_split_sinkhorn(torch_ops.hc_mix(xf, fn, norm_eps), scale, base, hc, iters, hc_eps)
-    y = torch_ops.hc_collapse(xf, pre_mix).to(BF16).to(F32)
+    y = torch_ops.hc_collapse(xf, pre if pre_mix is None else pre_mix).to(BF16).to(F32)
     return torch_ops.rms_norm(y, norm_weight, norm_eps).to(BF16), pre, post, comb
 
 
