@@ -190,6 +190,14 @@ def fast_launch_enabled() -> bool:
     return os.environ.get("DEEPINFER_FAST_LAUNCH", "1") not in ("0", "false", "no")
 
 
+def pdl_enabled() -> bool:
+    """Kernels written for it (a `PDL` parameter in the Triton ones, `pdl=True` in the CUDA ones) launch with
+    programmatic dependent launch on sm_90+: each grid starts while the previous kernel still runs and waits
+    for it on the device (kernels/triton/pdl.py). DEEPINFER_PDL=0 launches them plainly (A/B runs; read once,
+    at import; `launch.PDL_ENABLED` and `cuda.runtime.PDL_ENABLED` switch it at run time)."""
+    return os.environ.get("DEEPINFER_PDL", "1") not in ("0", "false", "no")
+
+
 def wo_a_fp8_enabled() -> bool:
     """DEEPINFER_WO_A_FP8=0 makes fast numerics hold the attention's `wo_a` as convert.py's bf16 value (op
     "grouped_proj_bf16": cuBLAS's einsum) instead of its checkpoint FP8 bytes + block scales (op

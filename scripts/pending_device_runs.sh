@@ -9,7 +9,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -20,6 +20,28 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s27b)  # programmatic dependent launch on every Triton and CUDA kernel: the CUDA kernels' GPU tests (their sources
+    # changed), the rule's tests, decode with PDL against without (bit-identical, side streams, graphs), the engine
+    step gpu_tests_pdl_cuda 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_pdl.py \
+        tests/test_kernels_fp8_linear_mma.py tests/test_kernels_fp4_moe_mma.py tests/test_kernels_fp4_moe_tma.py \
+        tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_fp4_moe_wgmma.py tests/test_kernels_fp8_linear_prefill.py
+    step gpu_tests_pdl_engine 250 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
+        tests/test_engine_fast.py
+    ;;
+s27c)  # what PDL gives the decode steps: the V4-Flash slice's anatomy with it and without, V4.1's slice both ways
+    step decode_anatomy_pdl 330 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 30 \
+        --env-sets "" DEEPINFER_PDL=0
+    step bench_v41_decode_pdl 110 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 6
+    DEEPINFER_PDL=0 step bench_v41_decode_nopdl 110 python benchmarks/bench_v41_decode.py --batches 1 8 32 \
+        --context 2048 --top 6
+    ;;
+s27a)  # owed from the twenty-sixth session's review (the embed mends: V4.1's varlen and batched decode, V4's
+    # decode_step; topk_positions' empty-input guard), then what PDL with an early trigger saves
+    step gpu_tests_s26_review 330 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_topk_positions.py tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py \
+        tests/test_engine_fast_decode.py -k "topk or graph or v41"
+    step bench_pdl 200 python benchmarks/bench_pdl.py
+    ;;
 s26d)  # V4.1's wk kept bf16 (the GEMV / cuBLAS bf16 instead of cuBLAS fp32): V4.1's decode and engine GPU tests, the slice
     step gpu_tests_v41_wk 300 python -m pytest -m gpu -q -rf -p no:cacheprovider \
         tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py

@@ -352,3 +352,46 @@ def test_side_streams_change_no_bit(tiny_v4_raw, cuda_kernels, monkeypatch, lane
     for name, ref in cache_tensors(models[0]).items():
         assert torch.equal(cache_tensors(models[1])[name], ref), name
         assert torch.equal(cache_tensors(third)[name], ref), name
+
+
+@pytest.mark.gpu
+def test_dependent_launch_changes_no_bit(tiny_v4_raw, cuda_kernels, monkeypatch):
+    """Programmatic dependent launch (kernels/triton/pdl.py: each kernel starts while the previous one runs
+    and waits for it on the device) only moves launches: the prefill and decode steps with PDL on (graphs
+    captured with it and replayed, and eagerly, with the side streams) against everything launched plainly,
+    logits and every cache tensor bit-identical after each step. A kernel touching memory before its wait
+    would race here."""
+    from deepinfer.kernels.cuda import runtime
+    from deepinfer.kernels.triton import launch
+
+    def pdl(on: bool) -> None:
+        monkeypatch.setattr(launch, "PDL_ENABLED", on)
+        monkeypatch.setattr(runtime, "PDL_ENABLED", on)
+
+    monkeypatch.setenv("DEEPINFER_SIDE_STREAMS", "1")
+    cfg, raw = tiny_v4_raw
+    params = v4_params(raw, cfg, "fast", "cuda")
+    pdl(False)
+    (plain, _), tok_plain, lens = prefilled_pair(cfg, params, LENS, "cuda")
+    pdl(True)
+    (graphed, eager), tok, _ = prefilled_pair(cfg, params, LENS, "cuda")
+    assert torch.equal(tok, tok_plain)
+    mk = dict(max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1, scratch_block=BPS * (SLOTS - 1))
+    pdl(False)
+    ref_runner = DecodeRunner(plain, cuda_graphs=True, **mk)  # captures too: the scratch rows match at the end
+    pdl(True)
+    runners = [DecodeRunner(m, cuda_graphs=True, **mk) for m in (graphed, eager)]
+    pos = list(lens)
+    for k in range(STEPS):
+        seqs = [SeqContext(pos[i], 1, i, i, table(i)) for i in range(len(LENS))]
+        pdl(False)
+        ref = ref_runner(tok, seqs, graphs=False).clone()
+        pdl(True)
+        assert torch.equal(runners[0](tok, seqs), ref), f"step {k}: graph replay with PDL"
+        assert torch.equal(runners[1](tok, seqs, graphs=False), ref), f"step {k}: eager with PDL"
+        tok = ref.argmax(-1)
+        for i in range(len(LENS)):
+            pos[i] += 1
+    for name, ref in cache_tensors(plain).items():
+        assert torch.equal(cache_tensors(graphed)[name], ref), name
+        assert torch.equal(cache_tensors(eager)[name], ref), name

@@ -29,6 +29,7 @@
 // activations: their B columns are zeros and are never stored.
 
 #include "mma_common.cuh"
+#include "pdl_common.cuh"
 
 #ifndef MT
 #define MT 2
@@ -88,6 +89,7 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
                     float* __restrict__ out, i64 stride_os, i64 stride_om,
                     const int* __restrict__ sorted_slots, const int* __restrict__ block_expert,
                     int n_slots, int N, int k_split, int a_row_div) {
+    pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int blk = blockIdx.x;
     const int expert = block_expert[blk];
     if (expert < 0) return;

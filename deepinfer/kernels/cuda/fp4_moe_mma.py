@@ -29,7 +29,7 @@ _KERNELS: dict[tuple, CudaKernel] = {}
 def kernel(cfg: dict) -> CudaKernel:
     key = tuple(sorted((k, cfg[k]) for k in DEFAULT_TILES))
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(SOURCE, "fp4_expert_gemm_mma", _SIGNATURE, dict(key))
+        _KERNELS[key] = CudaKernel(SOURCE, "fp4_expert_gemm_mma", _SIGNATURE, dict(key), pdl=True)
     return _KERNELS[key]
 
 

@@ -41,6 +41,7 @@
 // Requires: K split % 128 == 0, SB <= 256; a's rows 16-byte aligned.
 
 #include "mma_common.cuh"
+#include "pdl_common.cuh"
 #include "tma_common.cuh"
 
 #ifndef MT
@@ -66,6 +67,7 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
                     float* __restrict__ out, i64 stride_os, i64 stride_om,
                     const int* __restrict__ sorted_slots, const int* __restrict__ block_expert,
                     int n_slots, int N, int k_split, int a_row_div) {
+    pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int blk = blockIdx.x;
     const int expert = block_expert[blk];
     if (expert < 0) return;  // the whole CTA: no barrier has been touched yet

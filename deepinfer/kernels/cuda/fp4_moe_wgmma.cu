@@ -42,6 +42,7 @@
 // Requires: K % 256 == 0 (FRAG_BUFS 2) or % 128; E8M0 bytes <= 128 (the exact bf16x2 expansion's range).
 
 #include "mma_common.cuh"
+#include "pdl_common.cuh"
 #include "tma_common.cuh"
 #include "wgmma_common.cuh"
 
@@ -125,6 +126,7 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
                       void* __restrict__ out, i64 stride_om, const float* __restrict__ route_w,
                       const int* __restrict__ sorted_slots, const int* __restrict__ block_expert,
                       int n_slots, int N, int K, float limit) {
+    pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int blk = blockIdx.y;  // row tiles on x (launched first): a block's tiles run together and share its
     const int expert = block_expert[blk];  // activations in L2, and the next block (often the same expert) its weights
     if (expert < 0) return;  // the whole CTA: no barrier has been touched yet

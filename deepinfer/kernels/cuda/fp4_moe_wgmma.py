@@ -35,7 +35,8 @@ _KERNELS: dict[tuple, CudaKernel] = {}
 def kernel(cfg: dict, gated: bool, out_f32: bool) -> CudaKernel:
     key = tuple(sorted((k, cfg[k]) for k in DEFAULT_TILES)) + (("GATED", int(gated)), ("OUT_F32", int(out_f32)))
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(SOURCE, "fp4_expert_gemm_wgmma", _SIGNATURE, dict(key), arch_suffix="a")
+        _KERNELS[key] = CudaKernel(SOURCE, "fp4_expert_gemm_wgmma", _SIGNATURE, dict(key), arch_suffix="a",
+                                   pdl=True)
     return _KERNELS[key]
 
 

@@ -54,6 +54,7 @@
 // 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
 
 #include "mma_common.cuh"
+#include "pdl_common.cuh"
 #include "cluster_common.cuh"
 
 #ifndef MT
@@ -240,6 +241,9 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
 
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) load(buf[j]);  // in flight while the first chunk is quantised
+    // Launched with PDL this kernel starts while the previous one still runs: the first stages of its weights
+    // (which no kernel writes) are already loading when it waits here for the activations (pdl_common.cuh).
+    pdl_enter();
     for (int i = 0; i < steps; i += STAGES) {
         const int ls0 = i % CHUNK_STEPS;
         if (ls0 == 0) {  // a new chunk of the activations (the same branch in every thread)

@@ -50,7 +50,7 @@ def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int
         if cluster_split:
             defines["CLUSTER_SPLIT"] = cluster_split
         _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_mma", _SIGNATURE, defines,
-                                   attributes=runtime.cluster_attributes(cluster_split))
+                                   attributes=runtime.cluster_attributes(cluster_split), pdl=True)
     return _KERNELS[key]
 
 

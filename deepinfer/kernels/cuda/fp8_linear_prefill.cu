@@ -37,6 +37,7 @@
 // Requires (the launcher checks): K % 128 == 0, N % BN == 0, 16-byte aligned rows.
 
 #include "mma_common.cuh"
+#include "pdl_common.cuh"
 #include "tma_common.cuh"
 #include "wgmma_common.cuh"
 
@@ -132,6 +133,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_constant__ TensorMap tmap_w,
                    const float* __restrict__ xs, i64 stride_xsm, const float* __restrict__ ws, i64 stride_wsn,
                    u16* __restrict__ out, i64 stride_om, int M, int N, int K) {
+    pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     int m0, n0;
@@ -268,6 +270,7 @@ extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
 fp8_linear_prefill_persistent(const __grid_constant__ TensorMap tmap_x, const __grid_constant__ TensorMap tmap_w,
                               const float* __restrict__ xs, i64 stride_xsm, const float* __restrict__ ws,
                               i64 stride_wsn, u16* __restrict__ out, i64 stride_om, int M, int N, int K) {
+    pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int tiles_m = (M + BM - 1) / BM, tiles_n = N / BN, n_tiles = tiles_m * tiles_n;

@@ -34,7 +34,7 @@ def kernel(cfg: dict) -> CudaKernel:
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES)
     if key not in _KERNELS:
         name = "fp8_linear_prefill_persistent" if cfg["PERSIST"] else "fp8_linear_prefill"
-        _KERNELS[key] = CudaKernel(SOURCE, name, _SIGNATURE, dict(key), arch_suffix="a")
+        _KERNELS[key] = CudaKernel(SOURCE, name, _SIGNATURE, dict(key), arch_suffix="a", pdl=True)
     return _KERNELS[key]
 
 

@@ -54,6 +54,7 @@
 // fp8_linear_mma.cu's RAW_ACT / GROUP_ROWS form at up to 8 tokens.
 
 #include "mma_common.cuh"
+#include "pdl_common.cuh"
 #include "tma_common.cuh"
 #include "wgmma_common.cuh"
 
@@ -137,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
 fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                  const float* __restrict__ ws, i64 stride_wsn, int block,
                  void* __restrict__ out, i64 stride_os, i64 stride_om, int M, int N, int k_split) {
+    pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int tok0 = blockIdx.x * BT;  // token tiles on x (launched first): the tiles sharing a weight tile run

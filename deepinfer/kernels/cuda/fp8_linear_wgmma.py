@@ -38,7 +38,7 @@ def kernel(cfg: dict, split_out: bool, group_rows: int = 0) -> CudaKernel:
     if group_rows:
         key += (("GROUP_ROWS", int(group_rows)),)
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_wgmma", _SIGNATURE, dict(key), arch_suffix="a")
+        _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_wgmma", _SIGNATURE, dict(key), arch_suffix="a", pdl=True)
     return _KERNELS[key]
 
 

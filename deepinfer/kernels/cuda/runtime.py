@@ -34,12 +34,16 @@ from pathlib import Path
 
 import torch
 
+from deepinfer import env
+
 # the arguments travel as one packed buffer (cuLaunchKernel's `extra`) laid out at the driver's parameter offsets
 # (`packer_for_layout`; struct's native alignment, the kernel parameter ABI, before loading), and one pack costs ~2 us of host time where
 # per-argument ctypes objects cost ~24 (on the CPU machine): it matters on the eager decode paths
 _STRUCT_CODES = {"p": "Q", "i": "i", "l": "q", "f": "f", "m": "128s"}
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE, _LAUNCH_PARAM_END = 1, 2, 0
+LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID: programmatic dependent launch
+PDL_ENABLED = env.pdl_enabled()  # launch the kernels built with pdl=True that way (DEEPINFER_PDL=0: plainly)
 FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute: clusters of 9..16 CTAs (sm_90)
 MAX_PORTABLE_CLUSTER = 8  # CTAs a cluster may hold without that attribute
 
@@ -305,11 +309,18 @@ def packer_for_layout(signature: str, layout: list[tuple[int, int]], function: s
 
 class _LaunchConfig(ctypes.Structure):
     """CUlaunchConfig (CUDA 12): the launch shape cuOccupancyMaxActiveClusters asks about (no attributes: the
-    kernels here fix their cluster shape at compile time)."""
+    kernels here fix their cluster shape at compile time) and cuLaunchKernelEx's (attrs: the PDL attribute)."""
     _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
                 ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
                 ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
                 ("numAttrs", ctypes.c_uint)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, then the 64-byte value union (only its first int is set
+    here: programmaticStreamSerializationAllowed)."""
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
 
 
 class CudaKernel:
@@ -317,10 +328,12 @@ class CudaKernel:
     first use. `defines`: -D options (compile-time constants: each distinct set is its own cubin); `arch_suffix`
     "a" compiles for the architecture-specific target (sm_90a: wgmma, setmaxnreg), which runs only on that
     exact architecture. `attributes`: {CUfunction_attribute: value} set on the function when it is loaded
-    (e.g. NON_PORTABLE_CLUSTER_SIZE_ALLOWED for a compile-time cluster of more than 8 CTAs)."""
+    (e.g. NON_PORTABLE_CLUSTER_SIZE_ALLOWED for a compile-time cluster of more than 8 CTAs). `pdl`: the kernel
+    calls pdl_enter() (pdl_common.cuh) before its first access to memory an earlier kernel writes, so it is
+    launched with programmatic dependent launch (cuLaunchKernelEx) on sm_90+ while PDL_ENABLED."""
 
     def __init__(self, source_name: str, function: str, signature: str, defines: dict[str, int] | None = None,
-                 arch_suffix: str = "", attributes: dict[int, int] | None = None):
+                 arch_suffix: str = "", attributes: dict[int, int] | None = None, pdl: bool = False):
         bad = set(signature) - set(_STRUCT_CODES)
         if bad:
             raise ValueError(f"CudaKernel {function}: unknown signature codes {sorted(bad)}; known {sorted(_STRUCT_CODES)}")
@@ -335,6 +348,8 @@ class CudaKernel:
         self._pointer_args = tuple(i for i, c in enumerate(signature) if c == "p")
         self.options = tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
         self.attributes = dict(attributes or {})
+        self.pdl = pdl
+        self._pdl_devices: dict[int, bool] = {}  # device index -> sm_90+ (griddepcontrol)
         self._functions: dict[int, ctypes.c_void_p] = {}
         self._shared_limit: dict[int, int] = {}  # dynamic shared memory allowed per device (48 KB until raised)
         self._clusters: dict[tuple, int] = {}  # max_active_clusters per (device, grid, block, shared)
@@ -430,5 +445,18 @@ class CudaKernel:
         extra = (ctypes.c_void_p * 5)(_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buf), _LAUNCH_PARAM_BUFFER_SIZE,
                                       ctypes.addressof(size), _LAUNCH_PARAM_END)
         stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        if self.pdl and PDL_ENABLED and self._pdl_device(index):
+            attr = _LaunchAttribute(id=LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            config = _LaunchConfig(grid[0], grid[1], grid[2], block[0], block[1], block[2], shared, stream,
+                                   ctypes.addressof(attr), 1)
+            _check_cu(_driver().cuLaunchKernelEx(ctypes.byref(config), fn, None, extra),
+                      f"cuLaunchKernelEx({self.function})")
+            return
         _check_cu(_driver().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared,
                                            stream, None, extra), f"cuLaunchKernel({self.function})")
+
+    def _pdl_device(self, index: int) -> bool:
+        ok = self._pdl_devices.get(index)
+        if ok is None:
+            ok = self._pdl_devices[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+        return ok

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 
 def interpreting() -> bool:
@@ -70,9 +71,10 @@ def _perm32(cols):
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, K, stride_xm, stride_qm, stride_sm,
                       BLOCK: tl.constexpr, GROUPS: tl.constexpr, DEQUANT: tl.constexpr,
-                      PERM32: tl.constexpr = False):
+                      PERM32: tl.constexpr = False, PDL: tl.constexpr = False):
     """DEQUANT: write q * s as bf16 (exact: E4M3 x pow2) to q_ptr and no scales; else q (E4M3) and s, the
     code of column P at column perm32(P) when PERM32."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -148,10 +150,11 @@ def _wgmma_k_order_rows(y, G: tl.constexpr):
 @triton.jit
 def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slots, stride_xm, stride_om,
                              ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
-                             QUANT: tl.constexpr, DENSE: tl.constexpr = False):
+                             QUANT: tl.constexpr, DENSE: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[p, L] = act_quant's q * s of x[sorted[p] // ROW_DIV, wgmma_k_order(L)] (bf16; QUANT False: x's
     value as bf16), zeros for padding slots; nothing for the rows of unused routing blocks (block_expert -1:
     their GEMM programs exit). DENSE: row p of x itself (no routing: the dense linears' operand)."""
+    pdl_enter(PDL)
     p = tl.program_id(0)
     if DENSE:
         valid = p >= 0  # every row

@@ -32,6 +32,7 @@ from deepinfer.kernels import official, official_fused
 from deepinfer.kernels.triton import kv_pack, norm_hc, rope
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 BF16 = torch.bfloat16
 FP8_MAX = tl.constexpr(448.0)
@@ -44,11 +45,12 @@ def _qkv_norm_rope_store_kernel(q_ptr, kv_ptr, qw_ptr, kvw_ptr, qr_ptr, cos_ptr,
                                 out16_ptr, eps, stride_q, stride_kv, stride_qr, BPT,
                                 NQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                                 QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
-                                HALF: tl.constexpr, PAD: tl.constexpr):
+                                HALF: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False):
     """Program b: qr[b] = bf16(w_q * q[b] * rsqrt(mean(q[b]^2) + eps)); the kv row normed the same way and
     rounded to bf16, its last 2 HALF channels rotated (interleaved pairs, fp32, rounded to bf16), and the
     row's layout bytes [E4M3 of the first QDIM channels per BLOCK | the rotated tail as raw bf16 | E8M0 scale
     bytes | zero pad] written to ring row rows[b]."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     # q: rms_norm_bf16 (norm_hc._rms_norm_kernel's arithmetic)
     cq = tl.arange(0, BLOCK_Q)
@@ -155,10 +157,12 @@ def qkv_norm_rope_store(q_lora: torch.Tensor, kv: torch.Tensor, q_weight: torch.
 @fast_launch
 @triton.jit
 def _head_rms_norm_rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, n_rows, heads, D, eps, stride_x, stride_o,
-                               ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr):
+                               ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr,
+                               PDL: tl.constexpr = False):
     """Rows of x [n_rows = B * heads, D]: `norm_hc._head_rms_norm_kernel`'s arithmetic (each bf16 torch op's
     rounding), then the row's last 2 HALF channels rotated by its token's (row // heads) cos / sin (fp32,
     rounded to bf16), as `rope._rope_kernel` rotates the normed bf16 values."""
+    pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = rows < n_rows
     cols = tl.arange(0, BLOCK_D)

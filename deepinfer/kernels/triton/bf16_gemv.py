@@ -30,6 +30,7 @@ import triton.language as tl
 from deepinfer.kernels import bf16_gemm
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_MAX_ROWS = 8  # rows of x one program holds (its [M_PAD, BN, BK] fp32 accumulator lives in registers)
@@ -44,10 +45,11 @@ GEMV_MAX_WORK = 2048  # M x N up to this (and M <= 8) take the GEMV; above, cuBL
 @fast_launch
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_om,
-                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] * w[n, k] for n in this program's BN columns and all m < M <= M_PAD.
     x [M, K] with strides (stride_xm, stride_xk); w [N, K] with unit column stride; out [M, N] with unit
     column stride, its dtype (fp32 or bf16) the one output rounding."""
+    pdl_enter(PDL)
     cols = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # weight rows = output columns
     rows = tl.arange(0, M_PAD)
     cmask = cols < N

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from deepinfer.kernels import official_fused
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -36,7 +37,9 @@ def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_pt
                             out_ptr, eps, stride_kv, stride_gate, stride_s, stride_r, stride_slot, stride_pos,
                             stride_done,
                             R: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+                            BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + b * stride_slot).to(tl.int64)
     pos = tl.load(pos_ptr + b * stride_pos).to(tl.int64)

@@ -16,12 +16,14 @@ import triton.language as tl
 
 from deepinfer.kernels import torch_ops
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 
 @fast_launch
 @triton.jit
 def _compress_pool_kernel(kv_ptr, sc_ptr, out_ptr, R, W, CW, stride_b, stride_r, OVERLAP: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     e = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < W

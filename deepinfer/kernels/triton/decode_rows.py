@@ -19,6 +19,7 @@ from deepinfer import env
 from deepinfer.kernels.decode_rows import TABLE, decode_rows_torch, decode_select_rows_torch
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 ENTRY_BLOCK = 1024  # entry columns per loop step of a program
 
@@ -27,9 +28,11 @@ ENTRY_BLOCK = 1024  # entry columns per loop step of a program
 @triton.jit
 def _decode_rows_kernel(buf_ptr, ring_ptr, win_ptr, entry_ptr, vis_ptr, hidden_ptr, complete_ptr, new_ptr, bpos_ptr,
                         COLS: tl.constexpr, T0: tl.constexpr, WINDOW: tl.constexpr, WIN_P2: tl.constexpr, DO_WINDOW: tl.constexpr,
-                        R: tl.constexpr, EPB: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, N_E: tl.constexpr):
+                        R: tl.constexpr, EPB: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, N_E: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Program b: DO_WINDOW -> ring_row[b], window_rows[b, :]; R > 0 -> ratio R's rows of b (E entry columns
     in N_E steps of EB). Columns of a buf row: position, window slot (POS, WIN = 0, 1), block table from T0."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     row = buf_ptr + b * COLS
     pos = tl.load(row + 0)
@@ -96,9 +99,10 @@ SELECT_BLOCK = 256  # columns per loop step of a decode_select_rows program
 @fast_launch
 @triton.jit
 def _select_rows_kernel(win_ptr, top_ptr, vis_ptr, entry_ptr, out_ptr, n_ring, W, K, stride_w, stride_t, stride_e,
-                        stride_o, BLOCK: tl.constexpr, N_W: tl.constexpr, N_K: tl.constexpr):
+                        stride_o, BLOCK: tl.constexpr, N_W: tl.constexpr, N_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program b: out[b, :W] = window_rows[b]; out[b, W + i] = entry_rows[b, top[b, i]] + n_ring where
     top[b, i] < visible[b], else -1 (a pick at or past visible reads column 0, as the twin's where)."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     out = out_ptr + b * stride_o
     for c in range(0, N_W):

@@ -40,6 +40,7 @@ import triton.language as tl
 from deepinfer.kernels.triton.act_quant import e8m0_to_f32, interpreting
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 _ASM = tl.constexpr(not interpreting())  # PTX prmt only on the GPU; the interpreter takes the tl twin below
 K_STEP = 128  # K per loop step: four 32-K dots (one per E8M0 weight scale)
@@ -113,7 +114,7 @@ def _fp4_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sor
                          stride_om, stride_os,
                          K_SPLIT: tl.constexpr, A_ROW_DIV: tl.constexpr, ACT_BLOCK: tl.constexpr,
                          GATED: tl.constexpr, SPLIT_OUT: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
-                         STEP_SUM: tl.constexpr, ASM: tl.constexpr):
+                         STEP_SUM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token block, weight tile, split): BT slots of one expert (row = slot // A_ROW_DIV of the
     `perm32`-ordered E4M3 activations a, fp32 scales as per ACT_BLOCK) x BW weight rows (GATED: BW/2 gate
     rows n0.. and the matching BW/2 up rows N + n0.., one tile), K range [split * K_SPLIT, +K_SPLIT).
@@ -121,6 +122,7 @@ def _fp4_fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sor
     silu(gate) * up) with the official bf16 roundings of gate/up; else bf16 rows. STEP_SUM (act_block 128):
     the four partials of a step summed scaled by sb, then times sa (5 instead of 8 fp32 ops per output and
     step, one more accumulator's registers)."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)

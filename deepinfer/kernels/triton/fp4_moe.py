@@ -71,6 +71,7 @@ from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
 from deepinfer.kernels.triton.fp4_fp8_gemm import fp4_fp8_grouped_gemm
 from deepinfer.kernels.triton.fp8_gemm import sm_count  # SMs per device (cached there)
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 _ASM = tl.constexpr(not interpreting())  # inline PTX (expand 6) only on the GPU: the interpreter runs no asm
 FP4_BLOCK = tl.constexpr(32)  # K values per E8M0 weight scale, and per promotion of the fp32 partial sum
@@ -126,9 +127,11 @@ ONE_PROGRAM_ROUTING_SLOTS = 8  # and route_slots takes it up to this many: 6 slo
 @fast_launch
 @triton.jit
 def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
-                        BM: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr):
+                        BM: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """`align_by_expert` in one program (decode: its ~19 torch launches cost more host time than the GEMMs).
     Slot i goes to padded_start[e_i] + (number of earlier slots of expert e_i): the stable sort's order."""
+    pdl_enter(PDL)
     i = tl.arange(0, SP)
     ok = i < n_slots
     ids = tl.load(ids_ptr + i, mask=ok, other=EP).to(tl.int32)  # EP: matches no expert
@@ -161,7 +164,7 @@ PARALLEL_CHUNK = 1024  # slots per pass of each program
 def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
                              BM: tl.constexpr, CH: tl.constexpr, EB: tl.constexpr, PB: tl.constexpr,
                              N_CH: tl.constexpr, N_BL: tl.constexpr, N_TAIL_BL: tl.constexpr,
-                             N_TAIL: tl.constexpr):
+                             N_TAIL: tl.constexpr, PDL: tl.constexpr = False):
     """`align_by_expert` with one program per expert e (grid (E,)), no sort and no atomics: every output
     position is written by exactly one program. Each program histograms all slots (the padded starts of
     every expert come from the counts alone), then walks the slots in order and places its own expert's at
@@ -172,6 +175,7 @@ def _align_per_expert_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_b
     chunks of PB, the tail's slots in chunks of CH; masked past the end: the interpreter's range() over a
     run-time bound fails with numpy >= 2.4). The tail is at most min(E, S) blocks: every expert's padded
     total is >= S, and n_blocks <= S // BM + min(E, S)."""
+    pdl_enter(PDL)
     e = tl.program_id(0)
     j = tl.arange(0, CH)
     bins = tl.arange(0, EB)
@@ -392,11 +396,13 @@ def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
                              block_expert_ptr, n_slots, N, limit,
                              stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                              K: tl.constexpr, A_ROW_DIV: tl.constexpr, ACT_BLOCK: tl.constexpr, GATED: tl.constexpr,
-                             KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EXPAND: tl.constexpr):
+                             KB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EXPAND: tl.constexpr,
+                             PDL: tl.constexpr = False):
     """One block of BM slots of one expert x BN output columns. A = fp8 activations [rows, K] with fp32
     scales per ACT_BLOCK (row = slot // A_ROW_DIV); W = packed FP4 [E, (2 if GATED) N, K/2] with E8M0
     [E, ..., K/32]. GATED: out[slot, n] = bf16(w_slot * silu(g) * u) with g/u from rows n and N + n;
     else out[slot, n] = bf16(A @ W[e]^T). KB: K per loop step (a multiple of 32 and of ACT_BLOCK)."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -435,8 +441,10 @@ def _fp4_grouped_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr,
 
 @fast_launch
 @triton.jit
-def _sum_expert_rows_kernel(y_ptr, rows_ptr, order_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr):
+def _sum_expert_rows_kernel(y_ptr, rows_ptr, order_ptr, D, TOPK: tl.constexpr, BD: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """y[t] = fp32 sum of rows[t*k + order[t, j]] for j = 0..k-1, sequentially from 0 (the twin's order)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = offs < D
@@ -454,7 +462,7 @@ def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sort
                         stride_om, stride_os,
                         K_SPLIT: tl.constexpr, A_ROW_DIV: tl.constexpr, ACT_BLOCK: tl.constexpr, A_BF16: tl.constexpr,
                         GATED: tl.constexpr, SPLIT_OUT: tl.constexpr, KB: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, EXPAND: tl.constexpr):
+                        BN: tl.constexpr, EXPAND: tl.constexpr, PDL: tl.constexpr = False):
     """The v2 grouped GEMM (`fp4_moe(config=...)` with V2 keys; `_fp4_grouped_gemm_kernel`'s math):
     * A_BF16: the activation is already act_quant's exact q * s in bf16 (one pass per op: no E4M3 -> fp32 ->
       x scale -> bf16 here; in the default kernel that dequant is replicated in each of the 4 warps and was
@@ -468,6 +476,7 @@ def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sort
     Tried and dropped (H200 2026-12-01, results/fp4_moe_variants_h200_e6.log): swapping the dot's operands
     (acc^T = W @ A^T, the expanded weights as wgmma's register operand, no transpose): slower at every T
     (T=1 114 vs 75 us, T=128 1.72 vs 1.55 ms with expand 6)."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -513,12 +522,13 @@ def _fp4_gemm_v2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, route_w_ptr, sort
 @triton.jit
 def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, stride_ps, stride_pm, stride_hq,
                                 stride_hs, S: tl.constexpr, ACT_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                                A_BF16: tl.constexpr, PERM32: tl.constexpr = False):
+                                A_BF16: tl.constexpr, PERM32: tl.constexpr = False, PDL: tl.constexpr = False):
     """Split w13 epilogue for one slot x BLOCK columns: gate = bf16(sum_s p[s, slot, n]), up = bf16(sum_s
     p[s, slot, N + n]) (s = 0, 1, ..., S-1 in that order, fp32), the clamp, h = bf16(w * silu(gate) * up),
     then act_quant(h) per ACT_BLOCK (bit-identical to the act_quant kernel on the bf16 h): A_BF16 stores the
     exact q * s as bf16 (the next GEMM's bf16 operand), else the E4M3 codes and the fp32 scales (PERM32: the
     code of column c at column perm32(c), the FP8 form's operand order)."""
+    pdl_enter(PDL)
     slot = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < N
@@ -547,12 +557,14 @@ def _swiglu_split_reduce_kernel(p_ptr, route_w_ptr, hq_ptr, hs_ptr, N, limit, st
 @fast_launch
 @triton.jit
 def _combine_kernel(y_ptr, p_ptr, ids_ptr, sh_ptr, D, stride_ps, S: tl.constexpr, TOPK: tl.constexpr,
-                    KP: tl.constexpr, BD: tl.constexpr, PARTIAL: tl.constexpr, SHARED: tl.constexpr):
+                    KP: tl.constexpr, BD: tl.constexpr, PARTIAL: tl.constexpr, SHARED: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """y[t] = fp32 sum over token t's k slots in ascending expert id (stable: ties by position, like a stable
     argsort; computed here, no torch argsort launch) of its w2 row. PARTIAL: the row is bf16(sum_s p[s, slot])
     (s = 0..S-1 in that order, fp32: the split w2's reduce, fused); else p holds the bf16 rows. SHARED: the
     shared expert's bf16 row sh[t] is added last (fp32) and y is stored in its dtype (bf16): the official
     `y += shared; y.to(bf16)` of the MoE, in the same order."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = offs < D

@@ -24,13 +24,15 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 BLOCK = 32
 
 
 @fast_launch
 @triton.jit
-def _fp4_fake_quant_kernel(x_ptr, out_ptr, n_blocks, BB: tl.constexpr, BLK: tl.constexpr):
+def _fp4_fake_quant_kernel(x_ptr, out_ptr, n_blocks, BB: tl.constexpr, BLK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB)
     j = tl.arange(0, BLK)
     bmask = b < n_blocks
@@ -76,8 +78,9 @@ def _fp4_value(code):
 @triton.jit
 def _fp4_encode_kernel(x_ptr, out_ptr, stride_x, BPT, dst_ptr, keep_ptr, NB: tl.constexpr, NB_P2: tl.constexpr,
                        HALF: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr, INTO: tl.constexpr,
-                       KEEP: tl.constexpr):
+                       KEEP: tl.constexpr, PDL: tl.constexpr = False):
     """Program = x's row; its bytes go to output row dst[row] (INTO) or row, and only where keep[row] (KEEP)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     if KEEP:
         if tl.load(keep_ptr + row) == 0:
@@ -121,9 +124,11 @@ def _e4m3_value(b):
 @fast_launch
 @triton.jit
 def _fp4_decode_kernel(p_ptr, rows_ptr, out_ptr, n_rows, BPT, NB: tl.constexpr, NB_P2: tl.constexpr,
-                       HALF: tl.constexpr, E4M3: tl.constexpr, ROWS: tl.constexpr, INDEXED: tl.constexpr):
+                       HALF: tl.constexpr, E4M3: tl.constexpr, ROWS: tl.constexpr, INDEXED: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """ROWS output rows a program; output row r decodes packed row rows[r] (INDEXED; a negative index reads
     row 0) or row r. Each row's values are stored contiguously (the two nibbles of a byte joined first)."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = r < n_rows
     if INDEXED:

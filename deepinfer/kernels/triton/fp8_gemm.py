@@ -63,6 +63,7 @@ from deepinfer.kernels.quant_weights import QuantLinearWeight, e4m3_expansion_ex
 from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 MMA_MODES = ("bf16", "fp8", "sync", "swap", "wgmma", "fp8_wgmma")  # "sync": the mma.sync CUDA kernel
 # (kernels/cuda/fp8_linear_mma.cu); "swap": the bf16 form with the weights as wgmma's register operand
@@ -121,10 +122,11 @@ def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
                        stride_xm, stride_wn, stride_wsn, stride_om, stride_os, K: tl.constexpr,
                        WBLOCK: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, A_DEQUANT: tl.constexpr,
                        K_SPLIT: tl.constexpr, SPLIT_OUT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
     """mma "bf16". A_DEQUANT: x already holds act_quant's exact q * s in bf16 (large M: quantised once, not
     per N tile); else x is the raw bf16 activation, quantised here per CHUNK (small M: one launch, fused).
     Program (tile, split) reduces K range [split * K_SPLIT, (split + 1) * K_SPLIT) (K_SPLIT = K: no split)."""
+    pdl_enter(PDL)
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -163,13 +165,14 @@ def _fp8_linear_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N,
                            WBLOCK: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, A_FUSED: tl.constexpr,
                            K_SPLIT: tl.constexpr, SPLIT_OUT: tl.constexpr, W_UNIFORM: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-                           LOOP_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                           LOOP_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PDL: tl.constexpr = False):
     """mma "fp8" (the official fp8_gemm's form): per K group of G (= act_block) a fresh fp32 partial of the
     E4M3 codes' dot, promoted by the activation row scales and the weight block scales. A_FUSED: x is the
     raw bf16 activation, quantised here per G (small M); else x = act_quant codes and xs its fp32 scales.
     BK: K per loop step (BK // G sub-dots, each with its own loads). W_UNIFORM: BN divides WBLOCK, so one
     weight scale per tile and K group. LOOP_STAGES (None: the launch's num_stages) / WARP_SPECIALIZE: the K
     loop's tl.range options."""
+    pdl_enter(PDL)
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -211,8 +214,10 @@ def _fp8_linear_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N,
 
 @fast_launch
 @triton.jit
-def _split_sum_kernel(ws_ptr, out_ptr, N, MN, stride_om, S: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(ws_ptr, out_ptr, N, MN, stride_om, S: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """out[m, n] = bf16(sum over s = 0, 1, ..., S-1 of ws[s, m, n]) in that fixed order (fp32)."""
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from deepinfer.kernels.triton.act_quant import quantise_rows
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 MAX_TOKENS_TILE = 128  # wgmma N of one tile; more rows take several token tiles
 
@@ -37,11 +38,12 @@ def _fp8_linear_swap_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N,
                             stride_xm, stride_wn, stride_wsn, stride_om, stride_os, K: tl.constexpr,
                             WBLOCK: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr,
                             A_DEQUANT: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT_OUT: tl.constexpr,
-                            BW: tl.constexpr, BT: tl.constexpr):
+                            BW: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (weight tile, token tile; split): acc[BW weights, BT tokens] over K range
     [split * K_SPLIT, (split + 1) * K_SPLIT). A_DEQUANT: x holds act_quant's exact q * s in bf16; else x is
     the raw bf16 activation, quantised here per CHUNK of each token. Token tiles vary fastest, so the
     programs sharing a weight tile run together and the weight is read from HBM once."""
+    pdl_enter(PDL)
     tiles_t = tl.cdiv(M, BT)
     pid_w = tl.program_id(0) // tiles_t
     pid_t = tl.program_id(0) % tiles_t

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from deepinfer.kernels.triton.fp8_gemm import sm_count
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 BLOCK = 2048  # elements per step of a chunk program
 PROGRAMS_PER_SM = 8  # a chunk's steps wait on each other (the online max and sum): many short chunks in flight.
@@ -33,7 +34,8 @@ PROGRAMS_PER_SM = 8  # a chunk's steps wait on each other (the online max and su
 @fast_launch
 @triton.jit
 def _greedy_chunk_kernel(x_ptr, stride_row, V, m_ptr, idx_ptr, s_ptr, nan_ptr, n_chunks,
-                         CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     lo = c * CHUNK
@@ -64,7 +66,8 @@ def _greedy_chunk_kernel(x_ptr, stride_row, V, m_ptr, idx_ptr, s_ptr, nan_ptr, n
 @fast_launch
 @triton.jit
 def _greedy_finish_kernel(m_ptr, idx_ptr, s_ptr, nan_ptr, tok_ptr, lp_ptr, rank_ptr, V, n_chunks,
-                          NC: tl.constexpr):
+                          NC: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cs = tl.arange(0, NC)
     ok = cs < n_chunks

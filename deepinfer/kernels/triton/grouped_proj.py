@@ -34,6 +34,7 @@ import triton.language as tl
 from deepinfer.kernels.quant_weights import QuantLinearWeight, check_grouped_proj_fp8
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 BF16 = torch.bfloat16
 FUSED_MAX_T = 64  # tokens up to which the fused kernel runs (decode batches); more: dequantise + cuBLAS
@@ -54,12 +55,13 @@ WGMMA_MIN_T, WGMMA_MAX_T = 9, 256  # tokens the wgmma form takes where it can ru
 @triton.jit
 def _grouped_proj_fp8_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, R, D, stride_ot, stride_og, stride_wn, stride_sn,
                              stride_out, WBLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, n] = bf16(sum_k o[t, n // R, k] * bf16(fp32(w[n, k]) * s[n // WBLOCK, k // WBLOCK])) for the
     program's BLOCK_N rows n (one group: R % BLOCK_N == 0; one scale row: BLOCK_N <= WBLOCK) and BLOCK_T
     tokens; fp32 accumulation. K goes in steps of BLOCK_K <= WBLOCK (one scale a step: a scalar load, and
     pointer tiles advanced in place; the first form gathered a [BLOCK_N, BLOCK_K] tile of scales through a
     pointer tile per step and ran at ~190 GB/s on the H200)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -89,8 +91,9 @@ def _grouped_proj_fp8_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, R, D, stride_ot, s
 @fast_launch
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, D, stride_wn, stride_sn, WBLOCK: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """out[n, k] = bf16(fp32(w[n, k]) * s[n // WBLOCK, k // WBLOCK]) (convert.py's wo_a), out contiguous."""
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (rows < N)[:, None] & (ks < D)[None, :]

@@ -22,6 +22,7 @@ import triton.language as tl
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 MIN_D, MAX_D = 16, 256  # tl.dot needs every dim >= 16; above 256 the [d, d] H no longer fits one program
 BLOCK_N = 128  # output columns per MMA: d = 256 runs two, so the fp32 accumulator stays [BM, 128]
@@ -30,8 +31,9 @@ BLOCK_N = 128  # output columns per MMA: d = 256 runs two, so the fp32 accumulat
 @fast_launch
 @triton.jit
 def _hadamard_kernel(x_ptr, h_ptr, out_ptr, M, stride_xm, scale, D: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, INTERPRET: tl.constexpr):
+                     BN: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """x viewed as [M, D] (unit column stride, row stride stride_xm); out [M, D] contiguous; H [D, D]."""
+    pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)  # int64: T * 64 rows * 128 can pass 2**31
     rmask = (rows < M)[:, None]
     k = tl.arange(0, D)

@@ -31,6 +31,7 @@ from deepinfer.kernels import official
 from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported
 from deepinfer.kernels.triton.kv_pack import e8m0_value
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 
 def _interpreting() -> bool:
@@ -54,7 +55,8 @@ def head_sum(q, keys, w, INTERPRET: tl.constexpr):
 @triton.jit
 def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, NH, E, stride_qt, stride_qh, stride_wt, stride_ke,
                            stride_ot, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                           INTERPRET: tl.constexpr):
+                           INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(1).to(tl.int64)
     ents = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = ents < E
@@ -110,9 +112,10 @@ def _e2m1_pair(byte):
 def _indexer_scores_paged_kernel(q_ptr, w_ptr, store_ptr, rows_ptr, hidden_ptr, out_ptr, NH, E, stride_qb, stride_qh,
                                  stride_wb, stride_rb, stride_hb, stride_ob, STRIDE_S: tl.constexpr,
                                  D: tl.constexpr, NB: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                                 BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
+                                 BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     # STRIDE_S, the cache's row stride (68 bytes for V4's keys), is a constexpr (one compile per layout) so the
     # compiler knows every row starts 4-byte aligned and loads a row's value bytes as words, not byte by byte
+    pdl_enter(PDL)
     b = tl.program_id(1).to(tl.int64)
     ents = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = ents < E

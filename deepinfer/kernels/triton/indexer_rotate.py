@@ -29,6 +29,7 @@ from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.fp4_quant import (BLOCK as FP4_BLOCK, _fp4_codes, _fp4_value, fp4_codec_supported,
                                                  fp4_fake_quant)
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 BF16 = torch.bfloat16
 
@@ -58,9 +59,10 @@ def _rope_hadamard(x_ptr, h_ptr, cos_ptr, sin_ptr, rows, live, heads, stride_x, 
 @fast_launch
 @triton.jit
 def _indexer_q_rotate_kernel(x_ptr, h_ptr, cos_ptr, sin_ptr, out_ptr, M, heads, stride_x, scale, D: tl.constexpr,
-                             HALF: tl.constexpr, BM: tl.constexpr, INTERPRET: tl.constexpr):
+                             HALF: tl.constexpr, BM: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """Rows of q [M = T * heads, D]: `_rope_hadamard`, then the FP4 fake quantisation of every 32 values
     (`fp4_quant._fp4_fake_quant_kernel`'s steps) into out [M, D] bf16."""
+    pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     live = rows < M
     y = _rope_hadamard(x_ptr, h_ptr, cos_ptr, sin_ptr, rows, live, heads, stride_x, scale, D, HALF, BM,
@@ -82,10 +84,12 @@ def _indexer_q_rotate_kernel(x_ptr, h_ptr, cos_ptr, sin_ptr, out_ptr, M, heads, 
 @triton.jit
 def _index_key_rotate_store_kernel(x_ptr, h_ptr, cos_ptr, sin_ptr, out_ptr, rows_ptr, keep_ptr, M, stride_x, scale,
                                    BPT, D: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr, PAD: tl.constexpr,
-                                   PAD_P2: tl.constexpr, KEEP: tl.constexpr, INTERPRET: tl.constexpr):
+                                   PAD_P2: tl.constexpr, KEEP: tl.constexpr, INTERPRET: tl.constexpr,
+                                   PDL: tl.constexpr = False):
     """Rows of e [M, D]: `_rope_hadamard`, then the FP4 key codec (`fp4_quant._fp4_encode_kernel`'s bytes:
     per 32 values 16 bytes of two codes, even index in the low nibble, then the E8M0 scale bytes, zero pad)
     into out's row rows[m], only where keep[m] (KEEP)."""
+    pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     live = rows < M
     if KEEP:

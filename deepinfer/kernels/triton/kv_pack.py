@@ -23,6 +23,7 @@ import triton.language as tl
 
 from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported, fp4_decode_supported, fp4_kv_decode, fp4_kv_encode
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 FP8_MAX = tl.constexpr(448.0)  # jit code reads module globals only as constexpr
 FP8_AMAX_FLOOR = tl.constexpr(1e-4)
@@ -33,8 +34,9 @@ FP8_AMAX_FLOOR = tl.constexpr(1e-4)
 def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT, dst_ptr, keep_ptr,
                    QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
                    ROPE: tl.constexpr, ROPE_P2: tl.constexpr, PAD: tl.constexpr, INTO: tl.constexpr,
-                   KEEP: tl.constexpr):
+                   KEEP: tl.constexpr, PDL: tl.constexpr = False):
     """Program = x's row; its bytes go to output row dst[row] (INTO) or row, and only where keep[row] (KEEP)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     if KEEP:
         if tl.load(keep_ptr + row) == 0:
@@ -79,7 +81,8 @@ def e8m0_value(byte):
 @triton.jit
 def _decode_kernel(in8_ptr, in16_ptr, out_ptr, BPT,
                    QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
-                   ROPE: tl.constexpr, ROPE_P2: tl.constexpr):
+                   ROPE: tl.constexpr, ROPE_P2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     nb = tl.arange(0, NB_P2)
     j = tl.arange(0, BLOCK)

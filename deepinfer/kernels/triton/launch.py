@@ -27,6 +27,10 @@ the kernel the JIT would, the registered ops bit-identical both ways), where it 
 kernel's launch is the JIT's own plus one flag test. Under TRITON_INTERPRET=1 the decorator returns the interpreter's
 function.
 
+Programmatic dependent launch (pdl.py): a kernel whose last parameter is `PDL: tl.constexpr` is launched
+with `PDL=True, launch_pdl=True` on an sm_90+ device unless the caller passes PDL itself or PDL_ENABLED is
+False (DEEPINFER_PDL=0); both paths (the cache and the JIT's) get them.
+
 Must not: be used on a @triton.jit helper that other kernels call (only launched kernels: the compiler
 needs the JITFunction itself); change what any kernel computes.
 """
@@ -39,6 +43,8 @@ from triton.runtime.jit import JITFunction
 from deepinfer import env
 
 ENABLED = env.fast_launch_enabled()
+PDL_ENABLED = env.pdl_enabled()  # programmatic dependent launch for kernels with a PDL parameter (pdl.py)
+_PDL_DEVICES: dict[int, bool] = {}  # device index -> compute capability >= 9.0 (griddepcontrol needs sm_90)
 _MISSING = object()
 _I32 = (-(2**31), 2**31)
 _I64_MAX = 2**63
@@ -67,6 +73,7 @@ class FastLaunch:
         self.constexpr = tuple(p.is_constexpr for p in fn.params)
         self.defaults = [p.default if p.has_default else _MISSING for p in fn.params]
         self.kernels: dict[tuple, object] = {}
+        self.pdl = "PDL" in self.name_set and self.constexpr[self.names.index("PDL")]
         self.hits = self.misses = 0  # (tests read them)
 
     def __getattr__(self, name: str):  # warmup, run, params, ... of the JIT function
@@ -97,6 +104,9 @@ class FastLaunch:
         return vals, options
 
     def launch(self, grid, args: tuple, kwargs: dict):
+        if self.pdl and PDL_ENABLED and "PDL" not in kwargs and _pdl_device():
+            # the kernel's wait (PDL=True) and the launch attribute (launch_pdl) always travel together
+            kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
         if not ENABLED or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
             return self.fn[grid](*args, **kwargs)
         bound = self._bind(args, kwargs)
@@ -132,6 +142,14 @@ class FastLaunch:
         kernel.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *vals)
         return kernel
+
+
+def _pdl_device() -> bool:
+    index = torch.cuda.current_device()
+    ok = _PDL_DEVICES.get(index)
+    if ok is None:
+        ok = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return ok
 
 
 def cdiv(a: int, b: int) -> int:

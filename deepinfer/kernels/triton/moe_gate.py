@@ -20,6 +20,7 @@ import triton.language as tl
 
 from deepinfer.kernels.official_fused import check_moe_gate_hash
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 
 @triton.jit
@@ -35,7 +36,8 @@ def _sqrt_softplus(x):
 @fast_launch
 @triton.jit
 def _hash_gate_kernel(logits_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, stride_t, stride_tid, route_scale,
-                      K: tl.constexpr, K_P2: tl.constexpr):
+                      K: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, K_P2)
     kmask = kk < K
@@ -50,7 +52,8 @@ def _hash_gate_kernel(logits_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, stride_t, st
 @fast_launch
 @triton.jit
 def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale, norm_eps,
-                 K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
+                 K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
     emask = e < E

@@ -30,6 +30,7 @@ import triton.language as tl
 from deepinfer import env
 from deepinfer.kernels import official, official_fused, torch_ops
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -52,7 +53,8 @@ def _need(cond: bool, msg: str) -> None:
 @fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_o,
-                     HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -106,10 +108,11 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
 @fast_launch
 @triton.jit
 def _head_rms_norm_kernel(x_ptr, out_ptr, n_rows, D, eps, stride_x, stride_o,
-                          ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+                          ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """The bf16 torch ops `x * rsqrt(x.square().mean(-1) + eps)` with each op's bf16 rounding: the square
     rounded per element, its fp32 sum times 1/D (torch's mean: fp32 accumulation, the factor 1/D) rounded,
     + eps rounded, rsqrt (fp32 rsqrt.approx, as torch's) rounded, the product rounded."""
+    pdl_enter(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     m = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -188,13 +191,14 @@ def _mix_dots(x, w, acc, INTERPRET: tl.constexpr):
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chunk,
                            BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                           INTERPRET: tl.constexpr):
+                           INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """Split-K partials of x[t] @ fn.T and of sum(x[t]^2) over the columns [split*k_chunk, +k_chunk) of the
     flattened hc streams x [T, KD] bf16 (fn [n_out, KD] fp32): part [splits, T, n_out], ssq [splits, T].
     fp32-matmul accuracy from bf16 tensor cores: x is bf16 already and fn goes in as three bf16 parts
     (`_bf16_split3`), so every product x*part is exact (8 x 8 significand bits) and x*hi + x*mid + x*lo is
     x*fn; only the fp32 accumulation's order and rounding differ from an fp32 GEMM. Replaces an fp32 upcast
     of x and tf32x3 dots (H200, T=8192, D=4096: ~380 us, latency-bound, where the HBM read of x is ~64 us)."""
+    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -223,7 +227,7 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
 def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
                                  pre_in_ptr, pre_out_ptr, T, D, splits, iters, hc_eps, norm_eps,
                                  HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr,
-                                 DEFERRED: tl.constexpr):
+                                 DEFERRED: tl.constexpr, PDL: tl.constexpr = False):
     """One token, in two programs (grid (T, 2); (T, 1) for HEAD): both sum the split-K partials they need
     and r-normalise them; program 0 collapses the token's hc streams with the pre weights, rounds to bf16,
     RMSNorms and rounds again (y); program 1 runs the Sinkhorn split (post, comb), which y does not need.
@@ -235,6 +239,7 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
     9.2 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre weights
     alone, no post, comb or Sinkhorn. DEFERRED (V4.1's deferred pre, `hc_pre_deferred_fused`): program 0 stores
     the pre weights it computes (pre_out [T, HC]) and collapses with the given ones (pre_in [T, HC] fp32)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     if HEAD:
         n_mix = HC
@@ -282,11 +287,12 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
 @triton.jit
 def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, ssq_ptr, T, D, KD,
                                 n_out, k_chunk, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
-                                BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                                BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """`_hc_mix_partial_kernel` whose x is made here: the previous sublayer's hc_post (`_hc_post_kernel`'s
     arithmetic, post_k * f + sum over j of comb[j, k] * r_j in fp32, rounded to bf16) of the columns this
     program reads, stored into x [T, HC * D] (every column by exactly one program) and used for the partials.
     A step of BLOCK_K columns lies in one stream k (D % BLOCK_K == 0, checked by the launcher)."""
+    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -546,8 +552,10 @@ def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
 # ---------------------------------------------------------------------------------------------- hc_post
 @fast_launch
 @triton.jit
-def _hc_post_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_post_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """out[t, k] = post[t, k] * f[t] + sum_j comb[t, j, k] * r[t, j] (fp32 math, stored in out's dtype)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = cols < D

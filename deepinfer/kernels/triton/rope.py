@@ -23,19 +23,21 @@ from triton.language.extra import libdevice
 
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 
 @fast_launch
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, R, stride_xt, stride_xr, stride_ot, stride_or,
                  D: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_D: tl.constexpr, INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr):
+                 BLOCK_D: tl.constexpr, INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr, PDL: tl.constexpr = False):
     """x viewed as [T, R, D] (R = product of the middle dims); one program per (BLOCK_T tokens, BLOCK_R rows).
     The rope channels of a row are read as one contiguous [2*HALF] run (16-byte vector loads) and split into
     their interleaved (re, im) pairs in registers; cos/sin are read once per token for all its rows.
     COPY_NOPE=False: out is x (in place), the pass-through channels are neither read nor written.
     (Before 2026-12-02's third session: one program per (token, 16 rows) with stride-2 scalar loads of re
     and im: 3.8 ms of an 8k prefill's RoPE on the H200.)"""
+    pdl_enter(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (t < T)[:, None] & (rows < R)[None, :]  # [BLOCK_T, BLOCK_R]
@@ -68,10 +70,12 @@ ROPE_ELEMENTS = 4096  # rope channels per program (tokens x rows x 2*HALF): 8 KB
 
 @fast_launch
 @triton.jit
-def _rope_table_kernel(pos_ptr, freq_ptr, table_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+def _rope_table_kernel(pos_ptr, freq_ptr, table_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """table[0, t] = cos(fp32(p_t) * f), table[1, t] = sin(...): the fp32 angles as torch.outer forms them (one
     rounding of the product), then libdevice's accurate cosf / sinf (CUDA's math library, which torch's
     cos / sin call: NOT tl.cos / tl.sin, which lower to the approximate hardware instructions)."""
+    pdl_enter(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     i = tl.arange(0, HALF)
     ok = (t < T)[:, None]

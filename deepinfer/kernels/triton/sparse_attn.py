@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 SPARSE_ATTN_BLOCK = 64  # indices per online-softmax step, as the official kernel
 
@@ -99,8 +100,9 @@ def _sparse_attn_sink_kernel(
     q_ptr, kv_ptr, sink_ptr, idx_ptr, out_ptr,
     H, K, scale, initial_max,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t, heads, hmask, dims, q, run_max, run_sum, acc = head_block(q_ptr, H, stride_qt, stride_qh, initial_max, D,
                                                                   BLOCK_H)
     for start in range(0, K, BLOCK_K):

@@ -30,6 +30,7 @@ from deepinfer import env
 from deepinfer.kernels.official_fused import paged_rows
 from deepinfer.kernels.triton.kv_pack import e8m0_value, kv_decode
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
+from deepinfer.kernels.triton.pdl import pdl_enter
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
                                                   attend_block, finish_heads, finish_heads_rope, head_block,
                                                   sparse_attn_sink_triton)
@@ -75,12 +76,13 @@ def _sparse_attn_paged_kernel(
     stride_qt, stride_qh, stride_it, stride_ot, stride_oh,
     BPT: tl.constexpr, QDIM: tl.constexpr, SBLOCK: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    ROPE_HALF: tl.constexpr,
+    ROPE_HALF: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program axis 2 = split s takes index columns [s * chunk, (s + 1) * chunk) in order. SPLIT False (one
     split): the sink, bf16 out (ROPE_HALF > 0: then the inverse RoPE of each head's last 2 ROPE_HALF
     channels, `finish_heads_rope`). SPLIT True: writes its online-softmax state (running max, sum, the
     unnormalised fp32 acc) for `_combine_splits_kernel`."""
+    pdl_enter(PDL)
     t, heads, hmask, dims, q, run_max, run_sum, acc = head_block(q_ptr, H, stride_qt, stride_qh, initial_max, D,
                                                                   BLOCK_H)
     lo = tl.program_id(2) * chunk  # without a split: one program, chunk = K rounded up to whole blocks
@@ -103,11 +105,13 @@ def _sparse_attn_paged_kernel(
 @fast_launch
 @triton.jit
 def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, H, S,
-                           stride_ot, stride_oh, D: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_HALF: tl.constexpr):
+                           stride_ot, stride_oh, D: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_HALF: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Merge a row's S split states: M = the largest running max, every state rescaled by exp(m_s - M) and
     summed in split order, the sink in the denominator (exp(sink - M), as `finish_heads`). Split states start
     from a finite max (the launcher's max(initial_max, -1e30)), so a split whose columns are all -1 holds
     m_s = -1e30, sum 0, acc 0 and adds exactly nothing."""
+    pdl_enter(PDL)
     t = tl.program_id(1).to(tl.int64)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H

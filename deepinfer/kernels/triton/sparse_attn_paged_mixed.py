@@ -26,6 +26,7 @@ from deepinfer.kernels.official_fused import sparse_attn_sink_paged_mixed as twi
 from deepinfer.kernels.triton.fp4_quant import _e4m3_value, _fp4_value
 from deepinfer.kernels.triton.kv_pack import e8m0_value
 from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.pdl import pdl_enter
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _check, _interpreting, attend_block,
                                                   finish_heads, head_block)
 from deepinfer.kernels.triton.sparse_attn_paged import PagedLaunch
@@ -69,8 +70,10 @@ def _sparse_attn_mixed_kernel(
     H, K, n_ring, scale, initial_max, chunk, stride_qt, stride_qh, stride_it, stride_ot, stride_oh,
     RING_COLS: tl.constexpr, RBPT: tl.constexpr, RBLOCK: tl.constexpr, CBPT: tl.constexpr, CBLOCK: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """`sparse_attn_paged._sparse_attn_paged_kernel` with `_mixed_block`'s two decodes (no RoPE epilogue)."""
+    pdl_enter(PDL)
     t, heads, hmask, dims, q, run_max, run_sum, acc = head_block(q_ptr, H, stride_qt, stride_qh, initial_max, D,
                                                                   BLOCK_H)
     lo = tl.program_id(2) * chunk

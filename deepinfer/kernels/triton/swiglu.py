@@ -19,6 +19,7 @@ import triton.language as tl
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 BF16 = torch.bfloat16
 
@@ -26,7 +27,8 @@ BF16 = torch.bfloat16
 @fast_launch
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, out_ptr, N, stride_g, stride_u, stride_o, limit,
-                   HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N

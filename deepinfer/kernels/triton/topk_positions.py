@@ -26,6 +26,7 @@ import triton.language as tl
 
 from deepinfer.kernels import torch_ops
 from deepinfer.kernels.triton.launch import fast_launch
+from deepinfer.kernels.triton.pdl import pdl_enter
 
 BLOCK = 1024  # keys per chunk of a pass
 
@@ -56,7 +57,8 @@ def _kth_bin(hist, k, bins):
 
 @fast_launch
 @triton.jit
-def _topk_positions_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.constexpr):
+def _topk_positions_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = s_ptr + row * stride_s
     bins = tl.arange(0, 256)
