@@ -9,7 +9,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -20,6 +20,11 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s27d)  # the issue's ratios against transformers with the current defaults (PDL on; last measured in the
+    # twenty-second session)
+    step engine_slice_s27 560 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 --async-modes on \
+        --output-kind final_only --transformers --env-sets ""
+    ;;
 s27b)  # programmatic dependent launch on every Triton and CUDA kernel: the CUDA kernels' GPU tests (their sources
     # changed), the rule's tests, decode with PDL against without (bit-identical, side streams, graphs), the engine
     step gpu_tests_pdl_cuda 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_pdl.py \
