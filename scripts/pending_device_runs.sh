@@ -1,15 +1,16 @@
 # The device checks the code of 2026-12-06 still owes, in the order the next device run should take them; each
-# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-sixth session ran s25b (the
-# twenty-fifth session's review), s26a-d (its own changes) and prefill_ab, all on an H100 (passed; numbers in
-# BENCHMARKS.md); still owed, on the H200: anatomy, prefill and slice with the current defaults (the issue's
-# ratios against transformers were last measured on an H100 in the twenty-second session).
+# stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-seventh session ran s27a (the
+# twenty-sixth session's review), s27b-e (PDL: tests, anatomy, the slice against transformers, prefill), all on
+# an H100 (passed; numbers in BENCHMARKS.md). Still owed on an H200 (no run of this session got one): anatomy
+# (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
+# (28%) predates PDL.
 #   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh anatomy     # with carry: [".whl"]
 #   ... prefill_ab | s23b (both of them and the trimmed experts at T=1024) | tests | anatomy | linears | prefill | slice
 # Logs go to $OUT (one file per step); each step's summary line is printed.
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -20,6 +21,12 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s27e)  # PDL on and off: the 1k / 8k prefill and the b1 step against the ceilings of the same run
+    step run_slice_pdl 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 \
+        --no-breakdown
+    DEEPINFER_PDL=0 step run_slice_nopdl 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 \
+        --prefills 1024 8192 --no-breakdown
+    ;;
 s27d)  # the issue's ratios against transformers with the current defaults (PDL on; last measured in the
     # twenty-second session)
     step engine_slice_s27 560 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 --async-modes on \
