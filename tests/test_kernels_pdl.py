@@ -148,3 +148,17 @@ def test_fast_launch_passes_pdl_and_its_attribute_together(monkeypatch):
     monkeypatch.setattr(launch, "_pdl_device", lambda: False)  # before sm_90: no griddepcontrol
     with_pdl[(1,)](torch.zeros(1), BLOCK=4)
     assert with_pdl.fn.calls[-1][2] == {"BLOCK": 4}
+
+
+def test_launch_attribute_has_the_drivers_layout():
+    """CUlaunchAttribute (cuda.h, CUDA 12): a 4-byte id padded to 8, then a 64-byte value union whose first
+    int is programmaticStreamSerializationAllowed; CUlaunchConfig's attrs pointer and count after the stream."""
+    import ctypes
+
+    from deepinfer.kernels.cuda import runtime
+
+    assert ctypes.sizeof(runtime._LaunchAttribute) == 72
+    assert runtime._LaunchAttribute.value.offset == 8
+    assert runtime.LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert runtime._LaunchConfig.attrs.offset == 40 and runtime._LaunchConfig.numAttrs.offset == 48
+    assert ctypes.sizeof(runtime._LaunchConfig) == 56

@@ -456,7 +456,10 @@ class CudaKernel:
                                            stream, None, extra), f"cuLaunchKernel({self.function})")
 
     def _pdl_device(self, index: int) -> bool:
+        """sm_90+ (griddepcontrol) and a driver with cuLaunchKernelEx (CUDA 12.0+); else a plain launch (the
+        kernel's pdl_enter() then returns at once)."""
         ok = self._pdl_devices.get(index)
         if ok is None:
-            ok = self._pdl_devices[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+            ok = self._pdl_devices[index] = (torch.cuda.get_device_capability(index) >= (9, 0)
+                                             and hasattr(_driver(), "cuLaunchKernelEx"))
         return ok
