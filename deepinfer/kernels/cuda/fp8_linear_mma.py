@@ -13,6 +13,10 @@ The weight expansion is exact for scales up to 2^7 (fp32 exponent field <= SCALE
 power-of-two scales: `QuantLinearWeight.scale_exponent_max()` checks both once per weight (one host sync,
 cached on the weight); pass `scale_max_exp` to skip it.
 Needs sm_90 (mul.rn.bf16x2) or newer. The ops' dispatch (fp8_gemm.py) decides when this form is used.
+Launched with programmatic dependent launch (runtime.CudaKernel(pdl=True)): the kernel reads its first
+weight and scale stages BEFORE it waits for the previous kernel, so w's bytes and scales must not be written
+by the kernels just before it in the stream (model weights are written at load time; a test that makes a
+weight on the GPU must not do it with one of this package's PDL kernels right before the launch).
 Must not: import triton; allocate per-call weights.
 """
 from __future__ import annotations
