@@ -13,6 +13,11 @@ it will wait in turn). Because each kernel waits for the one before it to END, a
 its own predecessor before it did anything, the ordering of the whole stream is kept.
 The host-side half is in launch.py: `FastLaunch` passes `PDL=True` and `launch_pdl=True` together, and only
 to kernels that have the parameter (tests/test_kernels_pdl.py checks every such kernel starts with the call).
+Also safe for multi-wave grids and clusters: the next grid launches only once every CTA of this one has
+started (the trigger counts all of them), so early CTAs of the next grid never keep this one's from running.
+A kernel whose CTAs waited for each other through global memory (a grid-wide spin barrier, which assumes
+they are all resident) could deadlock behind them; no kernel here does that (cluster barriers are
+hardware-scheduled).
 Must not: be called anywhere but as a launched kernel's first statement.
 """
 from __future__ import annotations
