@@ -2,7 +2,7 @@
 checkpoint (CPU torch twins), grouped by the engine code they come from, and time the steps.
 
     PYTHONPATH=$PWD python benchmarks/count_prefill_ops.py [--tokens 512] [--chunk 128] [--seqs 1] [--top 25]
-                                                         [--per-sequence]
+                                                         [--per-sequence] [--family v41]
 
 Calls inside an op that is one kernel on cuda (kernels.triton's modules, kv_pack, the cuBLAS bf16 GEMMs)
 count once, so the totals approximate the cuda launches of the step.
@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--per-sequence", action="store_true", help="the per-sequence attention path (reference)")
+    ap.add_argument("--family", choices=("v4", "v41"), default="v4",
+                    help="the tiny checkpoint's family (v41: its general varlen path, which its prefills take)")
     ap.add_argument("--mixed", type=int, default=0,
                     help="count one mixed step instead: this many sequences decoding one token each (prefilled "
                          "with --tokens first, not counted) beside one fresh --tokens prefill (continuous batching)")
@@ -200,6 +202,8 @@ def main() -> None:
                          "parallel group took before 2026-12-05; with it: the batched decode path)")
     args = ap.parse_args()
     if args.mixed:
+        if args.family != "v4":
+            raise SystemExit("--mixed counts V4's split mixed step only")
         return mixed_step(args)
     torch.set_num_threads(1)
     from deepinfer.model.attention import V4Attention
@@ -211,11 +215,21 @@ def main() -> None:
     from deepinfer.tiny import default_model_dir
     from deepinfer.weights import load_tensors
 
-    path = default_model_dir("v4")
+    path = default_model_dir(args.family)
     cfg = ModelConfig.from_checkpoint(path)
     raw = load_tensors(path, cfg, progress=False)
     blocks = -(-args.tokens // 128)
-    model = build_v4_model(cfg, raw, "fast", "cpu", num_blocks=blocks * args.seqs, max_num_seqs=args.seqs)
+
+    def build():
+        if args.family == "v41":
+            from deepinfer.model.v41 import build_v41_model
+            from deepinfer.tokenizer import Tokenizer
+
+            return build_v41_model(cfg, raw, Tokenizer.from_checkpoint(path), "fast", "cpu",
+                                   num_blocks=blocks * args.seqs, max_num_seqs=args.seqs)
+        return build_v4_model(cfg, raw, "fast", "cpu", num_blocks=blocks * args.seqs, max_num_seqs=args.seqs)
+
+    model = build()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, cfg.vocab_size, (args.seqs, args.tokens), generator=g)
     chunk = args.chunk or args.tokens
@@ -240,7 +254,7 @@ def main() -> None:
     for k, v in sorted(counter.syncs.items()):
         print(f"{v:7d}  {k}")
     t0 = time.perf_counter()
-    model2 = build_v4_model(cfg, raw, "fast", "cpu", num_blocks=blocks * args.seqs, max_num_seqs=args.seqs)
+    model2 = build()
     t0 = time.perf_counter()
     for start in range(0, args.tokens, chunk):
         n = min(chunk, args.tokens - start)
