@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from deepinfer import kernels
 from deepinfer.cache.layouts import KVLayout, layouts_for
 from deepinfer.config import ModelConfig
 from deepinfer.devices import host_to_device
@@ -104,19 +105,24 @@ class PackedStore:
             return torch.zeros(rows, width, dtype=self._dtype, device=self.device)
         return torch.zeros(rows, self.layouts[role].bytes_per_token, dtype=torch.uint8, device=self.device)
 
-    def encode(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        return x if self.layouts is None else self.layouts[role].store(x)
+    # kdev: which registry codec runs ("cpu": the layout's own torch codec; "cuda", fast numerics only: the
+    # Triton codecs of kernels/triton/kv_pack.py and fp4_quant.py, bit-identical to it, one launch each where
+    # the torch codec makes ~10-15; the layouts they do not cover fall back to the torch codec)
+    def encode(self, role: str, x: torch.Tensor, kdev: str = "cpu") -> torch.Tensor:
+        return x if self.layouts is None else kernels.get("kv_encode", kdev)(self.layouts[role], x)
 
-    def decode(self, role: str, stored: torch.Tensor) -> torch.Tensor:
-        return stored if self.layouts is None else self.layouts[role].load(stored)
+    def decode(self, role: str, stored: torch.Tensor, kdev: str = "cpu") -> torch.Tensor:
+        return stored if self.layouts is None else kernels.get("kv_decode", kdev)(self.layouts[role], stored)
 
-    def ring_extend(self, slot: int, start: int, end: int, new_stored: torch.Tensor) -> torch.Tensor:
+    def ring_extend(self, slot: int, start: int, end: int, new_stored: torch.Tensor,
+                    kdev: str = "cpu") -> torch.Tensor:
         """One sequence extends [start, end) through its window ring: returns the decoded rows of positions
         [max(0, start - win + 1), start) (what its first query can see, read BEFORE the write), then stores the
         new tokens' rows (`new_stored` [end - start, ...] in stored form; only the last `win` are kept,
         position p at slot p % win)."""
         win, dev = self.ring.shape[1], self.ring.device
-        old = self.decode("window", self.ring[slot, torch.arange(max(0, start - win + 1), start, device=dev) % win])
+        old = self.decode("window", self.ring[slot, torch.arange(max(0, start - win + 1), start, device=dev) % win],
+                          kdev)
         keep = max(start, end - win)
         self.ring[slot, torch.arange(keep, end, device=dev) % win] = new_stored[keep - start :]
         return old

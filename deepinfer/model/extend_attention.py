@@ -42,14 +42,6 @@ F32, BF16 = torch.float32, torch.bfloat16
 BATCH_SEQUENCES = True
 
 
-def _encode(attn, lc: LayerCache, role: str, x: torch.Tensor) -> torch.Tensor:
-    return x if lc.layouts is None else kernels.get("kv_encode", attn.kdev)(lc.layouts[role], x)
-
-
-def _decode(attn, lc: LayerCache, role: str, stored: torch.Tensor) -> torch.Tensor:
-    return stored if lc.layouts is None else kernels.get("kv_decode", attn.kdev)(lc.layouts[role], stored)
-
-
 def compress_step(attn, lc: LayerCache, ctx: ForwardContext, projected: dict[str, tuple[torch.Tensor, torch.Tensor]],
                   rr: RatioExtendRows, rows: ExtendRows | None = None) -> None:
     """Run both compressors of every sequence on the batch's projections (`projected[role]` = (x @ wkv.T,
@@ -68,7 +60,7 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, projected: dict[str
             e = compress_batch(p, state, plan, kv_all, gate_all, rows.positions, attn.inv_freq, attn.eps, rotate,
                                attn.kdev)
             if e is not None:
-                store[rr.entry_rows[plan.entry_index]] = _encode(attn, lc, role, e)
+                store[rr.entry_rows[plan.entry_index]] = lc.encode(role, e, attn.kdev)
         return
     for p, state, store, rotate, role in jobs:
         kv_all, gate_all = projected[role]
@@ -83,14 +75,14 @@ def compress_step(attn, lc: LayerCache, ctx: ForwardContext, projected: dict[str
                 where.append(rr.entry_rows[start : start + e.shape[0]])
         if entries:  # (one sequence: no cat, which would copy each)
             rows_e, e = (where[0], entries[0]) if len(entries) == 1 else (torch.cat(where), torch.cat(entries))
-            store[rows_e] = _encode(attn, lc, role, e)
+            store[rows_e] = lc.encode(role, e, attn.kdev)
 
 
 def _indexer_selection_batched(attn, lc: LayerCache, ctx: ForwardContext, rows: ExtendRows, rr: RatioExtendRows,
                                q_idx: torch.Tensor, w_idx: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_indexer_selection` of several sequences in a fixed number of ops besides one scoring call per
     sequence (model/indexer_select.py): the same pool rows and columns."""
-    keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])
+    keys = lc.decode("index", lc.index_keys[rr.entry_rows], attn.kdev)
     plan = step_memo(rows, ("select plan", attn.ratio, base), lambda: build_select_plan(
         ctx, rr.n_ent, rr.ent_start, attn.cfg.index_topk, base, q_idx.device))
 
@@ -108,7 +100,7 @@ def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rows: ExtendRo
     appends [N, bytes], index columns [T, C] into the pool counted from `base`, -1 = none). The masks of
     invisible entries and the pool columns depend on the step only: built once for the step's indexer layers."""
     k = lambda name: kernels.get(name, attn.kdev)  # noqa: E731
-    keys = _decode(attn, lc, "index", lc.index_keys[rr.entry_rows])  # every sequence's keys in one decode
+    keys = lc.decode("index", lc.index_keys[rr.entry_rows], attn.kdev)  # every sequence's keys in one decode
     dev = q_idx.device
     pieces, parts = [], []
     for i, s in enumerate(ctx.seqs):
@@ -248,7 +240,7 @@ def attention_core(attn, pre: AttnPre, ctx: ForwardContext, cache: V4Cache, rows
     if not lc.ring.is_contiguous():  # flatten would copy, and the ring writes below would be lost
         raise ValueError(f"layer {attn.layer}: the window ring must be contiguous")
     ring = lc.ring.flatten(0, 1)  # [slots * window, bytes] view
-    ring_kv = _decode(attn, lc, "window", ring[rows.ring_read])  # read before this step's rows overwrite it
+    ring_kv = lc.decode("window", ring[rows.ring_read], attn.kdev)  # read before this step's rows overwrite it
     ring[rows.ring_write] = pre.kv_stored[rows.kv_write]
     pool = [ring_kv, pre.kv]
     comp_cols, comp_width, idx = None, (), None  # idx: set here when the step already built it
@@ -273,7 +265,7 @@ def attention_core(attn, pre: AttnPre, ctx: ForwardContext, cache: V4Cache, rows
                     return _index_rows(rows, cols, rr.n_ent)
 
                 idx = step_memo(rows, ("ascending", r, base), build_ascending)
-            pool.append(_decode(attn, lc, "compressed", stored))
+            pool.append(lc.decode("compressed", stored, attn.kdev))
     if idx is None:
         idx = _index_rows(rows, comp_cols, comp_width)
     return kernels.get("sparse_attn_sink_official", attn.kdev)(pre.q, torch.cat(pool), p["attn_sink"], idx,

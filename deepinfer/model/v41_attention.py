@@ -268,8 +268,8 @@ class V41Attention:
             keys = _rms_bf16(self._k("blinear")(lat, self.key_p["wk.weight"]), self.key_p["k_norm.weight"], eps,
                              kdev)
             rows = cache.entry_rows(s.block_table, r, first + n)[first:]
-            lc.index_keys[rows] = lc.encode("index", rope(keys, gpos, self.inv_freq))  # FP4, E8M0 per 32
-            lc.comp[rows] = lc.encode("latent", rope(lat, gpos, self.inv_freq))  # FP4, E4M3 per 16
+            lc.index_keys[rows] = lc.encode("index", rope(keys, gpos, self.inv_freq), kdev)  # FP4, E8M0 per 32
+            lc.comp[rows] = lc.encode("latent", rope(lat, gpos, self.inv_freq), kdev)  # FP4, E4M3 per 16
 
     def _forward_official(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
         """x [T, D] bf16 -> [T, D] bf16 with the official V4.1 kernels' rounding points.
@@ -294,8 +294,8 @@ class V41Attention:
         # rotations in place: each input is the fresh output of the op before it (only the rope channels move)
         q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq, inplace=True)
         kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq, inplace=True)
-        kv_stored = lc.encode("window", kv)  # FP8 of all channels, E8M0 per 32
-        kv = lc.decode("window", kv_stored)
+        kv_stored = lc.encode("window", kv, self.kdev)  # FP8 of all channels, E8M0 per 32
+        kv = lc.decode("window", kv_stored, self.kdev)
         if self.is_kv_source:
             self._write_entries_official(lc, cache, ctx, x)
         src = cache.layers[self.kv_src] if r else None
@@ -311,7 +311,7 @@ class V41Attention:
             rows = ctx.rows(i)
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)
-            ring_kv = lc.ring_extend(s.window_slot, P, end, kv_stored[rows])
+            ring_kv = lc.ring_extend(s.window_slot, P, end, kv_stored[rows], self.kdev)
             qpos = pos[rows].unsqueeze(1)
             if P == 0:  # prefill pattern: ascending from the oldest visible position, then -1
                 wpos = (qpos - win + 1).clamp(min=0) + torch.arange(min(S, win), device=dev)
@@ -325,9 +325,9 @@ class V41Attention:
             n_ent = end // r if r else 0
             if n_ent:
                 ent_rows = cache.entry_rows(s.block_table, r, n_ent)
-                pool.append(src.decode("latent", src.comp[ent_rows]))
+                pool.append(src.decode("latent", src.comp[ent_rows], self.kdev))
                 if self.is_index_source:
-                    keys = src.decode("index", src.index_keys[ent_rows])
+                    keys = src.decode("index", src.index_keys[ent_rows], self.kdev)
                     sel = self._select(i, rows, pos[rows], keys, q_idx, w_idx, shared, "indexer_scores_bf16")
                     shared[self.layer][i] = sel
                 else:
