@@ -3,6 +3,8 @@ GPU): the varlen path (`V41EngineModel.forward`, what every V4.1 step ran before
 decode path (`model/v41_decode.py` through `DecodeRunner`), eager and replayed from a CUDA graph.
 
     PYTHONPATH=$PWD:$PWD/benchmarks python benchmarks/bench_v41_decode.py [--batches 1 8 32] [--context 2048]
+        [--prefills 1024 4096]   # also one fresh prefill of each length (V4.1's varlen path, eager): device
+                                 # ms, the host's call time (above the device's: host-bound) and its kernels
 
 The slice keeps every kind of V4.1 layer once, in the real model's roles (inference/config.json of V4.1-Flash,
 truncated to 4 layers, what an 80 GB card holds twice while the params are made): 0 a ratio-2 kv + index
@@ -18,15 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ceilings  # noqa: E402
+from prefill_host import kernel_us  # noqa: E402
 from slice_config import decode_bytes_per_layer  # noqa: E402
 from v4_slice import BLOCK, SliceRunner  # noqa: E402
+
+from deepinfer.model.context import ForwardContext, SeqContext  # noqa: E402
 
 V41_FLASH_CONFIG = Path(__file__).resolve().parents[1] / "tests/fixtures/configs/v41-flash/inference/config.json"
 
@@ -54,13 +61,30 @@ class V41Slice(SliceRunner):
                                max_num_seqs=max_num_seqs)
 
 
+@torch.no_grad()
+def prefill_host_ms(sl: SliceRunner, tokens: int, reps: int = 3) -> float:
+    """The host's time in one fresh prefill call (host clock, no sync inside; median): above the device's
+    time, the prefill is bound by its launches."""
+    ctx = ForwardContext((SeqContext(0, tokens, 0, 0, sl._table(0)),))
+    ids = sl._ids(tokens)
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sl.model.forward(ids, ctx)
+        out.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-varlen", action="store_true", help="skip the (slow) varlen path")
     ap.add_argument("--top", type=int, default=0, help="also list the top kernels of one step per batch")
+    ap.add_argument("--prefills", type=int, nargs="*", default=[], help="also time a fresh prefill of each length")
     args = ap.parse_args()
 
     from deepinfer.kernels.triton import register_cuda_kernels
@@ -71,9 +95,16 @@ def main() -> None:
     cfg = slice_config_v41()
     raw = make_tensors(cfg, seed=0, device="cuda")
     layers = cfg.n_layers
-    sl = V41Slice(cfg, raw, max(args.batches), args.context + 64)
+    sl = V41Slice(cfg, raw, max(args.batches or [1]), max([args.context + 64, *args.prefills]))
     print(f"{torch.cuda.get_device_name()}, V4.1-Flash slice of {layers} layers (ratios "
           f"{list(cfg.compress_ratios[:layers])}), context {args.context}; copy {ceil['copy_gbs']:.0f} GB/s")
+    for t in args.prefills:
+        ms = sl.prefill_ms(t, reps=max(3, args.reps // 2))
+        host = prefill_host_ms(sl, t)
+        kus, launches = kernel_us(lambda: sl.model.forward(sl._ids(t), ForwardContext((SeqContext(0, t, 0, 0,
+                                                                                                  sl._table(0)),))))
+        print(f"prefill {t:5d} (varlen path, eager): {ms:8.2f} ms, host call {host:8.2f} ms, kernels "
+              f"{kus / 1e3:8.2f} ms in {launches} launches, {t / ms * 1e3:8.0f} tok/s", flush=True)
     for b in args.batches:
         # the layers' bytes and the bf16 head's
         nbytes = sum(decode_bytes_per_layer(cfg, raw, i, b, args.context) for i in range(layers)) + \

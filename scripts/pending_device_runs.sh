@@ -1,7 +1,8 @@
 # The device checks the code of 2026-12-06 still owes, in the order the next device run should take them; each
 # stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-seventh session ran s27a (the
 # twenty-sixth session's review), s27b-e (PDL: tests, anatomy, the slice against transformers, prefill), all on
-# an H100 (passed; numbers in BENCHMARKS.md). Still owed on an H200 (no run of this session got one): anatomy
+# an H100 (passed; numbers in BENCHMARKS.md). Owed first, on any GPU: s27f (the session's last changes ran on
+# none). Still owed on an H200 (no run of this session got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL.
 #   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh anatomy     # with carry: [".whl"]
@@ -10,7 +11,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -21,6 +22,14 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache codecs through the registry
+    # (V4.1's varlen path now on the Triton codecs; V4's extend path through the same PackedStore methods), the
+    # driver check before cuLaunchKernelEx; then V4.1's prefill timed (new --prefills; for the before, the same
+    # command on the tree at 508cf3d)
+    step gpu_tests_s27f 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41.py \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast.py tests/test_extend_graphs.py tests/test_kernels_pdl.py
+    step bench_v41_prefill 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 --no-varlen
+    ;;
 s27e)  # PDL on and off: the 1k / 8k prefill and the b1 step against the ceilings of the same run
     step run_slice_pdl 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 \
         --no-breakdown
