@@ -68,6 +68,45 @@ def fast_model(parts, device: str) -> V41EngineModel:
 
 
 # ---------------------------------------------------------------------------------------------- CPU
+def test_fast_varlen_path_takes_the_device_codecs(parts, monkeypatch):
+    """The fast varlen path asks the registry for the cache codecs of its kernels' device (on cuda the Triton
+    ones: one launch each instead of the layout's ~10-15 torch kernels) and never calls a layout's torch codec
+    itself. Probed with a device name nothing is registered for (the registry falls back to the CPU twins, so
+    the logits must not move); a path that calls `lc.encode(role, x)` without its device fails here."""
+    from deepinfer import kernels
+    from deepinfer.cache.layouts import KVLayout
+
+    cfg = parts[0]
+    ps = prompts(cfg)
+    ctx = ForwardContext(tuple(SeqContext(0, len(p), i, i, tuple(range(BLOCKS_PER_SEQ * i, BLOCKS_PER_SEQ * (i + 1))))
+                               for i, p in enumerate(ps)))
+    ref = fast_model(parts, "cpu")(torch.cat(ps), ctx)
+
+    model = fast_model(parts, "cpu")
+    for block in model.layers:
+        block.attn.kdev = "probe"
+    asked, direct = set(), []
+    real_get = kernels.get
+    monkeypatch.setattr(kernels, "get", lambda name, device="cpu": asked.add((name, device)) or real_get(name, device))
+    for codec in ("store", "load"):
+        real = getattr(KVLayout, codec)
+
+        def traced(self, *a, _real=real, **k):
+            import inspect
+
+            caller = inspect.stack()[1]
+            if not caller.filename.endswith("official_fused.py"):  # not through the registry's twin
+                direct.append(f"{caller.filename.rsplit('/', 1)[-1]}:{caller.lineno}")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(KVLayout, codec, traced)
+    got = model(torch.cat(ps), ctx)
+    assert torch.equal(got, ref)
+    assert {("kv_encode", "probe"), ("kv_decode", "probe")} <= asked
+    assert not {("kv_encode", "cpu"), ("kv_decode", "cpu")} & asked  # no codec call left on the host's twins
+    assert not direct, direct
+
+
 def test_fast_v41_params_keep_the_checkpoint_quantised(parts):
     """FP8 linears stay FP8 (the checkpoint's bytes) with 32x32 fp32 block scales and activation blocks of 32,
     routed experts stay packed FP4 in one bank per layer; their values and every small tensor equal the
