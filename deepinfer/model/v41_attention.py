@@ -112,6 +112,24 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, top_blo
     return keep.repeat_interleave(block, dim=-1)[..., :width]
 
 
+def _window_rows(shared: dict, i: int, qpos: torch.Tensor, P: int, win: int) -> torch.Tensor:
+    """Sequence i's window columns of the official index rows (official / fast numerics), relative to its
+    oldest visible position max(0, P - win + 1): a prefill from 0 lists the visible positions ascending, then
+    -1; an extend at P > 0 the ring in slot order, oldest first, -1 for unfilled slots. Every layer of a
+    forward has the same window, so the rows are made once per forward (kept in `shared`)."""
+    key = ("window rows", i)
+    if key not in shared:
+        qpos, dev = qpos.unsqueeze(1), qpos.device
+        if P == 0:  # prefill pattern: ascending from the oldest visible position, then -1
+            wpos = (qpos - win + 1).clamp(min=0) + torch.arange(min(qpos.shape[0], win), device=dev)
+            wpos = torch.where(wpos <= qpos, wpos, -1)
+        else:  # the ring in slot order, oldest first; unfilled slots -1
+            slot = (qpos % win + 1 + torch.arange(win, device=dev)) % win
+            wpos = qpos - (qpos - slot) % win
+        shared[key] = torch.where(wpos >= 0, wpos - max(0, P - win + 1), -1)
+    return shared[key]
+
+
 class V41Attention:
     def __init__(self, layer: int, params: dict[str, torch.Tensor], cfg: ModelConfig,
                  all_params: dict[str, torch.Tensor], official: bool = False, comm=None, fast: bool = False) -> None:
@@ -289,7 +307,7 @@ class V41Attention:
             return _rms_bf16(t, w, eps, self.kdev)
 
         lc = cache.layers[self.layer]
-        pos, T, dev = ctx.positions, x.shape[0], x.device
+        pos, T = ctx.positions, x.shape[0]
         qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
         # rotations in place: each input is the fresh output of the op before it (only the rope channels move)
         q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq, inplace=True)
@@ -312,14 +330,7 @@ class V41Attention:
             P, S, end = s.start_pos, s.num_new, s.end_pos
             lo = max(0, P - win + 1)
             ring_kv = lc.ring_extend(s.window_slot, P, end, kv_stored[rows], self.kdev)
-            qpos = pos[rows].unsqueeze(1)
-            if P == 0:  # prefill pattern: ascending from the oldest visible position, then -1
-                wpos = (qpos - win + 1).clamp(min=0) + torch.arange(min(S, win), device=dev)
-                wpos = torch.where(wpos <= qpos, wpos, -1)
-            else:  # the ring in slot order, oldest first; unfilled slots -1
-                slot = (qpos % win + 1 + torch.arange(win, device=dev)) % win
-                wpos = qpos - (qpos - slot) % win
-            parts = [torch.where(wpos >= 0, wpos - lo, -1)]
+            parts = [_window_rows(shared, i, pos[rows], P, win)]
             pool = [ring_kv, kv[rows]]
             n_win = P - lo + S
             n_ent = end // r if r else 0
