@@ -310,8 +310,16 @@ class V41Attention:
         pos, T = ctx.positions, x.shape[0]
         qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
         # rotations in place: each input is the fresh output of the op before it (only the rope channels move)
-        q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq, inplace=True)
-        kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq, inplace=True)
+        # one rotation table per forward and frequency set (`rope_table32`: the same bits as rope32 building its
+        # own, which is 4 more kernels a call on cuda); window-only and compressed layers have their own
+        key = ("rope table", self.rope_key)
+        if key not in shared:
+            shared[key] = k("rope_table32")(pos, self.inv_freq)
+        table = shared[key]
+        q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq, table=table,
+                 inplace=True)
+        kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq, table=table,
+                  inplace=True)
         kv_stored = lc.encode("window", kv, self.kdev)  # FP8 of all channels, E8M0 per 32
         kv = lc.decode("window", kv_stored, self.kdev)
         if self.is_kv_source:
@@ -319,7 +327,8 @@ class V41Attention:
         src = cache.layers[self.kv_src] if r else None
         if self.is_index_source:
             ihd, nh = cfg.index_head_dim, cfg.index_n_heads
-            q_idx = rope(qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd), pos, self.inv_freq, inplace=True)
+            q_idx = rope(qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd), pos, self.inv_freq, table=table,
+                         inplace=True)
             q_idx = formats.fp4_fake_quant(q_idx, 32)  # no Hadamard in V4.1
             w_idx = blinear(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
             shared[self.layer] = {}
@@ -358,7 +367,7 @@ class V41Attention:
             o = k("sparse_attn_sink_official_v41")(q, torch.cat(pools), p["attn_sink"], idx, self.hd**-0.5)
         else:
             o = torch.cat(outs)
-        o = rope(o, pos, self.inv_freq, inverse=True, inplace=True)
+        o = rope(o, pos, self.inv_freq, inverse=True, table=table, inplace=True)
         G = self.G
         if fast:  # the official bf16 einsum's math (fp32 accumulation, bf16 out), wo_a kept FP8 (out_lora)
             z = out_lora(k, o.reshape(T, G, -1), p["wo_a.weight"])
