@@ -18,6 +18,9 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from count_prefill_ops import codec_is_one_kernel  # noqa: E402
+
 # ops that launch no kernel on cuda (views and allocations)
 NO_KERNEL = {"empty", "empty_strided", "detach", "lift_fresh", "_local_scalar_dense", "alias", "_to_copy_noop",
              "set_", "resolve_conj", "resolve_neg", "is_nonzero", "item", "sym_size", "sym_stride", "dim"}
@@ -96,10 +99,7 @@ class _OpCounter(TorchDispatchMode):
             path = f.f_code.co_filename
             if "deepinfer/kernels/" in path:
                 if f.f_code.co_name.removesuffix("_torch") in self.fused_ops:
-                    layout = f.f_locals.get("layout")  # kv_pack: the FP8 and FP4-key codecs are Triton kernels,
-                    codec = getattr(layout, "codec", None)  # and the decode of V4.1's E4M3-scaled FP4 latents
-                    if layout is None or codec in ("fp8_e8m0", "fp4_e8m0") or (
-                            codec == "fp4_e4m3" and f.f_code.co_name == "kv_decode"):
+                    if codec_is_one_kernel(f.f_code.co_name, f.f_locals.get("layout")):
                         fused = f  # keep the outermost fused call
                 outer = f
             elif "deepinfer/model/" in path:

@@ -51,6 +51,14 @@ def cuda_kernel_ops() -> set[str]:
     return names
 
 
+def codec_is_one_kernel(op_name: str, layout) -> bool:
+    """Whether a cache-codec op (kv_pack's registrations; `layout` None: not a codec op) is one Triton kernel
+    on cuda: the FP8 codec and the FP4 index-key codec both ways, V4.1's E4M3-scaled FP4 latents only decoded
+    (their encode is the layout's torch codec). Shared with count_decode_ops.py."""
+    codec = getattr(layout, "codec", None)
+    return layout is None or codec in ("fp8_e8m0", "fp4_e8m0") or (codec == "fp4_e4m3" and op_name == "kv_decode")
+
+
 def cuda_launches(name: str, f_locals: dict) -> int:
     """Kernels a fused op's cuda wrapper launches in all: rope32 without a precomputed table builds its
     cos/sin table first (positions to fp32, outer, cos, sin: 4 + the kernel); rope_table32 is those 4."""
@@ -87,8 +95,7 @@ class CallCounter(TorchFunctionMode):
         while g is not None:  # the outermost fused-op frame, if any
             if "/deepinfer/kernels/" in g.f_code.co_filename and \
                     g.f_code.co_name.removesuffix("_torch").removesuffix("_cublas") in self.fused_ops:
-                layout = g.f_locals.get("layout")  # kv_pack: only the fp8_e8m0 codec is a kernel
-                if layout is None or getattr(layout, "codec", None) == "fp8_e8m0":
+                if codec_is_one_kernel(g.f_code.co_name, g.f_locals.get("layout")):
                     fused = g
             if "/deepinfer/kernels/" in g.f_code.co_filename:
                 outer = g
