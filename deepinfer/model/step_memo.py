@@ -17,12 +17,18 @@ from deepinfer import kernels
 T = TypeVar("T")
 
 
+def memoised(memo: dict, key, make: Callable[[], T]) -> T:
+    """`make()` once per key of `memo`: a step's (`rows.memo`) or, on V4.1's varlen path, one forward's
+    (the `shared` dict its layers get)."""
+    v = memo.get(key)
+    if v is None:
+        v = memo[key] = make()
+    return v
+
+
 def step_memo(rows, key, make: Callable[[], T]) -> T:
     """`make()` once per step and key (rows: the step's DecodeRows / ExtendRows)."""
-    v = rows.memo.get(key)
-    if v is None:
-        v = rows.memo[key] = make()
-    return v
+    return memoised(rows.memo, key, make)
 
 
 def rope_table(attn, rows, pos: torch.Tensor, of: object = "tokens") -> torch.Tensor:
@@ -30,7 +36,12 @@ def rope_table(attn, rows, pos: torch.Tensor, of: object = "tokens") -> torch.Te
     (`attn.rope_key`: window-only and compressed layers differ) and kind of position `of` ("tokens": the
     step's positions; ("blocks", r): the first positions of the ratio-r blocks the compressors rotate), not
     one per rope32 call."""
+    return rope_table_in(rows.memo, attn, pos, of)
+
+
+def rope_table_in(memo: dict, attn, pos: torch.Tensor, of: object = "tokens") -> torch.Tensor:
+    """`rope_table` kept in `memo` (`memoised`'s dicts)."""
     def build_rope_table() -> torch.Tensor:
         return kernels.get("rope_table32", attn.kdev)(pos, attn.inv_freq)
 
-    return step_memo(rows, ("rope", attn.rope_key, of), build_rope_table)
+    return memoised(memo, ("rope", attn.rope_key, of), build_rope_table)

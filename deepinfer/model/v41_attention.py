@@ -32,6 +32,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.model.compressor import project
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.out_lora import out_lora
+from deepinfer.model.step_memo import memoised, rope_table_in
 from deepinfer.model.v41_cache import V41Cache, V41LayerCache
 
 
@@ -117,17 +118,17 @@ def _window_rows(shared: dict, i: int, qpos: torch.Tensor, P: int, win: int) -> 
     oldest visible position max(0, P - win + 1): a prefill from 0 lists the visible positions ascending, then
     -1; an extend at P > 0 the ring in slot order, oldest first, -1 for unfilled slots. Every layer of a
     forward has the same window, so the rows are made once per forward (kept in `shared`)."""
-    key = ("window rows", i)
-    if key not in shared:
-        qpos, dev = qpos.unsqueeze(1), qpos.device
+    def build_window_rows() -> torch.Tensor:
+        q, dev = qpos.unsqueeze(1), qpos.device
         if P == 0:  # prefill pattern: ascending from the oldest visible position, then -1
-            wpos = (qpos - win + 1).clamp(min=0) + torch.arange(min(qpos.shape[0], win), device=dev)
-            wpos = torch.where(wpos <= qpos, wpos, -1)
+            wpos = (q - win + 1).clamp(min=0) + torch.arange(min(q.shape[0], win), device=dev)
+            wpos = torch.where(wpos <= q, wpos, -1)
         else:  # the ring in slot order, oldest first; unfilled slots -1
-            slot = (qpos % win + 1 + torch.arange(win, device=dev)) % win
-            wpos = qpos - (qpos - slot) % win
-        shared[key] = torch.where(wpos >= 0, wpos - max(0, P - win + 1), -1)
-    return shared[key]
+            slot = (q % win + 1 + torch.arange(win, device=dev)) % win
+            wpos = q - (q - slot) % win
+        return torch.where(wpos >= 0, wpos - max(0, P - win + 1), -1)
+
+    return memoised(shared, ("window rows", i), build_window_rows)
 
 
 class V41Attention:
@@ -312,10 +313,7 @@ class V41Attention:
         # rotations in place: each input is the fresh output of the op before it (only the rope channels move)
         # one rotation table per forward and frequency set (`rope_table32`: the same bits as rope32 building its
         # own, which is 4 more kernels a call on cuda); window-only and compressed layers have their own
-        key = ("rope table", self.rope_key)
-        if key not in shared:
-            shared[key] = k("rope_table32")(pos, self.inv_freq)
-        table = shared[key]
+        table = rope_table_in(shared, self, pos)
         q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq, table=table,
                  inplace=True)
         kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq, table=table,
