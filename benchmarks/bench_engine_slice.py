@@ -37,7 +37,6 @@ from slice_config import slice_config  # noqa: E402
 
 from deepinfer import LLM, RequestOutputKind, SamplingParams, env  # noqa: E402
 from deepinfer.kernels.cuda import runtime as cuda_runtime  # noqa: E402
-from deepinfer.kernels.triton import launch  # noqa: E402
 from deepinfer.tiny import make_tensors, write_model_dir  # noqa: E402
 
 
@@ -206,8 +205,8 @@ def main() -> None:
             for key in {k for st in sets if st for k in st}:
                 os.environ.pop(key, None)
             os.environ.update(env_set)
-            # PDL is read once at import (launch.py, cuda/runtime.py): follow the set (each engine captures anew)
-            launch.PDL_ENABLED = cuda_runtime.PDL_ENABLED = env.pdl_enabled()
+            # PDL's switch is read once at import (cuda/runtime.py): follow the set (each engine captures anew)
+            cuda_runtime.PDL_ENABLED = env.pdl_enabled()
         label = "" if env_set is None else f"[{i}] " + (",".join(f"{k[len('DEEPINFER_'):].lower()}={v}"
                                                                    for k, v in env_set.items()) or "default") + " "
         for mode in args.async_modes:

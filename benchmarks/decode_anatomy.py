@@ -149,7 +149,6 @@ def main() -> None:
     from deepinfer.kernels.triton import register_cuda_kernels
     from deepinfer import env
     from deepinfer.kernels.cuda import runtime as cuda_runtime
-    from deepinfer.kernels.triton import launch
     from deepinfer.tiny import make_tensors
     from v4_slice import SliceRunner
 
@@ -170,8 +169,8 @@ def main() -> None:
                 for key in {k for st in sets if st for k in st}:
                     os.environ.pop(key, None)
                 os.environ.update(env_set)
-                # PDL is read once at import (launch.py, cuda/runtime.py): follow the set (graphs captured per set)
-                launch.PDL_ENABLED = cuda_runtime.PDL_ENABLED = env.pdl_enabled()
+                # PDL's switch is read once at import (cuda/runtime.py): follow the set (graphs captured per set)
+                cuda_runtime.PDL_ENABLED = env.pdl_enabled()
             tag = f"b{b}" + (" " + ",".join(f"{k.split('_')[1].lower()}={v}" for k, v in env_set.items())
                              if env_set else "")
             r = res[tag] = anatomy(runner, b, args.context, args.top, args.ops)

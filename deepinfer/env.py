@@ -194,7 +194,7 @@ def pdl_enabled() -> bool:
     """Kernels written for it (a `PDL` parameter in the Triton ones, `pdl=True` in the CUDA ones) launch with
     programmatic dependent launch on sm_90+: each grid starts while the previous kernel still runs and waits
     for it on the device (kernels/triton/pdl.py). DEEPINFER_PDL=0 launches them plainly (A/B runs; read once,
-    at import; `launch.PDL_ENABLED` and `cuda.runtime.PDL_ENABLED` switch it at run time)."""
+    at import; `kernels.cuda.runtime.PDL_ENABLED` switches both kinds at run time)."""
     return os.environ.get("DEEPINFER_PDL", "1") not in ("0", "false", "no")
 
 

@@ -362,10 +362,8 @@ def test_dependent_launch_changes_no_bit(tiny_v4_raw, cuda_kernels, monkeypatch)
     logits and every cache tensor bit-identical after each step. A kernel touching memory before its wait
     would race here."""
     from deepinfer.kernels.cuda import runtime
-    from deepinfer.kernels.triton import launch
 
-    def pdl(on: bool) -> None:
-        monkeypatch.setattr(launch, "PDL_ENABLED", on)
+    def pdl(on: bool) -> None:  # the one switch of the Triton and CUDA kernels
         monkeypatch.setattr(runtime, "PDL_ENABLED", on)
 
     monkeypatch.setenv("DEEPINFER_SIDE_STREAMS", "1")

@@ -128,24 +128,27 @@ def _without_pdl(x_ptr, BLOCK: triton.language.constexpr):
 def test_fast_launch_passes_pdl_and_its_attribute_together(monkeypatch):
     """(On the JIT's path, which needs no GPU here: the cached path takes the same kwargs, added before the
     two part.)"""
+    from deepinfer.kernels.cuda import runtime
+
     monkeypatch.setattr(launch, "ENABLED", False)
-    monkeypatch.setattr(launch, "_pdl_device", lambda: True)
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "griddepcontrol_device", lambda index: True)
     with_pdl, without = FastLaunch(_with_pdl), FastLaunch(_without_pdl)
     assert with_pdl.pdl and not without.pdl
     for k in (with_pdl, without):
         k.fn = _Recorder()
-    monkeypatch.setattr(launch, "PDL_ENABLED", True)
+    monkeypatch.setattr(runtime, "PDL_ENABLED", True)
     with_pdl[(1,)](torch.zeros(1), BLOCK=4)
     without[(1,)](torch.zeros(1), BLOCK=4)
     assert with_pdl.fn.calls[-1][2] == {"BLOCK": 4, "PDL": True, "launch_pdl": True}
     assert without.fn.calls[-1][2] == {"BLOCK": 4}
     with_pdl[(1,)](torch.zeros(1), BLOCK=4, PDL=False)  # the caller's own choice stands (no attribute added)
     assert with_pdl.fn.calls[-1][2] == {"BLOCK": 4, "PDL": False}
-    monkeypatch.setattr(launch, "PDL_ENABLED", False)
+    monkeypatch.setattr(runtime, "PDL_ENABLED", False)
     with_pdl[(1,)](torch.zeros(1), BLOCK=4)
     assert with_pdl.fn.calls[-1][2] == {"BLOCK": 4}
-    monkeypatch.setattr(launch, "PDL_ENABLED", True)
-    monkeypatch.setattr(launch, "_pdl_device", lambda: False)  # before sm_90: no griddepcontrol
+    monkeypatch.setattr(runtime, "PDL_ENABLED", True)
+    monkeypatch.setattr(runtime, "griddepcontrol_device", lambda index: False)  # before sm_90: no griddepcontrol
     with_pdl[(1,)](torch.zeros(1), BLOCK=4)
     assert with_pdl.fn.calls[-1][2] == {"BLOCK": 4}
 

@@ -43,7 +43,9 @@ _STRUCT_CODES = {"p": "Q", "i": "i", "l": "q", "f": "f", "m": "128s"}
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE, _LAUNCH_PARAM_END = 1, 2, 0
 LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID: programmatic dependent launch
-PDL_ENABLED = env.pdl_enabled()  # launch the kernels built with pdl=True that way (DEEPINFER_PDL=0: plainly)
+# programmatic dependent launch of the kernels written for it: the CUDA ones here (pdl=True) and the Triton
+# ones with a PDL parameter (triton/launch.py reads this flag too; DEEPINFER_PDL=0: plainly)
+PDL_ENABLED = env.pdl_enabled()
 FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute: clusters of 9..16 CTAs (sm_90)
 MAX_PORTABLE_CLUSTER = 8  # CTAs a cluster may hold without that attribute
 
@@ -99,6 +101,18 @@ def _driver() -> ctypes.CDLL:
     except OSError as err:
         raise CudaRuntimeError(f"the CUDA driver (libcuda.so.1) could not be loaded: {err}") from err
     return lib
+
+
+@lru_cache(maxsize=None)
+def griddepcontrol_device(index: int) -> bool:
+    """Device `index` is sm_90+, which has griddepcontrol (PDL's wait and trigger)."""
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+@lru_cache(maxsize=1)
+def _has_launch_ex() -> bool:
+    """The driver has cuLaunchKernelEx (CUDA 12.0+), which takes the PDL launch attribute."""
+    return hasattr(_driver(), "cuLaunchKernelEx")
 
 
 def available() -> bool:
@@ -349,7 +363,6 @@ class CudaKernel:
         self.options = tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
         self.attributes = dict(attributes or {})
         self.pdl = pdl
-        self._pdl_devices: dict[int, bool] = {}  # device index -> sm_90+ (griddepcontrol)
         self._functions: dict[int, ctypes.c_void_p] = {}
         self._shared_limit: dict[int, int] = {}  # dynamic shared memory allowed per device (48 KB until raised)
         self._clusters: dict[tuple, int] = {}  # max_active_clusters per (device, grid, block, shared)
@@ -445,7 +458,8 @@ class CudaKernel:
         extra = (ctypes.c_void_p * 5)(_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buf), _LAUNCH_PARAM_BUFFER_SIZE,
                                       ctypes.addressof(size), _LAUNCH_PARAM_END)
         stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-        if self.pdl and PDL_ENABLED and self._pdl_device(index):
+        # without PDL (off, before sm_90, an old driver) the kernel's pdl_enter() returns at once
+        if self.pdl and PDL_ENABLED and griddepcontrol_device(index) and _has_launch_ex():
             attr = _LaunchAttribute(id=LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
             config = _LaunchConfig(grid[0], grid[1], grid[2], block[0], block[1], block[2], shared, stream,
                                    ctypes.addressof(attr), 1)
@@ -454,12 +468,3 @@ class CudaKernel:
             return
         _check_cu(_driver().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared,
                                            stream, None, extra), f"cuLaunchKernel({self.function})")
-
-    def _pdl_device(self, index: int) -> bool:
-        """sm_90+ (griddepcontrol) and a driver with cuLaunchKernelEx (CUDA 12.0+); else a plain launch (the
-        kernel's pdl_enter() then returns at once)."""
-        ok = self._pdl_devices.get(index)
-        if ok is None:
-            ok = self._pdl_devices[index] = (torch.cuda.get_device_capability(index) >= (9, 0)
-                                             and hasattr(_driver(), "cuLaunchKernelEx"))
-        return ok

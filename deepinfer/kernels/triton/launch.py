@@ -28,8 +28,9 @@ kernel's launch is the JIT's own plus one flag test. Under TRITON_INTERPRET=1 th
 function.
 
 Programmatic dependent launch (pdl.py): a kernel whose last parameter is `PDL: tl.constexpr` is launched
-with `PDL=True, launch_pdl=True` on an sm_90+ device unless the caller passes PDL itself or PDL_ENABLED is
-False (DEEPINFER_PDL=0); both paths (the cache and the JIT's) get them.
+with `PDL=True, launch_pdl=True` on an sm_90+ device unless the caller passes PDL itself or
+`cuda.runtime.PDL_ENABLED` (the one switch of both kernel kinds, DEEPINFER_PDL=0) is False; both paths (the
+cache and the JIT's) get them.
 
 Must not: be used on a @triton.jit helper that other kernels call (only launched kernels: the compiler
 needs the JITFunction itself); change what any kernel computes.
@@ -41,10 +42,9 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 from deepinfer import env
+from deepinfer.kernels.cuda import runtime as cuda_runtime  # PDL's switch and device check (one for both kinds)
 
 ENABLED = env.fast_launch_enabled()
-PDL_ENABLED = env.pdl_enabled()  # programmatic dependent launch for kernels with a PDL parameter (pdl.py)
-_PDL_DEVICES: dict[int, bool] = {}  # device index -> compute capability >= 9.0 (griddepcontrol needs sm_90)
 _MISSING = object()
 _I32 = (-(2**31), 2**31)
 _I64_MAX = 2**63
@@ -104,7 +104,8 @@ class FastLaunch:
         return vals, options
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        if self.pdl and PDL_ENABLED and "PDL" not in kwargs and _pdl_device():
+        if self.pdl and cuda_runtime.PDL_ENABLED and "PDL" not in kwargs and \
+                cuda_runtime.griddepcontrol_device(torch.cuda.current_device()):
             # the kernel's wait (PDL=True) and the launch attribute (launch_pdl) always travel together
             kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
         if not ENABLED or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
@@ -142,14 +143,6 @@ class FastLaunch:
         kernel.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *vals)
         return kernel
-
-
-def _pdl_device() -> bool:
-    index = torch.cuda.current_device()
-    ok = _PDL_DEVICES.get(index)
-    if ok is None:
-        ok = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return ok
 
 
 def cdiv(a: int, b: int) -> int:
