@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import time
 
@@ -24,22 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ceilings  # noqa: E402
 from slice_config import flops_per_token_layer, slice_config  # noqa: E402
 from prefill_host import kernel_us  # noqa: E402
-from timing import cuda_time_ms  # noqa: E402
+from timing import cuda_time_ms, host_call_ms  # noqa: E402
 from v4_slice import SliceRunner  # noqa: E402
 
 from deepinfer.model.context import ForwardContext, SeqContext  # noqa: E402
 from deepinfer.model.extend_graphs import BUCKETS, ExtendGraphs  # noqa: E402
-
-
-def host_ms(fn, reps: int = 5) -> float:
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(out)
 
 
 @torch.no_grad()
@@ -79,7 +67,7 @@ def main() -> None:
         for name, fn in ways.items():
             logits[name] = fn().float()
             wall = cuda_time_ms(fn, reps=10, warmup=2)
-            host = host_ms(fn)
+            host = host_call_ms(fn)
             kus, launches = kernel_us(fn)  # (a graph replay's kernels are listed one by one too)
             tflops = flops_tok[t] * t * n / (wall * 1e-3) / 1e12
             print(f"prefill {t:5d} {name:6s}: wall {wall:7.2f} ms, host call {host:7.2f} ms, kernels "

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ceilings  # noqa: E402
 from prefill_host import kernel_us  # noqa: E402
 from slice_config import decode_bytes_per_layer  # noqa: E402
+from timing import host_call_ms  # noqa: E402
 from v4_slice import BLOCK, SliceRunner  # noqa: E402
 
 from deepinfer.model.context import ForwardContext, SeqContext  # noqa: E402
@@ -61,22 +60,6 @@ class V41Slice(SliceRunner):
                                max_num_seqs=max_num_seqs)
 
 
-@torch.no_grad()
-def prefill_host_ms(sl: SliceRunner, tokens: int, reps: int = 3) -> float:
-    """The host's time in one fresh prefill call (host clock, no sync inside; median): above the device's
-    time, the prefill is bound by its launches."""
-    ctx = ForwardContext((SeqContext(0, tokens, 0, 0, sl._table(0)),))
-    ids = sl._ids(tokens)
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        sl.model.forward(ids, ctx)
-        out.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
@@ -100,9 +83,10 @@ def main() -> None:
           f"{list(cfg.compress_ratios[:layers])}), context {args.context}; copy {ceil['copy_gbs']:.0f} GB/s")
     for t in args.prefills:
         ms = sl.prefill_ms(t, reps=max(3, args.reps // 2))
-        host = prefill_host_ms(sl, t)
-        kus, launches = kernel_us(lambda: sl.model.forward(sl._ids(t), ForwardContext((SeqContext(0, t, 0, 0,
-                                                                                                  sl._table(0)),))))
+        ids, ctx = sl._ids(t), ForwardContext((SeqContext(0, t, 0, 0, sl._table(0)),))
+        with torch.no_grad():
+            host = host_call_ms(lambda: sl.model.forward(ids, ctx), reps=3)
+            kus, launches = kernel_us(lambda: sl.model.forward(ids, ctx))
         print(f"prefill {t:5d} (varlen path, eager): {ms:8.2f} ms, host call {host:8.2f} ms, kernels "
               f"{kus / 1e3:8.2f} ms in {launches} launches, {t / ms * 1e3:8.0f} tok/s", flush=True)
     for b in args.batches:

@@ -22,6 +22,19 @@ def host_timed(fn: Callable, add: Callable[[float], None]) -> Callable:
     return timed
 
 
+def host_call_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median host-clock ms of one call of `fn` with no sync inside it (synchronised before and after each):
+    the host's time issuing the work; above the device's time for it, the work is bound by its launches."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def cuda_time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
