@@ -104,10 +104,12 @@ class FastLaunch:
         return vals, options
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        if self.pdl and cuda_runtime.PDL_ENABLED and "PDL" not in kwargs and \
-                cuda_runtime.griddepcontrol_device(torch.cuda.current_device()):
-            # the kernel's wait (PDL=True) and the launch attribute (launch_pdl) always travel together
-            kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
+        device = None  # (asked of torch once a launch: the PDL check and the cache key share it)
+        if self.pdl and cuda_runtime.PDL_ENABLED and "PDL" not in kwargs:
+            device = torch.cuda.current_device()
+            if cuda_runtime.griddepcontrol_device(device):
+                # the kernel's wait (PDL=True) and the launch attribute (launch_pdl) always travel together
+                kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
         if not ENABLED or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
             return self.fn[grid](*args, **kwargs)
         bound = self._bind(args, kwargs)
@@ -125,7 +127,8 @@ class FastLaunch:
                 if s is _MISSING:
                     return self.fn[grid](*args, **kwargs)
                 spec.append(s)
-        device = torch.cuda.current_device()
+        if device is None:
+            device = torch.cuda.current_device()
         key = (device, options, tuple(spec))
         try:
             kernel = self.kernels.get(key)
