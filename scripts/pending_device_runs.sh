@@ -23,11 +23,13 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 
 case $stage in
 s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache codecs through the registry
-    # (V4.1's varlen path now on the Triton codecs; V4's extend path through the same PackedStore methods), the
-    # driver check before cuLaunchKernelEx; then V4.1's prefill timed (new --prefills; for the before, the same
-    # command on the tree at 508cf3d)
+    # (V4.1's varlen path now on the Triton codecs; V4's extend path through the same PackedStore methods), V4.1's
+    # per-forward window rows and RoPE tables, PDL's one switch and device check (runtime.griddepcontrol_device,
+    # the driver check before cuLaunchKernelEx; FastLaunch asking torch for the device once); then V4.1's prefill
+    # timed (new --prefills; for the before, the same command on the tree at 508cf3d)
     step gpu_tests_s27f 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41.py \
-        tests/test_engine_fast_v41_decode.py tests/test_engine_fast.py tests/test_extend_graphs.py tests/test_kernels_pdl.py
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast.py tests/test_extend_graphs.py tests/test_kernels_pdl.py \
+        tests/test_kernels_launch.py tests/test_engine_fast_decode.py -k "not side_streams"
     step bench_v41_prefill 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 --no-varlen
     ;;
 s27e)  # PDL on and off: the 1k / 8k prefill and the b1 step against the ceilings of the same run
