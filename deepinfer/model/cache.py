@@ -79,11 +79,6 @@ class CompressorState:
         self.kv[slot].zero_()
         self.score[slot].fill_(float("-inf"))
 
-    def reset_many(self, slots: torch.Tensor) -> None:
-        """`reset` of every slot in `slots` (a long tensor on the state's device): one fill per tensor."""
-        self.kv.index_fill_(0, slots, 0)
-        self.score.index_fill_(0, slots, float("-inf"))
-
 
 class PackedStore:
     """What every layer cache of both families shares: tensors either plain (exact numerics: compute dtype)
@@ -152,13 +147,6 @@ class LayerCache(PackedStore):
             if state is not None:
                 state.reset(state_slot)
 
-    def reset_many(self, window_slots: torch.Tensor, state_slots: torch.Tensor) -> None:
-        """`reset` of several sequences (long tensors on the cache's device): one fill per tensor."""
-        self.ring.index_fill_(0, window_slots, 0)
-        for state in (self.comp_state, self.index_state):
-            if state is not None:
-                state.reset_many(state_slots)
-
 
 class EntryRowMemo:
     """The paged entry-row maps of one step, shared by the V4 and V4.1 caches (needs `block_size`, `device`
@@ -184,7 +172,65 @@ class EntryRowMemo:
         self._entry_rows.clear()
 
 
-class V4Cache(EntryRowMemo):
+class SlotResets:
+    """Resetting the slots of sequences that (re)start at position 0, shared by the V4 and V4.1 caches (they
+    list their per-slot tensors in `_slot_tensors`; `_reset_host` clears what lives on the host): in a few
+    multi-tensor ops instead of small fills per layer and tensor (~200 launches for each new prompt on
+    V4-Flash's 43 layers, each ~8 us of host time on the H200's host; V4.1's 28 a prompt on the tiny model)."""
+
+    def _slot_tensors(self) -> list[tuple[torch.Tensor, str, float]]:
+        """(tensor [slots, ...], "window" | "state": which slot indexes it, the value a reset writes)."""
+        raise NotImplementedError
+
+    def _reset_host(self, state_slot: int) -> None:
+        """What a reset clears on the host (V4.1: the engram n-gram history)."""
+
+    def _fills(self) -> list[tuple[torch.Tensor, str, float]]:
+        fills = self.__dict__.get("_slot_fills")
+        if fills is None:
+            fills = self.__dict__["_slot_fills"] = self._slot_tensors()
+        return fills
+
+    def reset(self, window_slot: int, state_slot: int) -> None:
+        """Every layer's slot rows as a fresh sequence needs them: the ring and kv rows zero (one foreach op
+        per dtype: it takes its fast route per dtype only), the score rows -inf (copied from one -inf row per
+        shape: same values)."""
+        zeros: dict[torch.dtype, list[torch.Tensor]] = {}
+        filled, sources = [], []
+        rows_of = self.__dict__.setdefault("_neg_inf_rows", {})
+        for t, kind, value in self._fills():
+            row = t[window_slot if kind == "window" else state_slot]
+            if value == 0:
+                zeros.setdefault(row.dtype, []).append(row)
+                continue
+            key = (tuple(row.shape), row.dtype, value)
+            if key not in rows_of:
+                rows_of[key] = torch.full_like(row, value)
+            filled.append(row)
+            sources.append(rows_of[key])
+        for group in zeros.values():  # fast numerics: the packed uint8 rings, the fp32 kv rows
+            torch._foreach_zero_(group)
+        if filled:
+            torch._foreach_copy_(filled, sources)
+        self._reset_host(state_slot)
+
+    def reset_fresh(self, seqs) -> None:
+        """Reset the slots of the step's sequences that start at position 0 (nothing of a slot's previous
+        owner may leak in): several at once with one fill per cache tensor (a prefill step of 16 new prompts
+        made 36 small fills per sequence on the tiny model's 6 layers, ~200 on V4-Flash's 43)."""
+        fresh = [s for s in seqs if s.start_pos == 0]
+        if len(fresh) == 1:
+            self.reset(fresh[0].window_slot, fresh[0].state_slot)
+        elif fresh:
+            slots = {"window": host_to_device(torch.tensor([s.window_slot for s in fresh]), self.device),
+                     "state": host_to_device(torch.tensor([s.state_slot for s in fresh]), self.device)}
+            for t, kind, value in self._fills():
+                t.index_fill_(0, slots[kind], value)
+            for s in fresh:
+                self._reset_host(s.state_slot)
+
+
+class V4Cache(EntryRowMemo, SlotResets):
     """All layers' caches of one engine instance (exact numerics: float64 values; official: packed)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
@@ -200,14 +246,14 @@ class V4Cache(EntryRowMemo):
         self.layouts = cache_layouts(cfg, numerics, revision)
         self.layers = [LayerCache(cfg, i, num_blocks, block_size, max_num_seqs, dtype, self.layouts, device)
                        for i in range(cfg.n_layers)]
-        # one slot's -inf score rows per distinct shape: what `reset` copies into every state's slot at once
-        self._neg_inf: dict[tuple, torch.Tensor] = {}
-        for state in self._states():
-            row = state.score[0]
-            self._neg_inf.setdefault((tuple(row.shape), row.dtype), torch.full_like(row, float("-inf")))
 
-    def _states(self) -> list[CompressorState]:
-        return [s for layer in self.layers for s in (layer.comp_state, layer.index_state) if s is not None]
+    def _slot_tensors(self) -> list[tuple[torch.Tensor, str, float]]:
+        out = [(layer.ring, "window", 0.0) for layer in self.layers]
+        for layer in self.layers:
+            for state in (layer.comp_state, layer.index_state):
+                if state is not None:
+                    out += [(state.kv, "state", 0.0), (state.score, "state", float("-inf"))]
+        return out
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float64,
@@ -248,30 +294,3 @@ class V4Cache(EntryRowMemo):
                 if cfg.has_indexer(layer):
                     total += 2 * c * r * c * cfg.index_head_dim * state_size
         return total
-
-    def reset(self, window_slot: int, state_slot: int) -> None:
-        """`LayerCache.reset` of every layer in a few multi-tensor ops (zero the rings and kv rows, one op per
-        dtype; copy -inf rows into the score rows) instead of up to 5 small fills a layer: ~200 launches for
-        each new prompt on V4-Flash's 43 layers, each ~8 us of host time on the H200's host (same values)."""
-        states = self._states()
-        zeros: dict[torch.dtype, list[torch.Tensor]] = {}  # a foreach op takes its fast route per dtype only
-        for t in [layer.ring[window_slot] for layer in self.layers] + [s.kv[state_slot] for s in states]:
-            zeros.setdefault(t.dtype, []).append(t)
-        for group in zeros.values():  # fast numerics: the packed uint8 rings, the fp32 kv rows
-            torch._foreach_zero_(group)
-        scores = [s.score[state_slot] for s in states]
-        if scores:
-            torch._foreach_copy_(scores, [self._neg_inf[(tuple(t.shape), t.dtype)] for t in scores])
-
-    def reset_fresh(self, seqs) -> None:
-        """Reset the slots of the step's sequences that start at position 0 (nothing of a slot's previous
-        owner may leak in): several at once with one fill per cache tensor (a prefill step of 16 new prompts
-        made 36 small fills per sequence on the tiny model's 6 layers, ~200 on V4-Flash's 43)."""
-        fresh = [s for s in seqs if s.start_pos == 0]
-        if len(fresh) == 1:
-            self.reset(fresh[0].window_slot, fresh[0].state_slot)
-        elif fresh:
-            ws = host_to_device(torch.tensor([s.window_slot for s in fresh]), self.device)
-            ss = host_to_device(torch.tensor([s.state_slot for s in fresh]), self.device)
-            for layer in self.layers:
-                layer.reset_many(ws, ss)

@@ -28,7 +28,7 @@ import torch
 
 from deepinfer.cache.layouts import KVLayout, layouts_for
 from deepinfer.config import ModelConfig
-from deepinfer.model.cache import STATE_DTYPE_OFFICIAL, EntryRowMemo, PackedStore
+from deepinfer.model.cache import STATE_DTYPE_OFFICIAL, EntryRowMemo, PackedStore, SlotResets
 
 
 
@@ -65,7 +65,7 @@ class V41LayerCache(PackedStore):
             self.state_score[state_slot].fill_(float("-inf"))
 
 
-class V41Cache(EntryRowMemo):
+class V41Cache(EntryRowMemo, SlotResets):
     """All layers' caches of one V4.1 engine instance (exact numerics: float64 values; official/fast: packed)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int,
@@ -105,8 +105,13 @@ class V41Cache(EntryRowMemo):
                 total += 2 * r * cfg.head_dim * state_size
         return total + 8 * max(0, cfg.engram_max_ngram_size - 1)
 
-    def reset(self, window_slot: int, state_slot: int) -> None:
+    def _slot_tensors(self) -> list[tuple[torch.Tensor, str, float]]:
+        out = [(layer.ring, "window", 0.0) for layer in self.layers]
         for layer in self.layers:
-            layer.reset(window_slot, state_slot)
+            if layer.state_kv is not None:
+                out += [(layer.state_kv, "state", 0.0), (layer.state_score, "state", float("-inf"))]
+        return out
+
+    def _reset_host(self, state_slot: int) -> None:
         if self.hasher is not None:
             self.hasher.reset(state_slot)
