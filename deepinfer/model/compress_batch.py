@@ -43,10 +43,12 @@ class CompressPlan:
 
 
 def build_plan(ctx: ForwardContext, ratio: int, rows_per_slot: int, ent_start: tuple[int, ...],
-               device: torch.device) -> CompressPlan:
+               device: torch.device, overlap: bool | None = None) -> CompressPlan:
     """The gather plan of `ctx`'s sequences for a compressor of `ratio` whose state holds `rows_per_slot`
-    rows per slot (2r with overlap, r without). Host ints only; one pinned copy per index tensor."""
-    r, overlap = ratio, ratio == 4
+    rows per slot (2r with overlap, r without); overlap: V4's rule (ratio 4) unless given (V4.1: never).
+    Host ints only; one pinned copy per index tensor."""
+    r = ratio
+    overlap = ratio == 4 if overlap is None else overlap
     off = r if overlap else 0
     B, R = len(ctx.seqs), rows_per_slot
     pool_rows, keep, block_pos, entry_index, dest, src = [], [], [], [], [], []
@@ -98,23 +100,38 @@ def compress_batch(p: dict[str, torch.Tensor], state: CompressorState, plan: Com
 
     r = state.ratio
     score = gate + p["ape"][positions % r]
+    pooled = pool_and_advance(k, plan, r, state.overlap, state.kv, state.score, kv, score)
+    if pooled is None:
+        return None
+    pooled = pooled.to(torch.bfloat16).to(torch.float32)
+    entries = k("rms_norm")(pooled, p["norm.weight"], eps).to(torch.bfloat16)
+    entries = k("rope32")(entries, plan.block_pos, inv_freq)
+    return k("hadamard32")(entries) if rotate else entries
+
+
+def pool_and_advance(k, plan: CompressPlan, r: int, overlap: bool, state_kv: torch.Tensor,
+                     state_score: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+                     clear: bool = False) -> torch.Tensor | None:
+    """The plan's blocks pooled by one `compress_pool` call -> [N, width] fp32 in plan order (None: no block
+    completed), and the state advanced in place: the rows `plan` keeps are copied in, read before anything
+    is written. kv, score [T, width] the step's new rows (score with V4's ape added); state_kv / state_score
+    [slots, rows, width]; clear: every slot of the plan is first emptied (kv 0, score -inf), as V4.1's
+    per-sequence compressor does (V4's keeps the rows it does not overwrite). Both families' batches."""
     cw = kv.shape[-1]
     # the batch's stored rows first, then the new ones: one source per tensor for every gather below
-    src_kv = torch.cat([state.kv[plan.slots].flatten(0, 1), kv])
-    src_score = torch.cat([state.score[plan.slots].flatten(0, 1), score])
-    entries = None
+    src_kv = torch.cat([state_kv[plan.slots].flatten(0, 1), kv])
+    src_score = torch.cat([state_score[plan.slots].flatten(0, 1), score])
+    pooled = None
     if plan.num_entries:
         kv_b = src_kv[plan.pool_rows].view(-1, r, cw)
         sc_b = src_score[plan.pool_rows].view(-1, r, cw)
-        pooled = k("compress_pool")(kv_b, sc_b, state.overlap)
+        pooled = k("compress_pool")(kv_b, sc_b, overlap)
         if plan.keep is not None:
             pooled = pooled[plan.keep]
-        pooled = pooled.to(torch.bfloat16).to(torch.float32)
-        entries = k("rms_norm")(pooled, p["norm.weight"], eps).to(torch.bfloat16)
-        entries = k("rope32")(entries, plan.block_pos, inv_freq)
-        if rotate:
-            entries = k("hadamard32")(entries)
-    if plan.state_dest.numel():  # (sources read above and here, before any state row is written)
-        state.kv.flatten(0, 1).index_copy_(0, plan.state_dest, src_kv[plan.state_src])
-        state.score.flatten(0, 1).index_copy_(0, plan.state_dest, src_score[plan.state_src])
-    return entries
+    if clear:  # (the sources above are copies: read before this)
+        state_kv.index_fill_(0, plan.slots, 0)
+        state_score.index_fill_(0, plan.slots, float("-inf"))
+    if plan.state_dest.numel():
+        state_kv.flatten(0, 1).index_copy_(0, plan.state_dest, src_kv[plan.state_src])
+        state_score.flatten(0, 1).index_copy_(0, plan.state_dest, src_score[plan.state_src])
+    return pooled

@@ -12,7 +12,9 @@ Pool layout of one layer's sparse attention (the same for every layer of the ste
    compressed entries (the layer appends them)]
 The window index rows keep `V4Attention._forward_official`'s per-sequence order and width exactly (window
 positions ascending then -1 up to min(S, window) columns for a prefill from 0, window otherwise); only the
-pool row numbers differ, so the attention reads the same values in the same order.
+pool row numbers differ, so the attention reads the same values in the same order. V4.1 (`ring_order`) lists
+an extend at start_pos > 0 as its official kernels do (`V41Attention`'s `_window_rows`): the ring in slot
+order, oldest first, i.e. positions q - window + 1 .. q with -1 for those before 0 (first, not last).
 Must not: touch cache tensors or run model math; decide visibility differently from attention.py.
 """
 from __future__ import annotations
@@ -94,8 +96,9 @@ def _entry_rows_host(ctx: ForwardContext, block_size: int, ratio: int, n_ent: tu
 
 
 def build_extend_rows(ctx: ForwardContext, win: int, block_size: int, ratios: tuple[int, ...],
-                      device: torch.device) -> ExtendRows:
-    """Every row the step's layers read, from the host batch description, in one host-to-device copy."""
+                      device: torch.device, ring_order: bool = False) -> ExtendRows:
+    """Every row the step's layers read, from the host batch description, in one host-to-device copy.
+    ring_order: V4.1's window columns for sequences extending at start_pos > 0 (module doc)."""
     T = ctx.num_tokens
     (ring_read, ring_write, kv_write, per_tok), widths = _window_host(ctx, win)
     # host positions from the batch description: ctx.positions may already live on the device (ctx.on)
@@ -123,9 +126,14 @@ def build_extend_rows(ctx: ForwardContext, win: int, block_size: int, ratios: tu
     pos, ring_read, ring_write, kv_write, per_tok = views[:5]
     P, lo, ring_base, new_base, width_row = (per_tok.view(5, T)[j].unsqueeze(1) for j in range(5))
     # the window part of the index rows: qlo + j for j < width, valid while <= the query's position
-    wpos = (pos - win + 1).clamp(min=0).unsqueeze(1) + torch.arange(max(widths), device=device)
+    j = torch.arange(max(widths), device=device)
+    wpos = (pos - win + 1).clamp(min=0).unsqueeze(1) + j
+    valid = wpos <= pos.unsqueeze(1)
+    if ring_order:  # V4.1 at P > 0 (width = window): q - win + 1 + j, valid from position 0 on
+        ring = (pos - win + 1).unsqueeze(1) + j
+        wpos, valid = torch.where(P > 0, ring, wpos), torch.where(P > 0, ring >= 0, valid)
     pool_row = torch.where(wpos < P, ring_base + wpos - lo, new_base + wpos - P)
-    window_idx = torch.where(wpos <= pos.unsqueeze(1), pool_row, -1)
+    window_idx = torch.where(valid, pool_row, -1)
     out = {}
     for j, r in enumerate(ratios):
         entry_rows, start_row = views[5 + 2 * j], views[6 + 2 * j]
@@ -154,4 +162,4 @@ def current_extend_rows(ctx: ForwardContext, cfg, cache) -> ExtendRows:
     if cur is not None and cur[0] is ctx:
         return cur[1]
     ratios = tuple(sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r}))
-    return build_extend_rows(ctx, cfg.window_size, cache.block_size, ratios, cache.device)
+    return build_extend_rows(ctx, cfg.window_size, cache.block_size, ratios, cache.device, cfg.is_v41)
