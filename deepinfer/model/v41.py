@@ -18,7 +18,8 @@ accumulation and logits (`linear_f32`). Any numerics runs on the device its para
 token ids and positions move there once per forward, the engram hashes and table rows are computed and
 gathered on the host (model/engram.py says why), the logits stay on the device (the engine samples there).
 Pure-decode steps of fast numerics take the batched decode path instead (model/v41_decode.py, through
-`decode_step.DecodeRunner`: eager or CUDA graphs); every other step takes this general varlen path.
+`decode_step.DecodeRunner`: eager or CUDA graphs); every other step takes this general varlen path, whose
+attention in fast numerics runs every sequence at once (model/v41_extend.py).
 Debug tap: `tap(name, x, seq_index)` receives, per sequence of the ForwardContext, that sequence's rows of
 the FULL 4-stream residual [S, hc, D] after the embedding ("embed"), each engram update
 ("layers.{i}.engram") and each sublayer's hc_post ("layers.{i}.attn", "layers.{i}.ffn"), and the normed
@@ -165,9 +166,7 @@ class V41EngineModel:
         """The final 4-stream residual [T, hc, D] and the last block's pre mix [T, hc]."""
         ctx = get_forward_context()
         self._check(token_ids, ctx)  # on the ids as given (the runner passes host ids: no device sync)
-        for s in ctx.seqs:
-            if s.start_pos == 0:  # a fresh sequence: nothing of the slot's previous owner may leak in
-                self.cache.reset(s.window_slot, s.state_slot)
+        self.cache.reset_fresh(ctx.seqs)  # fresh sequences: nothing of a slot's previous owner may leak in
         # engram hashes on the host (per-slot history and table rows live there)
         hashes = self.hasher(token_ids.cpu(), ctx) if self.hasher is not None else None
         token_ids, ctx = token_ids.to(self.device), ctx.on(self.device)

@@ -32,6 +32,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.model.compressor import project
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.out_lora import out_lora
+from deepinfer.model.stacked import pair
 from deepinfer.model.step_memo import memoised, rope_table_in
 from deepinfer.model.v41_cache import V41Cache, V41LayerCache
 
@@ -206,8 +207,16 @@ class V41Attention:
         top = self._k("topk_positions")(scores, min(self.cfg.index_topk, n_ent))  # the stable top-k, ascending
         return torch.where(top < visible.unsqueeze(1), top, -1)
 
+    # fast numerics: the batched extend path (model/v41_extend.py); False runs the per-sequence
+    # `_forward_official` loop instead (the reference the batched path is tested bit-identical against)
+    batched_extend = True
+
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
         """x [T, D] (normed input of the flat batch) -> [T, D]."""
+        if self.fast and self.batched_extend:
+            from deepinfer.model.v41_extend import extend_attention_v41, step_rows  # imports this module
+
+            return extend_attention_v41(self, x, ctx, cache, step_rows(shared, ctx, self.cfg, cache), shared)
         if self.official:
             return self._forward_official(x, ctx, cache, shared)
         cfg, p, r, win = self.cfg, self.p, self.ratio, self.win
@@ -290,45 +299,77 @@ class V41Attention:
             lc.index_keys[rows] = lc.encode("index", rope(keys, gpos, self.inv_freq), kdev)  # FP4, E8M0 per 32
             lc.comp[rows] = lc.encode("latent", rope(lat, gpos, self.inv_freq), kdev)  # FP4, E4M3 per 16
 
-    def _forward_official(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
-        """x [T, D] bf16 -> [T, D] bf16 with the official V4.1 kernels' rounding points.
-        Official: FP8 weights as exact fp32 values (`qlinear`), one sparse-attention call per sequence.
-        Fast: FP8 weights as `QuantLinearWeight` (`fp8_linear`), the kernels of the tensors' device, ONE
-        sparse-attention call for the batch over a flat pool of every sequence's keys."""
-        cfg, p, r, win, eps, fast = self.cfg, self.p, self.ratio, self.win, self.eps, self.fast
+    def _linears(self):
+        """(kernel lookup, the FP8 linear, the official bf16 RMSNorm) of this layer's numerics."""
         k = self._k
-        rope, blinear = k("rope32"), k("blinear")
-        if fast:
+        if self.fast:
             qlinear = k("fp8_linear")  # the weight carries its act_block (cfg.act_block)
         else:
             def qlinear(t, w):
-                return kernels.get("qlinear")(t, w, cfg.act_block)
+                return kernels.get("qlinear")(t, w, self.cfg.act_block)
 
         def rms(t, w):
-            return _rms_bf16(t, w, eps, self.kdev)
+            return _rms_bf16(t, w, self.eps, self.kdev)
 
-        lc = cache.layers[self.layer]
-        pos, T = ctx.positions, x.shape[0]
-        qr = rms(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"])
+        return k, qlinear, rms
+
+    def attention_pre(self, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, layouts: V41LayerCache):
+        """What the layer computes from its input rows alone (no cache read, no batch layout): x [T, D] bf16,
+        their positions and RoPE table -> (q [T, H, hd], the new window rows as stored and decoded (what
+        attention reads), the indexer's queries [T, nh, ihd] and weights [T, nh] on index sources, else
+        None). `layouts`: the layer cache whose packed window layout stores the rows."""
+        cfg, p = self.cfg, self.p
+        k, qlinear, rms = self._linears()
+        rope, T = k("rope32"), x.shape[0]
+        # fast numerics: wq_a and wkv in one GEMM (`params_fast.STACKS`); official: two
+        q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")
+        qr = rms(q_lora, p["q_norm.weight"])
         # rotations in place: each input is the fresh output of the op before it (only the rope channels move)
-        # one rotation table per forward and frequency set (`rope_table32`: the same bits as rope32 building its
-        # own, which is 4 more kernels a call on cuda); window-only and compressed layers have their own
-        table = rope_table_in(shared, self, pos)
         q = rope(qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd), pos, self.inv_freq, table=table,
                  inplace=True)
-        kv = rope(rms(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"]), pos, self.inv_freq, table=table,
-                  inplace=True)
-        kv_stored = lc.encode("window", kv, self.kdev)  # FP8 of all channels, E8M0 per 32
-        kv = lc.decode("window", kv_stored, self.kdev)
-        if self.is_kv_source:
-            self._write_entries_official(lc, cache, ctx, x)
-        src = cache.layers[self.kv_src] if r else None
+        kv = rope(rms(kv_lin, p["kv_norm.weight"]), pos, self.inv_freq, table=table, inplace=True)
+        kv_stored = layouts.encode("window", kv, self.kdev)  # FP8 of all channels, E8M0 per 32
+        kv = layouts.decode("window", kv_stored, self.kdev)
+        q_idx = w_idx = None
         if self.is_index_source:
             ihd, nh = cfg.index_head_dim, cfg.index_n_heads
             q_idx = rope(qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd), pos, self.inv_freq, table=table,
                          inplace=True)
             q_idx = formats.fp4_fake_quant(q_idx, 32)  # no Hadamard in V4.1
-            w_idx = blinear(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+            w_idx = k("blinear")(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+        return q, kv_stored, kv, q_idx, w_idx
+
+    def attention_post(self, o: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """o [T, H, hd] (the sparse attention's fresh output, rotated in place) -> [T, D] bf16: inverse RoPE,
+        the grouped wo_a, wo_b (and the tensor-parallel sum)."""
+        k, qlinear, _ = self._linears()
+        T, G = o.shape[0], self.G
+        o = k("rope32")(o, pos, self.inv_freq, inverse=True, table=table, inplace=True)
+        if self.fast:  # the official bf16 einsum's math (fp32 accumulation, bf16 out), wo_a kept FP8 (out_lora)
+            z = out_lora(k, o.reshape(T, G, -1), self.p["wo_a.weight"])
+        else:
+            wo_a = self.p["wo_a.weight"].view(G, self.cfg.o_lora_rank, -1)  # the same values as official's
+            z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(torch.float32), wo_a).to(torch.bfloat16)
+        out = qlinear(z.flatten(1), self.p["wo_b.weight"])
+        return out if self.comm is None else self.comm.attn_out(out)
+
+    def _forward_official(self, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, shared: dict) -> torch.Tensor:
+        """x [T, D] bf16 -> [T, D] bf16 with the official V4.1 kernels' rounding points, sequence by sequence.
+        Official: FP8 weights as exact fp32 values (`qlinear`), one sparse-attention call per sequence.
+        Fast (with `batched_extend` off: the reference of model/v41_extend.py): FP8 weights as
+        `QuantLinearWeight` (`fp8_linear`), the kernels of the tensors' device, ONE sparse-attention call for
+        the batch over a flat pool of every sequence's keys."""
+        r, win, fast, k = self.ratio, self.win, self.fast, self._k
+        lc = cache.layers[self.layer]
+        pos = ctx.positions
+        # one rotation table per forward and frequency set (`rope_table32`: the same bits as rope32 building its
+        # own, which is 4 more kernels a call on cuda); window-only and compressed layers have their own
+        table = rope_table_in(shared, self, pos)
+        q, kv_stored, kv, q_idx, w_idx = self.attention_pre(x, pos, table, lc)
+        if self.is_kv_source:
+            self._write_entries_official(lc, cache, ctx, x)
+        src = cache.layers[self.kv_src] if r else None
+        if self.is_index_source:
             shared[self.layer] = {}
 
         outs, pools, idxs, base = [], [], [], 0
@@ -357,20 +398,12 @@ class V41Attention:
                 idxs.append(torch.where(idx >= 0, idx + base, -1))
                 base += n_win + n_ent
             else:
-                outs.append(k("sparse_attn_sink_official_v41")(q[rows], torch.cat(pool), p["attn_sink"], idx,
+                outs.append(k("sparse_attn_sink_official_v41")(q[rows], torch.cat(pool), self.p["attn_sink"], idx,
                                                                self.hd**-0.5))
         if fast:
             width = max(t.shape[1] for t in idxs)
             idx = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in idxs])
-            o = k("sparse_attn_sink_official_v41")(q, torch.cat(pools), p["attn_sink"], idx, self.hd**-0.5)
+            o = k("sparse_attn_sink_official_v41")(q, torch.cat(pools), self.p["attn_sink"], idx, self.hd**-0.5)
         else:
             o = torch.cat(outs)
-        o = rope(o, pos, self.inv_freq, inverse=True, table=table, inplace=True)
-        G = self.G
-        if fast:  # the official bf16 einsum's math (fp32 accumulation, bf16 out), wo_a kept FP8 (out_lora)
-            z = out_lora(k, o.reshape(T, G, -1), p["wo_a.weight"])
-        else:
-            wo_a = p["wo_a.weight"].view(G, cfg.o_lora_rank, -1)  # the same values as official's
-            z = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(torch.float32), wo_a).to(torch.bfloat16)
-        out = qlinear(z.flatten(1), p["wo_b.weight"])
-        return out if self.comm is None else self.comm.attn_out(out)
+        return self.attention_post(o, pos, table)
