@@ -35,6 +35,7 @@ from deepinfer.model.compressor import project
 from deepinfer.model.context import SeqContext
 from deepinfer.model.decode_metadata import DecodeMetadata, DecodeRows, RatioRows
 from deepinfer.model.out_lora import out_lora
+from deepinfer.model.stacked import pair
 from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.v41_attention import V41Attention, _rms_bf16, select_candidate_blocks
 from deepinfer.model.v41_cache import V41Cache, V41LayerCache
@@ -134,11 +135,12 @@ def decode_attention(attn: V41Attention, x: torch.Tensor, rows: DecodeRows, cach
     lc = cache.layers[attn.layer]
     pos = rows.positions
     table = rope_table(attn, rows, pos)
-    qr = _rms_bf16(qlinear(x, p["wq_a.weight"]), p["q_norm.weight"], eps, attn.kdev)
+    q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
+    qr = _rms_bf16(q_lora, p["q_norm.weight"], eps, attn.kdev)
     # rotations in place: each input is the fresh output of the op before it (only the rope channels move)
     q = rope32(qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd), pos, attn.inv_freq, table=table, inplace=True)
-    kv = rope32(_rms_bf16(qlinear(x, p["wkv.weight"]), p["kv_norm.weight"], eps, attn.kdev), pos, attn.inv_freq,
-                table=table, inplace=True)
+    kv = rope32(_rms_bf16(kv_lin, p["kv_norm.weight"], eps, attn.kdev), pos, attn.inv_freq, table=table,
+                inplace=True)
     _k(attn, "kv_encode_into")(lc.layouts["window"], kv, lc.ring.flatten(0, 1), rows.ring_row)  # FP8 per 32
     src, idx = None, ring_order_rows(rows, attn.win)  # (a window-only layer attends over its window alone)
     if r:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.side_stream import forked, join, on_side
+from deepinfer.model.stacked import pair
 
 
 class V41MoE:
@@ -70,8 +71,9 @@ class V41MoE:
                 return fp8_linear(t, w)
         else:
             qlinear = kernels.get("qlinear")
-        gate = qlinear(x, self.p[pre + "w1.weight"], block)
-        up = qlinear(x, self.p[pre + "w3.weight"], block)
+        # the shared expert's w1 and w3 in one GEMM in fast numerics (`params_fast.STACKS`), else two
+        gate, up = pair(lambda t, w: qlinear(t, w, block), x, self.p, pre + "w13.weight", pre + "w1.weight",
+                        pre + "w3.weight")
         # upcast, clamps, silu * up (* weight), bf16 round: one kernel on cuda (seven torch ops in the twin)
         h = kernels.get("swiglu_bf16", self.kdev)(gate, up, limit, weight)
         return qlinear(h, self.p[pre + "w2.weight"], block)
