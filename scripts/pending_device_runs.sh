@@ -11,7 +11,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -31,6 +31,12 @@ s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache 
         tests/test_engine_fast_v41_decode.py tests/test_engine_fast.py tests/test_extend_graphs.py tests/test_kernels_pdl.py \
         tests/test_kernels_launch.py tests/test_engine_fast_decode.py -k "not side_streams"
     step bench_v41_prefill 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 --no-varlen
+    ;;
+s28a)  # the twenty-eighth session: V4.1's batched extend path (model/v41_extend.py), the shared slot resets
+    # (cache.SlotResets: V4's and V4.1's), V4.1's engine GPU tests with them
+    step gpu_tests_s28a 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41_extend.py \
+        tests/test_engine_fast_v41.py tests/test_engine_fast_v41_decode.py tests/test_engine_fast_prefill.py \
+        tests/test_cache_reset.py
     ;;
 s27e)  # PDL on and off: the 1k / 8k prefill and the b1 step against the ceilings of the same run
     step run_slice_pdl 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 \
