@@ -142,3 +142,32 @@ def test_reused_slots_start_clean(parts):
     g.set_state(state)
     want = step(build_v41_model(cfg, raw, tok, "fast", "cpu", num_blocks=4 * BLOCKS, max_num_seqs=4), fresh)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_v41_extend_step_runs_without_a_stream_sync(parts):
+    """A V4.1 extend step of host ids (two fresh prompts, then an extend beside a decode) queues its work
+    without waiting for the stream: the step rows go in one pinned copy, the engram rows too."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from deepinfer.engine.model_runner import start_cuda_kernels
+
+    start_cuda_kernels()
+    cfg, raw, tok = parts
+    model = build_v41_model(cfg, raw, tok, "fast", "cuda", num_blocks=4 * BLOCKS, max_num_seqs=4)
+    g = torch.Generator().manual_seed(2)
+
+    def step(seqs):
+        ids = torch.randint(2, cfg.vocab_size, (sum(n for _, _, n in seqs),), generator=g)
+        ctx = ForwardContext(tuple(SeqContext(p, n, i, i, tuple(range(i * BLOCKS, (i + 1) * BLOCKS)))
+                                   for i, p, n in seqs))
+        return model(ids, ctx)
+
+    step([(0, 0, 40), (1, 0, 30)])  # warm-up: Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call in the step raises
+    try:
+        step([(2, 0, 50), (3, 0, 20)])
+        step([(0, 40, 9), (1, 30, 1)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -27,6 +27,7 @@ import torch
 
 from deepinfer import formats, kernels
 from deepinfer.config import ModelConfig
+from deepinfer.devices import host_to_device
 from deepinfer.kernels.quant_weights import QuantLinearWeight
 from deepinfer.model.context import ForwardContext
 
@@ -230,12 +231,14 @@ class EngramLayer:
             uniq = uniq - self.row_start
             foreign = (uniq < 0) | (uniq >= n_rows)
             uniq = uniq.masked_fill(foreign, 0)
-        # gathered where the table lives, only the step's unique rows move (stored bytes: E4M3 + E8M0)
-        vals = self.dequant(torch.index_select(table, 0, uniq).to(self.device),
-                            torch.index_select(scale, 0, uniq).to(self.device))
+        # gathered where the table lives, only the step's unique rows move (stored bytes: E4M3 + E8M0), pinned
+        # and non-blocking (`host_to_device`: a plain copy from pageable memory would wait for the stream, i.e.
+        # for every kernel the step has queued before this layer)
+        vals = self.dequant(host_to_device(torch.index_select(table, 0, uniq), self.device),
+                            host_to_device(torch.index_select(scale, 0, uniq), self.device))
         if foreign is not None:
-            vals = self.comm.engram_sum(vals.masked_fill(foreign.to(self.device).unsqueeze(-1), 0))
-        return vals[inverse.to(self.device)].reshape(*hashes.shape, hd)
+            vals = self.comm.engram_sum(vals.masked_fill(host_to_device(foreign, self.device).unsqueeze(-1), 0))
+        return vals[host_to_device(inverse, self.device)].reshape(*hashes.shape, hd)
 
     def stored_rows(self, hashes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hashes [T, cols] (host) -> the table's stored rows they name, (values [T, cols, hd], scale bytes

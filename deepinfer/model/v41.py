@@ -33,6 +33,7 @@ import torch
 
 from deepinfer import kernels
 from deepinfer.config import ModelConfig
+from deepinfer.devices import host_to_device
 from deepinfer.model.context import ForwardContext, check_batch, forward_context, get_forward_context, resolve_device
 from deepinfer.model.engram import EngramHasher, EngramLayer, compressed_token_map, engram_params
 from deepinfer.model.v41_attention import V41Attention, _sub
@@ -169,7 +170,7 @@ class V41EngineModel:
         self.cache.reset_fresh(ctx.seqs)  # fresh sequences: nothing of a slot's previous owner may leak in
         # engram hashes on the host (per-slot history and table rows live there)
         hashes = self.hasher(token_ids.cpu(), ctx) if self.hasher is not None else None
-        token_ids, ctx = token_ids.to(self.device), ctx.on(self.device)
+        token_ids, ctx = host_to_device(token_ids, self.device), ctx.on(self.device)  # pinned: no stream sync
         self.cache.begin_step()
         x, pre_mix = self.embed(token_ids)
         tap = self._per_sequence_tap(ctx) if self.tap else None
@@ -246,7 +247,7 @@ class V41EngineModel:
             return torch.cat(out)
         with forward_context(ctx):
             x, pre_mix = self.hidden(token_ids)
-        rows = ctx.logit_rows().to(self.device)
+        rows = host_to_device(ctx.logit_rows(), self.device)
         if self.tap:  # "final" covers every row, like the oracle's
             y = self.final_hidden(x, pre_mix)
             self._per_sequence_tap(ctx)("final", y)
