@@ -5,6 +5,9 @@ decode path (`model/v41_decode.py` through `DecodeRunner`), eager and replayed f
     PYTHONPATH=$PWD:$PWD/benchmarks python benchmarks/bench_v41_decode.py [--batches 1 8 32] [--context 2048]
         [--prefills 1024 4096]   # also one fresh prefill of each length (V4.1's varlen path, eager): device
                                  # ms, the host's call time (above the device's: host-bound) and its kernels
+        [--prefill-seqs 16]      # ... split over that many fresh prompts in one step (each length / N tokens)
+        [--per-sequence]         # ... also through the per-sequence attention (before 2026-12-06's
+                                 # model/v41_extend.py: `V41Attention.batched_extend = False`), same process
 
 The slice keeps every kind of V4.1 layer once, in the real model's roles (inference/config.json of V4.1-Flash,
 truncated to 4 layers, what an 80 GB card holds twice while the params are made): 0 a ratio-2 kv + index
@@ -29,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ceilings  # noqa: E402
 from prefill_host import kernel_us  # noqa: E402
 from slice_config import decode_bytes_per_layer  # noqa: E402
-from timing import host_call_ms  # noqa: E402
+from timing import cuda_time_ms, host_call_ms  # noqa: E402
 from v4_slice import BLOCK, SliceRunner  # noqa: E402
 
 from deepinfer.model.context import ForwardContext, SeqContext  # noqa: E402
+from deepinfer.model.v41_attention import V41Attention  # noqa: E402
 
 V41_FLASH_CONFIG = Path(__file__).resolve().parents[1] / "tests/fixtures/configs/v41-flash/inference/config.json"
 
@@ -68,6 +72,9 @@ def main() -> None:
     ap.add_argument("--no-varlen", action="store_true", help="skip the (slow) varlen path")
     ap.add_argument("--top", type=int, default=0, help="also list the top kernels of one step per batch")
     ap.add_argument("--prefills", type=int, nargs="*", default=[], help="also time a fresh prefill of each length")
+    ap.add_argument("--prefill-seqs", type=int, default=1, help="each prefill split over this many fresh prompts")
+    ap.add_argument("--per-sequence", action="store_true",
+                    help="also time the prefills through V4.1's per-sequence attention (the batched path's reference)")
     args = ap.parse_args()
 
     from deepinfer.kernels.triton import register_cuda_kernels
@@ -78,17 +85,25 @@ def main() -> None:
     cfg = slice_config_v41()
     raw = make_tensors(cfg, seed=0, device="cuda")
     layers = cfg.n_layers
-    sl = V41Slice(cfg, raw, max(args.batches or [1]), max([args.context + 64, *args.prefills]))
+    n_pre = args.prefill_seqs
+    sl = V41Slice(cfg, raw, max([*(args.batches or [1]), n_pre]), max([args.context + 64, *args.prefills]))
     print(f"{torch.cuda.get_device_name()}, V4.1-Flash slice of {layers} layers (ratios "
           f"{list(cfg.compress_ratios[:layers])}), context {args.context}; copy {ceil['copy_gbs']:.0f} GB/s")
+    paths = (("batched", True), ("per sequence", False)) if args.per_sequence else (("batched", True),)
     for t in args.prefills:
-        ms = sl.prefill_ms(t, reps=max(3, args.reps // 2))
-        ids, ctx = sl._ids(t), ForwardContext((SeqContext(0, t, 0, 0, sl._table(0)),))
-        with torch.no_grad():
-            host = host_call_ms(lambda: sl.model.forward(ids, ctx), reps=3)
-            kus, launches = kernel_us(lambda: sl.model.forward(ids, ctx))
-        print(f"prefill {t:5d} (varlen path, eager): {ms:8.2f} ms, host call {host:8.2f} ms, kernels "
-              f"{kus / 1e3:8.2f} ms in {launches} launches, {t / ms * 1e3:8.0f} tok/s", flush=True)
+        each = t // n_pre
+        ids = sl._ids(each * n_pre)
+        ctx = ForwardContext(tuple(SeqContext(0, each, i, i, sl._table(i)) for i in range(n_pre)))
+        for label, batched in paths:
+            V41Attention.batched_extend = batched
+            with torch.no_grad():
+                ms = cuda_time_ms(lambda: sl.model.forward(ids, ctx), reps=max(3, args.reps // 2), warmup=4)
+                host = host_call_ms(lambda: sl.model.forward(ids, ctx), reps=3)
+                kus, launches = kernel_us(lambda: sl.model.forward(ids, ctx))
+            print(f"prefill {n_pre} x {each:5d} (varlen path, {label}, eager): {ms:8.2f} ms, host call {host:8.2f} ms, "
+                  f"kernels {kus / 1e3:8.2f} ms in {launches} launches, {each * n_pre / ms * 1e3:8.0f} tok/s",
+                  flush=True)
+        V41Attention.batched_extend = True
     for b in args.batches:
         # the layers' bytes and the bf16 head's
         nbytes = sum(decode_bytes_per_layer(cfg, raw, i, b, args.context) for i in range(layers)) + \
