@@ -37,6 +37,11 @@ s28a)  # the twenty-eighth session: V4.1's batched extend path (model/v41_extend
     step gpu_tests_s28a 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41_extend.py \
         tests/test_engine_fast_v41.py tests/test_engine_fast_v41_decode.py tests/test_engine_fast_prefill.py \
         tests/test_cache_reset.py
+    # what the batched path gives: one prompt, and 16 prompts in one step, against the per-sequence path
+    step bench_v41_prefill_batched 240 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 \
+        --per-sequence
+    step bench_v41_prefill_16 200 python benchmarks/bench_v41_decode.py --batches --prefills 2048 --prefill-seqs 16 \
+        --per-sequence
     ;;
 s27e)  # PDL on and off: the 1k / 8k prefill and the b1 step against the ceilings of the same run
     step run_slice_pdl 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 \
