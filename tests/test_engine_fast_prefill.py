@@ -30,15 +30,22 @@ def _schedule():
     ]
 
 
+def run_schedule(model, schedule, vocab: int, seed: int, blocks: int = BLOCKS) -> list[torch.Tensor]:
+    """Every step's logits (all rows, on the host) of `schedule` (steps of (seq index, start_pos, num_new);
+    sequence i in slots i and blocks i * blocks ..) with random ids from `seed`. Shared with V4.1's test."""
+    g = torch.Generator().manual_seed(seed)
+    logits = []
+    for step in schedule:
+        seqs = tuple(SeqContext(p, n, i, i, tuple(range(i * blocks, (i + 1) * blocks))) for i, p, n in step)
+        ids = torch.randint(2, vocab, (sum(n for _, _, n in step),), generator=g)
+        logits.append(model(ids, ForwardContext(seqs, all_logits=True)).cpu())
+    return logits
+
+
 def _run(cfg, raw, batched: bool, monkeypatch, device: str = "cpu"):
     monkeypatch.setattr(V4Attention, "batched_extend", batched)
     model = build_v4_model(cfg, raw, "fast", device, num_blocks=4 * BLOCKS, max_num_seqs=4)
-    g = torch.Generator().manual_seed(3)
-    logits = []
-    for step in _schedule():
-        seqs = tuple(SeqContext(p, n, i, i, tuple(range(i * BLOCKS, (i + 1) * BLOCKS))) for i, p, n in step)
-        ids = torch.randint(2, cfg.vocab_size, (sum(n for _, _, n in step),), generator=g)
-        logits.append(model(ids, ForwardContext(seqs, all_logits=True)).cpu())
+    logits = run_schedule(model, _schedule(), cfg.vocab_size, 3)
     caches = []
     for lc in model.cache.layers:
         caches.append(lc.ring.cpu())
@@ -51,7 +58,8 @@ def _run(cfg, raw, batched: bool, monkeypatch, device: str = "cpu"):
     return logits, caches
 
 
-def _assert_identical(a, b) -> None:
+def assert_identical(a, b) -> None:
+    """(logits, cache tensors) of two runs: equal bit for bit."""
     (la, ca), (lb, cb) = a, b
     for step, (x, y) in enumerate(zip(la, lb)):
         assert torch.equal(x, y), f"step {step}: logits differ, max {float((x - y).abs().max()):.3g}"
@@ -61,7 +69,7 @@ def _assert_identical(a, b) -> None:
 
 def test_batched_extend_is_bit_identical_to_the_per_sequence_path(tiny_v4_raw, monkeypatch):
     cfg, raw = tiny_v4_raw
-    _assert_identical(_run(cfg, raw, True, monkeypatch), _run(cfg, raw, False, monkeypatch))
+    assert_identical(_run(cfg, raw, True, monkeypatch), _run(cfg, raw, False, monkeypatch))
 
 
 def test_extend_rows_window_layout(tiny_v4_raw):
@@ -93,7 +101,7 @@ def test_batched_extend_cuda_matches_the_per_sequence_path(tiny_v4_raw, monkeypa
 
     start_cuda_kernels()
     cfg, raw = tiny_v4_raw
-    _assert_identical(_run(cfg, raw, True, monkeypatch, "cuda"), _run(cfg, raw, False, monkeypatch, "cuda"))
+    assert_identical(_run(cfg, raw, True, monkeypatch, "cuda"), _run(cfg, raw, False, monkeypatch, "cuda"))
     monkeypatch.setattr(V4Attention, "batched_extend", True)
     model = build_v4_model(cfg, raw, "fast", "cuda", num_blocks=BLOCKS, max_num_seqs=1)
     ctx = ForwardContext((SeqContext(0, 300, 0, 0, tuple(range(BLOCKS))),))

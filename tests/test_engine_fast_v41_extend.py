@@ -15,6 +15,7 @@ import torch
 from deepinfer.model import ForwardContext, SeqContext
 from deepinfer.model.v41 import build_v41_model
 from deepinfer.model.v41_attention import V41Attention
+from test_engine_fast_prefill import assert_identical, run_schedule  # (tests/ is on sys.path under pytest)
 
 BLOCKS = 3  # blocks of 128 positions per sequence
 
@@ -45,29 +46,15 @@ def _run(parts, batched: bool, monkeypatch, device: str = "cpu"):
     cfg, raw, tok = parts
     monkeypatch.setattr(V41Attention, "batched_extend", batched)
     model = build_v41_model(cfg, raw, tok, "fast", device, num_blocks=4 * BLOCKS, max_num_seqs=4)
-    g = torch.Generator().manual_seed(5)
-    logits = []
-    for step in _schedule():
-        seqs = tuple(SeqContext(p, n, i, i, tuple(range(i * BLOCKS, (i + 1) * BLOCKS))) for i, p, n in step)
-        ids = torch.randint(2, cfg.vocab_size, (sum(n for _, _, n in step),), generator=g)
-        logits.append(model(ids, ForwardContext(seqs, all_logits=True)).cpu())
+    logits = run_schedule(model, _schedule(), cfg.vocab_size, 5, BLOCKS)
     caches = []
     for lc in model.cache.layers:
         caches += [t.cpu() for t in (lc.ring, lc.comp, lc.index_keys, lc.state_kv, lc.state_score) if t is not None]
     return logits, caches
 
 
-def _assert_identical(a, b) -> None:
-    (la, ca), (lb, cb) = a, b
-    for step, (x, y) in enumerate(zip(la, lb)):
-        assert torch.equal(x, y), f"step {step}: logits differ, max {float((x - y).abs().max()):.3g}"
-    assert len(ca) == len(cb)
-    for i, (x, y) in enumerate(zip(ca, cb)):
-        assert torch.equal(x, y), f"cache tensor {i} differs"
-
-
 def test_batched_v41_extend_is_bit_identical_to_the_per_sequence_path(parts, monkeypatch):
-    _assert_identical(_run(parts, True, monkeypatch), _run(parts, False, monkeypatch))
+    assert_identical(_run(parts, True, monkeypatch), _run(parts, False, monkeypatch))
 
 
 def test_v41_extend_rows_window_order():
@@ -96,7 +83,7 @@ def test_batched_v41_extend_cuda_matches_the_per_sequence_path(parts, monkeypatc
     from deepinfer.engine.model_runner import start_cuda_kernels
 
     start_cuda_kernels()
-    _assert_identical(_run(parts, True, monkeypatch, "cuda"), _run(parts, False, monkeypatch, "cuda"))
+    assert_identical(_run(parts, True, monkeypatch, "cuda"), _run(parts, False, monkeypatch, "cuda"))
 
 
 def test_reused_slots_start_clean(parts):
