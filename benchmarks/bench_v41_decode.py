@@ -8,6 +8,7 @@ decode path (`model/v41_decode.py` through `DecodeRunner`), eager and replayed f
         [--prefill-seqs 16]      # ... split over that many fresh prompts in one step (each length / N tokens)
         [--per-sequence]         # ... also through the per-sequence attention (before 2026-12-06's
                                  # model/v41_extend.py: `V41Attention.batched_extend = False`), same process
+        [--graphs]               # ... also through the piecewise extend graphs (model/v41_extend_graphs.py)
 
 The slice keeps every kind of V4.1 layer once, in the real model's roles (inference/config.json of V4.1-Flash,
 truncated to 4 layers, what an 80 GB card holds twice while the params are made): 0 a ratio-2 kv + index
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--prefill-seqs", type=int, default=1, help="each prefill split over this many fresh prompts")
     ap.add_argument("--per-sequence", action="store_true",
                     help="also time the prefills through V4.1's per-sequence attention (the batched path's reference)")
+    ap.add_argument("--graphs", action="store_true", help="also time the prefills through the extend graphs")
     args = ap.parse_args()
 
     from deepinfer.kernels.triton import register_cuda_kernels
@@ -89,21 +91,34 @@ def main() -> None:
     sl = V41Slice(cfg, raw, max([*(args.batches or [1]), n_pre]), max([args.context + 64, *args.prefills]))
     print(f"{torch.cuda.get_device_name()}, V4.1-Flash slice of {layers} layers (ratios "
           f"{list(cfg.compress_ratios[:layers])}), context {args.context}; copy {ceil['copy_gbs']:.0f} GB/s")
-    paths = (("batched", True), ("per sequence", False)) if args.per_sequence else (("batched", True),)
+    forward = sl.model.forward
+    paths = [("batched", True, forward)]
+    if args.per_sequence:
+        paths.append(("per sequence", False, forward))
+    if args.graphs and args.prefills:
+        from deepinfer.model.v41_extend_graphs import V41ExtendGraphs
+
+        top = max(t // n_pre * n_pre for t in args.prefills)
+        paths.append(("extend graphs", True, V41ExtendGraphs(sl.model, top, buckets=[t // n_pre * n_pre
+                                                                                     for t in args.prefills])))
     for t in args.prefills:
         each = t // n_pre
         ids = sl._ids(each * n_pre)
         ctx = ForwardContext(tuple(SeqContext(0, each, i, i, sl._table(i)) for i in range(n_pre)))
-        for label, batched in paths:
+        for label, batched, run in paths:
             V41Attention.batched_extend = batched
             with torch.no_grad():
-                ms = cuda_time_ms(lambda: sl.model.forward(ids, ctx), reps=max(3, args.reps // 2), warmup=4)
-                host = host_call_ms(lambda: sl.model.forward(ids, ctx), reps=3)
-                kus, launches = kernel_us(lambda: sl.model.forward(ids, ctx))
-            print(f"prefill {n_pre} x {each:5d} (varlen path, {label}, eager): {ms:8.2f} ms, host call {host:8.2f} ms, "
+                ms = cuda_time_ms(lambda: run(ids, ctx), reps=max(3, args.reps // 2), warmup=4)
+                host = host_call_ms(lambda: run(ids, ctx), reps=3)
+                kus, launches = kernel_us(lambda: run(ids, ctx))
+            print(f"prefill {n_pre} x {each:5d} (varlen path, {label}): {ms:8.2f} ms, host call {host:8.2f} ms, "
                   f"kernels {kus / 1e3:8.2f} ms in {launches} launches, {each * n_pre / ms * 1e3:8.0f} tok/s",
                   flush=True)
         V41Attention.batched_extend = True
+        if args.top:
+            print(f"prefill {n_pre} x {each} kernels (batched, eager; the top {args.top}):")
+            for name, n, us in sl.prefill_kernel_breakdown(each, args.top) if n_pre == 1 else []:
+                print(f"      {us:9.1f} us {n:5d}x  {name}")
     for b in args.batches:
         # the layers' bytes and the bf16 head's
         nbytes = sum(decode_bytes_per_layer(cfg, raw, i, b, args.context) for i in range(layers)) + \

@@ -226,6 +226,6 @@ def sparse_attn_sink_official(q: torch.Tensor, kv: torch.Tensor, sink: torch.Ten
 
 
 def sparse_attn_sink_official_v41(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
-    """The V4.1 kernel: the same, with the running max starting at -1e30."""
-    return sparse_attn_sink_official(q, kv, sink, idx, scale, initial_max=-1e30)
+                                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The V4.1 kernel: the same, with the running max starting at -1e30 (out: as there)."""
+    return sparse_attn_sink_official(q, kv, sink, idx, scale, initial_max=-1e30, out=out)

@@ -26,8 +26,10 @@ path does.
 Memory: the graphs of all buckets share one pool; a piece's outputs are dropped once the next piece is
 captured, so the pool holds about one bucket's largest piece's working set plus the o buffer [max_tokens,
 H, hd] and the per-bucket RoPE tables and final residual.
-Must not: run with a debug tap, several ranks (the MoE's exchange reads counts on the host) or
-V4.1 (its own model); read host values of device tensors.
+V4.1's pieces (its deferred hc mixes, Engram layers, own attention) are `v41_extend_graphs.V41ExtendGraphs`,
+a subclass: the buffers, capture, buckets and binding are this class's.
+Must not: run with a debug tap or several ranks (the MoE's exchange reads counts on the host); read host
+values of device tensors.
 """
 from __future__ import annotations
 
@@ -55,8 +57,9 @@ class _Carry:
     residual: torch.Tensor | None
     post: torch.Tensor | None
     comb: torch.Tensor | None
-    pre: AttnPre | None
+    pre: AttnPre | None  # (V4.1: a v41_extend.V41Pre)
     final: torch.Tensor | None = None  # [Tb, hc, D]
+    mix: torch.Tensor | None = None  # V4.1: the sublayer's deferred pre mix [Tb, hc] (after the last layer: the final one)
 
 
 class ExtendGraphs:
@@ -88,7 +91,7 @@ class ExtendGraphs:
         # are kept too: every piece of the bucket reads them)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._pres: dict[int, list[AttnPre]] = {}
-        self._final: dict[int, torch.Tensor] = {}
+        self._final: dict[int, _Carry] = {}  # the last piece's carry (its final residual)
         self._tables: dict[int, dict] = {}
         self.replayed = self.eager = 0  # steps through the graphs / the eager pieces (benchmarks read them)
         self._captured = None  # the model the graphs were captured on, once another is bound (`bind`)
@@ -162,16 +165,16 @@ class ExtendGraphs:
                                                         *model.layers[layer + 1].hc_pre_args("attn"))
         return _Carry(x, post, comb, self._attention_pre(layer + 1, y, Tb, tables))
 
-    def _run_pieces(self, Tb: int, core=None) -> torch.Tensor:
+    def _run_pieces(self, Tb: int, core=None) -> _Carry:
         """Every piece eagerly in order, `core(layer, pre)` between them (None: no cache work, the capture's
-        warm-up) -> the final residual [Tb, hc, D]."""
+        warm-up) -> the last piece's carry (its final residual)."""
         tables: dict = {}
         c = self._piece0(Tb, tables)
         for layer in range(len(self.model.layers)):
             if core is not None:
                 core(layer, c.pre)
             c = self._piece(layer, Tb, tables, c)
-        return c.final
+        return c
 
     # ------------------------------------------------------------------ capture
     @torch.no_grad()
@@ -199,7 +202,7 @@ class ExtendGraphs:
                 pool = g.pool()
                 graphs.append(g)
                 pres.append(c.pre)
-            self._graphs[Tb], self._pres[Tb], self._final[Tb], self._tables[Tb] = graphs, pres, c.final, tables
+            self._graphs[Tb], self._pres[Tb], self._final[Tb], self._tables[Tb] = graphs, pres, c, tables
         torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ one step
@@ -248,9 +251,9 @@ class ExtendGraphs:
                 for layer, pre in enumerate(self._pres[Tb][:-1]):
                     core(layer, pre)
                     graphs_[layer + 1].replay()
-                final = self._final[Tb]
+                final = self._final[Tb].final
                 self.replayed += 1
             else:
-                final = self._run_pieces(Tb, core)
+                final = self._run_pieces(Tb, core).final
                 self.eager += 1
         return model.logits(final[:T][host_to_device(ctx.logit_rows(), model.device)])

@@ -86,29 +86,31 @@ class V41Block:
         rounded to bf16 after the collapse, the norm and the mix-back (fast: the mix-back as the fused
         `hc_post_fused` op, whose twin is exactly these steps). `attention(y)`: the attention sublayer on the
         normed rows (the varlen path's `V41Attention`, or the batched decode path's, model/v41_decode.py)."""
-        k, cfg, p = self._k, self.cfg, self.p
-
-        def hc_pre(x: torch.Tensor, pre_mix: torch.Tensor, which: str):
-            # mixes, Sinkhorn, collapse with the previous pre, norm: one op (two launches on cuda, where the
-            # separate ops were ~90: the Sinkhorn's reductions one launch each); its twin is those ops
-            return k("hc_pre_deferred_fused")(x, pre_mix, p[f"hc_{which}_fn"], p[f"hc_{which}_scale"],
-                                              p[f"hc_{which}_base"], p[f"{which}_norm.weight"], cfg.hc_mult,
-                                              cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-
-        def mix_back(f: torch.Tensor, residual: torch.Tensor, post, comb) -> torch.Tensor:
-            if self.fast:  # f and the residual bf16, fp32 arithmetic inside, bf16 out
-                return k("hc_post_fused")(f, residual, post, comb)
-            return k("hc_post")(f.to(F32), residual.to(F32), post, comb).to(BF16)
-
-        y, attn_pre, post, comb = hc_pre(x, pre_mix, "attn")
-        x = mix_back(attention(y), x, post, comb)
+        y, attn_pre, post, comb = self.hc_pre(x, pre_mix, "attn")
+        x = self.mix_back(attention(y), x, post, comb)
         if tap:
             tap(f"{name}.attn", x)
-        y, ffn_pre, post, comb = hc_pre(x, attn_pre, "ffn")
-        x = mix_back(self.ffn(y), x, post, comb)
+        y, ffn_pre, post, comb = self.hc_pre(x, attn_pre, "ffn")
+        x = self.mix_back(self.ffn(y), x, post, comb)
         if tap:
             tap(f"{name}.ffn", x)
         return x, ffn_pre
+
+    def hc_pre(self, x: torch.Tensor, pre_mix: torch.Tensor, which: str):
+        """Official numerics: x [T, hc, D], the previous sublayer's pre [T, hc] -> (the sublayer's normed input
+        [T, D] bf16, this sublayer's pre, post, comb). Mixes, Sinkhorn, collapse with the previous pre, norm:
+        one op (two launches on cuda, where the separate ops were ~90: the Sinkhorn's reductions one launch
+        each); its twin is those ops."""
+        cfg, p = self.cfg, self.p
+        return self._k("hc_pre_deferred_fused")(x, pre_mix, p[f"hc_{which}_fn"], p[f"hc_{which}_scale"],
+                                                p[f"hc_{which}_base"], p[f"{which}_norm.weight"], cfg.hc_mult,
+                                                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+
+    def mix_back(self, f: torch.Tensor, residual: torch.Tensor, post, comb) -> torch.Tensor:
+        """Official numerics: the sublayer's output f [T, D] mixed back into the residual streams [T, hc, D]."""
+        if self.fast:  # f and the residual bf16, fp32 arithmetic inside, bf16 out
+            return self._k("hc_post_fused")(f, residual, post, comb)
+        return self._k("hc_post")(f.to(F32), residual.to(F32), post, comb).to(BF16)
 
 
 class V41EngineModel:
@@ -163,15 +165,24 @@ class V41EngineModel:
     def _check(self, token_ids: torch.Tensor, ctx: ForwardContext) -> None:
         check_batch(token_ids, ctx, self.cfg, self.cache)
 
-    def hidden(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final 4-stream residual [T, hc, D] and the last block's pre mix [T, hc]."""
-        ctx = get_forward_context()
+    def start_step(self, token_ids: torch.Tensor, ctx: ForwardContext):
+        """Check the batch, reset fresh sequences' slots (nothing of a slot's previous owner may leak in), hash
+        the engram n-grams on the host (per-slot history and table rows live there), move ids and positions to
+        the device, start the cache's step -> (ids, ctx) on the device and the hashes (None: no engram)."""
         self._check(token_ids, ctx)  # on the ids as given (the runner passes host ids: no device sync)
-        self.cache.reset_fresh(ctx.seqs)  # fresh sequences: nothing of a slot's previous owner may leak in
-        # engram hashes on the host (per-slot history and table rows live there)
+        self.cache.reset_fresh(ctx.seqs)
         hashes = self.hasher(token_ids.cpu(), ctx) if self.hasher is not None else None
         token_ids, ctx = host_to_device(token_ids, self.device), ctx.on(self.device)  # pinned: no stream sync
         self.cache.begin_step()
+        return token_ids, ctx, hashes
+
+    def engram_hashes(self, hashes: torch.Tensor, layer: int) -> torch.Tensor:
+        """The step's hash ids [T, cols] of engram layer `layer`."""
+        return hashes[:, self.hasher.layer_index(layer)]
+
+    def hidden(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final 4-stream residual [T, hc, D] and the last block's pre mix [T, hc]."""
+        token_ids, ctx, hashes = self.start_step(token_ids, get_forward_context())
         x, pre_mix = self.embed(token_ids)
         tap = self._per_sequence_tap(ctx) if self.tap else None
         if tap:
@@ -179,7 +190,7 @@ class V41EngineModel:
         shared: dict = {}
         for i, block in enumerate(self.layers):
             if i in self.engrams:
-                x = self.engrams[i](x, hashes[:, self.hasher.layer_index(i)])
+                x = self.engrams[i](x, self.engram_hashes(hashes, i))
                 if tap:
                     tap(f"layers.{i}.engram", x)
             x, pre_mix = block(x, pre_mix, ctx, self.cache, shared, tap, f"layers.{i}")
@@ -286,15 +297,17 @@ def build_v41_model(cfg: ModelConfig, raw: Mapping[str, torch.Tensor], tokenizer
     return V41EngineModel(cfg, params, cache, raw, tokenizer, numerics, comm)
 
 
-def build_for_runner(config, cfg: ModelConfig, comm=None, load=None,
-                     decode_scratch: bool = False) -> tuple[dict[str, torch.Tensor], int, V41EngineModel]:
-    """The engine runner's V4.1 model: (params, num_blocks, model) for an `EngineConfig`-like `config`
-    (model, numerics, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, device,
-    kv_cache_bytes, gpu_memory_utilization). The KV budget is sized like the V4 runner: one worst-case
-    warm-up forward on a throwaway cache, the rest of the budget to blocks (on cuda: free memory, and no
-    more blocks than every sequence slot at max_model_len can use). decode_scratch: the model's cache gets one slot
-    and one block more than the scheduler hands out (slot max_num_seqs, block num_blocks: the batched decode
-    path's padding rows)."""
+def build_for_runner(config, cfg: ModelConfig, comm=None, load=None, decode_scratch: bool = False,
+                     extend_graph_tokens: int = 0):
+    """The engine runner's V4.1 model: (params, num_blocks, model, extend graphs or None) for an
+    `EngineConfig`-like `config` (model, numerics, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+    max_model_len, device, kv_cache_bytes, gpu_memory_utilization). The KV budget is sized like the V4 runner:
+    one worst-case warm-up forward on a throwaway cache, the rest of the budget to blocks (on cuda: free memory,
+    and no more blocks than every sequence slot at max_model_len can use). decode_scratch: the model's cache gets
+    one slot and one block more than the scheduler hands out (slot max_num_seqs, block num_blocks: the batched
+    decode path's padding rows). extend_graph_tokens > 0 (fast numerics on cuda, one process): the extend
+    steps' piecewise graphs (model/v41_extend_graphs.py) up to that many tokens, captured on the sizing model
+    before its warm-up (so that their pool is counted), bound to the returned model."""
     from deepinfer.model.context import SeqContext
     from deepinfer.tokenizer import Tokenizer
     from deepinfer.weights import load_tensors
@@ -322,6 +335,9 @@ def build_for_runner(config, cfg: ModelConfig, comm=None, load=None,
     def model(num_blocks: int, max_num_seqs: int) -> V41EngineModel:
         return build_v41_model(cfg, raw, tok, numerics, device, num_blocks, c.block_size, max_num_seqs, params, comm)
 
+    graphs = None
+    if extend_graph_tokens and (numerics != "fast" or comm is not None):
+        raise ValueError("the V4.1 extend graphs run fast numerics in one process")
     num_blocks = c.num_blocks
     if not num_blocks:
         tokens = min(c.max_num_batched_tokens, c.max_model_len)
@@ -330,6 +346,10 @@ def build_for_runner(config, cfg: ModelConfig, comm=None, load=None,
         ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        if extend_graph_tokens:  # its graphs hold no cache tensor: bound to the serving model below
+            from deepinfer.model.v41_extend_graphs import V41ExtendGraphs
+
+            graphs = V41ExtendGraphs(scratch, extend_graph_tokens)
         scratch.forward(ids, ForwardContext((SeqContext(0, tokens, 0, 0, tuple(range(blocks))),)))
         del scratch
         fixed = V41Cache.bytes_per_sequence(cfg, dtype, numerics) * c.max_num_seqs
@@ -350,4 +370,11 @@ def build_for_runner(config, cfg: ModelConfig, comm=None, load=None,
             raise ValueError(f"KV budget holds {num_blocks} blocks but one sequence of max_model_len "
                              f"{c.max_model_len} needs {need}: raise kv_cache_bytes or lower max_model_len")
     extra = 1 if decode_scratch else 0
-    return params, int(num_blocks), model(int(num_blocks) + extra, c.max_num_seqs + extra)
+    serving = model(int(num_blocks) + extra, c.max_num_seqs + extra)
+    if extend_graph_tokens:
+        if graphs is None:  # (num_blocks given: no sizing ran)
+            from deepinfer.model.v41_extend_graphs import V41ExtendGraphs
+
+            graphs = V41ExtendGraphs(serving, extend_graph_tokens)
+        graphs.bind(serving)
+    return params, int(num_blocks), serving, graphs

@@ -30,6 +30,8 @@ Must not: import the oracle; read device values on the host.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from deepinfer import kernels
@@ -55,14 +57,15 @@ def _k(attn, name: str):
     return kernels.get(name, attn.kdev)
 
 
-def write_entries(attn, lc: V41LayerCache, ctx: ForwardContext, x: torch.Tensor, rows: ExtendRows) -> None:
-    """A kv-source layer's compressor over the whole batch: the entries the step completes (ratio 1: one per
-    new token; ratio 2: one per completed group) -> their latents and index keys (normed, rotated at the
-    entry's first position, encoded) stored at their cache rows. `compress_extend_v41` (official=True) and
+def write_entries(attn, lc: V41LayerCache, ctx: ForwardContext, proj: tuple[torch.Tensor, ...],
+                  rows: ExtendRows) -> None:
+    """A kv-source layer's compressor over the whole batch: the batch's projections (`_compressor_proj`:
+    (latent,) at ratio 1, (kv, score) at ratio 2) -> the entries the step completes (ratio 1: one per new
+    token; ratio 2: one per completed group), their latents and index keys (normed, rotated at the entry's
+    first position, encoded) stored at their cache rows. `compress_extend_v41` (official=True) and
     `_write_entries_official`, every sequence at once."""
     r, eps, kdev = attn.ratio, attn.eps, attn.kdev
     rr = rows.ratios[r]
-    proj = attn._compressor_proj(x)  # the batch's projections: (latent,) at ratio 1, (kv, score) at ratio 2
     if r == 1:
         lat = _rms_bf16(proj[0], attn.comp_p["norm.weight"], eps, kdev)
         gpos, where = rows.positions, step_memo(rows, ("v41 token entries", r),
@@ -112,30 +115,66 @@ def _select_rows(attn, src: V41LayerCache, ctx: ForwardContext, rows: ExtendRows
     return _index_rows(rows, cols, tuple(min(cfg.index_topk, n) for n in rr.n_ent))
 
 
-def extend_attention_v41(attn, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, rows: ExtendRows,
-                         shared: dict) -> torch.Tensor:
-    """x [T, D] bf16 (normed input of the flat batch) -> [T, D] bf16; `shared`: the forward's dict (the
-    index sources' rows and the candidate mask for the layers after them)."""
-    r, lc = attn.ratio, cache.layers[attn.layer]
-    pos = rows.positions
-    table = rope_table(attn, rows, pos)
+@dataclass
+class V41Pre:
+    """What one layer's attention computes from its input rows alone (no cache read, no batch layout): every
+    op's shapes depend on the token count only, so the extend graphs (model/v41_extend_graphs.py) capture it
+    per token bucket; `attention_core` reads it for the step's rows."""
+
+    q: torch.Tensor  # [T, H, hd] rotated queries
+    kv_stored: torch.Tensor  # [T, bytes] the new window rows as stored
+    kv: torch.Tensor  # [T, hd] their decoded values (what attention reads)
+    q_idx: torch.Tensor | None  # [T, nh, ihd] the indexer's queries (index sources)
+    w_idx: torch.Tensor | None  # [T, nh] its head weights
+    proj: tuple[torch.Tensor, ...]  # the compressor's projections (kv sources; else empty)
+
+    def map(self, fn) -> "V41Pre":
+        """A new V41Pre of fn(name, tensor) for every tensor (None fields stay None)."""
+        def f(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(name, t)
+
+        return V41Pre(f("q", self.q), f("kv_stored", self.kv_stored), f("kv", self.kv), f("q_idx", self.q_idx),
+                      f("w_idx", self.w_idx), tuple(fn(f"proj {j}", t) for j, t in enumerate(self.proj)))
+
+
+def attention_pre(attn, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, lc: V41LayerCache) -> V41Pre:
+    """x [T, D] bf16 (the normed input of the flat batch), its positions and RoPE table -> V41Pre."""
     q, kv_stored, kv, q_idx, w_idx = attn.attention_pre(x, pos, table, lc)
+    proj = attn._compressor_proj(x) if attn.is_kv_source else ()
+    return V41Pre(q, kv_stored, kv, q_idx, w_idx, proj)
+
+
+def attention_core(attn, pre: V41Pre, ctx: ForwardContext, cache: V41Cache, rows: ExtendRows, shared: dict,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's cache reads and writes and the sparse attention: pre's rows -> o [T, H, hd] bf16 (before
+    the inverse RoPE), into `out` when given (the extend graphs' static buffer). `shared`: the forward's
+    dict (the index sources' rows and the candidate mask, for the layers after them)."""
+    r, lc, T = attn.ratio, cache.layers[attn.layer], pre.q.shape[0]
     if attn.is_kv_source:
-        write_entries(attn, lc, ctx, x, rows)  # the entries this step completes are visible to it
+        write_entries(attn, lc, ctx, pre.proj, rows)  # the entries this step completes are visible to it
     if not lc.ring.is_contiguous():  # flatten would copy, and the ring write below would be lost
         raise ValueError(f"layer {attn.layer}: the window ring must be contiguous")
     ring = lc.ring.flatten(0, 1)  # [slots * window, bytes] view
     ring_kv = lc.decode("window", ring[rows.ring_read], attn.kdev)  # read before this step's rows overwrite it
-    ring[rows.ring_write] = kv_stored[rows.kv_write]
-    pool = [ring_kv, kv]
+    ring[rows.ring_write] = pre.kv_stored[rows.kv_write]
+    pool = [ring_kv, pre.kv]
     idx = rows.window_idx
     if r and any(rows.ratios[r].n_ent):
         rr, src = rows.ratios[r], cache.layers[attn.kv_src]
         pool.append(src.decode("latent", src.comp[rr.entry_rows], attn.kdev))
         if attn.is_index_source:
             idx = shared[("v41 index rows", attn.layer)] = _select_rows(
-                attn, src, ctx, rows, rr, q_idx, w_idx, shared, ring_kv.shape[0] + x.shape[0])
+                attn, src, ctx, rows, rr, pre.q_idx, pre.w_idx, shared, ring_kv.shape[0] + T)
         else:
             idx = shared[("v41 index rows", attn.idx_src)]
-    o = _k(attn, "sparse_attn_sink_official_v41")(q, torch.cat(pool), attn.p["attn_sink"], idx, attn.hd**-0.5)
-    return attn.attention_post(o, pos, table)
+    return _k(attn, "sparse_attn_sink_official_v41")(pre.q, torch.cat(pool), attn.p["attn_sink"], idx,
+                                                     attn.hd**-0.5, out=out)
+
+
+def extend_attention_v41(attn, x: torch.Tensor, ctx: ForwardContext, cache: V41Cache, rows: ExtendRows,
+                         shared: dict) -> torch.Tensor:
+    """x [T, D] bf16 (normed input of the flat batch) -> [T, D] bf16: pre, core, `attention_post`."""
+    pos = rows.positions
+    table = rope_table(attn, rows, pos)
+    pre = attention_pre(attn, x, pos, table, cache.layers[attn.layer])
+    return attn.attention_post(attention_core(attn, pre, ctx, cache, rows, shared), pos, table)

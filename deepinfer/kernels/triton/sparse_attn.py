@@ -189,9 +189,9 @@ def sparse_attn_sink_official_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torc
 
 
 def sparse_attn_sink_official_v41_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                                       scale: float) -> torch.Tensor:
+                                       scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Same signature as `official.sparse_attn_sink_official_v41` (running max from -1e30)."""
-    return sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max=-1e30)
+    return sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max=-1e30, out=out)
 
 
 REGISTRATIONS = {
