@@ -24,8 +24,8 @@ def cuda_graphs_enabled() -> bool:
 
 def extend_graph_tokens() -> int:
     """DEEPINFER_EXTEND_GRAPH_TOKENS: the most tokens of an extend step (prefill chunk, mixed step's extend
-    half) the fast CUDA engine replays through its piecewise CUDA graphs (model/extend_graphs.py), capped
-    by max_num_batched_tokens; 0 runs every extend step eagerly. Default 2048 (above it the steps are bound
+    half) the fast CUDA engine replays through its piecewise CUDA graphs (model/extend_graphs.py; V4.1:
+    model/v41_extend_graphs.py), capped by max_num_batched_tokens; 0 runs every extend step eagerly. Default 2048 (above it the steps are bound
     by the device, not by the host's launches). The decode graphs' switches (DEEPINFER_CUDA_GRAPHS=0,
     EngineConfig(cuda_graphs=False)) turn these off too."""
     value = os.environ.get("DEEPINFER_EXTEND_GRAPH_TOKENS", "2048").strip()

@@ -61,7 +61,7 @@ class ModelRunner:
         self.comm = comm
         self.device = resolve_device(config.device)
         self.decoder = None  # the batched decode path (fast numerics)
-        self.extender: ExtendGraphs | None = None  # the extend steps' piecewise graphs (fast, cuda, family v4)
+        self.extender: ExtendGraphs | None = None  # the extend steps' piecewise graphs (fast, cuda, one process)
         self._extend_graph_tokens = 0
         # (read once: a bad DEEPINFER_SPLIT_MIXED_STEPS fails the engine's start, not every mixed step)
         split = env.split_mixed_steps()
@@ -77,7 +77,9 @@ class ModelRunner:
             # fast numerics (one process: V4.1 fast runs no parallel group): pure-decode steps through the
             # batched decode path (model/v41_decode.py), eager or graphed, its padding rows on a scratch slot/block
             batched_decode = self.numerics == "fast" and env.batched_decode_enabled()
-            self.params, self.num_blocks, self.model = build_for_runner(config, cfg, comm, load, batched_decode)
+            self._extend_graph_tokens = self._graph_tokens(config, comm)
+            self.params, self.num_blocks, self.model, self.extender = build_for_runner(
+                config, cfg, comm, load, batched_decode, self._extend_graph_tokens)
             if batched_decode:
                 self.decoder = self._decode_runner()
             return
@@ -95,9 +97,7 @@ class ModelRunner:
         self.params = v4_params(raw, cfg, self.numerics, self.device)
         # fast numerics on cuda in one process: extend steps up to `graph_tokens` through the piecewise CUDA
         # graphs (model/extend_graphs.py), captured before the KV sizing so that their pool is counted
-        graphs = config.cuda_graphs and env.cuda_graphs_enabled() and self.device.type == "cuda"
-        graph_tokens = min(env.extend_graph_tokens(), config.max_num_batched_tokens)  # (a step: several prompts)
-        self._extend_graph_tokens = graph_tokens if graphs and self.numerics == "fast" and comm is None else 0
+        self._extend_graph_tokens = self._graph_tokens(config, comm)
         self.num_blocks = config.num_blocks or self._size_kv_cache()
         # fast numerics: pure-decode steps take the batched decode path, whose padding rows need a window/state
         # slot and a block the scheduler never hands out (the cache's last ones). In a parallel group every
@@ -112,6 +112,13 @@ class ModelRunner:
             self.extender.bind(self.model)
         if batched_decode:
             self.decoder = self._decode_runner()
+
+    def _graph_tokens(self, config, comm) -> int:
+        """The most tokens of an extend step run through the piecewise graphs (0: none): fast numerics on cuda
+        in one process, CUDA graphs on, capped by the step's token budget (a step: several prompts)."""
+        graphs = config.cuda_graphs and env.cuda_graphs_enabled() and self.device.type == "cuda"
+        tokens = min(env.extend_graph_tokens(), config.max_num_batched_tokens)
+        return tokens if graphs and config.numerics == "fast" and comm is None else 0
 
     def _decode_runner(self) -> DecodeRunner:
         """The batched decode path over the model's cache, its padding rows on the slot and block past what the
