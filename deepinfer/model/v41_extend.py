@@ -8,8 +8,11 @@ compressor, entry rows, decodes, scoring, top-k, index rows): ~580 torch calls p
 checkpoint, each a launch (and tens of microseconds of host time) on cuda, so a prefill step of 16 prompts
 cost 9,924 calls against V4's 790 (`benchmarks/count_prefill_ops.py --family v41 --seqs 16`).
 
-Owns: `extend_attention_v41(attn, x, ctx, cache, rows, shared)` (one layer) and `write_entries` (a kv
-source's compressor and its stored latents and index keys). Same math, rounding points and index-row order
+Owns: `extend_attention_v41(attn, x, ctx, cache, rows, shared)` (one layer) as `attention_pre` (what the rows
+compute alone: `V41Pre`, which the extend graphs capture per token bucket, model/v41_extend_graphs.py),
+`attention_core` (the cache work and the sparse attention, eager) and `V41Attention.attention_post`;
+`write_entries` (a kv source's compressor and its stored latents and index keys); `step_rows` (the forward's
+`ExtendRows`). Same math, rounding points and index-row order
 as `_forward_official` with fast=True (the per-sequence path, kept as this path's reference:
 `V41Attention.batched_extend = False`; CPU results bit-identical, tests/test_engine_fast_v41_extend.py); the
 differences are in organisation only:
