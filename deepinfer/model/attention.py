@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer import formats, kernels
+from deepinfer import kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.cache import LayerCache, V4Cache
 from deepinfer.model.compressor import compress_extend, project
@@ -189,8 +189,12 @@ class V4Attention:
         qlinear, rope = k("fp8_linear" if self.fast else "qlinear"), k("rope32")
         f32, bf16 = torch.float32, torch.bfloat16
 
+        # The fused ops the batched path (model/extend_attention.py) calls: their twins are exactly the separate
+        # official ops (so official numerics keeps its bits), and on cuda this reference path then runs the
+        # batched path's kernels (one bf16 ulp apart from the separate ones: tests/test_engine_fast_prefill.py
+        # holds the two paths bit-identical on the GPU too)
         def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return k("rms_norm")(t.to(f32), w, self.eps).to(bf16)
+            return k("rms_norm_bf16")(t, w, self.eps)  # = rms_norm(t.to(fp32), w).to(bf16)
 
         lc = cache.layers[self.layer]
         pos = ctx.positions
@@ -199,7 +203,7 @@ class V4Attention:
         q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
         qr = rms(q_lora, p["q_norm.weight"])
         q = qlinear(qr, p["wq_b.weight"]).view(T, self.H, self.hd)
-        q = rope(k("head_rms_norm")(q, self.eps), pos, self.inv_freq)  # per-head norm in bf16
+        q = k("head_rms_norm_rope")(q, self.eps, pos, self.inv_freq, None)  # per-head norm in bf16, RoPE
         kv = rope(rms(kv_lin, p["kv_norm.weight"]), pos, self.inv_freq)  # [T, hd]
         kv_stored = lc.encode("window", kv)
         kv = lc.decode("window", kv_stored)  # the fake-quantised values the oracle attends to and caches
@@ -208,8 +212,7 @@ class V4Attention:
         if self.has_indexer:
             ihd, nh = cfg.index_head_dim, cfg.index_n_heads
             q_idx = qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd)
-            q_idx = k("hadamard32")(rope(q_idx, pos, self.inv_freq))
-            q_idx = formats.fp4_fake_quant(q_idx, 32)
+            q_idx = k("indexer_q_rotate")(q_idx, pos, self.inv_freq, None)  # RoPE, Hadamard, FP4 fake quant
             w_idx = k("blinear")(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
 
         outs, pools, idxs, base = [], [], [], 0
