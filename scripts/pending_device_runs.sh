@@ -1,8 +1,8 @@
 # The device checks the code of 2026-12-06 still owes, in the order the next device run should take them; each
 # stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-seventh session ran s27a (the
 # twenty-sixth session's review), s27b-e (PDL: tests, anatomy, the slice against transformers, prefill), all on
-# an H100 (passed; numbers in BENCHMARKS.md). Owed first, on any GPU: s27f (the session's last changes ran on
-# none). Still owed on an H200 (no run of this session got one): anatomy
+# an H100 (passed; numbers in BENCHMARKS.md). The twenty-eighth session ran s27f's and s28a's tests and timings
+# on an H100 (BENCHMARKS.md). Owed first, on any GPU: s28b. Still owed on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL.
 #   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh anatomy     # with carry: [".whl"]
@@ -11,7 +11,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s28b, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -32,7 +32,12 @@ s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache 
         tests/test_kernels_launch.py tests/test_engine_fast_decode.py -k "not side_streams"
     step bench_v41_prefill 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 --no-varlen
     ;;
-s28a)  # the twenty-eighth session: V4.1's batched extend path (model/v41_extend.py), the shared slot resets
+s28b)  # owed by the twenty-eighth session: V4's per-sequence reference path on the batched path's fused ops (its
+    # GPU test failed since the nineteenth session's fusions: bisected on the H100 to 428cfe5 pass / c787048 fail)
+    step gpu_tests_s28b 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
+        tests/test_engine_fast_v41_extend.py
+    ;;
+s28a)  # the twenty-eighth session (ran on an H100, see BENCHMARKS.md; the V4 prefill test's failure led to s28b): V4.1's batched extend path (model/v41_extend.py), the shared slot resets
     # (cache.SlotResets: V4's and V4.1's), V4.1's engine GPU tests with them
     step gpu_tests_s28a 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41_extend.py \
         tests/test_engine_fast_v41.py tests/test_engine_fast_v41_decode.py tests/test_engine_fast_prefill.py \
