@@ -123,6 +123,18 @@ class PackedStore:
         return old
 
 
+    def ring_extend_rows(self, rows, new_stored: torch.Tensor, kdev: str = "cpu") -> torch.Tensor:
+        """`ring_extend` of every sequence of a varlen step at once, by the step's `ExtendRows` (model/
+        extend_metadata.py): returns the decoded ring rows `rows.ring_read` (read BEFORE the write), then
+        stores the new rows `new_stored[rows.kv_write]` at `rows.ring_write`. One gather, one scatter."""
+        if not self.ring.is_contiguous():  # flatten would copy, and the write below would be lost
+            raise ValueError("the window ring must be contiguous")
+        ring = self.ring.flatten(0, 1)  # [slots * window, bytes] view
+        old = self.decode("window", ring[rows.ring_read], kdev)
+        ring[rows.ring_write] = new_stored[rows.kv_write]
+        return old
+
+
 class LayerCache(PackedStore):
     def __init__(self, cfg: ModelConfig, layer: int, num_blocks: int, block_size: int, max_num_seqs: int,
                  dtype: torch.dtype, layouts: dict[str, KVLayout] | None = None,

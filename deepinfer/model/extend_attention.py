@@ -237,11 +237,7 @@ def attention_core(attn, pre: AttnPre, ctx: ForwardContext, cache: V4Cache, rows
     cfg, p, r = attn.cfg, attn.p, attn.ratio
     lc = cache.layers[attn.layer]
     T = pre.q.shape[0]
-    if not lc.ring.is_contiguous():  # flatten would copy, and the ring writes below would be lost
-        raise ValueError(f"layer {attn.layer}: the window ring must be contiguous")
-    ring = lc.ring.flatten(0, 1)  # [slots * window, bytes] view
-    ring_kv = lc.decode("window", ring[rows.ring_read], attn.kdev)  # read before this step's rows overwrite it
-    ring[rows.ring_write] = pre.kv_stored[rows.kv_write]
+    ring_kv = lc.ring_extend_rows(rows, pre.kv_stored, attn.kdev)  # read before this step's rows overwrite it
     pool = [ring_kv, pre.kv]
     comp_cols, comp_width, idx = None, (), None  # idx: set here when the step already built it
     if r:

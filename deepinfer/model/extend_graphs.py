@@ -142,13 +142,17 @@ class ExtendGraphs:
     def _piece0(self, Tb: int, tables: dict) -> _Carry:
         """Embedding, layer 0's attention hc_pre and attention_pre; fills `tables` (one per frequency key)."""
         model = self.model
-        for block in model.layers:
-            a = block.attn
-            if a.rope_key not in tables:
-                tables[a.rope_key] = self._k("rope_table32")(self._pos[:Tb], a.inv_freq)
+        self._rope_tables(Tb, tables)
         x = model.embed(self._ids[:Tb])
         y, post, comb = self._k("hc_pre_fused")(x, *model.layers[0].hc_pre_args("attn"))
         return _Carry(x, post, comb, self._attention_pre(0, y, Tb, tables))
+
+    def _rope_tables(self, Tb: int, tables: dict) -> None:
+        """The bucket's RoPE tables into `tables`, one per frequency key (every piece of the bucket reads them)."""
+        for block in self.model.layers:
+            a = block.attn
+            if a.rope_key not in tables:
+                tables[a.rope_key] = self._k("rope_table32")(self._pos[:Tb], a.inv_freq)
 
     def _piece(self, layer: int, Tb: int, tables: dict, c: _Carry) -> _Carry:
         """Layer `layer`'s attention_post from the o buffer, its FFN sublayer, and the next layer's attention
@@ -245,15 +249,19 @@ class ExtendGraphs:
         with model.extend_rows(ctx) as rows:  # the step's rows, built once (as forward builds them)
             if rows is None:
                 raise ValueError("the extend graphs run the batched extend path (V4Attention.batched_extend)")
-            if (self.graphs_on if graphs is None else graphs) and Tb in self._graphs:
-                graphs_ = self._graphs[Tb]
-                graphs_[0].replay()
-                for layer, pre in enumerate(self._pres[Tb][:-1]):
-                    core(layer, pre)
-                    graphs_[layer + 1].replay()
-                final = self._final[Tb].final
-                self.replayed += 1
-            else:
-                final = self._run_pieces(Tb, core).final
-                self.eager += 1
+            final = self._pieces_and_cores(Tb, core, graphs).final
         return model.logits(final[:T][host_to_device(ctx.logit_rows(), model.device)])
+
+    def _pieces_and_cores(self, Tb: int, core, graphs: bool | None) -> _Carry:
+        """One step: the pieces of bucket Tb replayed (or run eagerly: graphs=False, or no graphs), `core(layer,
+        pre)` between them -> the last piece's carry (its final residual)."""
+        if (self.graphs_on if graphs is None else graphs) and Tb in self._graphs:
+            graphs_ = self._graphs[Tb]
+            graphs_[0].replay()
+            for layer, pre in enumerate(self._pres[Tb][:-1]):
+                core(layer, pre)
+                graphs_[layer + 1].replay()
+            self.replayed += 1
+            return self._final[Tb]
+        self.eager += 1
+        return self._run_pieces(Tb, core)

@@ -155,11 +155,7 @@ def attention_core(attn, pre: V41Pre, ctx: ForwardContext, cache: V41Cache, rows
     r, lc, T = attn.ratio, cache.layers[attn.layer], pre.q.shape[0]
     if attn.is_kv_source:
         write_entries(attn, lc, ctx, pre.proj, rows)  # the entries this step completes are visible to it
-    if not lc.ring.is_contiguous():  # flatten would copy, and the ring write below would be lost
-        raise ValueError(f"layer {attn.layer}: the window ring must be contiguous")
-    ring = lc.ring.flatten(0, 1)  # [slots * window, bytes] view
-    ring_kv = lc.decode("window", ring[rows.ring_read], attn.kdev)  # read before this step's rows overwrite it
-    ring[rows.ring_write] = pre.kv_stored[rows.kv_write]
+    ring_kv = lc.ring_extend_rows(rows, pre.kv_stored, attn.kdev)  # read before this step's rows overwrite it
     pool = [ring_kv, pre.kv]
     idx = rows.window_idx
     if r and any(rows.ratios[r].n_ent):

@@ -64,10 +64,7 @@ class V41ExtendGraphs(ExtendGraphs):
 
     def _piece0(self, Tb: int, tables: dict) -> _Carry:
         model = self.model
-        for block in model.layers:
-            a = block.attn
-            if a.rope_key not in tables:
-                tables[a.rope_key] = self._k("rope_table32")(self._pos[:Tb], a.inv_freq)
+        self._rope_tables(Tb, tables)
         x, pre_mix = model.embed(self._ids[:Tb])
         return self._enter(0, x, pre_mix, Tb, tables)
 
@@ -106,16 +103,6 @@ class V41ExtendGraphs(ExtendGraphs):
             attention_core(model.layers[layer].attn, pre.map(lambda _, t: t[:T]), ctx, model.cache, rows, shared,
                            out=self._o[:T])
 
-        if (self.graphs_on if graphs is None else graphs) and Tb in self._graphs:
-            graphs_ = self._graphs[Tb]
-            graphs_[0].replay()
-            for layer, pre in enumerate(self._pres[Tb][:-1]):
-                core(layer, pre)
-                graphs_[layer + 1].replay()
-            last = self._final[Tb]
-            self.replayed += 1
-        else:
-            last = self._run_pieces(Tb, core)
-            self.eager += 1
+        last = self._pieces_and_cores(Tb, core, graphs)
         sel = host_to_device(ctx.logit_rows(), model.device)
         return model.logits(last.final[:T][sel], last.mix[:T][sel])
