@@ -34,8 +34,10 @@ s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache 
     ;;
 s28b)  # owed by the twenty-eighth session: V4's per-sequence reference path on the batched path's fused ops (its
     # GPU test failed since the nineteenth session's fusions: bisected on the H100 to 428cfe5 pass / c787048 fail)
-    step gpu_tests_s28b 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
-        tests/test_engine_fast_v41_extend.py
+    # and the review's mends after the last device run (PackedStore.ring_extend_rows in both families' extend
+    # cores, ExtendGraphs._pieces_and_cores for both families' graphs): behaviour unchanged on the CPU
+    step gpu_tests_s28b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
+        tests/test_engine_fast_v41_extend.py tests/test_extend_graphs.py tests/test_v41_extend_graphs.py
     ;;
 s28a)  # the twenty-eighth session (ran on an H100, see BENCHMARKS.md; the V4 prefill test's failure led to s28b): V4.1's batched extend path (model/v41_extend.py), the shared slot resets
     # (cache.SlotResets: V4's and V4.1's), V4.1's engine GPU tests with them
