@@ -75,6 +75,11 @@ MMA = "auto"  # default form of op "fp8_linear": "auto" = "fp8" from FP8_MMA_MIN
 SYNC_MAX_M = 8  # the sync kernel's CTA takes 8 rows of x (the MMA's n8): above, each 8 more re-read the weight
 DECODE_LINEAR_FORM = "mma"  # what DEEPINFER_LINEAR_DECODE_KERNEL=auto runs up to SYNC_MAX_M rows: "mma" or "triton"
 FP8_MMA_MIN_M = 1024  # H200 2026-12-01: fp8 faster at every measured shape from M=1024 (2.2x at 4096).
+# ... with V4's 128-blocks only: with V4.1's 32x32 blocks the fp8 form promotes every 32 K (every FP8 MMA's K
+# step), and the same H200 run measured it 3.8x SLOWER than the bf16 form at M = 4096, N = K = 4096 (1530 us =
+# 90 TFLOP/s against 405 us = 339; results/bench_fp8_linear_h200.log, "v4.1 32x32" rows). On the H100 the V4.1
+# slice's 1k prefill spent 13.8 of its 44 ms in those fp8-form linears (~82 TFLOP/s, twenty-eighth session).
+FP8_MMA_BLOCKS = (128,)  # weight blocks whose auto form is "fp8" from FP8_MMA_MIN_M rows; others stay "bf16"
 PREFILL_LINEAR_FORM = "triton"  # what DEEPINFER_LINEAR_PREFILL_KERNEL=auto runs from FP8_MMA_MIN_M rows: "wgmma"
 # (kernels/cuda/fp8_linear_prefill.cu where it can run) or "triton" (the "fp8" form, the same bits)
 # 2026-12-02 (scripts/bench_gemm_kernels.py --batch-fp8, results/fp8_linear_batch_sweep_h200_2026-12-02.log): with
@@ -440,13 +445,14 @@ def _decode_linear_form() -> str:
     return DECODE_LINEAR_FORM if choice == "auto" else choice
 
 
-def auto_form(m: int, n: int, k: int) -> str:
-    """The Triton tensor-core form mma="auto" takes for M rows of an N x K weight: "fp8" from FP8_MMA_MIN_M
-    rows, "swap" where its sweep measured it faster (`fp8_linear_swap.takes`: 17..256 rows, large
+def auto_form(m: int, n: int, k: int, block: int = 128) -> str:
+    """The Triton tensor-core form mma="auto" takes for M rows of an N x K weight of `block`-wide scale
+    blocks: "fp8" from FP8_MMA_MIN_M rows for FP8_MMA_BLOCKS (V4's 128; V4.1's 32 stay "bf16", see
+    FP8_MMA_BLOCKS), "swap" where its sweep measured it faster (`fp8_linear_swap.takes`: 17..256 rows, large
     weights; DEEPINFER_LINEAR_BATCH_FORM=bf16 turns it off), else "bf16". (Where the wgmma CUDA kernel can
     run, `fp8_linear` takes it first for WGMMA_MIN_M..WGMMA_MAX_M rows.)"""
     if m >= FP8_MMA_MIN_M:
-        return "fp8"
+        return "fp8" if block in FP8_MMA_BLOCKS else "bf16"
     return "swap" if swap.takes(m, n, k) and _batch_form() in ("auto", "swap") else "bf16"
 
 
@@ -489,7 +495,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
                           and _wgmma_usable(w, x.device)):
         return _fp8_linear_wgmma(x, w, config, out)
     if mma == "auto":
-        mma = auto_form(m, n, k)
+        mma = auto_form(m, n, k, w.block)
     cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)
     split, kb = cfg.pop("SPLIT_K"), cfg.pop("KB")
     dest = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
