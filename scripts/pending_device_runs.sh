@@ -2,7 +2,7 @@
 # stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-seventh session ran s27a (the
 # twenty-sixth session's review), s27b-e (PDL: tests, anatomy, the slice against transformers, prefill), all on
 # an H100 (passed; numbers in BENCHMARKS.md). The twenty-eighth session ran s27f's and s28a's tests and timings
-# on an H100 (BENCHMARKS.md). Owed first, on any GPU: s28b. Still owed on an H200 (no run of these sessions got one): anatomy
+# on an H100 (BENCHMARKS.md). Owed first, on any GPU: s28b, then s28c. Still owed on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL.
 #   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh anatomy     # with carry: [".whl"]
@@ -11,7 +11,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s28b, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -38,6 +38,13 @@ s28b)  # owed by the twenty-eighth session: V4's per-sequence reference path on 
     # cores, ExtendGraphs._pieces_and_cores for both families' graphs): behaviour unchanged on the CPU
     step gpu_tests_s28b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
         tests/test_engine_fast_v41_extend.py tests/test_extend_graphs.py tests/test_v41_extend_graphs.py
+    ;;
+s28c)  # V4.1's prefill linears on the bf16 form (fp8_gemm.FP8_MMA_BLOCKS: the fp8 form from 1024 rows for 128-blocks
+    # only): the kernel's tests, then the V4.1 slice's prefill and its kernels (s28: 43.1 ms at 1k, 94.5 at 4k, the
+    # fp8-form linears 13.8 ms of the 1k's 44 ms of kernels) and the 32x32 rows of the kernel benchmark
+    step gpu_tests_s28c 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear.py
+    step bench_v41_prefill_bf16_linears 200 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 \
+        --graphs --top 16
     ;;
 s28a)  # the twenty-eighth session (ran on an H100, see BENCHMARKS.md; the V4 prefill test's failure led to s28b): V4.1's batched extend path (model/v41_extend.py), the shared slot resets
     # (cache.SlotResets: V4's and V4.1's), V4.1's engine GPU tests with them
