@@ -283,7 +283,7 @@ class V41Attention:
 
     def _write_entries_official(self, lc: V41LayerCache, cache: V41Cache, ctx: ForwardContext,
                                 x: torch.Tensor) -> None:
-        rope, eps, r, kdev = self._k("rope32"), self.eps, self.ratio, self.kdev
+        eps, r, kdev = self.eps, self.ratio, self.kdev
         proj = self._compressor_proj(x)
         for i, s in enumerate(ctx.seqs):
             rows = ctx.rows(i)
@@ -293,11 +293,23 @@ class V41Attention:
             if not n:
                 continue
             gpos = (first + torch.arange(n, device=x.device)) * r
-            keys = _rms_bf16(self._k("blinear")(lat, self.key_p["wk.weight"]), self.key_p["k_norm.weight"], eps,
-                             kdev)
-            rows = cache.entry_rows(s.block_table, r, first + n)[first:]
-            lc.index_keys[rows] = lc.encode("index", rope(keys, gpos, self.inv_freq), kdev)  # FP4, E8M0 per 32
-            lc.comp[rows] = lc.encode("latent", rope(lat, gpos, self.inv_freq), kdev)  # FP4, E4M3 per 16
+            self.store_entries(lc, lat, gpos, cache.entry_rows(s.block_table, r, first + n)[first:])
+
+    def index_keys_of(self, lat: torch.Tensor) -> torch.Tensor:
+        """Official numerics: the indexer keys of latents [n, hd] bf16 BEFORE RoPE (the kv source's wk as a bf16
+        linear, its k_norm) -> [n, ihd] bf16. Every path's kv sources (varlen, batched extend, decode)."""
+        return _rms_bf16(self._k("blinear")(lat, self.key_p["wk.weight"]), self.key_p["k_norm.weight"], self.eps,
+                         self.kdev)
+
+    def store_entries(self, lc: V41LayerCache, lat: torch.Tensor, gpos: torch.Tensor, where: torch.Tensor,
+                      table: torch.Tensor | None = None) -> None:
+        """Official numerics: new entries' latents [n, hd] (before RoPE) and their index keys, each rotated to
+        its group's first position `gpos` (`table`: the rope_table32 of gpos, or None), encoded into the kv
+        source's caches at rows `where`."""
+        rope, kdev = self._k("rope32"), self.kdev
+        keys = self.index_keys_of(lat)
+        lc.index_keys[where] = lc.encode("index", rope(keys, gpos, self.inv_freq, table=table), kdev)  # FP4, E8M0/32
+        lc.comp[where] = lc.encode("latent", rope(lat, gpos, self.inv_freq, table=table), kdev)  # FP4, E4M3 per 16
 
     def _linears(self):
         """(kernel lookup, the FP8 linear, the official bf16 RMSNorm) of this layer's numerics."""

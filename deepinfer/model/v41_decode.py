@@ -77,10 +77,9 @@ def _store_entries(attn: V41Attention, lc: V41LayerCache, lat: torch.Tensor, row
                    rr: RatioRows) -> None:
     """The index key (from the pre-RoPE latent) and the latent, each rotated to its group's first position,
     into the source's caches at the entry's row, only where this token completes the entry."""
-    kp, eps = attn.key_p, attn.eps
     table = rope_table(attn, rows, rr.block_pos, of=("blocks", attn.ratio))
     rope32, into = _k(attn, "rope32"), _k(attn, "kv_encode_into")
-    keys = _rms_bf16(_k(attn, "blinear")(lat, kp["wk.weight"]), kp["k_norm.weight"], eps, attn.kdev)
+    keys = attn.index_keys_of(lat)
     into(lc.layouts["index"], rope32(keys, rr.block_pos, attn.inv_freq, table=table, inplace=True), lc.index_keys,
          rr.new_row, rr.complete)
     # (the keys are made: the latent may rotate in place; it is this step's fresh compressor output)

@@ -84,10 +84,7 @@ def write_entries(attn, lc: V41LayerCache, ctx: ForwardContext, proj: tuple[torc
         lat = _rms_bf16(pooled.to(torch.bfloat16), attn.comp_p["norm.weight"], eps, kdev)
         gpos, where = plan.block_pos, step_memo(rows, ("v41 group entries", r), lambda: rr.entry_rows[plan.entry_index])
         table = rope_table(attn, rows, gpos, ("blocks", r))
-    rope = _k(attn, "rope32")
-    keys = _rms_bf16(_k(attn, "blinear")(lat, attn.key_p["wk.weight"]), attn.key_p["k_norm.weight"], eps, kdev)
-    lc.index_keys[where] = lc.encode("index", rope(keys, gpos, attn.inv_freq, table=table), kdev)  # FP4, E8M0/32
-    lc.comp[where] = lc.encode("latent", rope(lat, gpos, attn.inv_freq, table=table), kdev)  # FP4, E4M3 per 16
+    attn.store_entries(lc, lat, gpos, where, table)
 
 
 def _select_rows(attn, src: V41LayerCache, ctx: ForwardContext, rows: ExtendRows, rr: RatioExtendRows,
