@@ -41,19 +41,16 @@ from deepinfer import kernels
 from deepinfer.model.compress_batch import build_plan, pool_and_advance
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.extend_attention import _index_rows
-from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, build_extend_rows
+from deepinfer.model.extend_metadata import ExtendRows, RatioExtendRows, current_extend_rows
 from deepinfer.model.step_memo import memoised, rope_table, step_memo
 from deepinfer.model.v41_attention import _rms_bf16, select_candidate_blocks
 from deepinfer.model.v41_cache import V41Cache, V41LayerCache
 
 
 def step_rows(shared: dict, ctx: ForwardContext, cfg, cache: V41Cache) -> ExtendRows:
-    """The forward's `ExtendRows` (V4.1's window order), built by its first layer and kept in `shared`."""
-    def build() -> ExtendRows:
-        ratios = tuple(sorted({r for r in cfg.compress_ratios[: cfg.n_layers] if r}))
-        return build_extend_rows(ctx, cfg.window_size, cache.block_size, ratios, cache.device, ring_order=True)
-
-    return memoised(shared, "v41 extend rows", build)
+    """The forward's `ExtendRows` (`current_extend_rows`: V4.1's window order), built by its first layer and
+    kept in `shared`."""
+    return memoised(shared, "v41 extend rows", lambda: current_extend_rows(ctx, cfg, cache))
 
 
 def _k(attn, name: str):
