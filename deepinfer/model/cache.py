@@ -31,6 +31,8 @@ Must not: compute model math or decide visibility (the model does); it only stor
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
 import torch
@@ -122,7 +124,6 @@ class PackedStore:
         self.ring[slot, torch.arange(keep, end, device=dev) % win] = new_stored[keep - start :]
         return old
 
-
     def ring_extend_rows(self, rows, new_stored: torch.Tensor, kdev: str = "cpu") -> torch.Tensor:
         """`ring_extend` of every sequence of a varlen step at once, by the step's `ExtendRows` (model/
         extend_metadata.py): returns the decoded ring rows `rows.ring_read` (read BEFORE the write), then
@@ -197,11 +198,14 @@ class SlotResets:
     def _reset_host(self, state_slot: int) -> None:
         """What a reset clears on the host (V4.1: the engram n-gram history)."""
 
+    @functools.cached_property
     def _fills(self) -> list[tuple[torch.Tensor, str, float]]:
-        fills = self.__dict__.get("_slot_fills")
-        if fills is None:
-            fills = self.__dict__["_slot_fills"] = self._slot_tensors()
-        return fills
+        return self._slot_tensors()
+
+    @functools.cached_property
+    def _fill_rows(self) -> dict[tuple, torch.Tensor]:
+        """One slot's row of each non-zero fill value per shape and dtype (what `reset` copies in)."""
+        return {}
 
     def reset(self, window_slot: int, state_slot: int) -> None:
         """Every layer's slot rows as a fresh sequence needs them: the ring and kv rows zero (one foreach op
@@ -209,8 +213,8 @@ class SlotResets:
         shape: same values)."""
         zeros: dict[torch.dtype, list[torch.Tensor]] = {}
         filled, sources = [], []
-        rows_of = self.__dict__.setdefault("_neg_inf_rows", {})
-        for t, kind, value in self._fills():
+        rows_of = self._fill_rows
+        for t, kind, value in self._fills:
             row = t[window_slot if kind == "window" else state_slot]
             if value == 0:
                 zeros.setdefault(row.dtype, []).append(row)
@@ -236,7 +240,7 @@ class SlotResets:
         elif fresh:
             slots = {"window": host_to_device(torch.tensor([s.window_slot for s in fresh]), self.device),
                      "state": host_to_device(torch.tensor([s.state_slot for s in fresh]), self.device)}
-            for t, kind, value in self._fills():
+            for t, kind, value in self._fills:
                 t.index_fill_(0, slots[kind], value)
             for s in fresh:
                 self._reset_host(s.state_slot)

@@ -40,7 +40,7 @@ class V41ExtendGraphs(ExtendGraphs):
     pieces eagerly on the same buffers (how the CPU tests check the padding and the split)."""
 
     def __init__(self, model, max_tokens: int, cuda_graphs: bool = True, buckets: Sequence[int] = BUCKETS) -> None:
-        if not getattr(model.cfg, "is_v41", False):
+        if not model.cfg.is_v41:
             raise ValueError("V41ExtendGraphs runs a V4.1 model (V4: extend_graphs.ExtendGraphs)")
         # the Engram rows of a step, per Engram layer [max_tokens, cols, head dim] (finite padding rows: zeros)
         self._emb: dict[int, torch.Tensor] = {}
