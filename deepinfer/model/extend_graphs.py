@@ -236,11 +236,7 @@ class ExtendGraphs:
         if not self.fits(ctx):
             return model.forward(ids, ctx)
         ids, ctx = model.start_step(ids, ctx)
-        T = ctx.num_tokens
-        Tb = self.bucket(T)
-        self._ids[:T].copy_(ids)
-        self._pos[:T].copy_(ctx.positions)
-        self._pad(T, Tb)
+        T, Tb = self._load_step(ids, ctx)
         cache = model.cache
 
         def core(layer: int, pre: AttnPre) -> None:
@@ -251,6 +247,16 @@ class ExtendGraphs:
                 raise ValueError("the extend graphs run the batched extend path (V4Attention.batched_extend)")
             final = self._pieces_and_cores(Tb, core, graphs).final
         return model.logits(final[:T][host_to_device(ctx.logit_rows(), model.device)])
+
+    def _load_step(self, ids: torch.Tensor, ctx: ForwardContext) -> tuple[int, int]:
+        """The step's device ids and positions into the static buffers, its bucket's padding rows filled ->
+        (T, the bucket Tb)."""
+        T = ctx.num_tokens
+        Tb = self.bucket(T)
+        self._ids[:T].copy_(ids)
+        self._pos[:T].copy_(ctx.positions)
+        self._pad(T, Tb)
+        return T, Tb
 
     def _pieces_and_cores(self, Tb: int, core, graphs: bool | None) -> _Carry:
         """One step: the pieces of bucket Tb replayed (or run eagerly: graphs=False, or no graphs), `core(layer,

@@ -89,11 +89,7 @@ class V41ExtendGraphs(ExtendGraphs):
         if not self.fits(ctx):
             return model.forward(ids, ctx)
         ids, ctx, hashes = model.start_step(ids, ctx)
-        T = ctx.num_tokens
-        Tb = self.bucket(T)
-        self._ids[:T].copy_(ids)
-        self._pos[:T].copy_(ctx.positions)
-        self._pad(T, Tb)
+        T, Tb = self._load_step(ids, ctx)
         for layer, engram in model.engrams.items():  # gathered on the host, as the eager path does
             self._emb[layer][:T].copy_(engram.rows(model.engram_hashes(hashes, layer)))
         shared: dict = {}  # the forward's index rows and candidate mask, as `V41EngineModel.hidden`'s
