@@ -35,9 +35,11 @@ s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache 
 s28b)  # owed by the twenty-eighth session: V4's per-sequence reference path on the batched path's fused ops (its
     # GPU test failed since the nineteenth session's fusions: bisected on the H100 to 428cfe5 pass / c787048 fail)
     # and the review's mends after the last device run (PackedStore.ring_extend_rows in both families' extend
-    # cores, ExtendGraphs._pieces_and_cores for both families' graphs): behaviour unchanged on the CPU
-    step gpu_tests_s28b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
-        tests/test_engine_fast_v41_extend.py tests/test_extend_graphs.py tests/test_v41_extend_graphs.py
+    # cores, ExtendGraphs._pieces_and_cores / _load_step for both families' graphs, V41Attention.index_keys_of /
+    # store_entries on every V4.1 path, decode graphs included): behaviour unchanged on the CPU
+    step gpu_tests_s28b 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
+        tests/test_engine_fast_v41_extend.py tests/test_extend_graphs.py tests/test_v41_extend_graphs.py \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
     ;;
 s28c)  # V4.1's prefill linears on the bf16 form (fp8_gemm.FP8_MMA_BLOCKS: the fp8 form from 1024 rows for 128-blocks
     # only): the kernel's tests, then the V4.1 slice's prefill and its kernels (s28: 43.1 ms at 1k, 94.5 at 4k, the
