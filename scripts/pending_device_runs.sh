@@ -11,7 +11,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s29a, s29b, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -22,6 +22,17 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s29a)  # the twenty-ninth session: linear_f32 / blinear at 9..256 rows on bf16_skinny's tensor-core GEMM (one launch
+    # where cuBLAS made a split-K GEMM + splitKreduce: 187 us of the H100's b128 step, s27): its tests, its
+    # timing against cuBLAS per shape (s29b: the slice's decode with and without it)
+    step gpu_tests_s29a 240 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_bf16_skinny.py \
+        tests/test_kernels_bf16_gemv.py
+    step bench_skinny_gemm 200 python benchmarks/bench_skinny_gemm.py --budget 170
+    ;;
+s29b)
+    step decode_anatomy_skinny 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 30 \
+        --env-sets DEEPINFER_SKINNY_GEMM=0 "" DEEPINFER_SKINNY_GEMM=0 ""
+    ;;
 s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache codecs through the registry
     # (V4.1's varlen path now on the Triton codecs; V4's extend path through the same PackedStore methods), V4.1's
     # per-forward window rows and RoPE tables, PDL's one switch and device check (runtime.griddepcontrol_device,
