@@ -7,6 +7,7 @@ tile sweep per regime, V4-Flash dims (E=256, k=6, D=4096, I=2048), uniform rando
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --mma [--ts 1,8,32,128]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --tma [--ts 1,8,32,128]
     PYTHONPATH=$PWD python benchmarks/bench_fp4_moe.py --wgmma [--ts 512,2048,8192]
+    ... [--dims 384,6,5120,2304]   # other expert dims E,k,D,I (these: V4.1-Flash's)
 
 --fp8: the current default (expand and plan chosen by the op) against the FP8 form's variants (`FP8_VARIANTS`);
 --mma: the current default against the mma.sync CUDA kernel's variants (`MMA_VARIANTS`, kernels/cuda/fp4_moe_mma);
@@ -127,6 +128,7 @@ TMA_VARIANTS = [  # (name, config, expand, max T)
     ("tma MT1 cw4 s4", dict(TMA=True, MT=1, CWARPS=4, STAGES=4), None, 10 ** 9),
 ]
 WGMMA_VARIANTS = [  # (name, config, expand, max T)
+    ("wgmma (its plan)", dict(WGMMA=True), None, 10 ** 9),
     ("triton prefill (PREFILL_V2, expand 6)", dict(A_BF16=True), 6, 10 ** 9),
     ("wgmma BT128 cwg4 s4 f1 h0", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0), None, 10 ** 9),
     ("wgmma BT128 cwg4 s4 f1 h0 untrimmed", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, TRIM=0),
@@ -214,7 +216,12 @@ def main() -> None:
     ap.add_argument("--mma", action="store_true", help="the current default against MMA_VARIANTS (mma.sync kernel)")
     ap.add_argument("--tma", action="store_true", help="the current default against TMA_VARIANTS (TMA-fed kernel)")
     ap.add_argument("--wgmma", action="store_true", help="the current default against WGMMA_VARIANTS (prefill)")
+    ap.add_argument("--dims", default=None, help="E,k,D,I instead of V4-Flash's 256,6,4096,2048")
     args = ap.parse_args()
+    if args.dims:
+        global E, K_TOP, D, I
+        E, K_TOP, D, I = (int(v) for v in args.dims.split(","))
+        print(f"expert dims E={E} k={K_TOP} D={D} I={I}", flush=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     b = bank(dev)

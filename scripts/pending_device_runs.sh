@@ -11,7 +11,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s29a, s29b, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s29a, s29b, s29c, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -29,9 +29,13 @@ s29a)  # the twenty-ninth session: linear_f32 / blinear at 9..256 rows on bf16_s
         tests/test_kernels_bf16_gemv.py
     step bench_skinny_gemm 200 python benchmarks/bench_skinny_gemm.py --budget 170
     ;;
-s29b)
-    step decode_anatomy_skinny 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 30 \
-        --env-sets DEEPINFER_SKINNY_GEMM=0 "" DEEPINFER_SKINNY_GEMM=0 ""
+s29b)  # the slice's decode with cuBLAS (the before) and with bf16_skinny; on an H200 also the owed PDL-off run
+    step decode_anatomy_skinny 540 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 30 \
+        --env-sets DEEPINFER_SKINNY_GEMM=0 "" DEEPINFER_PDL=0
+    ;;
+s29c)  # V4.1-Flash's experts at 1k prefill (16 slots an expert: the TMA decode form, ~45% of copy in s28) against
+    # the wgmma prefill form: does the threshold (fp4_moe.DECODE_SLOTS_PER_EXPERT) sit right for V4.1's dims?
+    step fp4_moe_v41_dims 300 python benchmarks/bench_fp4_moe.py --wgmma --ts 512,1024,2048 --dims 384,6,5120,2304
     ;;
 s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache codecs through the registry
     # (V4.1's varlen path now on the Triton codecs; V4's extend path through the same PackedStore methods), V4.1's
