@@ -11,7 +11,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s29a, s29b, s29c, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s29, s29a, s29b, s29c, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -22,6 +22,14 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s29)  # one call's worth (~560 s) when device time is short: s29a's tests, s28b's tests, then s29a's timing
+    step gpu_tests_s29a 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_bf16_skinny.py \
+        tests/test_kernels_bf16_gemv.py
+    step gpu_tests_s28b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
+        tests/test_engine_fast_v41_extend.py tests/test_extend_graphs.py tests/test_v41_extend_graphs.py \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
+    step bench_skinny_gemm 140 python benchmarks/bench_skinny_gemm.py --budget 120
+    ;;
 s29a)  # the twenty-ninth session: linear_f32 / blinear at 9..256 rows on bf16_skinny's tensor-core GEMM (one launch
     # where cuBLAS made a split-K GEMM + splitKreduce: 187 us of the H100's b128 step, s27): its tests, its
     # timing against cuBLAS per shape (s29b: the slice's decode with and without it)

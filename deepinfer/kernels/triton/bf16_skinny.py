@@ -34,11 +34,12 @@ MAX_N = 16384  # weights with more rows (the LM head's 129280) stay on cuBLAS, w
 
 @fast_launch
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_om,
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] w[n, k] for this program's BW weight rows n and BT tokens m, over all K.
-    x [M, K] (strides stride_xm, stride_xk); w [N, K] with unit column stride; out [M, N] with unit column
-    stride, its dtype (fp32 or bf16) the one output rounding."""
+    x [M, K] and w [N, K] with unit column strides (16-byte asynchronous copies into shared memory: with x's
+    column stride a run-time value, sm_90 code loaded x 2 bytes at a time through registers); out [M, N]
+    with unit column stride, its dtype (fp32 or bf16) the one output rounding."""
     pdl_enter(PDL)
     wrows = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
     toks = tl.program_id(1).to(tl.int64) * BT + tl.arange(0, BT)
@@ -51,9 +52,11 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_
         kmask = ks < K
         w = tl.load(w_ptr + wrows[:, None] * stride_wn + ks[None, :], mask=wmask[:, None] & kmask[None, :],
                     other=0.0)  # [BW, BK] bf16
-        xt = tl.load(x_ptr + toks[None, :] * stride_xm + ks[:, None] * stride_xk,
-                     mask=kmask[:, None] & tmask[None, :], other=0.0)  # [BK, BT] bf16: x's tile transposed
-        acc = tl.dot(w, xt, acc, out_dtype=tl.float32)  # exact products, fp32 sums
+        x = tl.load(x_ptr + toks[:, None] * stride_xm + ks[None, :],
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK] bf16, K contiguous as stored
+        # the transpose is the MMA's operand order (a K-major B tile), not a data movement: loading the
+        # [BK, BT] tile directly made sm_90 code transpose in registers (byte permutes, spills at BT 128)
+        acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32)  # exact products, fp32 sums
     tl.store(out_ptr + toks[None, :] * stride_om + wrows[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=wmask[:, None] & tmask[None, :])
 
@@ -74,8 +77,10 @@ def takes_shape(m: int, n: int) -> bool:
 
 def launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """The kernel on x's device (cuda, or CPU under TRITON_INTERPRET=1), no checks beyond the layout:
-    x bf16 [M, K] (any strides), w bf16 [N, K] with unit column stride -> out_dtype [M, N]. config: keys of
-    `tiles` overriding it (benchmark sweeps, tests)."""
+    x bf16 [M, K] (any strides: one with a column stride other than 1 is copied first), w bf16 [N, K] with
+    unit column stride -> out_dtype [M, N]. config: keys of `tiles` overriding it (benchmark sweeps, tests)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
     M, K = x.shape
     N = w.shape[0]
     if w.stride(1) != 1:
@@ -85,7 +90,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, config: dic
         return out
     t = dict(tiles(M, N, K), **(config or {}))
     _skinny_kernel[(cdiv(N, t["BW"]), cdiv(M, t["BT"]))](
-        x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), out.stride(0),
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BW=t["BW"], BT=t["BT"], BK=t["BK"], num_warps=t["num_warps"], num_stages=t["num_stages"])
     return out
 
