@@ -22,13 +22,15 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s29)  # one call's worth (~560 s) when device time is short: s29a's tests, s28b's tests, then s29a's timing
+s29)  # one call's worth (~620 s at most) when device time is short: s29a's tests, s28b's tests, then s29a's timing
+    # and the GEMV's (its x loads now 16-byte vectors: bit-identical, the speed unmeasured)
     step gpu_tests_s29a 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_bf16_skinny.py \
         tests/test_kernels_bf16_gemv.py
     step gpu_tests_s28b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
         tests/test_engine_fast_v41_extend.py tests/test_extend_graphs.py tests/test_v41_extend_graphs.py \
         tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
     step bench_skinny_gemm 140 python benchmarks/bench_skinny_gemm.py --budget 120
+    step bench_gemv 60 python benchmarks/bench_gemv.py --no-sweep --budget 50
     ;;
 s29a)  # the twenty-ninth session: linear_f32 / blinear at 9..256 rows on bf16_skinny's tensor-core GEMM (one launch
     # where cuBLAS made a split-K GEMM + splitKreduce: 187 us of the H100's b128 step, s27): its tests, its

@@ -143,7 +143,21 @@ def _case_skinny(bt, out="*fp32"):
                         num_warps=t["num_warps"], num_stages=t["num_stages"])
 
 
+def _case_gemv(m, n):
+    """bf16_gemv's GEMV at its tile for M x N (K = 4096). 2026-12-06: x's run-time column stride had made its
+    loads 2-byte scalars (32 LDG.U16 a thread at M=1 N=256); with unit stride they are LDG.128."""
+    from deepinfer.kernels.triton.bf16_gemv import _gemv_kernel, _gemv_tiles
+    t = _gemv_tiles(m, n, 4096)
+    params = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", K="i32", stride_xm="i32",
+                  stride_wn="i32", stride_om="i32", M_PAD=1 << (m - 1).bit_length(), BN=t["BN"], BK=t["BK"], PDL=True)
+    fn = getattr(_gemv_kernel, "fn", _gemv_kernel)
+    return compile_sm90(fn, params, {"x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om"},
+                        num_warps=t["num_warps"], num_stages=t["num_stages"])
+
+
 CASES = {
+    "gemv_m1_n256": lambda: _case_gemv(1, 256),
+    "gemv_m1_n2048": lambda: _case_gemv(1, 2048),
     "skinny_bt16": lambda: _case_skinny(16),
     "skinny_bt128": lambda: _case_skinny(128),
     "fp4_v2_decode": lambda: _case_fp4_v2(16, 128, 6),

@@ -48,11 +48,12 @@ GEMV_MAX_WORK = 2048  # M x N up to this (and M <= 8) take the GEMV; above, cuBL
 
 @fast_launch
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_om,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] * w[n, k] for n in this program's BN columns and all m < M <= M_PAD.
-    x [M, K] with strides (stride_xm, stride_xk); w [N, K] with unit column stride; out [M, N] with unit
-    column stride, its dtype (fp32 or bf16) the one output rounding."""
+    x [M, K] and w [N, K] with unit column strides (x's a run-time stride made sm_90 code load x 2 bytes at a
+    time: 32 LDG.U16 against the weight's 4 LDG.128 a thread at M=1 N=256, scripts/sass_sm90.py); out [M, N]
+    with unit column stride, its dtype (fp32 or bf16) the one output rounding."""
     pdl_enter(PDL)
     cols = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # weight rows = output columns
     rows = tl.arange(0, M_PAD)
@@ -63,7 +64,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn
     for k0 in range(0, K, BK):
         ks = k0 + lanes
         kmask = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [M_PAD, BK]
         w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
                     mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [BN, BK]
@@ -96,8 +97,8 @@ def _gemv_tiles(m: int, n: int, k: int) -> dict:
 def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: dict | None = None,
             max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
     """The kernel on x's device (cuda, or CPU under TRITON_INTERPRET=1), no checks beyond the layout:
-    x bf16 [M <= max_rows, K] (any strides), w bf16 [N, K] with unit column stride -> out_dtype [M, N].
-    tiles: {BN, BK, num_warps, num_stages} overriding `_gemv_tiles` (benchmark sweeps, tests); max_rows is
+    x bf16 [M <= max_rows, K] (any strides: one with a column stride other than 1 is copied first, at most
+    max_rows rows), w bf16 [N, K] with unit column stride -> out_dtype [M, N]. tiles: {BN, BK, num_warps, num_stages} overriding `_gemv_tiles` (benchmark sweeps, tests); max_rows is
     raised past GEMV_MAX_ROWS only by the benchmark (to see where the limit should sit)."""
     M, K = x.shape
     N = w.shape[0]
@@ -107,9 +108,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: dic
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
     t = dict(_gemv_tiles(M, N, K), **(tiles or {}))
     _gemv_kernel[(cdiv(N, t["BN"]),)](
-        x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), out.stride(0),
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         M_PAD=next_power_of_2(M), BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
         num_stages=t["num_stages"])
     return out
