@@ -182,13 +182,6 @@ def fused_greedy_enabled() -> bool:
     return os.environ.get("DEEPINFER_FUSED_GREEDY", "1") not in ("0", "false", "no")
 
 
-def skinny_gemm_enabled() -> bool:
-    """Ops "linear_f32" / "blinear" on cuda take kernels/triton/bf16_skinny.py's tensor-core GEMM at 9..256 rows
-    (one launch, no split-K partials) instead of cuBLAS's split-K GEMM + splitKreduce; DEEPINFER_SKINNY_GEMM=0
-    keeps cuBLAS (A/B runs; read at every call, so a graph captures the choice in force)."""
-    return os.environ.get("DEEPINFER_SKINNY_GEMM", "1") not in ("0", "false", "no")
-
-
 def fast_launch_enabled() -> bool:
     """The decorated Triton kernels launch through kernels/triton/launch.py's per-specialisation cache
     instead of Triton's per-call JIT dispatch; default on since its GPU tests passed on the H200 (2026-12-05);

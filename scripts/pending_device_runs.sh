@@ -2,7 +2,8 @@
 # stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-seventh session ran s27a (the
 # twenty-sixth session's review), s27b-e (PDL: tests, anatomy, the slice against transformers, prefill), all on
 # an H100 (passed; numbers in BENCHMARKS.md). The twenty-eighth session ran s27f's and s28a's tests and timings
-# on an H100 (BENCHMARKS.md). Owed first, on any GPU: s28b, then s28c. Still owed on an H200 (no run of these sessions got one): anatomy
+# on an H100 (BENCHMARKS.md). The twenty-ninth session ran s28b, s28c and its own s29a-c on an H100 (passed; the
+# stages as they were are in git history, the numbers in BENCHMARKS.md). Owed first, on any GPU: s29d. Still owed on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL.
 #   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh anatomy     # with carry: [".whl"]
@@ -11,7 +12,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s29, s29a, s29b, s29c, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s29d, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -22,30 +23,14 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s29)  # one call's worth (~620 s at most) when device time is short: s29a's tests, s28b's tests, then s29a's timing
-    # and the GEMV's (its x loads now 16-byte vectors: bit-identical, the speed unmeasured)
-    step gpu_tests_s29a 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_bf16_skinny.py \
-        tests/test_kernels_bf16_gemv.py
-    step gpu_tests_s28b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
-        tests/test_engine_fast_v41_extend.py tests/test_extend_graphs.py tests/test_v41_extend_graphs.py \
-        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
-    step bench_skinny_gemm 140 python benchmarks/bench_skinny_gemm.py --budget 120
-    step bench_gemv 60 python benchmarks/bench_gemv.py --no-sweep --budget 50
-    ;;
-s29a)  # the twenty-ninth session: linear_f32 / blinear at 9..256 rows on bf16_skinny's tensor-core GEMM (one launch
-    # where cuBLAS made a split-K GEMM + splitKreduce: 187 us of the H100's b128 step, s27): its tests, its
-    # timing against cuBLAS per shape (s29b: the slice's decode with and without it)
-    step gpu_tests_s29a 240 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_bf16_skinny.py \
-        tests/test_kernels_bf16_gemv.py
-    step bench_skinny_gemm 200 python benchmarks/bench_skinny_gemm.py --budget 170
-    ;;
-s29b)  # the slice's decode with cuBLAS (the before) and with bf16_skinny; on an H200 also the owed PDL-off run
-    step decode_anatomy_skinny 540 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 30 \
-        --env-sets DEEPINFER_SKINNY_GEMM=0 "" DEEPINFER_PDL=0
-    ;;
-s29c)  # V4.1-Flash's experts at 1k prefill (16 slots an expert: the TMA decode form, ~45% of copy in s28) against
-    # the wgmma prefill form: does the threshold (fp4_moe.DECODE_SLOTS_PER_EXPERT) sit right for V4.1's dims?
-    step fp4_moe_v41_dims 300 python benchmarks/bench_fp4_moe.py --wgmma --ts 512,1024,2048 --dims 384,6,5120,2304
+s29d)  # owed by the twenty-ninth session: the experts' wgmma form from 11 slots an expert (fp4_moe.WGMMA_SLOTS_PER_EXPERT,
+    # 16 before; the H100's crossover, fp4_moe_crossover_h100_2026-12-06_s29.log): the dispatch test and the wgmma
+    # form's tests, then V4.1's 1k / 4k prefill with it (s29: 33.1 / 61.0 ms with the experts on the TMA form at 1k)
+    step gpu_tests_s29d 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_wgmma.py
+    step gpu_tests_s29d_tma 100 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py \
+        -k default
+    step bench_v41_prefill_wgmma_experts 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 \
+        --graphs --top 8
     ;;
 s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache codecs through the registry
     # (V4.1's varlen path now on the Triton codecs; V4's extend path through the same PackedStore methods), V4.1's

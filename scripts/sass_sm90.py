@@ -131,18 +131,6 @@ def _case_fp4_fp8(bt, bw, gated=True, act_block=128, num_warps=4, num_stages=3, 
     return compile_sm90(_fp4_fp8_gemm_kernel, params, div, num_warps=num_warps, num_stages=num_stages)
 
 
-def _case_skinny(bt, out="*fp32"):
-    """bf16_skinny's tensor-core GEMM at its default tile for BT tokens (2026-12-06: this read found x loaded 2
-    bytes at a time through registers while its column stride was a run-time value; now LDGSTS + HGMMA only)."""
-    from deepinfer.kernels.triton.bf16_skinny import _skinny_kernel, tiles
-    t = tiles(bt, 2048, 4096)
-    params = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr=out, M="i32", N="i32", K="i32", stride_xm="i32",
-                  stride_wn="i32", stride_om="i32", BW=t["BW"], BT=t["BT"], BK=t["BK"], PDL=True)
-    fn = getattr(_skinny_kernel, "fn", _skinny_kernel)  # under the fast-launch wrapper
-    return compile_sm90(fn, params, {"x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om"},
-                        num_warps=t["num_warps"], num_stages=t["num_stages"])
-
-
 def _case_gemv(m, n):
     """bf16_gemv's GEMV at its tile for M x N (K = 4096). 2026-12-06: x's run-time column stride had made its
     loads 2-byte scalars (32 LDG.U16 a thread at M=1 N=256); with unit stride they are LDG.128."""
@@ -158,8 +146,6 @@ def _case_gemv(m, n):
 CASES = {
     "gemv_m1_n256": lambda: _case_gemv(1, 256),
     "gemv_m1_n2048": lambda: _case_gemv(1, 2048),
-    "skinny_bt16": lambda: _case_skinny(16),
-    "skinny_bt128": lambda: _case_skinny(128),
     "fp4_v2_decode": lambda: _case_fp4_v2(16, 128, 6),
     "fp4_v2_decode_e5": lambda: _case_fp4_v2(16, 128, 5),
     "fp4_fp8_decode": lambda: _case_fp4_fp8(16, 128),

@@ -53,11 +53,10 @@ def _grid_inputs(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch
     return x, w
 
 
-def _check_f32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what, u: float = U) -> None:
-    """fp32 output vs the twin and float64, by the summation-order bound (see the module docstring); u: the
-    unit roundoff of the kernel's adds (2**-24 round to nearest; bf16_skinny's GPU test passes 2**-23)."""
+def _check_f32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what) -> None:
+    """fp32 output vs the twin and float64, by the summation-order bound (see the module docstring)."""
     k = x.shape[1]
-    gamma = k * u / (1 - k * u)
+    gamma = k * U / (1 - k * U)
     scale = x.double().abs() @ w.double().abs().T  # sum_k |x_k w_k|
     exact = x.double() @ w.double().T
     want = bf16_gemm.linear_f32_torch(x, w)
@@ -68,10 +67,10 @@ def _check_f32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what, u: flo
     assert rel <= 1e-5, (what, rel)
 
 
-def _check_bf16(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what, u: float = U) -> None:
-    """bf16 output: both are roundings of fp32 sums within 2 gamma_K * sum|x w| of each other (u as above)."""
+def _check_bf16(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what) -> None:
+    """bf16 output: both are roundings of fp32 sums within 2 gamma_K * sum|x w| of each other."""
     k = x.shape[1]
-    bound = 2 * k * u / (1 - k * u) * (x.double().abs() @ w.double().abs().T)
+    bound = 2 * k * U / (1 - k * U) * (x.double().abs() @ w.double().abs().T)
     want = official.blinear(x, w)
     assert got.dtype == BF16 and got.shape == want.shape, what
     g, v = got.double(), want.double()
@@ -178,13 +177,13 @@ assert torch.equal(bf16_gemv.linear_f32(wide[:, 50:250], w), ref)
 assert torch.equal(bf16_gemv.linear_f32(tall, w), ref)
 # empty calls
 assert bf16_gemv.linear_f32(x[:0], w).shape == (0, 37) and bf16_gemv.blinear(x, w[:0]).shape == (5, 0)
-# not taken by the GEMV: M > GEMV_MAX_ROWS (bf16_skinny's from 9 rows: its own test), M x N > GEMV_MAX_WORK,
-# an fp32 weight, a non-contiguous weight -> the twin's bits
+# not taken: M > GEMV_MAX_ROWS, M x N > GEMV_MAX_WORK, an fp32 weight, a non-contiguous weight -> the twin's bits
 bf16_gemm.linear_f32_cublas, bf16_gemm.blinear_cublas = twin_f32, twin_b
 x9, _ = _inputs(bf16_gemv.GEMV_MAX_ROWS + 1, 37, 200, 17)
-assert not bf16_gemv._takes(x9, w) and bf16_gemv._takes_skinny(x9, w)
+assert torch.equal(bf16_gemv.linear_f32(x9, w), bf16_gemm.linear_f32_torch(x9, w))
+assert torch.equal(bf16_gemv.blinear(x9, w), official.blinear(x9, w))
 x4, w600 = _inputs(4, 600, 64, 4)  # M x N > GEMV_MAX_WORK: cuBLAS's (here the twin's) bits
-assert not bf16_gemv._takes(x4, w600) and not bf16_gemv._takes_skinny(x4, w600)
+assert not bf16_gemv._takes(x4, w600)
 assert torch.equal(bf16_gemv.linear_f32(x4, w600), bf16_gemm.linear_f32_torch(x4, w600))
 assert torch.equal(bf16_gemv.linear_f32(x, w.float()), bf16_gemm.linear_f32_torch(x, w.float()))
 wt = w.T.contiguous().T

@@ -361,8 +361,32 @@ def test_op_small_bank_act_block_32_and_graph_replay():
 
 
 @pytest.mark.gpu
+def test_default_form_switches_above_wgmma_slots_per_expert(monkeypatch):
+    """The default (auto) runs the TMA decode form up to WGMMA_SLOTS_PER_EXPERT slots per expert and the wgmma
+    form above (the H100's crossover, 2026-12-06), bit-identical to the explicit configs on each side."""
+    from deepinfer.kernels.triton.fp4_moe import (DECODE_TMA, PREFILL_WGMMA, WGMMA_SLOTS_PER_EXPERT, fp4_moe,
+                                                  tma_form_usable, wgmma_form_usable)
+    from test_kernels_fp4_moe_split import _inputs
+    from test_kernels_gemm import _random_bank
+
+    for name in ("DEEPINFER_MOE_PREFILL_KERNEL", "DEEPINFER_MOE_DECODE_KERNEL"):
+        monkeypatch.delenv(name, raising=False)
+    dev = _cuda()
+    e = 32
+    bank = _random_bank(e, 512, 256, 128, dev)
+    assert tma_form_usable(bank, dev) and wgmma_form_usable(bank, dev)
+    edge = WGMMA_SLOTS_PER_EXPERT * e // 6  # tokens of 6 slots each: at most the boundary's slots per expert
+    for t, want_cfg in ((edge, DECODE_TMA), (edge + 1, PREFILL_WGMMA), (3 * edge, PREFILL_WGMMA)):
+        x, ids, weights = _inputs(t, dev, e=e, d=512)
+        got = fp4_moe(x, ids, weights, bank, 10.0)
+        assert torch.equal(got, fp4_moe(x, ids, weights, bank, 10.0, config=want_cfg)), (t, want_cfg)
+        other = PREFILL_WGMMA if want_cfg is DECODE_TMA else DECODE_TMA
+        assert not torch.equal(got, fp4_moe(x, ids, weights, bank, 10.0, config=other)), (t, "forms agree")
+
+
+@pytest.mark.gpu
 def test_prefill_default_follows_the_env_choice(monkeypatch):
-    """Above 16 slots per expert the default (auto, PREFILL_FORM "wgmma") and DEEPINFER_MOE_PREFILL_KERNEL=wgmma
+    """Above 16 slots per expert (> WGMMA_SLOTS_PER_EXPERT) the default (auto, PREFILL_FORM "wgmma") and DEEPINFER_MOE_PREFILL_KERNEL=wgmma
     run the wgmma form (bit-identical to config WGMMA; I = 128 with one fragment buffer), =triton the Triton
     plan; a bank it cannot run (a scale byte above 128) falls back to the Triton plan (expand 5 there)."""
     from deepinfer.kernels.triton.fp4_moe import PREFILL_V2, fp4_moe, wgmma_form_usable

@@ -15,11 +15,12 @@ the fp32 summation order, as cuBLAS is. The order is fixed for a given tile (`_g
 depends on M, so a row's bits can change with the batch size, as cuBLAS's can); runs are deterministic.
 Registration: `kernels/__init__` registers the cuBLAS versions for "cuda" when `deepinfer.kernels` is
 imported, which happens before `kernels.triton.register_cuda_kernels()` can run (it lives in a subpackage
-and imports `register` from it), so these entries replace them. Calls the GEMV does not take (M >
-GEMV_MAX_ROWS or M x N > GEMV_MAX_WORK) at 9..256 rows go to `bf16_skinny`'s tensor-core GEMM (one launch where
-cuBLAS made two; N <= its MAX_N, DEEPINFER_SKINNY_GEMM=0 turns it off); every other call (longer prompts, the
-LM head, an fp32 weight, a weight that is not contiguous, CPU tensors off the interpreter) goes to the cuBLAS
-versions (which send CPU tensors to the torch twins).
+and imports `register` from it), so these entries replace them; every call they do not take (M >
+GEMV_MAX_ROWS or M x N > GEMV_MAX_WORK, an fp32 weight, a weight that is not contiguous, CPU tensors off the
+interpreter) goes to the cuBLAS versions (which send CPU tensors to the torch twins). From 9 rows cuBLAS's
+split-K GEMM + splitKreduce stays: a one-launch tensor-core GEMM over the whole K (bf16_skinny, 2026-12-06)
+was 0.42-0.97x its speed on the H100 (too few CTAs stream a 0.5-16 MB weight; BENCHMARKS.md twenty-ninth
+session), and removed.
 Must not: be imported off CUDA (imports triton); sync with the host (calls are captured in CUDA graphs);
 copy or upcast the weight.
 """
@@ -29,9 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer import env
 from deepinfer.kernels import bf16_gemm
-from deepinfer.kernels.triton import bf16_skinny
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
@@ -124,13 +123,6 @@ def _takes(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.stride(1) == 1 and w.stride(0) == w.shape[1])
 
 
-def _takes_skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a checked call with a bf16 weight that the GEMV does not take runs bf16_skinny's tensor-core
-    GEMM (9..256 rows, N <= its MAX_N; DEEPINFER_SKINNY_GEMM=0: never) instead of cuBLAS."""
-    return ((x.is_cuda or interpreting()) and bf16_skinny.takes_shape(x.shape[0], w.shape[0])
-            and w.stride(1) == 1 and w.stride(0) == w.shape[1] and env.skinny_gemm_enabled())
-
-
 def takes_shape(m: int, n: int) -> bool:
     """Whether M rows times an N-row weight take the GEMV (GEMV_MAX_ROWS, GEMV_MAX_WORK: the H200 measurement)."""
     return m <= GEMV_MAX_ROWS and m * n <= GEMV_MAX_WORK
@@ -144,8 +136,6 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         bf16_gemm._check("linear_f32", x, w, 2, 2, (BF16, F32))
         if _takes(x, w):
             return _launch(x, w, F32)
-        if _takes_skinny(x, w):
-            return bf16_skinny.launch(x, w, F32)
     return bf16_gemm.linear_f32_cublas(x, w)
 
 
@@ -157,8 +147,6 @@ def blinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         bf16_gemm._check("blinear", x, w, 2, 2, (BF16, F32))
         if _takes(x, w):
             return _launch(x, w, BF16)
-        if _takes_skinny(x, w):
-            return bf16_skinny.launch(x, w, BF16)
     return bf16_gemm.blinear_cublas(x, w)
 
 

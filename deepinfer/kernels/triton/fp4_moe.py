@@ -50,8 +50,9 @@ the twin); H200 2026-11-29, one run, V4-Flash dims, decode T=1 as CUDA-graph rep
   bytes up to 128 (scale 2; the checkpoints' are ~2**-8), so the default takes it when the bank's
   `scale_max` allows and expand 5 otherwise. Default since then: the v2 path in every regime
   (`DECODE_V2`, `PREFILL_V2`), the kernel below only with an explicit expand or config.
-Prefill (above 16 slots per expert) on sm_90 runs the wgmma form (kernels/cuda/fp4_moe_wgmma.cu,
-`_fp4_moe_wgmma`, `PREFILL_FORM`): T=8192 6.5 ms against this module's v2 plan's 8.8 (H200 2026-12-02 s8).
+Prefill (above `WGMMA_SLOTS_PER_EXPERT` = 10 slots per expert; 16 until 2026-12-06) on sm_90 runs the wgmma form
+(kernels/cuda/fp4_moe_wgmma.cu, `_fp4_moe_wgmma`, `PREFILL_FORM`): T=8192 6.5 ms against this module's v2
+plan's 8.8 (H200 2026-12-02 s8).
 Must not: be imported without triton; know about gates, hash routing or the shared expert (the caller's).
 """
 from __future__ import annotations
@@ -1011,8 +1012,14 @@ DECODE_FORM = "tma"  # what DEEPINFER_MOE_DECODE_KERNEL=auto runs up to 16 slots
 # results/fp4_moe_mma_h200_2026-12-02.log, tiles below from _run3): the mma.sync form against the Triton v2
 # decode plan (expand 6): T=1 54 vs 75 us, T=8 236 vs 347, T=32 627 vs 811, T=128 1180 vs 1425 us; where
 # it cannot run (no NVRTC, scale bytes > 128, D or I not whole pipeline rounds) the Triton v2 plan runs
-PREFILL_FORM = "wgmma"  # what DEEPINFER_MOE_PREFILL_KERNEL=auto runs above 16 slots per expert: "wgmma" (where
-# `wgmma_form_usable`, else the Triton plan) or "triton" (PREFILL_V2)
+PREFILL_FORM = "wgmma"  # what DEEPINFER_MOE_PREFILL_KERNEL=auto runs above WGMMA_SLOTS_PER_EXPERT: "wgmma" (where
+# `wgmma_form_usable`, else the Triton plan above 16 slots per expert) or "triton" (PREFILL_V2)
+WGMMA_SLOTS_PER_EXPERT = 10  # above this many slots per expert the wgmma form runs (where usable), below it the
+# decode forms. H100 2026-12-06 (bench_fp4_moe.py --wgmma [--dims], whole op, CUDA-graph replay; BENCHMARKS.md
+# twenty-ninth session): the TMA form against the wgmma form's plan, V4-Flash dims at 6 / 8 / 10 / 12 slots 1324 /
+# 1465 / 1693 / 1979 us against 1682 / 1676 / 1704 / 1710; V4.1-Flash dims (384 experts, D 5120, I 2304) at 8 /
+# 10 / 11 / 12 / 14 / 16 slots 3217 / 3712 / 3942 / 4201 / 4751 / 5234 against 3799 / 3824 / 3874 / 3869 / 3910 /
+# 3938 (a 1k-token V4.1 prefill is 16 slots an expert: 1.33x). The boundary was 16 (the Triton plans') before.
 PREFILL_WGMMA = dict(WGMMA=True)  # the wgmma form with `plan_wgmma`'s tiles for the regime
 DECODE_MMA = dict(MMA_SYNC=True)  # the mma.sync form's default plan (`plan_mma`)
 DECODE_TMA = dict(TMA=True)  # the TMA form's default plan (`plan_tma`), above ONE_PROGRAM_ROUTING_SLOTS slots
@@ -1066,7 +1073,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids must lie in [0, E) (not checked on the device: that would force a host sync).
     expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`; with config None too: the measured default,
     `DECODE_V2` up to 16 slots per expert, else `PREFILL_V2`, both with expand 6 when the bank's scales
-    allow it (`EXPAND6_SCALE_MAX`), else 5; an expand without a config runs the kernel below); config:
+    allow it (`EXPAND6_SCALE_MAX`), else 5; on sm_90 the TMA / mma.sync forms up to WGMMA_SLOTS_PER_EXPERT
+    and the wgmma form above it; an expand without a config runs the kernel below); config:
     tile override (benchmarks); a config with any of `V2_KEYS` takes the v2 path (`_fp4_moe_v2`: split-K,
     bf16 activations; see `plan_v2`)."""
     if expand is None and config is None:  # the measured default: the v2 plan of the regime, expand 6 when exact
@@ -1078,7 +1086,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             config = DECODE_TMA
         elif form in ("tma", "mma") and mma_form_usable(bank, x.device):  # tma falls back to mma.sync, then Triton
             config = DECODE_MMA
-        if not few and _prefill_form() == "wgmma" and wgmma_form_usable(bank, x.device):
+        if (topk_ids.numel() / max(1, bank.plan_experts) > WGMMA_SLOTS_PER_EXPERT and _prefill_form() == "wgmma"
+                and wgmma_form_usable(bank, x.device)):
             config = PREFILL_WGMMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
