@@ -71,8 +71,10 @@ def check_act_quant_gather(device: str = "cpu") -> None:
     ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(t)])
     sorted_slots, block_expert = align_by_expert(ids, e, bt)
     assert int((block_expert < 0).sum()) > 0  # the bound leaves unused blocks: they must be skipped
-    # K = 256: programs of 128 columns; 2048: one program a row (the launcher's widest)
-    for k, block, quant in ((256, 128, True), (256, 32, True), (256, 128, False), (2048, 128, True)):
+    # K = 256: programs of 256 columns and 4 slots; 2048: 1024 columns, one slot; 2304 (V4.1-Flash's I): 9
+    # programs of 256 columns across a row, 4 slots each
+    for k, block, quant in ((256, 128, True), (256, 32, True), (256, 128, False), (2048, 128, True),
+                            (2304, 32, True)):
         x = (torch.randn(t, k, generator=gen) * 3).to(BF16)
         got = act_quant_gather(x.to(device), block, sorted_slots.to(device), block_expert.to(device), t * topk, topk,
                                bt, quant=quant).cpu()

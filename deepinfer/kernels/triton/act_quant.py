@@ -150,33 +150,43 @@ def _wgmma_k_order_rows(y, G: tl.constexpr):
 @triton.jit
 def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slots, stride_xm, stride_om,
                              ROW_DIV: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
-                             QUANT: tl.constexpr, DENSE: tl.constexpr = False, PDL: tl.constexpr = False):
+                             QUANT: tl.constexpr, DENSE: tl.constexpr = False, ROWS: tl.constexpr = 1,
+                             PDL: tl.constexpr = False):
     """out[p, L] = act_quant's q * s of x[sorted[p] // ROW_DIV, wgmma_k_order(L)] (bf16; QUANT False: x's
     value as bf16), zeros for padding slots; nothing for the rows of unused routing blocks (block_expert -1:
-    their GEMM programs exit). DENSE: row p of x itself (no routing: the dense linears' operand)."""
+    their GEMM programs exit). DENSE: row p of x itself (no routing: the dense linears' operand; ROWS 1).
+    A program writes COLS columns of ROWS consecutive slots (ROWS divides BT: one routing block), so that a
+    K that only 256-column programs divide (V4.1-Flash's I = 2304) is not one tiny program per 512 bytes."""
     pdl_enter(PDL)
-    p = tl.program_id(0)
+    p0 = tl.program_id(0) * ROWS
+    NB: tl.constexpr = COLS // BLOCK  # quantisation groups of a row's COLS columns
+    G: tl.constexpr = COLS // 128  # groups of WGMMA_K_GROUP columns
     if DENSE:
-        valid = p >= 0  # every row
-        row = p.to(tl.int64)
+        ps = p0 + tl.arange(0, ROWS)
+        valid = ps >= 0  # every row (the grid is M rows, ROWS 1)
+        rows = ps.to(tl.int64)
     else:
-        if tl.load(block_expert_ptr + p // BT) < 0:
+        if tl.load(block_expert_ptr + p0 // BT) < 0:
             return
-        slot = tl.load(sorted_ptr + p)
+        ps = p0 + tl.arange(0, ROWS)
+        slot = tl.load(sorted_ptr + ps)
         valid = slot < n_slots
-        row = (tl.where(valid, slot, 0) // ROW_DIV).to(tl.int64)
-    g = tl.program_id(1) * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)
-    cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=valid, other=0.0).to(tl.float32)
+        rows = (tl.where(valid, slot, 0) // ROW_DIV).to(tl.int64)
+    i = tl.arange(0, ROWS * NB)  # (row r, group g) = (i // NB, i % NB)
+    cols = (tl.program_id(1) * COLS + (i % NB) * BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :]
+    x_row = tl.reshape(tl.broadcast_to(rows[:, None], (ROWS, NB)), [ROWS * NB])
+    x_ok = tl.reshape(tl.broadcast_to(valid[:, None], (ROWS, NB)), [ROWS * NB])
+    x = tl.load(x_ptr + x_row[:, None] * stride_xm + cols, mask=x_ok[:, None], other=0.0).to(tl.float32)
     if QUANT:
         q, scale = quantise_rows(x)
         y = (q.to(tl.float32) * scale[:, None]).to(tl.bfloat16)
     else:
         y = x.to(tl.bfloat16)
-    G: tl.constexpr = COLS // 128  # groups of WGMMA_K_GROUP columns
-    y = _wgmma_k_order_rows(tl.reshape(y, [G, 128]), G)
-    dest = tl.program_id(1) * COLS + tl.arange(0, G)[:, None] * 128 + tl.arange(0, 128)[None, :]
-    tl.store(out_ptr + p.to(tl.int64) * stride_om + dest, y)
+    y = _wgmma_k_order_rows(tl.reshape(y, [ROWS * G, 128]), ROWS * G)
+    j = tl.arange(0, ROWS * G)  # (row r, group g) = (j // G, j % G)
+    out_row = tl.reshape(tl.broadcast_to(ps[:, None], (ROWS, G)), [ROWS * G]).to(tl.int64)
+    dest = out_row[:, None] * stride_om + (tl.program_id(1) * COLS + (j % G) * 128)[:, None] + tl.arange(0, 128)[None, :]
+    tl.store(out_ptr + dest, y)
 
 
 def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
@@ -197,9 +207,12 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     if out.numel() == 0:
         return out
     cols = next(c for c in (1024, 512, 256, WGMMA_K_GROUP) if k % c == 0)  # 1024: 16-byte loads and stores
-    _act_quant_gather_kernel[(sorted_slots.numel(), k // cols)](
+    rows = 1  # slots a program: up to 1024 // cols, a power of two dividing bt (the programs stay in one block)
+    while rows * 2 * cols <= 1024 and bt % (rows * 2) == 0:
+        rows *= 2
+    _act_quant_gather_kernel[(sorted_slots.numel() // rows, k // cols)](
         x, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), ROW_DIV=row_div, BT=bt,
-        BLOCK=block, COLS=cols, QUANT=quant)
+        BLOCK=block, COLS=cols, QUANT=quant, ROWS=rows)
     return out
 
 
