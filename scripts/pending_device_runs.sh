@@ -25,7 +25,9 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 case $stage in
 s29d)  # owed by the twenty-ninth session: the experts' wgmma form from 11 slots an expert (fp4_moe.WGMMA_SLOTS_PER_EXPERT,
     # 16 before; the H100's crossover, fp4_moe_crossover_h100_2026-12-06_s29.log): the dispatch test and the wgmma
-    # form's tests, then V4.1's 1k / 4k prefill with it (s29: 33.1 / 61.0 ms with the experts on the TMA form at 1k)
+    # form's tests, among them `act_quant_gather` compiled (now 4 slots a program at V4.1's I = 2304: the K = 2304
+    # case), then V4.1's 1k / 4k prefill with both (s29: 33.1 / 61.0 ms; the experts on the TMA form at 1k, the 4k's
+    # 8 operand gathers 4.0 ms)
     step gpu_tests_s29d 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_wgmma.py
     step gpu_tests_s29d_tma 100 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py \
         -k default
