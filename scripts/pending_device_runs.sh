@@ -5,14 +5,16 @@
 # on an H100 (BENCHMARKS.md). The twenty-ninth session ran s28b, s28c and its own s29a-c on an H100 (passed; the
 # stages as they were are in git history, the numbers in BENCHMARKS.md). Owed first, on any GPU: s29d. Still owed on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
-# (28%) predates PDL.
+# (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
+# H100 (stage crossover; the H200's higher copy rate favours the TMA form, so its crossover may sit higher).
+# The machine is handed back after ~30 s idle: have the next stage's command ready before a call returns.
 #   source scripts/device_prelude.sh; bash scripts/pending_device_runs.sh anatomy     # with carry: [".whl"]
 #   ... prefill_ab | s23b (both of them and the trimmed experts at T=1024) | tests | anatomy | linears | prefill | slice
 # Logs go to $OUT (one file per step); each step's summary line is printed.
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s29d, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -43,6 +45,12 @@ s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache 
         tests/test_engine_fast_v41_decode.py tests/test_engine_fast.py tests/test_extend_graphs.py tests/test_kernels_pdl.py \
         tests/test_kernels_launch.py tests/test_engine_fast_decode.py -k "not side_streams"
     step bench_v41_prefill 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 --no-varlen
+    ;;
+crossover)  # the TMA decode form against the wgmma prefill form around WGMMA_SLOTS_PER_EXPERT (10), both families'
+    # expert shapes (H100: fp4_moe_crossover_h100_2026-12-06_s29.log); run where the H100's numbers do not apply
+    step fp4_moe_crossover_v4 150 python benchmarks/bench_fp4_moe.py --wgmma --ts 256,341,427,512,683
+    step fp4_moe_crossover_v41 200 python benchmarks/bench_fp4_moe.py --wgmma --ts 512,640,704,768,896,1024 \
+        --dims 384,6,5120,2304
     ;;
 s28b)  # owed by the twenty-eighth session: V4's per-sequence reference path on the batched path's fused ops (its
     # GPU test failed since the nineteenth session's fusions: bisected on the H100 to 428cfe5 pass / c787048 fail)
