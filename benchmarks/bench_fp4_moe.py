@@ -129,6 +129,7 @@ TMA_VARIANTS = [  # (name, config, expand, max T)
 ]
 WGMMA_VARIANTS = [  # (name, config, expand, max T)
     ("wgmma (its plan)", dict(WGMMA=True), None, 10 ** 9),
+    ("tma (its plan)", dict(TMA=True), None, 4096),  # the decode form: the crossover (WGMMA_SLOTS_PER_EXPERT)
     ("triton prefill (PREFILL_V2, expand 6)", dict(A_BF16=True), 6, 10 ** 9),
     ("wgmma BT128 cwg4 s4 f1 h0", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0), None, 10 ** 9),
     ("wgmma BT128 cwg4 s4 f1 h0 untrimmed", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, TRIM=0),
