@@ -185,7 +185,8 @@ def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slo
     y = _wgmma_k_order_rows(tl.reshape(y, [ROWS * G, 128]), ROWS * G)
     j = tl.arange(0, ROWS * G)  # (row r, group g) = (j // G, j % G)
     out_row = tl.reshape(tl.broadcast_to(ps[:, None], (ROWS, G)), [ROWS * G]).to(tl.int64)
-    dest = out_row[:, None] * stride_om + (tl.program_id(1) * COLS + (j % G) * 128)[:, None] + tl.arange(0, 128)[None, :]
+    dest = (out_row[:, None] * stride_om + (tl.program_id(1) * COLS + (j % G) * 128)[:, None]
+            + tl.arange(0, 128)[None, :])
     tl.store(out_ptr + dest, y)
 
 

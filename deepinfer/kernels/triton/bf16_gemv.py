@@ -97,8 +97,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: dic
             max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
     """The kernel on x's device (cuda, or CPU under TRITON_INTERPRET=1), no checks beyond the layout:
     x bf16 [M <= max_rows, K] (any strides: one with a column stride other than 1 is copied first, at most
-    max_rows rows), w bf16 [N, K] with unit column stride -> out_dtype [M, N]. tiles: {BN, BK, num_warps, num_stages} overriding `_gemv_tiles` (benchmark sweeps, tests); max_rows is
-    raised past GEMV_MAX_ROWS only by the benchmark (to see where the limit should sit)."""
+    max_rows rows), w bf16 [N, K] with unit column stride -> out_dtype [M, N]. tiles: {BN, BK, num_warps,
+    num_stages} overriding `_gemv_tiles` (benchmark sweeps, tests); max_rows is raised past GEMV_MAX_ROWS only
+    by the benchmark (to see where the limit should sit)."""
     M, K = x.shape
     N = w.shape[0]
     if M > max_rows or w.stride(1) != 1:
