@@ -143,7 +143,21 @@ def _case_gemv(m, n):
                         num_warps=t["num_warps"], num_stages=t["num_stages"])
 
 
+def _case_gather(cols, rows):
+    """act_quant's expert-operand gather (`_act_quant_gather_kernel`) for COLS columns and ROWS slots a program.
+    2026-12-06: at V4.1's I = 2304 (256-column programs) one slot a program needed 4 barriers and shared-memory
+    round trips for the wgmma K order; 4 slots a program (1024 columns' worth) need none (176 instructions)."""
+    from deepinfer.kernels.triton.act_quant import _act_quant_gather_kernel
+    params = dict(x_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32", n_slots="i32",
+                  stride_xm="i32", stride_om="i32", ROW_DIV=6, BT=128, BLOCK=128, COLS=cols, QUANT=True,
+                  DENSE=False, ROWS=rows, PDL=True)
+    fn = getattr(_act_quant_gather_kernel, "fn", _act_quant_gather_kernel)
+    return compile_sm90(fn, params, {"x_ptr", "out_ptr", "stride_xm", "stride_om"}, num_warps=4, num_stages=3)
+
+
 CASES = {
+    "gather_256_rows1": lambda: _case_gather(256, 1),
+    "gather_256_rows4": lambda: _case_gather(256, 4),
     "gemv_m1_n256": lambda: _case_gemv(1, 256),
     "gemv_m1_n2048": lambda: _case_gemv(1, 2048),
     "fp4_v2_decode": lambda: _case_fp4_v2(16, 128, 6),
