@@ -161,14 +161,13 @@ def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slo
     p0 = tl.program_id(0) * ROWS
     NB: tl.constexpr = COLS // BLOCK  # quantisation groups of a row's COLS columns
     G: tl.constexpr = COLS // 128  # groups of WGMMA_K_GROUP columns
+    ps = p0 + tl.arange(0, ROWS)
     if DENSE:
-        ps = p0 + tl.arange(0, ROWS)
         valid = ps >= 0  # every row (the grid is M rows, ROWS 1)
         rows = ps.to(tl.int64)
     else:
         if tl.load(block_expert_ptr + p0 // BT) < 0:
             return
-        ps = p0 + tl.arange(0, ROWS)
         slot = tl.load(sorted_ptr + ps)
         valid = slot < n_slots
         rows = (tl.where(valid, slot, 0) // ROW_DIV).to(tl.int64)

@@ -1078,7 +1078,8 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     tile override (benchmarks); a config with any of `V2_KEYS` takes the v2 path (`_fp4_moe_v2`: split-K,
     bf16 activations; see `plan_v2`)."""
     if expand is None and config is None:  # the measured default: the v2 plan of the regime, expand 6 when exact
-        few = topk_ids.numel() / max(1, bank.plan_experts) <= DECODE_SLOTS_PER_EXPERT
+        per_expert = topk_ids.numel() / max(1, bank.plan_experts)
+        few = per_expert <= DECODE_SLOTS_PER_EXPERT
         config = DECODE_V2 if few else PREFILL_V2
         expand = 6 if bank.scale_max <= EXPAND6_SCALE_MAX else 5
         form = _decode_form() if few else "triton"
@@ -1086,8 +1087,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             config = DECODE_TMA
         elif form in ("tma", "mma") and mma_form_usable(bank, x.device):  # tma falls back to mma.sync, then Triton
             config = DECODE_MMA
-        if (topk_ids.numel() / max(1, bank.plan_experts) > WGMMA_SLOTS_PER_EXPERT and _prefill_form() == "wgmma"
-                and wgmma_form_usable(bank, x.device)):
+        if per_expert > WGMMA_SLOTS_PER_EXPERT and _prefill_form() == "wgmma" and wgmma_form_usable(bank, x.device):
             config = PREFILL_WGMMA
     expand = DEFAULT_EXPAND if expand is None else expand
     if expand not in EXPANSIONS:
