@@ -22,12 +22,17 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_sm90(fn, params: dict, divisible: set[str] = frozenset(), num_warps: int = 4, num_stages: int = 3):
+    if not isinstance(fn, JITFunction):  # a @fast_launch kernel: the JITFunction under launch.FastLaunch
+        fn = fn.fn
     names = list(fn.arg_names)
+    if "PDL" in names:  # every launched kernel's last parameter since 2026-12-06: off unless a case sets it
+        params = {"PDL": False, **params}
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(names):
         value = params[name]
@@ -138,8 +143,8 @@ def _case_gemv(m, n):
     t = _gemv_tiles(m, n, 4096)
     params = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", K="i32", stride_xm="i32",
                   stride_wn="i32", stride_om="i32", M_PAD=1 << (m - 1).bit_length(), BN=t["BN"], BK=t["BK"], PDL=True)
-    fn = getattr(_gemv_kernel, "fn", _gemv_kernel)
-    return compile_sm90(fn, params, {"x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om"},
+    return compile_sm90(_gemv_kernel, params,
+                        {"x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om"},
                         num_warps=t["num_warps"], num_stages=t["num_stages"])
 
 
@@ -151,8 +156,8 @@ def _case_gather(cols, rows):
     params = dict(x_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32", n_slots="i32",
                   stride_xm="i32", stride_om="i32", ROW_DIV=6, BT=128, BLOCK=128, COLS=cols, QUANT=True,
                   DENSE=False, ROWS=rows, PDL=True)
-    fn = getattr(_act_quant_gather_kernel, "fn", _act_quant_gather_kernel)
-    return compile_sm90(fn, params, {"x_ptr", "out_ptr", "stride_xm", "stride_om"}, num_warps=4, num_stages=3)
+    return compile_sm90(_act_quant_gather_kernel, params, {"x_ptr", "out_ptr", "stride_xm", "stride_om"}, num_warps=4,
+                        num_stages=3)
 
 
 CASES = {
