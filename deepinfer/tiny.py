@@ -19,6 +19,7 @@ Sinkhorn matrix so the four streams stay distinct.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -273,6 +274,14 @@ def _dump(path: Path, data: dict) -> None:
 def default_model_dir(family: str = "v4", seed: int = 0) -> Path:
     """The embedded default model: generated into the cache directory on first use, then reused."""
     path = env.cache_dir() / f"tiny-{family}-seed{seed}-v{TINY_VERSION}"
-    if not (path / "deepinfer_tiny.json").exists():
-        write_tiny(path, family, seed)
+    if (path / "deepinfer_tiny.json").exists():
+        return path
+    # Several processes may ask at once (parallel test workers, two servers started together): the first to
+    # take the lock writes, the others wait and then find it complete. Without the lock a late writer's
+    # replace would delete the directory under an early reader.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "deepinfer_tiny.json").exists():
+            write_tiny(path, family, seed)
     return path

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import torch
 
@@ -68,3 +69,38 @@ def test_tiny_is_decisive_and_layers_matter(oracle_factory):
     x = m.embed(ids).unsqueeze(2).repeat(1, 1, m.cfg.hc_mult, 1)
     embed_only = m.logits_from_hidden(x, all_logits=True)[0]
     assert float((embed_only.argmax(-1) == logits.argmax(-1)).float().mean()) < 0.5
+
+
+_WRITE_ONCE = r"""
+import sys, time
+from deepinfer import tiny
+real = tiny.write_tiny
+def counted(*a, **k):
+    print("wrote", flush=True)
+    time.sleep(0.5)  # widen the window in which a second process, without the lock, would also write
+    return real(*a, **k)
+tiny.write_tiny = counted
+while time.time() < float(sys.argv[1]):  # both processes start generating at the same moment
+    time.sleep(0.001)
+path = tiny.default_model_dir("v4", seed=0)
+assert (path / "deepinfer_tiny.json").exists()
+print("ok", flush=True)
+"""
+
+
+def test_default_model_dir_is_written_once_by_concurrent_processes(tmp_path):
+    """Parallel test workers (or two servers started together) ask for the embedded model at once: one
+    writes it, the other waits and reuses it, and neither sees a directory being replaced."""
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, DEEPINFER_CACHE_DIR=str(tmp_path))
+    start = str(time.time() + 3.0)
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITE_ONCE, start], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.split().count("ok") == 1
+    assert sum(out.split().count("wrote") for out, _ in outs) == 1
