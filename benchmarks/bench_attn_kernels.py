@@ -90,6 +90,12 @@ def bench_others(lines: list[str]) -> None:
         pos = torch.arange(T, device="cuda")
         lines.append(rows_for(f"rope32 q T={T} [64,512]", bench(lambda: rope.rope32(q, pos, freqs)), 2 * q.numel() * 2, 0))
         lines.append(rows_for(f"  torch twin T={T}", bench(lambda: official.rope32(q, pos, freqs)), 2 * q.numel() * 2, 0))
+
+
+def bench_indexer(lines: list[str]) -> None:
+    """The prefill / extend indexer scores (`indexer_scores_bf16`) without and with a prefill's visible counts,
+    and the stable top-k after them."""
+    g = torch.Generator(device="cuda").manual_seed(2)
     for T, E in ((1, 65536), (32, 65536), (8192, 2048)):
         q = torch.randn(T, 64, 128, generator=g, device="cuda").bfloat16()
         w = torch.randn(T, 64, generator=g, device="cuda").bfloat16()
@@ -98,6 +104,10 @@ def bench_others(lines: list[str]) -> None:
         flops = 2 * T * 64 * E * 128
         lines.append(rows_for(f"indexer_scores T={T} E={E}", bench(lambda: indexer.indexer_scores_bf16(q, w, keys)),
                               nbytes, flops))
+        if T > 1:  # a prefill's causal counts (ratio 4: token t sees (t + 1) // 4 entries); FLOPs of the visible
+            vis = (torch.arange(T, device="cuda") + 1) // 4 if T >= 4 * E else torch.randint(0, E + 1, (T,), device="cuda")
+            lines.append(rows_for(f"indexer_scores T={T} E={E} visible", bench(
+                lambda: indexer.indexer_scores_bf16(q, w, keys, vis)), nbytes, 2 * int(vis.sum()) * 64 * 128))
         s = indexer.indexer_scores_bf16(q, w, keys)
         k = min(512, E)
         lines.append(rows_for(f"  stable_topk (torch stable sort) k={k}", bench(lambda: torch_ops.stable_topk(s, k)),
@@ -217,11 +227,13 @@ def main() -> None:
     torch.set_num_threads(1)
     lines = _PrintingList()
     lines.append(f"device: {torch.cuda.get_device_name()}")
-    only = {a[2:] for a in sys.argv[1:] if a.startswith("--")}  # --hc-mix / --indexer-paged: those alone
+    only = {a[2:] for a in sys.argv[1:] if a.startswith("--")}  # --hc-mix / --indexer(-paged): those alone
     if not only:
         bench_sparse_attn(lines)
         bench_others(lines)
         bench_cache_side(lines)
+    if not only or "indexer" in only:
+        bench_indexer(lines)
     if not only or "indexer-paged" in only:
         bench_indexer_paged(lines)
     if not only or "hc-mix" in only:

@@ -134,12 +134,31 @@ def hadamard32(x: torch.Tensor) -> torch.Tensor:
     return ((x.to(F32) @ _hadamard32_on(d, x.device)) * d**-0.5).to(x.dtype)
 
 
-def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def check_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                         visible: torch.Tensor | None) -> None:
+    """The argument contract of `indexer_scores_bf16` (shared with its Triton twin): ValueError naming what
+    is wrong (a mismatched `visible` would otherwise broadcast or read past its end)."""
+    if q.dim() != 3 or weights.shape != q.shape[:2] or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
+        raise ValueError(f"indexer_scores_bf16: want q [T, h, d], weights [T, h], keys [E, d]; got q {tuple(q.shape)}, "
+                         f"weights {tuple(weights.shape)}, keys {tuple(keys.shape)}")
+    if visible is not None and (visible.shape != q.shape[:1] or visible.dtype not in (torch.int32, torch.int64)
+                                or visible.device != q.device):
+        raise ValueError(f"indexer_scores_bf16: visible must be int32/int64 [T={q.shape[0]}] on {q.device}; got "
+                         f"{visible.dtype} {tuple(visible.shape)} on {visible.device}")
+
+
+def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                        visible: torch.Tensor | None = None) -> torch.Tensor:
     """Official indexer scores: bf16 q.k, relu, bf16 multiply by the bf16 head weights, bf16 head sum.
-    q [T, h, d] bf16, weights [T, h] bf16, keys [E, d] bf16 -> [T, E] bf16."""
+    q [T, h, d] bf16, weights [T, h] bf16, keys [E, d] bf16 -> [T, E] bf16. visible [T] (optional): token t
+    sees entries [0, visible[t]); the rest of its row is -inf (the official mask before the top-k)."""
+    check_indexer_scores(q, weights, keys, visible)
     s = torch.einsum("thd,ed->the", q.to(F32), keys.to(F32)).to(BF16)
     s = (s.relu() * weights.unsqueeze(-1)).to(BF16)
-    return s.to(F32).sum(dim=1).to(BF16)
+    s = s.to(F32).sum(dim=1).to(BF16)
+    if visible is not None:
+        s = s.masked_fill(torch.arange(keys.shape[0], device=s.device) >= visible.unsqueeze(1), float("-inf"))
+    return s
 
 
 def indexer_scores_batched_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -235,9 +235,7 @@ class V4Attention:
                 visible = (qpos + 1) // r
                 if self.has_indexer:
                     keys = lc.decode("index", lc.index_keys[ent_rows])
-                    scores = k("indexer_scores_bf16")(q_idx[rows], w_idx[rows], keys)  # [S, E]
-                    hidden = torch.arange(n_ent, device=dev).unsqueeze(0) >= visible.unsqueeze(1)
-                    scores = scores.masked_fill(hidden, float("-inf"))
+                    scores = k("indexer_scores_bf16")(q_idx[rows], w_idx[rows], keys, visible)  # [S, E], masked
                     sel = k("stable_topk")(scores, min(cfg.index_topk, n_ent))
                 else:
                     sel = torch.arange(n_ent, device=dev).expand(S, -1)

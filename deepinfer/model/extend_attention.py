@@ -110,12 +110,8 @@ def _indexer_selection(attn, lc: LayerCache, ctx: ForwardContext, rows: ExtendRo
             continue
         tok = ctx.rows(i)
         visible = rr.visible[tok].unsqueeze(1)
-
-        def build_hidden() -> torch.Tensor:  # [S, n] entries past what each query sees
-            return torch.arange(n, device=dev) >= visible
-
-        scores = k("indexer_scores_bf16")(q_idx[tok], w_idx[tok], keys[e0 : e0 + n])  # [S, n]
-        scores = scores.masked_fill(step_memo(rows, ("hidden", attn.ratio, i), build_hidden), float("-inf"))
+        # [S, n], -inf past what each query sees (the op masks, and skips the blocks no query sees)
+        scores = k("indexer_scores_bf16")(q_idx[tok], w_idx[tok], keys[e0 : e0 + n], rr.visible[tok])
         sel = k("stable_topk")(scores, min(attn.cfg.index_topk, n))
         hidden = sel >= visible  # picks past the visible entries (a query that sees fewer than k)
         ent = rr.entry_rows[e0 : e0 + n]

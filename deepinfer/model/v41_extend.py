@@ -95,13 +95,10 @@ def _select_rows(attn, src: V41LayerCache, ctx: ForwardContext, rows: ExtendRows
     score = _k(attn, "indexer_scores_bf16")
     for i, s in enumerate(ctx.seqs):
         n, e0, a = rr.n_ent[i], rr.ent_start[i], ctx.cu_tokens[i]
-        if n:  # the per-sequence kernel call: the same score bits
+        if n:  # the per-sequence kernel call: the same score bits, -inf past what each query sees
             scores[a : a + s.num_new, :n] = score(q_idx[a : a + s.num_new], w_idx[a : a + s.num_new],
-                                                  keys[e0 : e0 + n])
-    visible = rr.visible
-    hidden = step_memo(rows, ("v41 hidden", attn.ratio),
-                       lambda: torch.arange(widest, device=dev) >= visible.unsqueeze(1))
-    scores.masked_fill_(hidden, float("-inf"))
+                                                  keys[e0 : e0 + n], rr.visible[a : a + s.num_new])
+    visible = rr.visible  # (columns past a sequence's n stay the fill's -inf)
     if attn.is_cand_source:  # (padding and invisible entries are -inf: never a reachable block)
         shared["v41 candidates"] = select_candidate_blocks(scores, visible, cfg.candidate_topk_blocks,
                                                            cfg.candidate_block_size, attn.kdev)

@@ -1,14 +1,17 @@
 """Triton lightning-indexer scores with the official bf16 rounding points.
 
 Owns:
-* `indexer_scores_bf16(q, weights, keys)`: the CUDA twin of `official.indexer_scores_bf16`. One program per
-  (query token, block of 64 entries): all heads' q.k in one MMA (fp32 accumulation), rounded to bf16, relu,
-  times the bf16 head weight rounded to bf16, summed over heads in fp32, rounded to bf16. The [T, h, E]
-  per-head scores never reach memory (the torch version writes them twice).
+* `indexer_scores_bf16(q, weights, keys, visible=None)`: the CUDA twin of `official.indexer_scores_bf16`.
+  One program per (pair of query tokens, chunk of 8 blocks of 64 entries): per token and block all heads'
+  q.k in one MMA (fp32 accumulation), rounded to bf16, relu, times the bf16 head weight rounded to bf16,
+  summed over heads in fp32, rounded to bf16 (`head_sum`). The [T, h, E] per-head scores never reach memory
+  (the torch version writes them twice); the two tokens share each key block and keep their q in registers
+  over the chunk. With `visible`, entries past a token's count are -inf and blocks neither token sees (a
+  prefill's causal half) are written -inf without a load or MMA.
 * `indexer_scores_paged_bf16(q, weights, store, entry_rows, hidden, layout)`: the batched decode step's
   scores straight from the packed FP4 index-key cache (the CUDA twin of `official.indexer_scores_paged_bf16`).
   One program per (sequence, block of 64 entries) gathers its entries' 68-byte rows, decodes E2M1 x E8M0 to
-  bf16 in registers (exact) and runs `_indexer_scores_kernel`'s MMA and epilogue: the packed bytes are read
+  bf16 in registers (exact) and runs the same `head_sum`: the packed bytes are read
   once, where gather + kv_decode + the torch scores move many times them (a gathered copy, a bf16 copy 4x
   its size, that copy's fp32 upcast). Hidden entries are not read at all.
 The top-k after it stays `torch_ops.stable_topk` on CUDA too: `torch.sort(stable=True)` is stable there (a
@@ -16,8 +19,9 @@ radix sort; tested with heavy ties in tests/test_kernels_attn.py), and measured 
 over packed (score, position) int64 keys 4-10x (T=1, E=65536: 40 us vs 393 us; T=8192, E=2048: 345 us vs
 1684 us), so no kernel is registered for it. V4.1, which wants the picks in position order, not score order,
 takes `topk_positions` (kernels/triton/topk_positions.py: a histogram selection, no sort) instead.
-Must not: be imported off CUDA (imports triton); import `cache` (the layout object is passed in);
-mask visibility in `indexer_scores_bf16` (the caller sets invisible entries to -inf there).
+Must not: be imported off CUDA (imports triton); import `cache` (the layout object is passed in); change
+`head_sum`'s tile shapes in one kernel only (the paged decode kernel's rows are tested bit-identical to
+`indexer_scores_bf16`'s: the batched decode path's tokens against the per-sequence path's).
 """
 from __future__ import annotations
 
@@ -51,34 +55,77 @@ def head_sum(q, keys, w, INTERPRET: tl.constexpr):
     return tl.sum((s * w[:, None]).to(tl.bfloat16).to(tl.float32), axis=0)
 
 
+@triton.jit
+def _token_pair_block(q0, q1, w0, w1, vis0, vis1, k_ptr, out_ptr, t0, T, E, e_lo, stride_ke, stride_ot,
+                      D: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
+    """Entries [e_lo, e_lo + BLOCK_E) of tokens t0 and t0 + 1: the keys loaded once, each token's scores by
+    `head_sum` on the same [BLOCK_H, D] x [BLOCK_E, D] tiles as every other caller of it (the same bits);
+    entries at or past a token's visible count are -inf."""
+    ents = e_lo + tl.arange(0, BLOCK_E)
+    emask = ents < E
+    dims = tl.arange(0, D)
+    keys = tl.load(k_ptr + ents.to(tl.int64)[:, None] * stride_ke + dims[None, :], mask=emask[:, None], other=0.0)
+    ninf = float("-inf")
+    s0 = tl.where(ents < vis0, head_sum(q0, keys, w0, INTERPRET), ninf)
+    tl.store(out_ptr + t0 * stride_ot + ents, s0.to(tl.bfloat16), mask=emask)
+    s1 = tl.where(ents < vis1, head_sum(q1, keys, w1, INTERPRET), ninf)
+    tl.store(out_ptr + (t0 + 1) * stride_ot + ents, s1.to(tl.bfloat16), mask=emask & (t0 + 1 < T))
+
+
 @fast_launch
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, NH, E, stride_qt, stride_qh, stride_wt, stride_ke,
-                           stride_ot, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                           INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, T, NH, E, stride_qt, stride_qh, stride_wt,
+                           stride_ke, stride_ot, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+                           CHUNK: tl.constexpr, HAS_VIS: tl.constexpr, INTERPRET: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    # One program: a pair of query tokens x CHUNK blocks of BLOCK_E entries. Both tokens' q and head weights
+    # stay in registers while the key blocks stream past (each key block loaded once for two tokens, each q
+    # once for CHUNK blocks: the one-token-one-block form moved ~8 GB through L2 at T = 8192, E = 2048);
+    # blocks no token of the pair sees (a prefill's causal half) are written -inf without a load or MMA.
     pdl_enter(PDL)
-    t = tl.program_id(1).to(tl.int64)
-    ents = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    emask = ents < E
+    t0 = tl.program_id(0).to(tl.int64) * 2
+    c_lo = tl.program_id(1) * (CHUNK * BLOCK_E)
     heads = tl.arange(0, BLOCK_H)
     hmask = heads < NH
     dims = tl.arange(0, D)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=hmask[:, None], other=0.0)
-    keys = tl.load(k_ptr + ents.to(tl.int64)[:, None] * stride_ke + dims[None, :], mask=emask[:, None], other=0.0)
-    w = tl.load(w_ptr + t * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + ents, head_sum(q, keys, w, INTERPRET).to(tl.bfloat16), mask=emask)
+    has1 = t0 + 1 < T
+    q0 = tl.load(q_ptr + t0 * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(q_ptr + (t0 + 1) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                 mask=hmask[:, None] & has1, other=0.0)
+    w0 = tl.load(w_ptr + t0 * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + (t0 + 1) * stride_wt + heads, mask=hmask & has1, other=0.0).to(tl.float32)
+    if HAS_VIS:
+        vis0 = tl.load(vis_ptr + t0).to(tl.int32)
+        vis1 = tl.load(vis_ptr + t0 + 1, mask=has1, other=0).to(tl.int32)
+    else:
+        vis0 = E
+        vis1 = E
+    seen = tl.minimum(tl.maximum(vis0, vis1), E)  # entries [0, seen) are visible to one token of the pair
+    n_live = tl.minimum(tl.maximum(tl.cdiv(seen - c_lo, BLOCK_E), 0), CHUNK)
+    for j in range(0, n_live):
+        _token_pair_block(q0, q1, w0, w1, vis0, vis1, k_ptr, out_ptr, t0, T, E, c_lo + j * BLOCK_E, stride_ke,
+                          stride_ot, D, BLOCK_E, INTERPRET)
+    ninf = tl.full([BLOCK_E], float("-inf"), tl.float32).to(tl.bfloat16)
+    for j in range(n_live, CHUNK):
+        ents = c_lo + j * BLOCK_E + tl.arange(0, BLOCK_E)
+        emask = ents < E
+        tl.store(out_ptr + t0 * stride_ot + ents, ninf, mask=emask)
+        tl.store(out_ptr + (t0 + 1) * stride_ot + ents, ninf, mask=emask & has1)
 
 
-def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [T, h, d] bf16, weights [T, h] bf16, keys [E, d] bf16 -> [T, E] bf16 (official rounding points)."""
-    if q.dim() != 3 or weights.shape != q.shape[:2] or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
-        raise ValueError(f"indexer_scores_bf16: want q [T, h, d], weights [T, h], keys [E, d]; got q {tuple(q.shape)}, "
-                         f"weights {tuple(weights.shape)}, keys {tuple(keys.shape)}")
+INDEXER_CHUNK_BLOCKS = 8  # key blocks of 64 entries a program streams past its token pair
+
+
+def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                        visible: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, h, d] bf16, weights [T, h] bf16, keys [E, d] bf16 -> [T, E] bf16 (official rounding points);
+    visible [T] (optional): token t sees entries [0, visible[t]), the rest of its row is -inf."""
+    official.check_indexer_scores(q, weights, keys, visible)
     T, nh, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"indexer_scores_bf16: head dim {d} must be a power of two >= 16")
     if q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16:
-        return official.indexer_scores_bf16(q, weights, keys)  # other dtypes: the torch version's promotion
+        return official.indexer_scores_bf16(q, weights, keys, visible)  # other dtypes: the torch version's promotion
     E = keys.shape[0]
     out = torch.empty(T, E, dtype=torch.bfloat16, device=q.device)
     if T == 0 or E == 0:
@@ -86,11 +133,14 @@ def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     q = q if q.stride(-1) == 1 else q.contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     weights = weights.contiguous()
+    vis = visible.contiguous() if visible is not None else out  # (unread without HAS_VIS)
     block_h = max(16, next_power_of_2(nh))
     block_e = 64
-    _indexer_scores_kernel[(cdiv(E, block_e), T)](
-        q, weights, keys, out, nh, E, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), out.stride(0),
-        D=d, BLOCK_H=block_h, BLOCK_E=block_e, INTERPRET=_interpreting(), num_warps=4)
+    chunk = min(INDEXER_CHUNK_BLOCKS, cdiv(E, block_e))
+    _indexer_scores_kernel[(cdiv(T, 2), cdiv(E, block_e * chunk))](
+        q, weights, keys, vis, out, T, nh, E, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
+        out.stride(0), D=d, BLOCK_H=block_h, BLOCK_E=block_e, CHUNK=chunk, HAS_VIS=visible is not None,
+        INTERPRET=_interpreting(), num_warps=4)
     return out
 
 
