@@ -14,7 +14,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s30a, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -25,6 +25,20 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s30a)  # the thirtieth session: indexer_scores_bf16 as a token pair x 8 key blocks a program, masking past the new
+    # visible counts itself (dead blocks written -inf unread); the prefill / extend paths pass their counts. Its
+    # tests (rows bit-identical to one-token calls, which the paged decode kernel's rows are tested against), the
+    # prefill paths' tests, the op against the kernel it replaced (bench_attn_kernels --indexer at 0190088^ in a
+    # worktree when git is there), then the 8k prefill's kernels (s26, H100: the 2 calls 3,078 us)
+    step gpu_tests_s30a 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_scores.py \
+        tests/test_kernels_indexer_paged.py tests/test_engine_fast_prefill.py tests/test_engine_fast_v41_extend.py
+    step bench_indexer_s30a 100 python benchmarks/bench_attn_kernels.py --indexer
+    if git worktree add -q /tmp/before 0190088^ 2>/dev/null; then
+        (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before:/tmp/before/benchmarks step bench_indexer_before 100 \
+            python benchmarks/bench_attn_kernels.py --indexer)
+    fi
+    step prefill8k_s30a 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
+    ;;
 s29d)  # owed by the twenty-ninth session: the experts' wgmma form from 11 slots an expert (fp4_moe.WGMMA_SLOTS_PER_EXPERT,
     # 16 before; the H100's crossover, fp4_moe_crossover_h100_2026-12-06_s29.log): the dispatch test and the wgmma
     # form's tests, among them `act_quant_gather` compiled (now 4 slots a program at V4.1's I = 2304: the K = 2304
