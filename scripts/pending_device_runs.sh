@@ -38,6 +38,8 @@ s30a)  # the thirtieth session: indexer_scores_bf16 as a token pair x 8 key bloc
             python benchmarks/bench_attn_kernels.py --indexer)
     fi
     step prefill8k_s30a 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
+    # which aten ops the 8k prefill's generic kernels are (s26: 5 elementwise_kernel<128, 4> launches, 1.0 ms)
+    step profile_ops_8k_s30a 150 python benchmarks/profile_ops.py --layers 4 --prefill 8192 --decode 0 --top 30
     ;;
 s29d)  # owed by the twenty-ninth session: the experts' wgmma form from 11 slots an expert (fp4_moe.WGMMA_SLOTS_PER_EXPERT,
     # 16 before; the H100's crossover, fp4_moe_crossover_h100_2026-12-06_s29.log): the dispatch test and the wgmma
