@@ -105,7 +105,9 @@ def bench_indexer(lines: list[str]) -> None:
         flops = 2 * T * 64 * E * 128
         lines.append(rows_for(f"indexer_scores T={T} E={E}", bench(lambda: indexer.indexer_scores_bf16(q, w, keys)),
                               nbytes, flops))
-        if T > 1 and "visible" in inspect.signature(indexer.indexer_scores_bf16).parameters:  # a prefill's causal counts (ratio 4: token t sees (t + 1) // 4 entries); FLOPs of the visible
+        # a prefill's causal counts (ratio 4: token t sees (t + 1) // 4 entries; FLOPs of the visible entries),
+        # where the op takes them (not the kernel before 2026-12-06, which this script also times)
+        if T > 1 and "visible" in inspect.signature(indexer.indexer_scores_bf16).parameters:
             vis = (torch.arange(T, device="cuda") + 1) // 4 if T >= 4 * E else torch.randint(0, E + 1, (T,), device="cuda")
             lines.append(rows_for(f"indexer_scores T={T} E={E} visible", bench(
                 lambda: indexer.indexer_scores_bf16(q, w, keys, vis)), nbytes, 2 * int(vis.sum()) * 64 * 128))
