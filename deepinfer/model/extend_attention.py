@@ -85,12 +85,7 @@ def _indexer_selection_batched(attn, lc: LayerCache, ctx: ForwardContext, rows: 
     keys = lc.decode("index", lc.index_keys[rr.entry_rows], attn.kdev)
     plan = step_memo(rows, ("select plan", attn.ratio, base), lambda: build_select_plan(
         ctx, rr.n_ent, rr.ent_start, attn.cfg.index_topk, base, q_idx.device))
-
-    def build_hidden() -> torch.Tensor:  # [T, N] entries past what each query sees, and the padding
-        return torch.arange(plan.widest, device=q_idx.device) >= rr.visible.unsqueeze(1)
-
-    hidden = step_memo(rows, ("hidden, padded", attn.ratio), build_hidden)
-    return select_batched(lambda name: kernels.get(name, attn.kdev), plan, q_idx, w_idx, keys, rr.visible, hidden,
+    return select_batched(lambda name: kernels.get(name, attn.kdev), plan, q_idx, w_idx, keys, rr.visible,
                           rr.entry_rows, lc.comp)
 
 

@@ -6,8 +6,8 @@ building, the gather of its pool piece), each a launch on cuda: a prefill step o
 every indexer layer.
 
 How: each sequence's scores are computed by its own `indexer_scores_bf16` call (the per-sequence kernel
-call, so the same bits) into one [T, N] buffer padded with -inf to the widest sequence's N entries; one
-mask, one stable top-k of K = min(index_topk, N) for the whole step. Padding sorts after every real entry
+call with the sequence's visible counts, so the same bits, -inf past them) into one [T, N] buffer padded
+with -inf to the widest sequence's N entries; one stable top-k of K = min(index_topk, N) for the whole step. Padding sorts after every real entry
 (stable: ties toward the lower index), so a sequence's first min(index_topk, n) picks are its own top-k.
 Columns and pool rows follow the per-sequence layout exactly (the same `base` running over the sequences in
 order: a sequence whose S queries pick fewer than its n entries gets its S * k picked rows, else all its n
@@ -77,16 +77,16 @@ def build_select_plan(ctx: ForwardContext, n_ent: tuple[int, ...], ent_start: tu
 
 
 def select_batched(k, plan: SelectPlan, q_idx: torch.Tensor, w_idx: torch.Tensor, keys: torch.Tensor,
-                   visible: torch.Tensor, hidden_mask: torch.Tensor, entry_rows: torch.Tensor,
+                   visible: torch.Tensor, entry_rows: torch.Tensor,
                    comp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k: the op lookup (kernels.get on the layer's device); keys [sum n, d] every sequence's decoded keys;
-    visible [T] entries each query sees; hidden_mask [T, N] (entries past them, and padding) ->
+    visible [T] entries each query sees ->
     (stored pool rows [P, bytes], index columns [T, K] counted from the plan's base, -1 = none)."""
     T = q_idx.shape[0]
     scores = torch.full((T, plan.widest), float("-inf"), dtype=torch.bfloat16, device=q_idx.device)
-    for a, S, e0, n in plan.spans:  # the per-sequence kernel call: the same score bits
-        scores[a : a + S, :n] = k("indexer_scores_bf16")(q_idx[a : a + S], w_idx[a : a + S], keys[e0 : e0 + n])
-    scores.masked_fill_(hidden_mask, float("-inf"))
+    for a, S, e0, n in plan.spans:  # the per-sequence kernel call: the same score bits, -inf past visible
+        scores[a : a + S, :n] = k("indexer_scores_bf16")(q_idx[a : a + S], w_idx[a : a + S], keys[e0 : e0 + n],
+                                                         visible[a : a + S])
     sel = k("stable_topk")(scores, plan.K)  # [T, K]
     hidden = sel >= visible.unsqueeze(1)
     col = torch.arange(plan.K, device=sel.device)
