@@ -2,6 +2,7 @@
 oracles over it in both numerics."""
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 
@@ -15,6 +16,15 @@ torch.set_num_threads(1)
 
 _GC_SLACK_BYTES = 1 << 30  # resident growth since the last collection that triggers the next one
 _rss_after_gc = [0]
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap memory back to the OS (glibc): without it a process's resident size stays at its high
+    water mark, which two test workers sharing the CI machine's 24 GB cannot both keep."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: resident memory as the allocator keeps it
 
 
 def _resident_bytes() -> int | None:
@@ -38,6 +48,7 @@ def _free_cycles_after_tests():
     rss = _resident_bytes()
     if rss is None or rss > _rss_after_gc[0] + _GC_SLACK_BYTES:
         gc.collect()
+        _malloc_trim()
         _rss_after_gc[0] = _resident_bytes() or 0
 
 

@@ -21,8 +21,9 @@ sums, one bf16 rounding), up to the fp32 summation order:
   it on the bf16 tensor cores with fp32 accumulation; one program owns BLOCK_N consecutive rows of one
   group for a block of tokens and streams the full K (no split-K: one launch, a fixed summation order).
 * more tokens (prefill): `_dequant_kernel` writes the bf16 weight once per call (a transient [G, R, d]
-  buffer, 64 MB on V4-Flash; ~25 us at the copy rate) and cuBLAS runs the official einsum on it: the
-  previous path's numbers bit for bit, at the price of that one pass.
+  buffer, 64 MB on V4-Flash; ~25 us at the copy rate) and cuBLAS runs the official einsum's batched GEMM
+  on it (`bf16_gemm.grouped_proj_bf16_cublas`: written straight into [T, G, R], no permuted view to copy
+  after), at the price of that one pass.
 Must not: be imported off CUDA (imports triton); keep a bf16 copy of the weight beyond one call.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.bf16_gemm import grouped_proj_bf16_cublas
 from deepinfer.kernels.quant_weights import QuantLinearWeight, check_grouped_proj_fp8
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
@@ -167,7 +169,9 @@ def grouped_proj_fp8(o: torch.Tensor, w: QuantLinearWeight, config: dict | None 
     if form == "wgmma" or (form == "auto" and WGMMA_MIN_T <= T <= WGMMA_MAX_T and _wgmma_usable(w, R, o.device)):
         return _grouped_proj_wgmma(o, w, R, config)
     if form == "dequant" or (form == "auto" and T > FUSED_MAX_T):
-        return torch.einsum("tgd,grd->tgr", o, dequant_bf16(w).view(G, R, d))
+        # the batched GEMM writes [T, G, R] itself: einsum's permuted [G, T, R] view cost the caller's flatten a
+        # copy (an 8k prefill: 4 x 175 us on the H100, 2026-12-06 profile_ops)
+        return grouped_proj_bf16_cublas(o, dequant_bf16(w).view(G, R, d))
     if o.stride(2) != 1:
         o = o.contiguous()
     out = torch.empty(T, G, R, dtype=BF16, device=o.device)
