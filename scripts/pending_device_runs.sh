@@ -14,7 +14,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s30_tests, s30_bench, s30a, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s30b, s30_tests, s30_bench, s30a, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -25,6 +25,13 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s30b)  # the thirtieth session's second round: grouped_proj_fp8's dequant form through grouped_proj_bf16_cublas (no
+    # permuted view for wo_b's flatten to copy), the embed's cat; then the 8k prefill and its ops by shape
+    step gpu_tests_s30b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_grouped_proj.py \
+        tests/test_kernels_bf16_gemm.py tests/test_engine_fast_prefill.py
+    step prefill8k_s30b 200 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
+    step profile_ops_8k_s30b 150 python benchmarks/profile_ops.py --layers 4 --prefill 8192 --decode 0 --top 30
+    ;;
 s30_tests)  # one call's worth: s29d's and s30a's GPU tests, then the indexer op before / after (s30_bench follows)
     step gpu_tests_s29d 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_wgmma.py
     step gpu_tests_s29d_tma 100 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py \
