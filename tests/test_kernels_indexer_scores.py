@@ -1,15 +1,16 @@
 """Op "indexer_scores_bf16": the lightning indexer's scores of a prefill / extend (query tokens against one
 sequence's decoded index keys), with the optional `visible` counts (token t sees entries [0, visible[t]), the
 rest of its row -inf). Twin: `kernels/official.py`; Triton: `kernels/triton/indexer.py` (a program: a pair of
-tokens x a chunk of 8 key blocks of 64 entries; blocks neither token sees are written -inf unread).
+tokens x a chunk of up to 8 key blocks of 64 entries; blocks neither token sees are written -inf unread).
 
 CPU: the twin's `visible` is the official masked_fill of its unmasked scores, bit for bit; bad arguments
 raise ValueError naming them (twin and Triton wrapper, no launch).
 CPU under TRITON_INTERPRET=1 (GPU roundings): the kernel against the twin at odd and even T (the pair's
 missing second token), E inside one block, across blocks and across chunks (E 600: two chunks, the second
-partial), visible None / random (0 and E among them) / causal, q plain bf16 and FP4 fake-quantised as the
-engine's: -inf exactly where hidden, rel_err <= 2e-3 over <= 1% differing scores (the dot's fp32 sums round in
-numpy's order in the kernel and torch's in the twin, as in the paged kernel's test).
+partial), one block a program and chunks of up to 8, visible None / random (0 and E among them) / causal,
+q plain bf16 and FP4 fake-quantised as the engine's: -inf exactly where hidden, rel_err <= 2e-3 over <= 1%
+differing scores (the dot's fp32 sums round in numpy's order in the kernel and torch's in the twin, as in
+the paged kernel's test).
 Planted bugs fail it (the second token masked by the first's count; a chunk's dead blocks not written).
 GPU (-m gpu): V4's shapes (h 64, d 128) up to an 8k prefill's T = 8192 x E = 2048 with its causal counts:
 every row bit-identical to the one-token call of the same row (the same `head_sum` tiles, so the paged
@@ -98,14 +99,15 @@ from deepinfer.kernels.triton import indexer
 
 g = torch.Generator().manual_seed(7)
 total = 0
-cases = itertools.product((1, 2, 5), (37, 130, 600), ("none", "random", "causal"), (False, True))
-for T, E, vis, quant_q in cases:
+cases = itertools.product((1, 2, 5), (37, 130, 600), ("none", "random", "causal"), (False, True), (4, 0))
+for T, E, vis, quant_q, per_sm in cases:  # per_sm 4: one block a program at these sizes; 0: chunks of up to 8
     if vis == "causal" and T < 5:
         continue
+    indexer.MIN_PROGRAMS_PER_SM = per_sm
     q, w, keys, visible = t._inputs(g, T, 4, 64, E, quant_q, vis)
     out = indexer.indexer_scores_bf16(q, w, keys, visible)
     ref = official.indexer_scores_bf16(q, w, keys, visible)
-    total += t._compare(out, ref, visible, f"T={T} E={E} vis={vis} quant_q={quant_q}")
+    total += t._compare(out, ref, visible, f"T={T} E={E} vis={vis} quant_q={quant_q} per_sm={per_sm}")
 print("differing", total)
 '''
 

@@ -2,7 +2,7 @@
 
 Owns:
 * `indexer_scores_bf16(q, weights, keys, visible=None)`: the CUDA twin of `official.indexer_scores_bf16`.
-  One program per (pair of query tokens, chunk of 8 blocks of 64 entries): per token and block all heads'
+  One program per (pair of query tokens, chunk of up to 8 blocks of 64 entries): per token and block all heads
   q.k in one MMA (fp32 accumulation), rounded to bf16, relu, times the bf16 head weight rounded to bf16,
   summed over heads in fp32, rounded to bf16 (`head_sum`). The [T, h, E] per-head scores never reach memory
   (the torch version writes them twice); the two tokens share each key block and keep their q in registers
@@ -33,6 +33,7 @@ import triton.language as tl
 
 from deepinfer.kernels import official
 from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported
+from deepinfer.kernels.triton.fp8_gemm import sm_count
 from deepinfer.kernels.triton.kv_pack import e8m0_value
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
@@ -68,8 +69,9 @@ def _token_pair_block(q0, q1, w0, w1, vis0, vis1, k_ptr, out_ptr, t0, T, E, e_lo
     ninf = float("-inf")
     s0 = tl.where(ents < vis0, head_sum(q0, keys, w0, INTERPRET), ninf)
     tl.store(out_ptr + t0 * stride_ot + ents, s0.to(tl.bfloat16), mask=emask)
-    s1 = tl.where(ents < vis1, head_sum(q1, keys, w1, INTERPRET), ninf)
-    tl.store(out_ptr + (t0 + 1) * stride_ot + ents, s1.to(tl.bfloat16), mask=emask & (t0 + 1 < T))
+    if t0 + 1 < T:  # (an odd T's last program has one token)
+        s1 = tl.where(ents < vis1, head_sum(q1, keys, w1, INTERPRET), ninf)
+        tl.store(out_ptr + (t0 + 1) * stride_ot + ents, s1.to(tl.bfloat16), mask=emask)
 
 
 @fast_launch
@@ -113,7 +115,14 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, T, NH, E, stri
         tl.store(out_ptr + (t0 + 1) * stride_ot + ents, ninf, mask=emask & has1)
 
 
-INDEXER_CHUNK_BLOCKS = 8  # key blocks of 64 entries a program streams past its token pair
+INDEXER_CHUNK_BLOCKS = 8  # at most this many key blocks of 64 entries a program streams past its token pair,
+MIN_PROGRAMS_PER_SM = 4  # fewer (a power of two) while the grid would have fewer programs than this an SM: a
+# mixed step's one-token call over a long context (T = 1, E = 65536: 1024 blocks) needs its blocks spread
+
+
+def _chunk_blocks(n_pairs: int, n_blocks: int, device: torch.device) -> int:
+    per_program = n_pairs * n_blocks // max(1, MIN_PROGRAMS_PER_SM * sm_count(device))
+    return 1 << (max(1, min(INDEXER_CHUNK_BLOCKS, per_program)).bit_length() - 1)
 
 
 def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
@@ -136,7 +145,7 @@ def indexer_scores_bf16(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
     vis = visible.contiguous() if visible is not None else out  # (unread without HAS_VIS)
     block_h = max(16, next_power_of_2(nh))
     block_e = 64
-    chunk = min(INDEXER_CHUNK_BLOCKS, cdiv(E, block_e))
+    chunk = _chunk_blocks(cdiv(T, 2), cdiv(E, block_e), q.device)
     _indexer_scores_kernel[(cdiv(T, 2), cdiv(E, block_e * chunk))](
         q, weights, keys, vis, out, T, nh, E, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
         out.stride(0), D=d, BLOCK_H=block_h, BLOCK_E=block_e, CHUNK=chunk, HAS_VIS=visible is not None,
