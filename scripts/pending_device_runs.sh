@@ -14,7 +14,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s30b, s30_tests, s30_bench, s30a, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s30c, s30b, s30_tests, s30_bench, s30a, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -25,6 +25,13 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s30c)  # the indexer's chunk rule (fewer blocks a program for small grids; T = 1, E = 65536 had taken 22.2 us with
+    # 8-block chunks on the H100) and the lone token's skipped work: its tests, the op, V4.1's prefill kernels
+    step gpu_tests_s30c 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_scores.py \
+        tests/test_kernels_indexer_paged.py tests/test_kernels_attn.py -k indexer
+    step bench_indexer_s30c 100 python benchmarks/bench_attn_kernels.py --indexer
+    step bench_v41_prefill_s30c 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 --top 12
+    ;;
 s30b)  # the thirtieth session's second round: grouped_proj_fp8's dequant form through grouped_proj_bf16_cublas (no
     # permuted view for wo_b's flatten to copy), the embed's cat; then the 8k prefill and its ops by shape
     step gpu_tests_s30b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_grouped_proj.py \
