@@ -180,3 +180,18 @@ def test_bad_split_is_refused_before_any_process_starts(tiny_v4_dir):
         LLM(tiny_v4_dir, **ENGINE, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="expert_parallel_size"):
         LLM(tiny_v4_dir, **ENGINE, tensor_parallel_size=2, expert_parallel_size=3)
+
+
+def test_shutdown_lets_the_group_go(tiny_v4_dir):
+    """After `LLM.shutdown()` nothing keeps rank 0's runner (and its model shard) alive: an application that
+    starts and stops parallel engines must not keep a model per group it ran (the exit hook held them)."""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_v4_dir, **ENGINE, tensor_parallel_size=2)
+    runner = weakref.ref(llm.engine.runner)
+    assert llm.generate(_prompts()[:1], GREEDY)[0].outputs[0].token_ids
+    llm.shutdown()
+    del llm
+    gc.collect()
+    assert runner() is None

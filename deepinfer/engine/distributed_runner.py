@@ -150,6 +150,7 @@ class ParallelRunner(ModelRunner):
 
     def _teardown(self, graceful: bool) -> None:
         self._closed = True
+        atexit.unregister(self.shutdown)  # the exit hook held this runner, and with it rank 0's model, for good
         for p in self.workers:
             p.join(timeout=30 if graceful else 0.5)
             if p.is_alive():
