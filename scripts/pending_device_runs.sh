@@ -30,7 +30,6 @@ s30c)  # the indexer's chunk rule (fewer blocks a program for small grids; T = 1
     step gpu_tests_s30c 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_scores.py \
         tests/test_kernels_indexer_paged.py tests/test_kernels_attn.py -k indexer
     step bench_indexer_s30c 100 python benchmarks/bench_attn_kernels.py --indexer
-    step bench_v41_prefill_s30c 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 --top 12
     ;;
 s30b)  # the thirtieth session's second round: grouped_proj_fp8's dequant form through grouped_proj_bf16_cublas (no
     # permuted view for wo_b's flatten to copy), the embed's cat; then the 8k prefill and its ops by shape

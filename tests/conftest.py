@@ -16,6 +16,7 @@ torch.set_num_threads(1)
 
 _GC_SLACK_BYTES = 1 << 30  # resident growth since the last collection that triggers the next one
 _rss_after_gc = [0]
+_RSS_LOG = os.environ.get("DEEPINFER_TEST_RSS_LOG")
 
 
 def _malloc_trim() -> None:
@@ -50,6 +51,10 @@ def _free_cycles_after_tests():
         gc.collect()
         _malloc_trim()
         _rss_after_gc[0] = _resident_bytes() or 0
+    if _RSS_LOG:  # DEEPINFER_TEST_RSS_LOG=path: each test's resident size after it (which tests hold memory)
+        with open(_RSS_LOG, "a") as f:
+            f.write(f"{os.getpid()} {(rss or 0) >> 20} {(_resident_bytes() or 0) >> 20} "
+                    f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\n")
 
 
 @pytest.fixture(scope="session")
