@@ -3,7 +3,9 @@
 # twenty-sixth session's review), s27b-e (PDL: tests, anatomy, the slice against transformers, prefill), all on
 # an H100 (passed; numbers in BENCHMARKS.md). The twenty-eighth session ran s27f's and s28a's tests and timings
 # on an H100 (BENCHMARKS.md). The twenty-ninth session ran s28b, s28c and its own s29a-c on an H100 (passed; the
-# stages as they were are in git history, the numbers in BENCHMARKS.md). Owed first, on any GPU: s29d. Still owed on an H200 (no run of these sessions got one): anatomy
+# stages as they were are in git history, the numbers in BENCHMARKS.md). The thirtieth session ran s29d and its
+# own s30_tests, s30_bench, s30b and s30c on an H100 (passed; BENCHMARKS.md). Nothing is owed on any GPU. Still owed
+# on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
 # H100 (stage crossover; the H200's higher copy rate favours the TMA form, so its crossover may sit higher).
