@@ -7,8 +7,9 @@ every indexer layer.
 
 How: each sequence's scores are computed by its own `indexer_scores_bf16` call (the per-sequence kernel
 call with the sequence's visible counts, so the same bits, -inf past them) into one [T, N] buffer padded
-with -inf to the widest sequence's N entries; one stable top-k of K = min(index_topk, N) for the whole step. Padding sorts after every real entry
-(stable: ties toward the lower index), so a sequence's first min(index_topk, n) picks are its own top-k.
+with -inf to the widest sequence's N entries; one stable top-k of K = min(index_topk, N) for the whole step.
+Padding sorts after every real entry (stable: ties toward the lower index), so a sequence's first
+min(index_topk, n) picks are its own top-k.
 Columns and pool rows follow the per-sequence layout exactly (the same `base` running over the sequences in
 order: a sequence whose S queries pick fewer than its n entries gets its S * k picked rows, else all its n
 entries), from a plan of per-token vectors built once per step, ratio and base (`SelectPlan`); the picks of

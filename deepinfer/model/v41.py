@@ -201,7 +201,7 @@ class V41EngineModel:
         [T, hc]: stream 0 alone). The varlen path's and the batched decode path's start."""
         table, hc = self.p["embed.weight"], self.cfg.hc_mult
         x = table[token_ids] if self.comm is None else self.comm.embed(table, token_ids)  # vocab-parallel
-        x = torch.cat((x.unsqueeze(1),) * hc, dim=1)  # (V4Model.embed says why not repeat)
+        x = torch.cat((x.unsqueeze(1),) * hc, dim=1)  # (V4EngineModel.embed says why not repeat)
         pre_mix = torch.zeros(token_ids.shape[0], hc, dtype=F32 if self.official else x.dtype, device=self.device)
         pre_mix[:, 0] = 1.0
         return x, pre_mix
