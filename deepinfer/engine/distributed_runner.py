@@ -45,7 +45,6 @@ import atexit
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from dataclasses import replace
@@ -278,12 +277,6 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors) -> None:
         os._exit(1)  # closes this rank's sockets now, so the peers' collectives fail instead of waiting
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_parallel_runner(config: EngineConfig, cfg: ModelConfig) -> ParallelRunner:
     """Rank 0's runner. Under torchrun (RANK/WORLD_SIZE set) every process calls this: ranks > 0 serve
     until rank 0 stops, then exit the process (SystemExit(0))."""
@@ -294,13 +287,15 @@ def start_parallel_runner(config: EngineConfig, cfg: ModelConfig) -> ParallelRun
                            "(shut the previous parallel LLM down first: LLM.shutdown())")
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _start_torchrun(config, cfg, pc)
-    port = _free_port()
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    workers = [ctx.Process(target=_worker_main, args=(r, config, port, errors), daemon=True,
-                           name=f"deepinfer-rank{r}") for r in range(1, pc.world_size)]
+    workers = []
     try:
-        store = _store(config, port, master=True)
+        # port 0: the OS picks a free port as the store binds it (a port probed free first could be taken by
+        # another process before the bind: two engines or test workers starting at once)
+        store = _store(config, 0, master=True)
+        workers = [ctx.Process(target=_worker_main, args=(r, config, store.port, errors), daemon=True,
+                               name=f"deepinfer-rank{r}") for r in range(1, pc.world_size)]
         for p in workers:
             p.start()
         _wait_for_workers(store, workers, errors, config.distributed_timeout_s)
