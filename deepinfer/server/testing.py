@@ -20,11 +20,19 @@ def free_port() -> int:
 class ThreadedServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.port = config.port if config.port else free_port()
+        self._socket = None
+        if config.port:
+            self.port = config.port
+        else:  # bound here and handed to uvicorn: a port probed free and bound later could be taken in between
+            self._socket = socket.socket()
+            self._socket.bind(("127.0.0.1", 0))
+            self.port = self._socket.getsockname()[1]
         self.app = build_app(config)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      timeout_graceful_shutdown=1))
-        self._thread = threading.Thread(target=self._server.run, name="deepinfer-server", daemon=True)
+        sockets = [self._socket] if self._socket is not None else None
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": sockets}, name="deepinfer-server",
+                                        daemon=True)
 
     @property
     def url(self) -> str:
@@ -47,3 +55,5 @@ class ThreadedServer:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
+        if self._socket is not None:
+            self._socket.close()
