@@ -16,7 +16,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s30c, s30b, s30_tests, s30_bench, s30a, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s30d, s30c, s30b, s30_tests, s30_bench, s30a, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -27,6 +27,12 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s30d)  # routing at prefill sizes for both families' expert counts: where the per-expert kernel stops beating the
+    # torch sort (PARALLEL_ROUTING_SLOTS was set from E = 256 on the H200; V4.1's 4k prefill, 24,576 slots over
+    # 384 experts, took 236 us a call on it on the H100)
+    step bench_routing_s30d 200 python benchmarks/bench_routing.py --experts 256 384 --ts 512 1024 2048 3072 4096 \
+        8192 --parallel-max 49152
+    ;;
 s30c)  # the indexer's chunk rule (fewer blocks a program for small grids; T = 1, E = 65536 had taken 22.2 us with
     # 8-block chunks on the H100) and the lone token's skipped work: its tests, the op, V4.1's prefill kernels
     step gpu_tests_s30c 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_scores.py \
