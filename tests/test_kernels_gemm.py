@@ -314,6 +314,22 @@ print("ok")
 """
 
 
+def test_routing_form_follows_the_measured_crossovers():
+    """route_slots' choice (H100, results/bench_routing_h100_2026-12-06_s30.log): the per-expert kernel while
+    experts x slots stays small (its programs each read every slot), else the torch sort; torch off CUDA."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.fp4_moe import routing_form
+
+    assert routing_form(6, 256, cuda=True) == "small"
+    assert routing_form(6, 256, cuda=False) == "torch"
+    assert routing_form(6 * 2048, 256, cuda=True) == "parallel"  # 62 us against torch's 130
+    assert routing_form(6 * 3072, 256, cuda=True) == "parallel"  # 113 against 120
+    assert routing_form(6 * 4096, 256, cuda=True) == "torch"  # 122 against 119
+    assert routing_form(6 * 2048, 384, cuda=True) == "parallel"  # V4.1: 76 against 131
+    assert routing_form(6 * 3072, 384, cuda=True) == "torch"  # 146 against 122
+    assert routing_form(6 * 8192, 256, cuda=True) == "torch"
+
+
 def test_routing_kernels_equal_align_by_expert_under_the_interpreter():
     """The one-launch routing kernels (one program up to 64 slots; one program per expert) give
     align_by_expert's outputs exactly: E=256 k=6 at T=1..64 (6..384 slots), odd expert counts, block sizes

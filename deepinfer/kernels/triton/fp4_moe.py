@@ -158,6 +158,10 @@ PARALLEL_ROUTING_SLOTS = 24576  # up to this many slots the one-program-per-expe
 # (torch 75.1), 12288 62 (torch 126); at 49152 (an 8k prefill) 252 against torch's 122: each program reads
 # every slot twice
 PARALLEL_CHUNK = 1024  # slots per pass of each program
+PARALLEL_ROUTING_WORK = 256 * 18432  # and while experts x slots stays within this: its programs each read every
+# slot, so its time grows with E x S while the torch sort's stays ~120 us. H100 2026-12-06 (graph replay,
+# results/bench_routing_h100_2026-12-06_s30.log): E=256 18432 slots 113 us (torch 120), 24576 122 (119);
+# E=384 (V4.1) 12288 76 (131), 18432 146 (122), 24576 146 (121)
 
 
 @fast_launch
@@ -244,14 +248,25 @@ def _routing_outputs(name: str, topk_ids: torch.Tensor, n_experts: int, block_m:
     return flat, n_slots, n_blocks, sorted_slots, block_expert
 
 
+def routing_form(n_slots: int, n_experts: int, cuda: bool) -> str:
+    """Which routing `route_slots` runs: "small" (one program), "parallel" (one program per expert) or "torch"
+    (the sort path; also off CUDA). Every form gives the same outputs: only the time differs."""
+    if cuda and 0 < n_slots <= ONE_PROGRAM_ROUTING_SLOTS:
+        return "small"
+    if cuda and 0 < n_slots <= PARALLEL_ROUTING_SLOTS and n_slots * n_experts <= PARALLEL_ROUTING_WORK:
+        return "parallel"
+    return "torch"
+
+
 def route_slots(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_by_expert`'s outputs by the cheapest path on CUDA: one Triton program up to
     ONE_PROGRAM_ROUTING_SLOTS slots (`align_by_expert_small`), one program per expert up to
-    PARALLEL_ROUTING_SLOTS (`align_by_expert_parallel`), the torch sort path above and off CUDA."""
-    n = topk_ids.numel()
-    if topk_ids.is_cuda and 0 < n <= ONE_PROGRAM_ROUTING_SLOTS:
+    PARALLEL_ROUTING_SLOTS and PARALLEL_ROUTING_WORK experts x slots (`align_by_expert_parallel`), the torch
+    sort path above and off CUDA."""
+    form = routing_form(topk_ids.numel(), n_experts, topk_ids.is_cuda)
+    if form == "small":
         return align_by_expert_small(topk_ids, n_experts, block_m)
-    if topk_ids.is_cuda and 0 < n <= PARALLEL_ROUTING_SLOTS:
+    if form == "parallel":
         return align_by_expert_parallel(topk_ids, n_experts, block_m)
     return align_by_expert(topk_ids, n_experts, block_m)
 
