@@ -16,7 +16,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s30d, s30c, s30b, s30_tests, s30_bench, s30a, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -46,7 +46,7 @@ s30b)  # the thirtieth session's second round: grouped_proj_fp8's dequant form t
     step prefill8k_s30b 200 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
     step profile_ops_8k_s30b 150 python benchmarks/profile_ops.py --layers 4 --prefill 8192 --decode 0 --top 30
     ;;
-s30_tests)  # one call's worth: s29d's and s30a's GPU tests, then the indexer op before / after (s30_bench follows)
+s30_tests)  # one call's worth: s29d's GPU tests and the indexer's pair kernel's (s30a in the step names), then the indexer op before / after (s30_bench follows)
     step gpu_tests_s29d 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_wgmma.py
     step gpu_tests_s29d_tma 100 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py \
         -k default
@@ -65,25 +65,6 @@ s30_bench)  # the other call: V4.1's prefill with s29d's expert changes, the 8k 
     step bench_v41_prefill_wgmma_experts 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 \
         --graphs --top 8
     step prefill8k_s30a 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
-    step profile_ops_8k_s30a 150 python benchmarks/profile_ops.py --layers 4 --prefill 8192 --decode 0 --top 30
-    ;;
-s30a)  # the thirtieth session: indexer_scores_bf16 as a token pair x 8 key blocks a program, masking past the new
-    # visible counts itself (dead blocks written -inf unread); the prefill / extend paths pass their counts. Its
-    # tests (rows bit-identical to one-token calls, which the paged decode kernel's rows are tested against), the
-    # prefill paths' tests, the op against the kernel it replaced (bench_attn_kernels --indexer at 0190088^ in a
-    # worktree when git is there), then the 8k prefill's kernels (s26, H100: the 2 calls 3,078 us)
-    step gpu_tests_s30a 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_scores.py \
-        tests/test_kernels_indexer_paged.py tests/test_engine_fast_prefill.py tests/test_engine_fast_v41_extend.py
-    step bench_indexer_s30a 100 python benchmarks/bench_attn_kernels.py --indexer
-    if git worktree add -q /tmp/before 0190088^ 2>/dev/null; then  # the kernel before, through this bench script
-        cp benchmarks/bench_attn_kernels.py /tmp/before/benchmarks/
-        (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before:/tmp/before/benchmarks step bench_indexer_before 100 \
-            python benchmarks/bench_attn_kernels.py --indexer)
-    else
-        echo "no git here: the kernel before is not timed"
-    fi
-    step prefill8k_s30a 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
-    # which aten ops the 8k prefill's generic kernels are (s26: 5 elementwise_kernel<128, 4> launches, 1.0 ms)
     step profile_ops_8k_s30a 150 python benchmarks/profile_ops.py --layers 4 --prefill 8192 --decode 0 --top 30
     ;;
 s29d)  # owed by the twenty-ninth session: the experts' wgmma form from 11 slots an expert (fp4_moe.WGMMA_SLOTS_PER_EXPERT,
