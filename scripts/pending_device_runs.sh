@@ -46,7 +46,8 @@ s30b)  # the thirtieth session's second round: grouped_proj_fp8's dequant form t
     step prefill8k_s30b 200 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
     step profile_ops_8k_s30b 150 python benchmarks/profile_ops.py --layers 4 --prefill 8192 --decode 0 --top 30
     ;;
-s30_tests)  # one call's worth: s29d's GPU tests and the indexer's pair kernel's (s30a in the step names), then the indexer op before / after (s30_bench follows)
+s30_tests)  # one call's worth: s29d's GPU tests and the indexer's pair kernel's (s30a in the step names), then the
+    # indexer op before / after (s30_bench follows)
     step gpu_tests_s29d 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_wgmma.py
     step gpu_tests_s29d_tma 100 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py \
         -k default
