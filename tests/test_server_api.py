@@ -270,3 +270,21 @@ def test_async_scheduling_server_streams_the_offline_text_and_frees_aborted_bloc
         with httpx.Client(timeout=30) as h, h.stream("POST", s.url + "/v1/completions", json=body) as r:
             assert next(line for line in r.iter_lines() if line.startswith("data:"))
         assert _idle(s, timeout=8)
+
+
+def test_a_stopped_server_lets_its_engine_go(tiny_v4_dir):
+    """After a server stops, nothing keeps its engine (and model) alive. FastAPI caches endpoint callables in
+    a module-level cache, so an endpoint closing over the engine had kept every app's model: ~650 MB a
+    server of the tiny model, in tests, notebooks and any process that restarts its server."""
+    import gc
+    import weakref
+
+    with ThreadedServer(ServerConfig(model=str(tiny_v4_dir), served_model_name=MODEL, port=0, **ENGINE)) as s:
+        engine = weakref.ref(s.engine)
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+            assert httpx.post(s.url + path, json=body, timeout=30).status_code == 200
+        for path in ("/health", "/v1/models", "/metrics"):
+            assert httpx.get(s.url + path, timeout=30).status_code == 200
+    del s
+    gc.collect()
+    assert engine() is None

@@ -83,7 +83,7 @@ def build_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:
     app = FastAPI(title="deepinfer", lifespan=lifespan)
     st = app.state
     st.config, st.engine, st.metrics = config, async_engine, metrics
-    st.model_names = [config.served_model_name or default_name]
+    st.model_names, st.model_dir = [config.served_model_name or default_name], model_dir
     st.max_model_len = engine.config.max_model_len
     st.created = int(time.time())
 
@@ -112,26 +112,30 @@ def build_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:
     _install_error_handlers(app, metrics)
     app.include_router(openai_router, dependencies=[Depends(check_auth)])
 
+    # The endpoints reach the engine through request.app.state, never a closure: FastAPI keeps up to 4096
+    # endpoint callables in a module-level cache (fastapi.dependencies.models, 0.165), so an endpoint closing over
+    # the engine kept every app's model alive after its server stopped (~650 MB a ThreadedServer of the tiny model)
     @app.get("/health")
-    async def health():
-        return Response(status_code=200 if async_engine.accepting else 503)
+    async def health(request: Request):
+        return Response(status_code=200 if request.app.state.engine.accepting else 503)
 
     @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus(request: Request):
+        return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
-    async def models():
+    async def models(request: Request):
+        s = request.app.state
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": st.created, "owned_by": "deepinfer", "root": model_dir,
-             "max_model_len": st.max_model_len} for name in st.model_names]}
+            {"id": name, "object": "model", "created": s.created, "owned_by": "deepinfer", "root": s.model_dir,
+             "max_model_len": s.max_model_len} for name in s.model_names]}
 
     @app.post("/tokenize", dependencies=[Depends(check_auth)])
     async def tokenize(request: Request):
         body = await read_json(request)
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
-        tok = engine.tokenizer
+        tok = request.app.state.engine.engine.tokenizer
         try:
             if "messages" in body:
                 kw = body.get("chat_template_kwargs") or {}
@@ -143,7 +147,7 @@ def build_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:
                 raise ValueError("give a string `prompt` or `messages`")
         except Exception as e:  # noqa: BLE001 - the input is all that can be wrong here
             raise bad_request(f"cannot tokenize: {e}") from None
-        return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": request.app.state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=[Depends(check_auth)])
     async def detokenize(request: Request):
@@ -152,7 +156,7 @@ def build_app(config: ServerConfig, engine: LLMEngine | None = None) -> FastAPI:
         if not isinstance(ids, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
             raise bad_request("`tokens` must be a list of token ids", param="tokens")
         try:
-            return {"prompt": engine.tokenizer.decode(ids)}
+            return {"prompt": request.app.state.engine.engine.tokenizer.decode(ids)}
         except Exception as e:  # noqa: BLE001 - out-of-range ids
             raise bad_request(f"cannot detokenize: {e}", param="tokens") from None
 
