@@ -19,13 +19,17 @@ _rss_after_gc = [0]
 _RSS_LOG = os.environ.get("DEEPINFER_TEST_RSS_LOG")
 
 
+try:
+    _LIBC_MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+except (OSError, AttributeError):
+    _LIBC_MALLOC_TRIM = None  # not glibc: resident memory as the allocator keeps it
+
+
 def _malloc_trim() -> None:
     """Hand freed heap memory back to the OS (glibc): without it a process's resident size stays at its high
     water mark, which two test workers sharing the CI machine's 24 GB cannot both keep."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: resident memory as the allocator keeps it
+    if _LIBC_MALLOC_TRIM is not None:
+        _LIBC_MALLOC_TRIM(0)
 
 
 def _resident_bytes() -> int | None:

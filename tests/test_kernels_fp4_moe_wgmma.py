@@ -389,8 +389,9 @@ def test_default_form_switches_above_wgmma_slots_per_expert(monkeypatch):
 @pytest.mark.gpu
 def test_prefill_default_follows_the_env_choice(monkeypatch):
     """Above 16 slots per expert (past WGMMA_SLOTS_PER_EXPERT too) the default (auto, PREFILL_FORM "wgmma") and
-    DEEPINFER_MOE_PREFILL_KERNEL=wgmma run the wgmma form (bit-identical to config WGMMA; I = 128 with one fragment buffer), =triton the Triton
-    plan; a bank it cannot run (a scale byte above 128) falls back to the Triton plan (expand 5 there)."""
+    DEEPINFER_MOE_PREFILL_KERNEL=wgmma run the wgmma form (bit-identical to config WGMMA; I = 128 with one
+    fragment buffer), =triton the Triton plan; a bank it cannot run (a scale byte above 128) falls back to the
+    Triton plan (expand 5 there)."""
     from deepinfer.kernels.triton.fp4_moe import PREFILL_V2, fp4_moe, wgmma_form_usable
     from test_kernels_fp4_moe_split import _inputs
     from test_kernels_gemm import _random_bank
