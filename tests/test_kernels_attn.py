@@ -224,6 +224,21 @@ def _check_hc_mix_exact(device):
         assert torch.equal(ssq.double().sum(0), pow2.double().to(device) ** 2), plan
 
 
+def _check_hc_token_bits_ignore_the_batch(device, D=256, T=70, config=None):
+    """A token's y / post / comb are the same bits alone (T = 1) as at any position of a T-token call under
+    the same launch plan: the Sinkhorn program's split sums and chain depend on the plan, never on T or on
+    which of its blocks holds the token (norm_hc.sinkhorn_block)."""
+    from deepinfer.kernels.triton import norm_hc
+
+    config = config or dict(BLOCK_T=16, BLOCK_K=64, SPLITS=16)
+    g = torch.Generator(device=device).manual_seed(11)
+    x, *rest = _hc_inputs(g, T, D, device=device)
+    y, post, comb = norm_hc.hc_pre_fused(x, *rest, 4, 20, 1e-6, 1e-6, config=config)
+    for t in (0, 1, T // 2, T - 1):
+        y1, post1, comb1 = norm_hc.hc_pre_fused(x[t:t + 1].contiguous(), *rest, 4, 20, 1e-6, 1e-6, config=config)
+        assert torch.equal(y1[0], y[t]) and torch.equal(post1[0], post[t]) and torch.equal(comb1[0], comb[t]), t
+
+
 _HC_PRE_INTERPRET = """
 # the interpreter patched as in test_kernels_fp8_linear: fp32 -> bf16 rounds to nearest even as on the GPU
 # (y's bf16 roundings), and a runtime loop bound works under numpy 2
@@ -231,6 +246,7 @@ exec(__import__("interpreted").GPU_ROUNDINGS)
 import test_kernels_attn as t
 
 t._check_hc_mix_exact("cpu")
+t._check_hc_token_bits_ignore_the_batch("cpu")
 for T, D, config in [(5, 64, None), (70, 256, None), (5, 48, None),
                      (70, 256, dict(BLOCK_T=32, BLOCK_K=32, SPLITS=3))]:
     e = t._hc_pre_errors(T, D, config, device="cpu")
@@ -279,6 +295,14 @@ def test_hc_mix_plan():
     x, *rest = _hc_inputs(torch.Generator().manual_seed(0), 2, 64, device="cpu")
     with pytest.raises(ValueError, match="torch.float32"):
         hc_pre_fused(x.float(), *rest, 4, 20, 1e-6, 1e-6)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T,D,config", [(70, 256, None), (600, 4096, dict(BLOCK_T=64, BLOCK_K=128, SPLITS=4)),
+                                        (20, 4096, dict(BLOCK_T=16, BLOCK_K=128, SPLITS=128))])
+def test_hc_pre_token_bits_ignore_the_batch(T, D, config):
+    _check_hc_token_bits_ignore_the_batch("cuda", D, T, config)
 
 
 @gpu

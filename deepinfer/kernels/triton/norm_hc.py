@@ -222,36 +222,162 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
     tl.store(ssq_ptr + base + toks, tl.sum(sq, axis=1), mask=tmask)
 
 
+@triton.jit
+def _split_total(ptr, rows, m):
+    """The Sinkhorn block's split sums: sum over axis 1 (the splits) of ptr[rows] ([BLOCK_S, SP] offsets, mask
+    m), one cross-lane reduction whose order is fixed by the tile's shape and the warps (so by the launch plan,
+    not by T or by where a token sits)."""
+    return tl.sum(tl.load(ptr + rows, mask=m, other=0.0), axis=1)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """a..d / ((a + b) + (c + d) + eps): one Sinkhorn row or column of 4, its sum in a fixed tree order."""
+    s = (a + b) + (c + d) + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """softmax of a..d (max subtracted, exp, over the fixed-order sum) + eps: the Sinkhorn's first row pass."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
+    s = (a + b) + (c + d)
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, blk, T, D, splits, iters,
+                     hc_eps, norm_eps, SP: tl.constexpr, BLOCK_S: tl.constexpr):
+    """post [T, 4] and comb [T, 4, 4] of BLOCK_S tokens (hc = 4, the models' hc_mult). The split partials are
+    summed first, 21 independent reductions over [BLOCK_S, SP] tiles (`_split_total`); from then on a token's
+    4 x 4 matrix is 16 values held by its lane (or by every lane that holds the token, where BLOCK_S is less
+    than the program's threads), so the Sinkhorn's 2 x iters passes of row / column sums are register adds in
+    a fixed order (`_norm4`), with no cross-lane or cross-warp reduction on the chain. A token's bits depend on
+    the launch plan (SP, BLOCK_S, warps), not on T or on which block holds it. (Until 2026-12-06 each token's
+    Sinkhorn was a program of the collapse's 1-16 warps over a [4, 4] tile: 40 dependent cross-warp reductions
+    a token, and at prefill 8192 such programs took SM slots from the collapse's stream loads.)"""
+    toks = blk * BLOCK_S + tl.arange(0, BLOCK_S)
+    ok = toks < T
+    t = toks.to(tl.int64)
+    sp = tl.arange(0, SP).to(tl.int64)
+    m = ok[:, None] & (sp < splits)[None, :]
+    srow = sp[None, :] * T + t[:, None]  # [BLOCK_S, SP]: (split, token) rows of ssq
+    rows = srow * 24  # ... and of the partials, (2 + hc) * hc = 24 mixes a row
+    ssq = _split_total(ssq_ptr, srow, m)
+    mp0 = _split_total(part_ptr, rows + 4, m)
+    mp1 = _split_total(part_ptr, rows + 5, m)
+    mp2 = _split_total(part_ptr, rows + 6, m)
+    mp3 = _split_total(part_ptr, rows + 7, m)
+    c00 = _split_total(part_ptr, rows + 8, m)
+    c01 = _split_total(part_ptr, rows + 9, m)
+    c02 = _split_total(part_ptr, rows + 10, m)
+    c03 = _split_total(part_ptr, rows + 11, m)
+    c10 = _split_total(part_ptr, rows + 12, m)
+    c11 = _split_total(part_ptr, rows + 13, m)
+    c12 = _split_total(part_ptr, rows + 14, m)
+    c13 = _split_total(part_ptr, rows + 15, m)
+    c20 = _split_total(part_ptr, rows + 16, m)
+    c21 = _split_total(part_ptr, rows + 17, m)
+    c22 = _split_total(part_ptr, rows + 18, m)
+    c23 = _split_total(part_ptr, rows + 19, m)
+    c30 = _split_total(part_ptr, rows + 20, m)
+    c31 = _split_total(part_ptr, rows + 21, m)
+    c32 = _split_total(part_ptr, rows + 22, m)
+    c33 = _split_total(part_ptr, rows + 23, m)
+    r = 1.0 / tl.sqrt(ssq / (4 * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
+    sp_ = tl.load(scale_ptr + 1)
+    o = post_ptr + t * 4
+    tl.store(o, 2.0 * tl.sigmoid(mp0 * r * sp_ + tl.load(base_ptr + 4)), mask=ok)
+    tl.store(o + 1, 2.0 * tl.sigmoid(mp1 * r * sp_ + tl.load(base_ptr + 5)), mask=ok)
+    tl.store(o + 2, 2.0 * tl.sigmoid(mp2 * r * sp_ + tl.load(base_ptr + 6)), mask=ok)
+    tl.store(o + 3, 2.0 * tl.sigmoid(mp3 * r * sp_ + tl.load(base_ptr + 7)), mask=ok)
+    sc = tl.load(scale_ptr + 2)
+    c00 = c00 * r * sc + tl.load(base_ptr + 8)
+    c01 = c01 * r * sc + tl.load(base_ptr + 9)
+    c02 = c02 * r * sc + tl.load(base_ptr + 10)
+    c03 = c03 * r * sc + tl.load(base_ptr + 11)
+    c10 = c10 * r * sc + tl.load(base_ptr + 12)
+    c11 = c11 * r * sc + tl.load(base_ptr + 13)
+    c12 = c12 * r * sc + tl.load(base_ptr + 14)
+    c13 = c13 * r * sc + tl.load(base_ptr + 15)
+    c20 = c20 * r * sc + tl.load(base_ptr + 16)
+    c21 = c21 * r * sc + tl.load(base_ptr + 17)
+    c22 = c22 * r * sc + tl.load(base_ptr + 18)
+    c23 = c23 * r * sc + tl.load(base_ptr + 19)
+    c30 = c30 * r * sc + tl.load(base_ptr + 20)
+    c31 = c31 * r * sc + tl.load(base_ptr + 21)
+    c32 = c32 * r * sc + tl.load(base_ptr + 22)
+    c33 = c33 * r * sc + tl.load(base_ptr + 23)
+    # comb[j, k] = c{j}{k}; rows are j (softmax along k), columns k. The first pass: softmax + eps along rows,
+    # then columns only; every later pass rows, then columns
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, hc_eps)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, hc_eps)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, hc_eps)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, hc_eps)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    for _ in range(iters - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    o = comb_ptr + t * 16
+    tl.store(o, c00, mask=ok)
+    tl.store(o + 1, c01, mask=ok)
+    tl.store(o + 2, c02, mask=ok)
+    tl.store(o + 3, c03, mask=ok)
+    tl.store(o + 4, c10, mask=ok)
+    tl.store(o + 5, c11, mask=ok)
+    tl.store(o + 6, c12, mask=ok)
+    tl.store(o + 7, c13, mask=ok)
+    tl.store(o + 8, c20, mask=ok)
+    tl.store(o + 9, c21, mask=ok)
+    tl.store(o + 10, c22, mask=ok)
+    tl.store(o + 11, c23, mask=ok)
+    tl.store(o + 12, c30, mask=ok)
+    tl.store(o + 13, c31, mask=ok)
+    tl.store(o + 14, c32, mask=ok)
+    tl.store(o + 15, c33, mask=ok)
+
+
 @fast_launch
 @triton.jit
 def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
                                  pre_in_ptr, pre_out_ptr, T, D, splits, iters, hc_eps, norm_eps,
                                  HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr,
-                                 DEFERRED: tl.constexpr, PDL: tl.constexpr = False):
-    """One token, in two programs (grid (T, 2); (T, 1) for HEAD): both sum the split-K partials they need
-    and r-normalise them; program 0 collapses the token's hc streams with the pre weights, rounds to bf16,
-    RMSNorms and rounds again (y); program 1 runs the Sinkhorn split (post, comb), which y does not need.
-    One program did both one after the other until 2026-12-05: at decode the Sinkhorn's chain of 2 x iters
-    dependent reductions and the collapse's stream loads were the two halves of a ~7 us critical path.
-    The partials of all splits are loaded at once ([SP, ...], SP the splits' power of two) and summed as a
-    tree (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first, to overlap their
-    latency with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 ->
-    9.2 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre weights
-    alone, no post, comb or Sinkhorn. DEFERRED (V4.1's deferred pre, `hc_pre_deferred_fused`): program 0 stores
-    the pre weights it computes (pre_out [T, HC]) and collapses with the given ones (pre_in [T, HC] fp32)."""
+                                 DEFERRED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid (T + ceil(T / BLOCK_S),) ((T,) for HEAD). Programs t < T: token t's collapse: sum the split-K
+    partials of its pre mixes and r-normalise them, collapse the token's hc streams with the pre weights, round
+    to bf16, RMSNorm and round again (y). Programs T + b: the Sinkhorn split (post, comb) of tokens
+    [b BLOCK_S, (b + 1) BLOCK_S), one a lane (`_sinkhorn4_block`), which y does not need.
+    History: one program did a token's collapse and Sinkhorn one after the other until 2026-12-05 (at decode
+    the Sinkhorn's chain of 2 x iters dependent reductions and the collapse's stream loads were the two halves
+    of a ~7 us critical path); then a token's Sinkhorn was a second program of the collapse's warps (grid (T,
+    2)), until 2026-12-06. The partials of all splits are loaded at once ([SP, ...], SP the splits' power of
+    two) and summed as a tree (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first,
+    to overlap their latency with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call,
+    decode b1 8.1 -> 9.2 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the
+    HC pre weights alone, no post, comb or Sinkhorn. DEFERRED (V4.1's deferred pre, `hc_pre_deferred_fused`):
+    the collapse stores the pre weights it computes (pre_out [T, HC]) and collapses with the given ones
+    (pre_in [T, HC] fp32)."""
     pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    if HEAD:
-        n_mix = HC
-    else:
-        n_mix = (2 + HC) * HC
-    j = tl.arange(0, HC)
-    sp = tl.arange(0, SP)
-    live = sp < splits
-    row = (sp.to(tl.int64) * T + t) * n_mix  # [SP]
-    ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
-    if tl.program_id(1) == 0:
+    pid = tl.program_id(0)
+    if pid < T:
+        t = pid.to(tl.int64)
+        n_mix = HC if HEAD else (2 + HC) * HC
+        j = tl.arange(0, HC)
+        sp = tl.arange(0, SP)
+        live = sp < splits
+        row = (sp.to(tl.int64) * T + t) * n_mix  # [SP]
+        ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
+        r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
         m_pre = tl.sum(tl.load(part_ptr + row[:, None] + j[None, :], mask=live[:, None], other=0.0), axis=0)
         pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
         if DEFERRED:  # this sublayer's pre goes to the next sublayer; the collapse takes the previous one's
@@ -267,20 +393,8 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
         y = tl.load(nw_ptr + cols, mask=dmask, other=0.0) * (y * rn)
         tl.store(y_ptr + t * D + cols, y.to(tl.bfloat16), mask=dmask)
     elif not HEAD:
-        cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
-        m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + j[None, :], mask=live[:, None], other=0.0), axis=0)
-        m_comb = tl.sum(tl.load(part_ptr + row[:, None, None] + cidx[None, :, :], mask=live[:, None, None],
-                                other=0.0), axis=0)
-        post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j))
-        c = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)
-        c = tl.exp(c - tl.max(c, axis=1)[:, None])
-        c = c / tl.sum(c, axis=1)[:, None] + hc_eps
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)  # the first pass normalises columns only
-        for _ in range(iters - 1):
-            c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-        tl.store(post_ptr + t * HC + j, post)
-        tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
+        _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, pid - T, T, D, splits, iters,
+                         hc_eps, norm_eps, SP, BLOCK_S)
 
 
 @fast_launch
@@ -416,7 +530,7 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     post [T, hc] fp32, comb [T, hc, hc] fp32 (Sinkhorn-normalised; hc_post contracts its first index).
     config: the mix kernel's launch override (`mix_plan`)."""
     _check_hc_pre(x, fn, scale, base, norm_weight, hc)
-    if _fallback(x, fn):
+    if _fallback(x, fn) or hc != SINKHORN_HC:
         return official_fused.hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps)
     y, _, post, comb = _hc_pre(x, None, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, config)
     return y, post, comb
@@ -432,7 +546,7 @@ def hc_pre_deferred_fused(x: torch.Tensor, pre_mix: torch.Tensor, fn: torch.Tens
     _check_hc_pre(x, fn, scale, base, norm_weight, hc)
     T = x.shape[0]
     _need(tuple(pre_mix.shape) == (T, hc), f"hc_pre_deferred: pre_mix must be [{T}, {hc}], got {tuple(pre_mix.shape)}")
-    if _fallback(x, fn, pre_mix):
+    if _fallback(x, fn, pre_mix) or hc != SINKHORN_HC:
         return official_fused.hc_pre_deferred_fused(x, pre_mix, fn, scale, base, norm_weight, hc, iters, hc_eps,
                                                     norm_eps)
     return _hc_pre(x, pre_mix, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, config)
@@ -471,13 +585,30 @@ def _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters
     """`_hc_sinkhorn_collapse_kernel` over the mix partials of `plan`: y (and, unless `head`, post / comb);
     deferred = (pre_in, pre_out): collapse with pre_in, store the computed pre into pre_out."""
     T, hc, D = x.shape
+    _need(head or hc == SINKHORN_HC, f"hc_pre: the Sinkhorn kernel holds a token's 4 x 4 matrix in registers "
+                                     f"(hc_mult 4, every V4 / V4.1 config); got hc={hc}")
     block_d = next_power_of_2(D)
     pre_in, pre_out = deferred if deferred is not None else (post, post)  # (unread without DEFERRED)
-    _hc_sinkhorn_collapse_kernel[(T, 1 if head else 2)](
+    sp = max(2, next_power_of_2(plan["SPLITS"]))
+    warps = plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024))
+    block_s = sinkhorn_block(sp, warps)
+    n_prog = T if head else T + cdiv(T, block_s)
+    _hc_sinkhorn_collapse_kernel[(n_prog,)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
         y, post, comb, pre_in, pre_out, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_D=block_d, SP=max(2, next_power_of_2(plan["SPLITS"])), HEAD=head, DEFERRED=deferred is not None,
-        num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
+        HC=hc, BLOCK_D=block_d, SP=sp, HEAD=head, DEFERRED=deferred is not None, BLOCK_S=block_s, num_warps=warps)
+
+
+SINKHORN_HC = 4  # the hc_mult the Sinkhorn program is written for (16 named registers); others take the twins
+SINKHORN_TILE = 8  # split partials a thread loads per mix in a Sinkhorn program ([BLOCK_S, SP] tiles)
+
+
+def sinkhorn_block(sp: int, warps: int) -> int:
+    """Tokens per Sinkhorn program: its [BLOCK_S, SP] split tiles about SINKHORN_TILE values a thread (a decode
+    plan's 128-256 splits: a few tokens; a prefill's 4: one token a thread), at most one token a thread. A
+    function of the plan alone (SP, warps), never of T: a token's bits must not depend on the batch."""
+    threads = 32 * warps
+    return max(1, min(threads, threads * SINKHORN_TILE // sp))
 
 
 POST_MIX_MAX_T = 16  # the fused mix kernel's tokens: the decode plan's one token block. Its larger plans'
@@ -497,7 +628,7 @@ def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
     sublayer's hc_pre -> (x [T, hc, D] bf16 the new residual streams, y, post, comb as `hc_pre_fused`). Two
     launches where there were three at decode (up to POST_MIX_MAX_T tokens): the mix kernel makes the columns
     of x it reads (`_hc_post_mix_partial_kernel`) instead of a separate hc_post pass writing them first."""
-    if _fallback(f, residual, post, comb):
+    if _fallback(f, residual, post, comb) or hc != SINKHORN_HC:
         return official_fused.hc_post_pre_fused(f, residual, post, comb, fn, scale, base, norm_weight, hc, iters,
                                                 hc_eps, norm_eps)
     T, hc_r, D = residual.shape if residual.dim() == 3 else (0, 0, 0)
