@@ -32,6 +32,8 @@ _KERNELS: dict[tuple, CudaKernel] = {}
 
 def kernel(cfg: dict) -> CudaKernel:
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES)
+    if not cfg.get("EARLY", 1):  # the weights' first stages after the PDL wait (benchmarks' A/B of EARLY_WEIGHTS)
+        key += (("EARLY_WEIGHTS", 0),)
     if key not in _KERNELS:
         name = "fp8_linear_prefill_persistent" if cfg["PERSIST"] else "fp8_linear_prefill"
         _KERNELS[key] = CudaKernel(SOURCE, name, _SIGNATURE, dict(key), arch_suffix="a", pdl=True)
@@ -62,7 +64,7 @@ def tiles(config: dict | None = None) -> dict:
     """DEFAULT_TILES with config's keys on top; STAGES (when 0) as deep as SMEM_BUDGET allows. ValueError
     naming the rule a plan breaks."""
     cfg = dict(DEFAULT_TILES)
-    cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
+    cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES or k == "EARLY"})
     if cfg["CWG"] not in (1, 2) or cfg["BN"] not in (64, 128) or cfg["GROUP_M"] < 1 or cfg["STAGES"] < 0 \
             or cfg["PIPE"] not in (0, 1) or cfg["PERSIST"] not in (0, 1) or (cfg["PIPE"] and cfg["PERSIST"]):
         raise ValueError(f"fp8_linear_prefill tiles: CWG 1/2, BN 64/128, GROUP_M >= 1, STAGES >= 2 (0: as deep "

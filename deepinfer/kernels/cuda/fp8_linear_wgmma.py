@@ -35,6 +35,8 @@ def kernel(cfg: dict, split_out: bool, group_rows: int = 0) -> CudaKernel:
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES) + (("SPLIT_OUT", int(split_out)),)
     if cfg.get("DIAG"):  # a diagnostic build (the .cu's DIAG: not the GEMM), for benchmarks only
         key += (("DIAG", int(cfg["DIAG"])),)
+    if not cfg.get("EARLY", 1):  # the weights' first stages after the PDL wait (benchmarks' A/B of EARLY_WEIGHTS)
+        key += (("EARLY_WEIGHTS", 0),)
     if group_rows:
         key += (("GROUP_ROWS", int(group_rows)),)
     if key not in _KERNELS:
@@ -79,7 +81,7 @@ def tiles(m: int, config: dict | None = None, n: int = 0, k: int = 0) -> dict:
     accumulators would spill); config's keys (BT, CWG, STAGES, HALVES) on top."""
     config = config or {}
     cfg = dict(DEFAULT_TILES, BT=token_tile(m), CWG=warpgroups(m, n, k) if n and k else DEFAULT_TILES["CWG"])
-    cfg.update({k: int(v) for k, v in config.items() if k in DEFAULT_TILES or k == "DIAG"})
+    cfg.update({k: int(v) for k, v in config.items() if k in DEFAULT_TILES or k in ("DIAG", "EARLY")})
     if "STAGES" not in config:
         cfg["STAGES"] = max(2, min(8, SMEM_BUDGET // stage_bytes(cfg["BT"], cfg["CWG"])))
     if "HALVES" not in config:
