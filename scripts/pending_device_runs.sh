@@ -16,7 +16,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s31a, s31b, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -27,6 +27,20 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s31a)  # the thirty-first session: (1) the Sinkhorn programs of hc_pre (a block of tokens a program, a token's
+    # 4 x 4 matrix in registers; before, a program of the collapse's warps a token); (2) the TMA-fed FP8 linears
+    # (fp8_linear_wgmma.cu, fp8_linear_prefill.cu) load their first weight stages before the PDL wait. Their
+    # kernel tests (the new batch-invariance one among them), then each change's A/B in one process
+    step gpu_tests_s31a 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_attn.py \
+        tests/test_kernels_hc_post_pre.py tests/test_kernels_hc_pre_deferred.py tests/test_kernels_fp8_linear_wgmma.py \
+        tests/test_kernels_fp8_linear_prefill.py -k "hc or sinkhorn or wgmma or prefill or linear"
+    step bench_hc_sinkhorn_s31a 120 python benchmarks/bench_hc_sinkhorn.py --before scratch_norm_hc_before.py
+    step bench_linear_early_s31a 150 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024 8192
+    ;;
+s31b)  # the engine's GPU tests over both changes (graphs against eager, PDL on against off, V4 and V4.1)
+    step gpu_tests_s31b_engine 560 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
+        tests/test_engine_fast.py tests/test_engine_fast_v41.py tests/test_engine_fast_prefill.py
+    ;;
 s30d)  # routing at prefill sizes for both families' expert counts: where the per-expert kernel stops beating the
     # torch sort (PARALLEL_ROUTING_SLOTS was set from E = 256 on the H200; V4.1's 4k prefill, 24,576 slots over
     # 384 experts, took 236 us a call on it on the H100)
