@@ -31,15 +31,17 @@ s31a)  # the thirty-first session: (1) the Sinkhorn programs of hc_pre (a block 
     # 4 x 4 matrix in registers; before, a program of the collapse's warps a token); (2) the TMA-fed FP8 linears
     # (fp8_linear_wgmma.cu, fp8_linear_prefill.cu) load their first weight stages before the PDL wait. Their
     # kernel tests (the new batch-invariance one among them), then each change's A/B in one process
-    step gpu_tests_s31a 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_attn.py \
+    step gpu_tests_s31a 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_attn.py \
         tests/test_kernels_hc_post_pre.py tests/test_kernels_hc_pre_deferred.py tests/test_kernels_fp8_linear_wgmma.py \
         tests/test_kernels_fp8_linear_prefill.py -k "hc or sinkhorn or wgmma or prefill or linear"
-    step bench_hc_sinkhorn_s31a 120 python benchmarks/bench_hc_sinkhorn.py --before scratch_norm_hc_before.py
-    step bench_linear_early_s31a 150 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024 8192
+    step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py --before scratch_norm_hc_before.py
+    step bench_linear_early_s31a 100 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024
+    step gpu_tests_s31a_engine 230 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
+        tests/test_engine_fast.py
     ;;
-s31b)  # the engine's GPU tests over both changes (graphs against eager, PDL on against off, V4 and V4.1)
-    step gpu_tests_s31b_engine 560 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
-        tests/test_engine_fast.py tests/test_engine_fast_v41.py tests/test_engine_fast_prefill.py
+s31b)  # the rest of the engine's GPU tests over both changes (V4.1, the batched prefill)
+    step gpu_tests_s31b_engine 500 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41.py \
+        tests/test_engine_fast_prefill.py tests/test_engine_fast_v41_extend.py
     ;;
 s30d)  # routing at prefill sizes for both families' expert counts: where the per-expert kernel stops beating the
     # torch sort (PARALLEL_ROUTING_SLOTS was set from E = 256 on the H200; V4.1's 4k prefill, 24,576 slots over
