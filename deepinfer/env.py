@@ -157,6 +157,13 @@ def attn_fusions_enabled() -> bool:
     return os.environ.get("DEEPINFER_ATTN_FUSIONS", "1") not in ("0", "false", "no")
 
 
+def hc_sinkhorn_blocks() -> bool:
+    """DEEPINFER_HC_SINKHORN_BLOCKS=0 runs hc_pre's Sinkhorn split as one program of the collapse's warps a
+    token (the form before 2026-12-06) instead of blocks of tokens with a token's 4 x 4 matrix in registers
+    (`norm_hc._hc_sinkhorn_collapse_kernel`): the A/B switch and a way back. Default on."""
+    return os.environ.get("DEEPINFER_HC_SINKHORN_BLOCKS", "1") not in ("0", "false", "no")
+
+
 def indexer_lanes_enabled() -> bool:
     """DEEPINFER_INDEXER_LANES=0 keeps a decode step's indexer layers' side work as one chain on one side stream
     instead of splitting it over three (the indexer's weights and the main compressor; the index-key

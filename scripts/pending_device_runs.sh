@@ -34,7 +34,7 @@ s31a)  # the thirty-first session: (1) the Sinkhorn programs of hc_pre (a block 
     step gpu_tests_s31a 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_attn.py \
         tests/test_kernels_hc_post_pre.py tests/test_kernels_hc_pre_deferred.py tests/test_kernels_fp8_linear_wgmma.py \
         tests/test_kernels_fp8_linear_prefill.py -k "hc or sinkhorn or wgmma or prefill or linear"
-    step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py --before scratch_norm_hc_before.py
+    step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py
     step bench_linear_early_s31a 100 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024
     step gpu_tests_s31a_engine 230 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
         tests/test_engine_fast.py

@@ -252,6 +252,12 @@ for T, D, config in [(5, 64, None), (70, 256, None), (5, 48, None),
     e = t._hc_pre_errors(T, D, config, device="cpu")
     print(f"hc_pre T={T} D={D} {config}: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
     assert e[0] <= t.BF16_BOUND and e[1] <= t.F32_BOUND and e[2] <= t.F32_BOUND, (T, D, config, e)
+import os
+os.environ["DEEPINFER_HC_SINKHORN_BLOCKS"] = "0"  # the form before the Sinkhorn blocks (its A/B and way back)
+e = t._hc_pre_errors(70, 256, None, device="cpu")
+print(f"hc_pre token form T=70 D=256: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
+assert e[0] <= t.BF16_BOUND and e[1] <= t.F32_BOUND and e[2] <= t.F32_BOUND, e
+del os.environ["DEEPINFER_HC_SINKHORN_BLOCKS"]
 for T, D in [(3, 64), (70, 256)]:
     e = t._hc_head_error(T, D, device="cpu")
     print(f"hc_head T={T} D={D}: y {e:.2e}")
@@ -303,6 +309,23 @@ def test_hc_mix_plan():
                                         (20, 4096, dict(BLOCK_T=16, BLOCK_K=128, SPLITS=128))])
 def test_hc_pre_token_bits_ignore_the_batch(T, D, config):
     _check_hc_token_bits_ignore_the_batch("cuda", D, T, config)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 16, 300])
+def test_hc_pre_sinkhorn_forms_agree(T, monkeypatch):
+    """The Sinkhorn blocks against the form before them (DEEPINFER_HC_SINKHORN_BLOCKS=0): y the same bits (the
+    collapse programs are the same code), post / comb within fp32 summation-order noise."""
+    from deepinfer.kernels.triton import norm_hc
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    args = _hc_inputs(g, T, 4096, device="cuda")
+    y, post, comb = norm_hc.hc_pre_fused(*args, 4, 20, 1e-6, 1e-6)
+    monkeypatch.setenv("DEEPINFER_HC_SINKHORN_BLOCKS", "0")
+    y0, post0, comb0 = norm_hc.hc_pre_fused(*args, 4, 20, 1e-6, 1e-6)
+    assert torch.equal(y, y0)
+    assert rel_err(post, post0) <= 1e-6 and rel_err(comb, comb0) <= 1e-5, (rel_err(post, post0), rel_err(comb, comb0))
 
 
 @gpu

@@ -347,29 +347,63 @@ def _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr,
     tl.store(o + 15, c33, mask=ok)
 
 
+@triton.jit
+def _sinkhorn_token(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, T, D, splits, iters, hc_eps,
+                    norm_eps, HC: tl.constexpr, SP: tl.constexpr):
+    """post [HC] and comb [HC, HC] of token t in one program of the collapse's warps over a [HC, HC] tile (the
+    form before the Sinkhorn blocks; `DEEPINFER_HC_SINKHORN_BLOCKS=0`): the Sinkhorn's row / column sums are
+    tile reductions, at a decode plan's warps cross-warp (3 barriers a pass)."""
+    n_mix = (2 + HC) * HC
+    j = tl.arange(0, HC)
+    sp = tl.arange(0, SP)
+    live = sp < splits
+    row = (sp.to(tl.int64) * T + t) * n_mix  # [SP]
+    ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)
+    cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
+    m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + j[None, :], mask=live[:, None], other=0.0), axis=0)
+    m_comb = tl.sum(tl.load(part_ptr + row[:, None, None] + cidx[None, :, :], mask=live[:, None, None],
+                            other=0.0), axis=0)
+    post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j))
+    c = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)
+    c = tl.exp(c - tl.max(c, axis=1)[:, None])
+    c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)  # the first pass normalises columns only
+    for _ in range(iters - 1):
+        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    tl.store(post_ptr + t * HC + j, post)
+    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
+
+
 @fast_launch
 @triton.jit
 def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
                                  pre_in_ptr, pre_out_ptr, T, D, splits, iters, hc_eps, norm_eps,
                                  HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr,
                                  DEFERRED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """Grid (T + ceil(T / BLOCK_S),) ((T,) for HEAD). Programs t < T: token t's collapse: sum the split-K
-    partials of its pre mixes and r-normalise them, collapse the token's hc streams with the pre weights, round
-    to bf16, RMSNorm and round again (y). Programs T + b: the Sinkhorn split (post, comb) of tokens
-    [b BLOCK_S, (b + 1) BLOCK_S), one a lane (`_sinkhorn4_block`), which y does not need.
-    History: one program did a token's collapse and Sinkhorn one after the other until 2026-12-05 (at decode
-    the Sinkhorn's chain of 2 x iters dependent reductions and the collapse's stream loads were the two halves
-    of a ~7 us critical path); then a token's Sinkhorn was a second program of the collapse's warps (grid (T,
-    2)), until 2026-12-06. The partials of all splits are loaded at once ([SP, ...], SP the splits' power of
-    two) and summed as a tree (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first,
-    to overlap their latency with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call,
-    decode b1 8.1 -> 9.2 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the
-    HC pre weights alone, no post, comb or Sinkhorn. DEFERRED (V4.1's deferred pre, `hc_pre_deferred_fused`):
-    the collapse stores the pre weights it computes (pre_out [T, HC]) and collapses with the given ones
-    (pre_in [T, HC] fp32)."""
+    """BLOCK_S > 0 (the Sinkhorn blocks, default): grid (T + ceil(T / BLOCK_S),) ((T,) for HEAD); programs
+    t < T collapse token t, programs T + b run the Sinkhorn split (post, comb) of tokens [b BLOCK_S, (b + 1)
+    BLOCK_S) (`_sinkhorn4_block`). BLOCK_S 0 (the form before, `DEEPINFER_HC_SINKHORN_BLOCKS=0`): grid (T, 2)
+    ((T, 1) for HEAD); program (t, 0) collapses token t, (t, 1) runs its Sinkhorn (`_sinkhorn_token`).
+    A token's collapse: sum the split-K partials of its pre mixes and r-normalise them, collapse the token's hc
+    streams with the pre weights, round to bf16, RMSNorm and round again (y); the Sinkhorn's outputs are not
+    needed for y. History: one program did a token's collapse and Sinkhorn one after the other until
+    2026-12-05 (at decode the Sinkhorn's chain of 2 x iters dependent reductions and the collapse's stream
+    loads were the two halves of a ~7 us critical path); then the (T, 2) grid; the blocks since 2026-12-06.
+    The partials of all splits are loaded at once ([SP, ...], SP the splits' power of two) and summed as a tree
+    (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first, to overlap their latency
+    with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 -> 9.2 us;
+    reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre weights alone, no
+    post, comb or Sinkhorn. DEFERRED (V4.1's deferred pre, `hc_pre_deferred_fused`): the collapse stores the
+    pre weights it computes (pre_out [T, HC]) and collapses with the given ones (pre_in [T, HC] fp32)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
-    if pid < T:
+    if BLOCK_S > 0:
+        collapse = pid < T
+    else:
+        collapse = tl.program_id(1) == 0
+    if collapse:
         t = pid.to(tl.int64)
         n_mix = HC if HEAD else (2 + HC) * HC
         j = tl.arange(0, HC)
@@ -393,8 +427,12 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
         y = tl.load(nw_ptr + cols, mask=dmask, other=0.0) * (y * rn)
         tl.store(y_ptr + t * D + cols, y.to(tl.bfloat16), mask=dmask)
     elif not HEAD:
-        _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, pid - T, T, D, splits, iters,
-                         hc_eps, norm_eps, SP, BLOCK_S)
+        if BLOCK_S > 0:
+            _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, pid - T, T, D, splits,
+                             iters, hc_eps, norm_eps, SP, BLOCK_S)
+        else:
+            _sinkhorn_token(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, pid.to(tl.int64), T, D,
+                            splits, iters, hc_eps, norm_eps, HC, SP)
 
 
 @fast_launch
@@ -530,7 +568,7 @@ def hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     post [T, hc] fp32, comb [T, hc, hc] fp32 (Sinkhorn-normalised; hc_post contracts its first index).
     config: the mix kernel's launch override (`mix_plan`)."""
     _check_hc_pre(x, fn, scale, base, norm_weight, hc)
-    if _fallback(x, fn) or hc != SINKHORN_HC:
+    if _fallback(x, fn):
         return official_fused.hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps)
     y, _, post, comb = _hc_pre(x, None, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, config)
     return y, post, comb
@@ -546,7 +584,7 @@ def hc_pre_deferred_fused(x: torch.Tensor, pre_mix: torch.Tensor, fn: torch.Tens
     _check_hc_pre(x, fn, scale, base, norm_weight, hc)
     T = x.shape[0]
     _need(tuple(pre_mix.shape) == (T, hc), f"hc_pre_deferred: pre_mix must be [{T}, {hc}], got {tuple(pre_mix.shape)}")
-    if _fallback(x, fn, pre_mix) or hc != SINKHORN_HC:
+    if _fallback(x, fn, pre_mix):
         return official_fused.hc_pre_deferred_fused(x, pre_mix, fn, scale, base, norm_weight, hc, iters, hc_eps,
                                                     norm_eps)
     return _hc_pre(x, pre_mix, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, config)
@@ -585,21 +623,20 @@ def _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters
     """`_hc_sinkhorn_collapse_kernel` over the mix partials of `plan`: y (and, unless `head`, post / comb);
     deferred = (pre_in, pre_out): collapse with pre_in, store the computed pre into pre_out."""
     T, hc, D = x.shape
-    _need(head or hc == SINKHORN_HC, f"hc_pre: the Sinkhorn kernel holds a token's 4 x 4 matrix in registers "
-                                     f"(hc_mult 4, every V4 / V4.1 config); got hc={hc}")
+    blocks = hc == SINKHORN_HC and env.hc_sinkhorn_blocks()  # (other hc: one program a token's Sinkhorn)
     block_d = next_power_of_2(D)
     pre_in, pre_out = deferred if deferred is not None else (post, post)  # (unread without DEFERRED)
     sp = max(2, next_power_of_2(plan["SPLITS"]))
     warps = plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024))
-    block_s = sinkhorn_block(sp, warps)
-    n_prog = T if head else T + cdiv(T, block_s)
-    _hc_sinkhorn_collapse_kernel[(n_prog,)](
+    block_s = sinkhorn_block(sp, warps) if blocks else 0
+    grid = ((T if head else T + cdiv(T, block_s)),) if blocks else (T, 1 if head else 2)
+    _hc_sinkhorn_collapse_kernel[grid](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
         y, post, comb, pre_in, pre_out, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
         HC=hc, BLOCK_D=block_d, SP=sp, HEAD=head, DEFERRED=deferred is not None, BLOCK_S=block_s, num_warps=warps)
 
 
-SINKHORN_HC = 4  # the hc_mult the Sinkhorn program is written for (16 named registers); others take the twins
+SINKHORN_HC = 4  # the hc_mult the Sinkhorn blocks are written for (16 named registers); others: a program a token
 SINKHORN_TILE = 8  # split partials a thread loads per mix in a Sinkhorn program ([BLOCK_S, SP] tiles)
 
 
@@ -628,7 +665,7 @@ def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
     sublayer's hc_pre -> (x [T, hc, D] bf16 the new residual streams, y, post, comb as `hc_pre_fused`). Two
     launches where there were three at decode (up to POST_MIX_MAX_T tokens): the mix kernel makes the columns
     of x it reads (`_hc_post_mix_partial_kernel`) instead of a separate hc_post pass writing them first."""
-    if _fallback(f, residual, post, comb) or hc != SINKHORN_HC:
+    if _fallback(f, residual, post, comb):
         return official_fused.hc_post_pre_fused(f, residual, post, comb, fn, scale, base, norm_weight, hc, iters,
                                                 hc_eps, norm_eps)
     T, hc_r, D = residual.shape if residual.dim() == 3 else (0, 0, 0)
