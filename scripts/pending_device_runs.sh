@@ -36,11 +36,11 @@ s31a)  # the thirty-first session: (1) the Sinkhorn programs of hc_pre (a block 
         tests/test_kernels_fp8_linear_prefill.py -k "hc or sinkhorn or wgmma or prefill or linear"
     step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py
     step bench_linear_early_s31a 100 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024
-    step gpu_tests_s31a_engine 230 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
-        tests/test_engine_fast.py
     ;;
-s31b)  # the rest of the engine's GPU tests over both changes (V4.1, the batched prefill)
-    step gpu_tests_s31b_engine 500 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41.py \
+s31b)  # the engine's GPU tests over both changes (graphs against eager, PDL on against off; V4.1; batched prefill)
+    step gpu_tests_s31b_engine 230 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
+        tests/test_engine_fast.py
+    step gpu_tests_s31b_engine_v41 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41.py \
         tests/test_engine_fast_prefill.py tests/test_engine_fast_v41_extend.py
     ;;
 s30d)  # routing at prefill sizes for both families' expert counts: where the per-expert kernel stops beating the
