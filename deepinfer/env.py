@@ -158,10 +158,12 @@ def attn_fusions_enabled() -> bool:
 
 
 def hc_sinkhorn_blocks() -> bool:
-    """DEEPINFER_HC_SINKHORN_BLOCKS=0 runs hc_pre's Sinkhorn split as one program of the collapse's warps a
-    token (the form before 2026-12-06) instead of blocks of tokens with a token's 4 x 4 matrix in registers
-    (`norm_hc._hc_sinkhorn_collapse_kernel`): the A/B switch and a way back. Default on."""
-    return os.environ.get("DEEPINFER_HC_SINKHORN_BLOCKS", "1") not in ("0", "false", "no")
+    """DEEPINFER_HC_SINKHORN_BLOCKS=1 runs hc_pre's Sinkhorn split in blocks of tokens, a token's 4 x 4 matrix
+    in registers (2026-12-06), instead of one program of the collapse's warps a token
+    (`norm_hc._hc_sinkhorn_collapse_kernel`). Default off until a GPU has timed it (benchmarks/
+    bench_hc_sinkhorn.py, pending_device_runs.sh s31a): written and tested under the interpreter and in sm_90
+    builds when no device could be had."""
+    return os.environ.get("DEEPINFER_HC_SINKHORN_BLOCKS", "0") not in ("0", "false", "no")
 
 
 def indexer_lanes_enabled() -> bool:

@@ -57,7 +57,7 @@
 #define PIPE 0  // 1: two partials, the next stage's wgmmas in flight while one is promoted
 #endif
 #ifndef EARLY_WEIGHTS
-#define EARLY_WEIGHTS 1  // 1: the first stages' weight boxes load before the PDL wait (0: after it; benchmarks' A/B)
+#define EARLY_WEIGHTS 0  // 1: the first stages' weight boxes load before the PDL wait (the launcher passes it)
 #endif
 #ifndef PERSIST
 #define PERSIST 0  // 1: the persistent form (fp8_linear_prefill_persistent): a CTA an SM walks the tiles

@@ -28,12 +28,15 @@ DEFAULT_TILES = dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=0, PERSIST=0)  # S
 # SM walks the tiles, the ring running on across them (the .cu's `fp8_linear_prefill_persistent`)
 _SIGNATURE = "mmplplpliii"  # tensor maps x / w, xs, stride_xsm, ws, stride_wsn, out, stride_om, M, N, K
 _KERNELS: dict[tuple, CudaKernel] = {}
+# Load the first STAGES weight boxes before the PDL wait (the .cu's EARLY_WEIGHTS; config key "EARLY" per call).
+# Off until a GPU has timed it (benchmarks/bench_linear_early.py, pending_device_runs.sh s31a): written and tested
+# on the CPU machine (sm_90a builds, the PDL source rule) on 2026-12-06, when no device could be had.
+EARLY_WEIGHTS = False
 
 
 def kernel(cfg: dict) -> CudaKernel:
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES)
-    if not cfg.get("EARLY", 1):  # the weights' first stages after the PDL wait (benchmarks' A/B of EARLY_WEIGHTS)
-        key += (("EARLY_WEIGHTS", 0),)
+    key += (("EARLY_WEIGHTS", int(cfg.get("EARLY", EARLY_WEIGHTS))),)  # the .cu's EARLY_WEIGHTS
     if key not in _KERNELS:
         name = "fp8_linear_prefill_persistent" if cfg["PERSIST"] else "fp8_linear_prefill"
         _KERNELS[key] = CudaKernel(SOURCE, name, _SIGNATURE, dict(key), arch_suffix="a", pdl=True)

@@ -77,7 +77,7 @@
 #define HALVES 0  // 1: half-stage fragment buffers (16 registers each), what fits 4 consumer warpgroups
 #endif
 #ifndef EARLY_WEIGHTS
-#define EARLY_WEIGHTS 1  // 1: the first stages' weight boxes load before the PDL wait (0: after it; benchmarks' A/B)
+#define EARLY_WEIGHTS 0  // 1: the first stages' weight boxes load before the PDL wait (the launcher passes it)
 #endif
 #ifndef DIAG
 #define DIAG 0  // diagnostics, not the GEMM (benchmarks time them against it): 1 the ring alone (the producer's
