@@ -37,7 +37,9 @@ s31a)  # the thirty-first session: (1) the Sinkhorn programs of hc_pre (a block 
     step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py
     step bench_linear_early_s31a 100 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024
     ;;
-s31b)  # the engine's GPU tests over both changes (graphs against eager, PDL on against off; V4.1; batched prefill)
+s31b)  # the engine's GPU tests with the Sinkhorn blocks on (graphs against eager, PDL on against off; V4.1; the
+    # batched prefill): before making them the default (env.hc_sinkhorn_blocks)
+    export DEEPINFER_HC_SINKHORN_BLOCKS=1
     step gpu_tests_s31b_engine 230 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
         tests/test_engine_fast.py
     step gpu_tests_s31b_engine_v41 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41.py \
