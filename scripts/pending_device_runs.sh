@@ -4,7 +4,9 @@
 # an H100 (passed; numbers in BENCHMARKS.md). The twenty-eighth session ran s27f's and s28a's tests and timings
 # on an H100 (BENCHMARKS.md). The twenty-ninth session ran s28b, s28c and its own s29a-c on an H100 (passed; the
 # stages as they were are in git history, the numbers in BENCHMARKS.md). The thirtieth session ran s29d and its
-# own s30_tests, s30_bench, s30b and s30c on an H100 (passed; BENCHMARKS.md). Nothing is owed on any GPU. Still owed
+# own s30_tests, s30_bench, s30b and s30c on an H100 (passed; BENCHMARKS.md). The thirty-first session got no device:
+# its s31a (the new GPU tests and two A/Bs: the Sinkhorn blocks, the linears' early weight loads; both opt-in
+# until timed) and s31b (the engine with the Sinkhorn blocks on) are owed on any Hopper GPU, first. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
