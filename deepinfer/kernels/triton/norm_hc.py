@@ -238,6 +238,28 @@ def _norm4(a, b, c, d, eps):
 
 
 @triton.jit
+def _row_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps):
+    """One Sinkhorn row pass over a 4 x 4 matrix held as 16 values (c{row}{column}): each row j divided by its
+    sum + eps (`_norm4`)."""
+    c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+    c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+    c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+    c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
+
+
+@triton.jit
+def _column_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps):
+    """One Sinkhorn column pass over a 4 x 4 matrix held as 16 values (c{row}{column}): each column k divided by
+    its sum + eps (`_norm4`)."""
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
+
+
+@triton.jit
 def _softmax4(a, b, c, d, eps):
     """softmax of a..d (max subtracted, exp, over the fixed-order sum) + eps: the Sinkhorn's first row pass."""
     m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
@@ -315,19 +337,13 @@ def _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr,
     c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, hc_eps)
     c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, hc_eps)
     c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, hc_eps)
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32,
+     c33) = _column_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps)
     for _ in range(iters - 1):
-        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
-        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
-        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
-        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+        (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32,
+         c33) = _row_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps)
+        (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32,
+         c33) = _column_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps)
     o = comb_ptr + t * 16
     tl.store(o, c00, mask=ok)
     tl.store(o + 1, c01, mask=ok)
