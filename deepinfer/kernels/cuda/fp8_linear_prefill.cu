@@ -176,7 +176,7 @@ fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_consta
                     tma_load_2d(smem_u32(x_ring + s * A_STAGE), &tmap_x, step * KSTEP, m0, full0 + 8 * s);
                     continue;
                 }
-                mbar_wait(empty0 + 8 * s, ((step / STAGES) & 1) ^ 1);
+                if (step >= STAGES) mbar_wait(empty0 + 8 * s, ((step / STAGES) & 1) ^ 1);
                 load_stage(&tmap_x, &tmap_w, x_ring, w_ring, full0, s, step * KSTEP, m0, n0);
             }
         }
