@@ -5,7 +5,7 @@ fp8_linear_wgmma.cu, the batched-decode form, and fp8_linear_prefill.cu, the pre
 
 A chain of the V4-Flash layer's six FP8 linears (the fast params' stacking) is captured in one CUDA graph, each
 op its act_quant pass, the GEMM and (where it splits K) the split sum, as in a decode step; the replay's median
-(`graph_replay_ms`, L2 flushed between replays) with EARLY 1 (the default) against EARLY 0, alternating, in one
+(`graph_replay_ms`, L2 flushed between replays) with EARLY 1 against EARLY 0 (the default), alternating, in one
 process. Every pair first checks the two builds give the same bits (they must: only the order of the copies
 moves). The prefill form runs where the op's mma="fp8_wgmma" can (sm_90, V4's 128-blocks).
 """

@@ -276,9 +276,9 @@ def _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr,
     4 x 4 matrix is 16 values held by its lane (or by every lane that holds the token, where BLOCK_S is less
     than the program's threads), so the Sinkhorn's 2 x iters passes of row / column sums are register adds in
     a fixed order (`_norm4`), with no cross-lane or cross-warp reduction on the chain. A token's bits depend on
-    the launch plan (SP, BLOCK_S, warps), not on T or on which block holds it. (Until 2026-12-06 each token's
-    Sinkhorn was a program of the collapse's 1-16 warps over a [4, 4] tile: 40 dependent cross-warp reductions
-    a token, and at prefill 8192 such programs took SM slots from the collapse's stream loads.)"""
+    the launch plan (SP, BLOCK_S, warps), not on T or on which block holds it. (The default form,
+    `_sinkhorn_token`, is a program of the collapse's 1-16 warps a token over a [4, 4] tile: at a decode plan 40
+    dependent cross-warp reductions a token, and at prefill 8192 such programs beside the collapse's.)"""
     toks = blk * BLOCK_S + tl.arange(0, BLOCK_S)
     ok = toks < T
     t = toks.to(tl.int64)
@@ -364,18 +364,25 @@ def _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr,
 
 
 @triton.jit
-def _sinkhorn_token(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, T, D, splits, iters, hc_eps,
-                    norm_eps, HC: tl.constexpr, SP: tl.constexpr):
-    """post [HC] and comb [HC, HC] of token t in one program of the collapse's warps over a [HC, HC] tile (the
-    form before the Sinkhorn blocks; `DEEPINFER_HC_SINKHORN_BLOCKS=0`): the Sinkhorn's row / column sums are
-    tile reductions, at a decode plan's warps cross-warp (3 barriers a pass)."""
-    n_mix = (2 + HC) * HC
-    j = tl.arange(0, HC)
+def _token_splits(ssq_ptr, t, T, D, splits, norm_eps, n_mix, HC: tl.constexpr, SP: tl.constexpr):
+    """Token t's split-K rows of the mix partials (row [SP]: (split * T + t) * n_mix), which splits are real
+    (live [SP]) and r = rsqrt(mean of the squares over all HC * D values), applied after the matmul; its ssq
+    partials summed as a tree over [SP] (a fixed order). Every program of the kernel computes it first (the
+    collapse and the one-token Sinkhorn use it)."""
     sp = tl.arange(0, SP)
     live = sp < splits
-    row = (sp.to(tl.int64) * T + t) * n_mix  # [SP]
+    row = (sp.to(tl.int64) * T + t) * n_mix
     ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)
+    return row, live, 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)
+
+
+@triton.jit
+def _sinkhorn_token(part_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, row, live, r, iters, hc_eps,
+                    HC: tl.constexpr):
+    """post [HC] and comb [HC, HC] of token t in one program of the collapse's warps over a [HC, HC] tile (the
+    form before the Sinkhorn blocks; `DEEPINFER_HC_SINKHORN_BLOCKS=0`): the Sinkhorn's row / column sums are
+    tile reductions, at a decode plan's warps cross-warp (3 barriers a pass). row / live / r: `_token_splits`."""
+    j = tl.arange(0, HC)
     cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
     m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + j[None, :], mask=live[:, None], other=0.0), axis=0)
     m_comb = tl.sum(tl.load(part_ptr + row[:, None, None] + cidx[None, :, :], mask=live[:, None, None],
@@ -398,15 +405,16 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
                                  pre_in_ptr, pre_out_ptr, T, D, splits, iters, hc_eps, norm_eps,
                                  HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr,
                                  DEFERRED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """BLOCK_S > 0 (the Sinkhorn blocks, default): grid (T + ceil(T / BLOCK_S),) ((T,) for HEAD); programs
-    t < T collapse token t, programs T + b run the Sinkhorn split (post, comb) of tokens [b BLOCK_S, (b + 1)
-    BLOCK_S) (`_sinkhorn4_block`). BLOCK_S 0 (the form before, `DEEPINFER_HC_SINKHORN_BLOCKS=0`): grid (T, 2)
-    ((T, 1) for HEAD); program (t, 0) collapses token t, (t, 1) runs its Sinkhorn (`_sinkhorn_token`).
+    """BLOCK_S 0 (the default): grid (T, 2) ((T, 1) for HEAD); program (t, 0) collapses token t, (t, 1) runs
+    its Sinkhorn (`_sinkhorn_token`). BLOCK_S > 0 (the Sinkhorn blocks, `DEEPINFER_HC_SINKHORN_BLOCKS=1`, opt-in
+    until a GPU has timed them): grid (T + ceil(T / BLOCK_S),) ((T,) for HEAD); programs t < T collapse token
+    t, programs T + b run the Sinkhorn split (post, comb) of tokens [b BLOCK_S, (b + 1) BLOCK_S)
+    (`_sinkhorn4_block`).
     A token's collapse: sum the split-K partials of its pre mixes and r-normalise them, collapse the token's hc
     streams with the pre weights, round to bf16, RMSNorm and round again (y); the Sinkhorn's outputs are not
     needed for y. History: one program did a token's collapse and Sinkhorn one after the other until
     2026-12-05 (at decode the Sinkhorn's chain of 2 x iters dependent reductions and the collapse's stream
-    loads were the two halves of a ~7 us critical path); then the (T, 2) grid; the blocks since 2026-12-06.
+    loads were the two halves of a ~7 us critical path); then the (T, 2) grid; the blocks written 2026-12-06.
     The partials of all splits are loaded at once ([SP, ...], SP the splits' power of two) and summed as a tree
     (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first, to overlap their latency
     with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 -> 9.2 us;
@@ -417,17 +425,13 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
     pid = tl.program_id(0)
     if BLOCK_S > 0:
         collapse = pid < T
+        t = tl.minimum(pid, T - 1).to(tl.int64)  # (a Sinkhorn block's program reads a real row and uses none)
     else:
         collapse = tl.program_id(1) == 0
-    if collapse:
         t = pid.to(tl.int64)
-        n_mix = HC if HEAD else (2 + HC) * HC
-        j = tl.arange(0, HC)
-        sp = tl.arange(0, SP)
-        live = sp < splits
-        row = (sp.to(tl.int64) * T + t) * n_mix  # [SP]
-        ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
-        r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
+    j = tl.arange(0, HC)
+    row, live, r = _token_splits(ssq_ptr, t, T, D, splits, norm_eps, HC if HEAD else (2 + HC) * HC, HC, SP)
+    if collapse:
         m_pre = tl.sum(tl.load(part_ptr + row[:, None] + j[None, :], mask=live[:, None], other=0.0), axis=0)
         pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
         if DEFERRED:  # this sublayer's pre goes to the next sublayer; the collapse takes the previous one's
@@ -447,8 +451,7 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
             _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, pid - T, T, D, splits,
                              iters, hc_eps, norm_eps, SP, BLOCK_S)
         else:
-            _sinkhorn_token(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, pid.to(tl.int64), T, D,
-                            splits, iters, hc_eps, norm_eps, HC, SP)
+            _sinkhorn_token(part_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, row, live, r, iters, hc_eps, HC)
 
 
 @fast_launch
