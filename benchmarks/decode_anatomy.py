@@ -9,6 +9,7 @@ steps run back to back with no synchronisation between them (the host's work the
         [--moe-kernels triton mma]   # each batch once per DEEPINFER_MOE_DECODE_KERNEL choice, same model
         [--env-sets "DEEPINFER_MOE_DECODE_KERNEL=triton,DEEPINFER_LINEAR_DECODE_KERNEL=triton" ""]   # or any sets
         [--ops 60]   # + an eager step's profiler table: ops by input shape and own device time
+        [--timeline 120]   # + the replay's main stream in order (stream_timeline.py; read it with DEEPINFER_PDL=0)
 
 Needs CUDA and triton. Prints one block per batch; writes `$OUT/decode_anatomy.json`.
 """
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_config import slice_config  # noqa: E402
+from stream_timeline import format_timeline, stream_timeline  # noqa: E402
 from timing import back_to_back_ms, cuda_time_ms  # noqa: E402
 
 
@@ -68,7 +70,7 @@ def eager_ops_table(step, rows: int) -> str:
 
 
 @torch.no_grad()
-def anatomy(runner, batch: int, context: int, top: int, ops: int = 0) -> dict:
+def anatomy(runner, batch: int, context: int, top: int, ops: int = 0, timeline: int = -1) -> dict:
     from deepinfer.model.context import SeqContext
     from deepinfer.model.decode_step import DecodeRunner
 
@@ -126,6 +128,8 @@ def anatomy(runner, batch: int, context: int, top: int, ops: int = 0) -> dict:
            "host_pieces_ms": {k: statistics.median(v) for k, v in pieces.items()},
            "pipelined_step_ms": pipelined_ms}
     out.update(graph_kernels(graph.replay, top))
+    if timeline >= 0:
+        out["timeline"] = format_timeline(stream_timeline(graph.replay), rows=timeline)
     if ops:
         pos[0] = context
         out["ops_table"] = eager_ops_table(lambda: dec(ids, seqs(), graphs=False), ops)
@@ -140,6 +144,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--ops", type=int, default=0,
                     help="also print this many rows of an eager step's profiler table (ops by input shape)")
+    ap.add_argument("--timeline", type=int, default=-1,
+                    help="also lay out the replay's main stream (its idle windows and what they waited on) and "
+                         "list its first N kernels in order (0: the summary only)")
     ap.add_argument("--moe-kernels", nargs="+", default=None,
                     help="DEEPINFER_MOE_DECODE_KERNEL values to run each batch with (default: the environment's)")
     ap.add_argument("--env-sets", nargs="+", default=None,
@@ -173,7 +180,7 @@ def main() -> None:
                 cuda_runtime.PDL_ENABLED = env.pdl_enabled()
             tag = f"b{b}" + (" " + ",".join(f"{k.split('_')[1].lower()}={v}" for k, v in env_set.items())
                              if env_set else "")
-            r = res[tag] = anatomy(runner, b, args.context, args.top, args.ops)
+            r = res[tag] = anatomy(runner, b, args.context, args.top, args.ops, args.timeline)
             line = (f"{tag:<5} step {r['step_ms']:.3f} ms = prepare (host) {r['prepare_host_ms']:.3f} + graph replay "
                     f"{r['replay_ms']:.3f} ms")
             if r.get("kernels"):
@@ -190,6 +197,8 @@ def main() -> None:
                   f"a step", flush=True)
             for name, n, us in r.get("top", []):
                 print(f"   {us:9.1f} us {n:5d}x  {name}")
+            if r.get("timeline"):
+                print(r["timeline"], flush=True)
             if r.get("ops_table"):
                 print(r.pop("ops_table"), flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "decode_anatomy.json"), "w") as f:

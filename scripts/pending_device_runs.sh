@@ -18,7 +18,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s31a, s31b, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s31a, s31b, slice_defaults, timeline, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -273,6 +273,15 @@ linears)  # wo_a's forms and the cluster split-K, op by op
     ;;
 prefill)  # the 1k / 8k prefill with every change since the eleventh session (its last kernel breakdown)
     step prefill_slice 400 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 --top 40
+    ;;
+timeline)  # the b1 / b32 / b128 replays' main stream in order, PDL off (true kernel times): which kernels and
+    # which side-stream joins make up a decode layer's critical path (stream_timeline.py)
+    DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 \
+        --top 8 --timeline 140
+    ;;
+slice_defaults)  # the issue's ratios against transformers with the defaults only (one engine: fits a call with room)
+    step engine_slice_defaults 560 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 \
+        --async-modes on --output-kind final_only --transformers --env-sets ""
     ;;
 slice)  # the issue's ratios against transformers, the defaults and the switches' old values
     step engine_slice 580 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 --async-modes on \

@@ -1,0 +1,146 @@
+"""Where a replayed decode step's time goes on its MAIN stream: the chain every other stream forks from and
+joins back into, so its span is the step's span. A per-kernel sum (decode_anatomy's table) cannot say
+that: the side streams' kernels overlap the main chain, and a kernel that looks long there may be off the
+path. This reads the profiler's kernel records with their streams and lays out the main stream in order:
+each kernel's time, the idle time before it, and, where the main stream sat idle, the side-stream kernel
+that ended last before it resumed (what it was most likely waiting on: a join).
+
+    timeline = stream_timeline(graph.replay)          # needs CUDA
+    print(format_timeline(timeline, rows=120))
+
+Read it with DEEPINFER_PDL=0: with programmatic dependent launch a kernel starts early and waits on the
+device for its predecessor, so its recorded time includes that wait and the gaps read negative.
+The analysis (`main_stream_path`) is plain Python over (stream, start, end, name) records, tested on the
+CPU (tests/test_stream_timeline.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Kernel:
+    stream: int
+    start_us: float
+    end_us: float
+    name: str
+
+
+@dataclass
+class MainStep:
+    """One main-stream kernel: its own time, the main stream's idle time before it (from the previous main
+    kernel's end; 0 for the first), and the side kernel that ended last inside that idle window, if any."""
+    name: str
+    us: float
+    idle_before_us: float
+    waited_on: str | None = None
+
+
+@dataclass
+class Timeline:
+    span_us: float
+    main_stream: int
+    steps: list[MainStep] = field(default_factory=list)
+    side_kernels: int = 0
+    side_us: float = 0.0
+
+    @property
+    def main_busy_us(self) -> float:
+        return sum(s.us for s in self.steps)
+
+    @property
+    def main_idle_us(self) -> float:
+        return sum(s.idle_before_us for s in self.steps)
+
+
+def main_stream_path(kernels: list[Kernel], idle_floor_us: float = 0.0) -> Timeline:
+    """Lay out the main stream of one replay. The main stream is the one whose kernels start first and end
+    last (the graph forks from it and joins into it); of several that qualify, the one with more kernels.
+    A side kernel is named as waited on when it ends inside an idle window of the main stream longer than
+    idle_floor_us (the last such one: the join that released the main stream)."""
+    if not kernels:
+        raise ValueError("main_stream_path: no kernels (did the profiler record the replay?)")
+    first = min(k.start_us for k in kernels)
+    last = max(k.end_us for k in kernels)
+    by_stream: dict[int, list[Kernel]] = {}
+    for k in kernels:
+        by_stream.setdefault(k.stream, []).append(k)
+    for ks in by_stream.values():
+        ks.sort(key=lambda k: k.start_us)
+
+    def rank(s: int) -> tuple:
+        ks = by_stream[s]
+        return (ks[0].start_us == first, max(k.end_us for k in ks) == last, len(ks))
+
+    main = max(by_stream, key=rank)
+    side = sorted((k for s, ks in by_stream.items() if s != main for k in ks), key=lambda k: k.end_us)
+    tl = Timeline(span_us=last - first, main_stream=main, side_kernels=len(side),
+                  side_us=sum(k.end_us - k.start_us for k in side))
+    prev_end = None
+    for k in by_stream[main]:
+        idle = 0.0 if prev_end is None else max(0.0, k.start_us - prev_end)
+        waited = None
+        if prev_end is not None and idle > idle_floor_us:
+            inside = [s for s in side if prev_end < s.end_us <= k.start_us]
+            if inside:
+                waited = inside[-1].name
+        tl.steps.append(MainStep(k.name, k.end_us - k.start_us, idle, waited))
+        prev_end = k.end_us if prev_end is None else max(prev_end, k.end_us)
+    return tl
+
+
+def format_timeline(tl: Timeline, rows: int = 0, name_width: int = 48) -> str:
+    """A summary line, the idle windows' largest culprits, then (rows > 0) the first `rows` main kernels."""
+    out = [f"main stream {tl.main_stream}: {len(tl.steps)} kernels, {tl.main_busy_us:.1f} us busy + "
+           f"{tl.main_idle_us:.1f} us idle = {tl.main_busy_us + tl.main_idle_us:.1f} of a {tl.span_us:.1f} us span; "
+           f"side streams {tl.side_kernels} kernels, {tl.side_us:.1f} us"]
+    if tl.side_kernels == 0 and tl.main_busy_us > 1.05 * tl.span_us:
+        out.append("  (every kernel reported on one stream, yet they overlap: this profiler did not tell the graph's "
+                   "branches apart, so the idle figures are the device's, not the main chain's)")
+    waits: dict[str, list[float]] = {}
+    for s in tl.steps:
+        if s.waited_on is not None:
+            waits.setdefault(s.waited_on[:name_width], []).append(s.idle_before_us)
+    if waits:
+        out.append("  main stream idle, by the side kernel that ended last before it resumed:")
+        for name, v in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:12]:
+            out.append(f"    {sum(v):8.1f} us {len(v):4d}x  {name}")
+    by_name: dict[str, list[float]] = {}
+    for s in tl.steps:
+        by_name.setdefault(s.name[:name_width], []).append(s.us)
+    out.append("  main stream busy, by kernel:")
+    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]:
+        out.append(f"    {sum(v):8.1f} us {len(v):4d}x  {name}")
+    if rows:
+        out.append("  main stream in order (us: idle before, own time):")
+        for i, s in enumerate(tl.steps[:rows]):
+            wait = f"  <- {s.waited_on[:name_width]}" if s.waited_on else ""
+            out.append(f"    {i:4d} {s.idle_before_us:6.1f} {s.us:7.1f}  {s.name[:name_width]}{wait}")
+    return "\n".join(out)
+
+
+def profiled_kernels(fn) -> list[Kernel]:
+    """Run fn (e.g. a CUDA graph's replay) once under the profiler; its kernels with their streams.
+    Copies and memsets are left out (they are not kernels of the step's math)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name()
+        if "memcpy" in name.lower() or "memset" in name.lower():
+            continue
+        start = e.start_ns() / 1e3
+        out.append(Kernel(int(e.device_resource_id()), start, start + e.duration_ns() / 1e3, name))
+    return out
+
+
+def stream_timeline(fn, idle_floor_us: float = 0.5) -> Timeline:
+    return main_stream_path(profiled_kernels(fn), idle_floor_us)
