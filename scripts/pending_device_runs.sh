@@ -18,7 +18,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s31a, s31b, slice_defaults, timeline, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s31a, s31a_core, s31b, slice_defaults, timeline, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -39,6 +39,12 @@ s31a)  # the thirty-first session: (1) the Sinkhorn programs of hc_pre (a block 
         tests/test_kernels_fp8_linear_prefill.py -k "hc or sinkhorn or early or graph_replay"
     step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py
     step bench_linear_early_s31a 100 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024
+    ;;
+s31a_core)  # s31a without the linears' A/B, for a call with little device time left
+    step gpu_tests_s31a 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_attn.py \
+        tests/test_kernels_hc_post_pre.py tests/test_kernels_hc_pre_deferred.py tests/test_kernels_fp8_linear_wgmma.py \
+        tests/test_kernels_fp8_linear_prefill.py -k "hc or sinkhorn or early or graph_replay"
+    step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py
     ;;
 s31b)  # the engine's GPU tests with the Sinkhorn blocks on (graphs against eager, PDL on against off; V4.1; the
     # batched prefill): before making them the default (env.hc_sinkhorn_blocks)
