@@ -29,22 +29,19 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s31a)  # the thirty-first session: (1) the Sinkhorn programs of hc_pre (a block of tokens a program, a token's
-    # 4 x 4 matrix in registers; before, a program of the collapse's warps a token); (2) the TMA-fed FP8 linears
-    # (fp8_linear_wgmma.cu, fp8_linear_prefill.cu) load their first weight stages before the PDL wait. Both are
-    # opt-in until this stage has timed them. Their kernel tests (the new batch-invariance one among them), then
-    # each change's A/B in one process
+s31a|s31a_core)  # the thirty-first session: (1) the Sinkhorn programs of hc_pre (a block of tokens a program, a
+    # token's 4 x 4 matrix in registers; before, a program of the collapse's warps a token); (2) the TMA-fed FP8
+    # linears (fp8_linear_wgmma.cu, fp8_linear_prefill.cu) load their first weight stages before the PDL wait.
+    # Both are opt-in until this stage has timed them. Their kernel tests (the new batch-invariance one among
+    # them), then each change's A/B in one process (s31a_core: without the linears' A/B, for a call with little
+    # device time left)
     step gpu_tests_s31a 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_attn.py \
         tests/test_kernels_hc_post_pre.py tests/test_kernels_hc_pre_deferred.py tests/test_kernels_fp8_linear_wgmma.py \
         tests/test_kernels_fp8_linear_prefill.py -k "hc or sinkhorn or early or graph_replay"
     step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py
-    step bench_linear_early_s31a 100 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024
-    ;;
-s31a_core)  # s31a without the linears' A/B, for a call with little device time left
-    step gpu_tests_s31a 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_attn.py \
-        tests/test_kernels_hc_post_pre.py tests/test_kernels_hc_pre_deferred.py tests/test_kernels_fp8_linear_wgmma.py \
-        tests/test_kernels_fp8_linear_prefill.py -k "hc or sinkhorn or early or graph_replay"
-    step bench_hc_sinkhorn_s31a 90 python benchmarks/bench_hc_sinkhorn.py
+    if [ "$stage" = s31a ]; then
+        step bench_linear_early_s31a 100 python benchmarks/bench_linear_early.py --ms 32 128 --prefill-ms 1024
+    fi
     ;;
 s31b)  # the engine's GPU tests with the Sinkhorn blocks on (graphs against eager, PDL on against off; V4.1; the
     # batched prefill): before making them the default (env.hc_sinkhorn_blocks)
