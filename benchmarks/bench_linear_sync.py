@@ -28,6 +28,7 @@ SHAPES = (("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1", 4096, 2048)
           ("wkv", 4096, 512), ("shared w2", 2048, 4096), ("index wq_b", 1024, 8192))  # (name, K, N)
 VARIANTS = (("triton bf16", "bf16", None), ("sync MT2 w4 s2", "sync", None), ("sync MT1 w4 s2", "sync", {"MT": 1}),
             ("sync MT2 w4 s4", "sync", {"STAGES": 4}), ("sync MT1 w8 s2", "sync", {"MT": 1, "WARPS": 8}),
+            ("sync MT1 w8 s4", "sync", {"MT": 1, "WARPS": 8, "STAGES": 4}),  # 2026-12-07: every stage before the PDL wait
             ("sync MT4 w4 s2", "sync", {"MT": 4}), ("sync MT2 w4 s2 split/2", "sync", "half"),
             # the default tiles with the split-K partials summed by a separate kernel / by the cluster (2026-12-05;
             # the op's default is `fp8_gemm.use_cluster`'s rule)

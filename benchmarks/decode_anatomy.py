@@ -9,7 +9,7 @@ steps run back to back with no synchronisation between them (the host's work the
         [--moe-kernels triton mma]   # each batch once per DEEPINFER_MOE_DECODE_KERNEL choice, same model
         [--env-sets "DEEPINFER_MOE_DECODE_KERNEL=triton,DEEPINFER_LINEAR_DECODE_KERNEL=triton" ""]   # or any sets
         [--ops 60]   # + an eager step's profiler table: ops by input shape and own device time
-        [--timeline 120]   # + the replay's main stream in order (stream_timeline.py; read it with DEEPINFER_PDL=0)
+        [--timeline 120]   # + the replay's critical path and main stream in order (stream_timeline.py; PDL=0)
 
 Needs CUDA and triton. Prints one block per batch; writes `$OUT/decode_anatomy.json`.
 """
@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_config import slice_config  # noqa: E402
-from stream_timeline import format_timeline, stream_timeline  # noqa: E402
+from stream_timeline import (critical_path, format_critical_path, format_timeline, main_stream_path,  # noqa: E402
+                             profiled_kernels)
 from timing import back_to_back_ms, cuda_time_ms  # noqa: E402
 
 
@@ -129,7 +130,9 @@ def anatomy(runner, batch: int, context: int, top: int, ops: int = 0, timeline: 
            "pipelined_step_ms": pipelined_ms}
     out.update(graph_kernels(graph.replay, top))
     if timeline >= 0:
-        out["timeline"] = format_timeline(stream_timeline(graph.replay), rows=timeline)
+        ks = profiled_kernels(graph.replay)
+        out["timeline"] = (format_critical_path(critical_path(ks), rows=timeline) + "\n"
+                           + format_timeline(main_stream_path(ks, idle_floor_us=0.5), rows=timeline))
     if ops:
         pos[0] = context
         out["ops_table"] = eager_ops_table(lambda: dec(ids, seqs(), graphs=False), ops)
@@ -145,8 +148,8 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=0,
                     help="also print this many rows of an eager step's profiler table (ops by input shape)")
     ap.add_argument("--timeline", type=int, default=-1,
-                    help="also lay out the replay's main stream (its idle windows and what they waited on) and "
-                         "list its first N kernels in order (0: the summary only)")
+                    help="also lay out the replay's critical path and its main stream (idle windows and what "
+                         "they waited on), each with its first N kernels in order (0: the summaries only)")
     ap.add_argument("--moe-kernels", nargs="+", default=None,
                     help="DEEPINFER_MOE_DECODE_KERNEL values to run each batch with (default: the environment's)")
     ap.add_argument("--env-sets", nargs="+", default=None,

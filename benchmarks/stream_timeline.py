@@ -10,8 +10,13 @@ that ended last before it resumed (what it was most likely waiting on: a join).
 
 Read it with DEEPINFER_PDL=0: with programmatic dependent launch a kernel starts early and waits on the
 device for its predecessor, so its recorded time includes that wait and the gaps read negative.
-The analysis (`main_stream_path`) is plain Python over (stream, start, end, name) records, tested on the
-CPU (tests/test_stream_timeline.py).
+A replayed graph's kernels run on the streams the graph's executor picks, not on the streams they were
+captured on (H100, 2026-12-07: the "main" stream of the replay carried the shared expert while the routed
+experts' chain ran beside it), so `critical_path` also walks back from the step's last kernel, each time
+to the kernel that ended last before it started, on any stream: with PDL off a kernel starts once its last
+dependency ends, so that chain is the step's critical path up to launch latencies.
+The analysis (`main_stream_path`, `critical_path`) is plain Python over (stream, start, end, name) records,
+tested on the CPU (tests/test_stream_timeline.py).
 """
 from __future__ import annotations
 
@@ -41,8 +46,11 @@ class Timeline:
     span_us: float
     main_stream: int
     steps: list[MainStep] = field(default_factory=list)
+    first_us: float = 0.0
+    main_end_us: list[float] = field(default_factory=list)  # each main kernel's end
     side_kernels: int = 0
     side_us: float = 0.0
+    side: list[Kernel] = field(default_factory=list)  # the other streams' kernels, by start
 
     @property
     def main_busy_us(self) -> float:
@@ -74,8 +82,9 @@ def main_stream_path(kernels: list[Kernel], idle_floor_us: float = 0.0) -> Timel
 
     main = max(by_stream, key=rank)
     side = sorted((k for s, ks in by_stream.items() if s != main for k in ks), key=lambda k: k.end_us)
-    tl = Timeline(span_us=last - first, main_stream=main, side_kernels=len(side),
-                  side_us=sum(k.end_us - k.start_us for k in side))
+    tl = Timeline(span_us=last - first, main_stream=main, first_us=first, side_kernels=len(side),
+                  side_us=sum(k.end_us - k.start_us for k in side),
+                  side=sorted(side, key=lambda k: k.start_us))
     prev_end = None
     for k in by_stream[main]:
         idle = 0.0 if prev_end is None else max(0.0, k.start_us - prev_end)
@@ -85,12 +94,52 @@ def main_stream_path(kernels: list[Kernel], idle_floor_us: float = 0.0) -> Timel
             if inside:
                 waited = inside[-1].name
         tl.steps.append(MainStep(k.name, k.end_us - k.start_us, idle, waited))
+        tl.main_end_us.append(k.end_us)
         prev_end = k.end_us if prev_end is None else max(prev_end, k.end_us)
     return tl
 
 
+def critical_path(kernels: list[Kernel], slack_us: float = 0.3) -> list[MainStep]:
+    """The chain that bounds the step, first kernel first: from the kernel that ends last, step back each
+    time to the kernel (any stream) with the latest end at or before this one's start + slack_us (records
+    are rounded; a kernel can start a hair before its predecessor's recorded end). idle_before_us is the gap
+    to that predecessor: launch latency or a wait the trace does not show."""
+    if not kernels:
+        raise ValueError("critical_path: no kernels (did the profiler record the replay?)")
+    by_end = sorted(kernels, key=lambda k: k.end_us)
+    cur = by_end[-1]
+    chain = []
+    while True:
+        preds = [k for k in by_end if k.end_us <= cur.start_us + slack_us and k is not cur
+                 and k.start_us < cur.start_us]
+        prev = preds[-1] if preds else None
+        gap = 0.0 if prev is None else max(0.0, cur.start_us - prev.end_us)
+        chain.append(MainStep(cur.name, cur.end_us - cur.start_us, gap))
+        if prev is None:
+            break
+        cur = prev
+    return chain[::-1]
+
+
+def format_critical_path(chain: list[MainStep], rows: int = 0, name_width: int = 48) -> str:
+    busy, idle = sum(s.us for s in chain), sum(s.idle_before_us for s in chain)
+    out = [f"critical path: {len(chain)} kernels, {busy:.1f} us in kernels + {idle:.1f} us between them"]
+    by_name: dict[str, list[float]] = {}
+    for s in chain:
+        by_name.setdefault(s.name[:name_width], []).append(s.us)
+    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]:
+        out.append(f"    {sum(v):8.1f} us {len(v):4d}x  {name}")
+    if rows:
+        out.append("  in order (us: gap before, own time):")
+        for i, s in enumerate(chain[:rows]):
+            out.append(f"    {i:4d} {s.idle_before_us:6.1f} {s.us:7.1f}  {s.name[:name_width]}")
+    return "\n".join(out)
+
+
 def format_timeline(tl: Timeline, rows: int = 0, name_width: int = 48) -> str:
-    """A summary line, the idle windows' largest culprits, then (rows > 0) the first `rows` main kernels."""
+    """A summary line, the idle windows' largest culprits, then (rows > 0) the first `rows` main kernels and
+    the side streams' kernels that start before the last of those ends (stream, start from the first kernel,
+    own time)."""
     out = [f"main stream {tl.main_stream}: {len(tl.steps)} kernels, {tl.main_busy_us:.1f} us busy + "
            f"{tl.main_idle_us:.1f} us idle = {tl.main_busy_us + tl.main_idle_us:.1f} of a {tl.span_us:.1f} us span; "
            f"side streams {tl.side_kernels} kernels, {tl.side_us:.1f} us"]
@@ -116,6 +165,14 @@ def format_timeline(tl: Timeline, rows: int = 0, name_width: int = 48) -> str:
         for i, s in enumerate(tl.steps[:rows]):
             wait = f"  <- {s.waited_on[:name_width]}" if s.waited_on else ""
             out.append(f"    {i:4d} {s.idle_before_us:6.1f} {s.us:7.1f}  {s.name[:name_width]}{wait}")
+        if tl.side:
+            t0 = min(tl.side[0].start_us, tl.first_us)
+            horizon = tl.main_end_us[min(rows, len(tl.steps)) - 1]
+            out.append("  side streams in order (stream, us from the step's first kernel, own time):")
+            for k in tl.side:
+                if k.start_us > horizon:
+                    break
+                out.append(f"    {k.stream:4d} {k.start_us - t0:8.1f} {k.end_us - k.start_us:7.1f}  {k.name[:name_width]}")
     return "\n".join(out)
 
 

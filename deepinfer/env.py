@@ -157,15 +157,6 @@ def attn_fusions_enabled() -> bool:
     return os.environ.get("DEEPINFER_ATTN_FUSIONS", "1") not in ("0", "false", "no")
 
 
-def hc_sinkhorn_blocks() -> bool:
-    """DEEPINFER_HC_SINKHORN_BLOCKS=1 runs hc_pre's Sinkhorn split in blocks of tokens, a token's 4 x 4 matrix
-    in registers (2026-12-06), instead of one program of the collapse's warps a token
-    (`norm_hc._hc_sinkhorn_collapse_kernel`). Default off until a GPU has timed it (benchmarks/
-    bench_hc_sinkhorn.py, pending_device_runs.sh s31a): written and tested under the interpreter and in sm_90
-    builds when no device could be had."""
-    return os.environ.get("DEEPINFER_HC_SINKHORN_BLOCKS", "0") not in ("0", "false", "no")
-
-
 def indexer_lanes_enabled() -> bool:
     """DEEPINFER_INDEXER_LANES=0 keeps a decode step's indexer layers' side work as one chain on one side stream
     instead of splitting it over three (the indexer's weights and the main compressor; the index-key

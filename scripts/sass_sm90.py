@@ -172,16 +172,14 @@ def _case_indexer(has_vis=True):
                          "stride_ke", "stride_ot"}, num_warps=4, num_stages=3)
 
 
-def _case_hc_collapse(sp, warps, head=False, deferred=False, blocks=True):
+def _case_hc_collapse(sp, warps, head=False, deferred=False):
     """`_hc_sinkhorn_collapse_kernel` at D = 4096 with SP split partials and the collapse's warps (decode:
-    128-256 splits, prefill: 4; 16 warps): the collapse programs and the Sinkhorn programs (2026-12-06: a block
-    of tokens a program, a token's 4 x 4 matrix in registers; before, a program a token over a [4, 4] tile)."""
-    from deepinfer.kernels.triton.norm_hc import _hc_sinkhorn_collapse_kernel, sinkhorn_block
+    128-256 splits, prefill: 4; 16 warps): a token's collapse program and its Sinkhorn program."""
+    from deepinfer.kernels.triton.norm_hc import _hc_sinkhorn_collapse_kernel
     params = dict(part_ptr="*fp32", ssq_ptr="*fp32", scale_ptr="*fp32", base_ptr="*fp32", x_ptr="*bf16",
                   nw_ptr="*fp32", y_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", pre_in_ptr="*fp32",
                   pre_out_ptr="*fp32", T="i32", D="i32", splits="i32", iters="i32", hc_eps="fp32", norm_eps="fp32",
-                  HC=4, BLOCK_D=4096, SP=sp, HEAD=head, DEFERRED=deferred,
-                  BLOCK_S=sinkhorn_block(sp, warps) if blocks else 0, PDL=True)
+                  HC=4, BLOCK_D=4096, SP=sp, HEAD=head, DEFERRED=deferred, PDL=True)
     return compile_sm90(_hc_sinkhorn_collapse_kernel, params,
                         {"part_ptr", "ssq_ptr", "x_ptr", "nw_ptr", "y_ptr", "post_ptr", "comb_ptr", "D"},
                         num_warps=warps, num_stages=3)
@@ -191,7 +189,6 @@ CASES = {
     "hc_collapse_decode": lambda: _case_hc_collapse(256, 16),
     "hc_collapse_prefill": lambda: _case_hc_collapse(4, 16),
     "hc_collapse_head": lambda: _case_hc_collapse(4, 16, head=True),
-    "hc_collapse_decode_token": lambda: _case_hc_collapse(256, 16, blocks=False),  # the form before the blocks
     "indexer_pair": _case_indexer,
     "gather_256_rows1": lambda: _case_gather(256, 1),
     "gather_256_rows4": lambda: _case_gather(256, 4),

@@ -226,8 +226,7 @@ def _check_hc_mix_exact(device):
 
 def _check_hc_token_bits_ignore_the_batch(device, D=256, T=70, config=None):
     """A token's y / post / comb are the same bits alone (T = 1) as at any position of a T-token call under
-    the same launch plan: the Sinkhorn program's split sums and chain depend on the plan, never on T or on
-    which of its blocks holds the token (norm_hc.sinkhorn_block)."""
+    the same launch plan: a token's split sums and its Sinkhorn chain depend on the plan, never on T."""
     from deepinfer.kernels.triton import norm_hc
 
     config = config or dict(BLOCK_T=16, BLOCK_K=64, SPLITS=16)
@@ -243,10 +242,8 @@ _HC_PRE_INTERPRET = """
 # the interpreter patched as in test_kernels_fp8_linear: fp32 -> bf16 rounds to nearest even as on the GPU
 # (y's bf16 roundings), and a runtime loop bound works under numpy 2
 exec(__import__("interpreted").GPU_ROUNDINGS)
-import os
 import test_kernels_attn as t
 
-os.environ["DEEPINFER_HC_SINKHORN_BLOCKS"] = "1"  # the Sinkhorn blocks (opt-in until a GPU has timed them)
 t._check_hc_mix_exact("cpu")
 t._check_hc_token_bits_ignore_the_batch("cpu")
 for T, D, config in [(5, 64, None), (70, 256, None), (5, 48, None),
@@ -254,11 +251,6 @@ for T, D, config in [(5, 64, None), (70, 256, None), (5, 48, None),
     e = t._hc_pre_errors(T, D, config, device="cpu")
     print(f"hc_pre T={T} D={D} {config}: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
     assert e[0] <= t.BF16_BOUND and e[1] <= t.F32_BOUND and e[2] <= t.F32_BOUND, (T, D, config, e)
-os.environ["DEEPINFER_HC_SINKHORN_BLOCKS"] = "0"  # one program a token's Sinkhorn (the default)
-e = t._hc_pre_errors(70, 256, None, device="cpu")
-print(f"hc_pre token form T=70 D=256: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
-assert e[0] <= t.BF16_BOUND and e[1] <= t.F32_BOUND and e[2] <= t.F32_BOUND, e
-del os.environ["DEEPINFER_HC_SINKHORN_BLOCKS"]
 for T, D in [(3, 64), (70, 256)]:
     e = t._hc_head_error(T, D, device="cpu")
     print(f"hc_head T={T} D={D}: y {e:.2e}")
@@ -308,28 +300,8 @@ def test_hc_mix_plan():
 @needs_cuda
 @pytest.mark.parametrize("T,D,config", [(70, 256, None), (600, 4096, dict(BLOCK_T=64, BLOCK_K=128, SPLITS=4)),
                                         (20, 4096, dict(BLOCK_T=16, BLOCK_K=128, SPLITS=128))])
-@pytest.mark.parametrize("blocks", ["1", "0"])
-def test_hc_pre_token_bits_ignore_the_batch(T, D, config, blocks, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_HC_SINKHORN_BLOCKS", blocks)
+def test_hc_pre_token_bits_ignore_the_batch(T, D, config):
     _check_hc_token_bits_ignore_the_batch("cuda", D, T, config)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("T", [1, 16, 300])
-def test_hc_pre_sinkhorn_forms_agree(T, monkeypatch):
-    """The Sinkhorn blocks (DEEPINFER_HC_SINKHORN_BLOCKS=1) against one program a token (0, the default): y the
-    same bits (the collapse programs are the same code), post / comb within fp32 summation-order noise."""
-    from deepinfer.kernels.triton import norm_hc
-
-    g = torch.Generator(device="cuda").manual_seed(T)
-    args = _hc_inputs(g, T, 4096, device="cuda")
-    monkeypatch.setenv("DEEPINFER_HC_SINKHORN_BLOCKS", "1")
-    y, post, comb = norm_hc.hc_pre_fused(*args, 4, 20, 1e-6, 1e-6)
-    monkeypatch.setenv("DEEPINFER_HC_SINKHORN_BLOCKS", "0")
-    y0, post0, comb0 = norm_hc.hc_pre_fused(*args, 4, 20, 1e-6, 1e-6)
-    assert torch.equal(y, y0)
-    assert rel_err(post, post0) <= 1e-6 and rel_err(comb, comb0) <= 1e-5, (rel_err(post, post0), rel_err(comb, comb0))
 
 
 @gpu
@@ -339,9 +311,7 @@ def test_hc_pre_sinkhorn_forms_agree(T, monkeypatch):
     (1, 4096, dict(SPLITS=128, BLOCK_K=64, num_stages=3)),
     (1500, 4096, dict(BLOCK_T=64, BLOCK_K=128, SPLITS=5, num_warps=4, num_stages=3)),
 ])
-@pytest.mark.parametrize("blocks", ["1", "0"])
-def test_hc_pre_fused_matches_twin(T, D, config, blocks, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_HC_SINKHORN_BLOCKS", blocks)
+def test_hc_pre_fused_matches_twin(T, D, config):
     e = _hc_pre_errors(T, D, config)
     print(f"hc_pre T={T} D={D} {config}: y {e[0]:.2e} post {e[1]:.2e} comb {e[2]:.2e}")
     # the mix GEMM sums 4D products in another order than cuBLAS: fp32-level, amplified a little by Sinkhorn

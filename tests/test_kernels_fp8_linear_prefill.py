@@ -204,30 +204,6 @@ def test_graph_replay_is_eager_bit_for_bit():
 
 
 @pytest.mark.gpu
-def test_early_weight_loads_give_the_same_bits():
-    """EARLY 1 (the first weight boxes before the PDL wait) against EARLY 0: the same bits (only the order of the
-    copies moves), eager and from a CUDA graph, K shorter and longer than the ring."""
-    from deepinfer.kernels.triton.fp8_gemm import fp8_linear
-
-    dev = _cuda()
-    for n, k in ((4096, 4096), (1024, 512)):
-        w = _random_fp8_weight(n, k, dev)
-        x = _activation(1100, k, dev)
-        got = {}
-        for early in (1, 0):
-            eager = fp8_linear(x, w, {"EARLY": early}, mma="fp8_wgmma").clone()
-            graph = torch.cuda.CUDAGraph()
-            fp8_linear(x, w, {"EARLY": early}, mma="fp8_wgmma")
-            with torch.cuda.graph(graph):
-                replayed = fp8_linear(x, w, {"EARLY": early}, mma="fp8_wgmma")
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(eager, replayed), (n, k, early)
-            got[early] = eager
-        assert torch.equal(got[1], got[0]), (n, k)
-
-
-@pytest.mark.gpu
 def test_dispatch_takes_the_kernel_from_fp8_mma_min_m(monkeypatch):
     """DEEPINFER_LINEAR_PREFILL_KERNEL=wgmma: fp8_linear's auto form runs the kernel from FP8_MMA_MIN_M rows, not
     below (the switch changes nothing there); =triton never runs it."""

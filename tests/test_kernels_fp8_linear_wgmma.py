@@ -310,33 +310,6 @@ def test_graph_replay_is_eager_bit_for_bit(block):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", [128, 32])
-def test_early_weight_loads_give_the_same_bits(block):
-    """EARLY 1 (the first weight boxes before the PDL wait) against EARLY 0: only the order of the copies moves,
-    so the same bits, eager and from a CUDA graph (where each op follows its act_quant launch under PDL), with
-    and without split-K and on the grouped output LoRA's form."""
-    from deepinfer.kernels.triton.fp8_gemm import fp8_linear
-
-    dev = _cuda()
-    w = _random_fp8_weight(4096, 4096, block, dev)
-    for m, split in ((17, None), (128, 4), (200, 1)):
-        x = _activation(m, 4096, dev)
-        got = {}
-        for early in (1, 0):
-            config = {"EARLY": early, **({"SPLIT_K": split} if split else {})}
-            eager = fp8_linear(x, w, config, mma="wgmma").clone()
-            graph = torch.cuda.CUDAGraph()
-            fp8_linear(x, w, config, mma="wgmma")
-            with torch.cuda.graph(graph):
-                replayed = fp8_linear(x, w, config, mma="wgmma")
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(eager, replayed), (block, m, split, early)
-            got[early] = eager
-        assert torch.equal(got[1], got[0]), (block, m, split)
-
-
-@pytest.mark.gpu
 def test_op_dispatch_takes_the_wgmma_kernel_for_batched_decode(monkeypatch):
     """fp8_linear's auto form: the wgmma kernel for WGMMA_MIN_M..WGMMA_MAX_M rows (bit for bit its output), the
     Triton forms outside and under DEEPINFER_LINEAR_BATCH_FORM=swap / bf16."""

@@ -87,9 +87,8 @@ def test_checker_finds_planted_violations():
 
 
 def test_every_cuda_kernel_enters_and_is_launched_with_pdl():
-    """Each extern "C" kernel calls pdl_enter(); before the first call only its weights' loads (fp8_linear_mma's
-    first register stages; the TMA linears' first weight boxes, fp8_linear_wgmma and fp8_linear_prefill) or
-    none; each CudaKernel(...) of the package asks for pdl."""
+    """Each extern "C" kernel calls pdl_enter() once; before it only its weights' loads (fp8_linear_mma's
+    first register stages) or none; each CudaKernel(...) of the package asks for pdl."""
     for cu in sorted(CUDA_DIR.glob("*.cu")):
         src = cu.read_text()
         kernels = re.split(r'extern "C" __global__', src)[1:]

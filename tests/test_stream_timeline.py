@@ -41,3 +41,18 @@ def test_idle_below_the_floor_names_no_wait_and_overlap_counts_no_idle():
 def test_no_kernels_is_an_error_not_an_empty_table():
     with pytest.raises(ValueError, match="no kernels"):
         st.main_stream_path([])
+
+
+def test_critical_path_follows_the_latest_dependency_across_streams():
+    # a fork at 'x': the short branch (s, 2 us) and the long one (a, b: 7 us) on different streams, the join 'j'
+    # starts after the long one; the path is x -> a -> b -> j whatever the streams are called
+    ks = [K(1, 0, 1, "x"), K(2, 1.2, 3.2, "s"), K(3, 1.3, 5, "a"), K(1, 5.2, 8.3, "b"), K(1, 8.5, 9, "j")]
+    chain = st.critical_path(ks)
+    assert [s.name for s in chain] == ["x", "a", "b", "j"]
+    assert chain[0].idle_before_us == 0.0
+    assert [round(s.idle_before_us, 3) for s in chain[1:]] == [0.3, 0.2, 0.2]
+    assert sum(s.us for s in chain) == pytest.approx(1 + 3.7 + 3.1 + 0.5)
+    text = st.format_critical_path(chain, rows=4)
+    assert text.startswith("critical path: 4 kernels") and " s\n" not in text
+    with pytest.raises(ValueError, match="no kernels"):
+        st.critical_path([])

@@ -56,9 +56,6 @@
 #ifndef PIPE
 #define PIPE 0  // 1: two partials, the next stage's wgmmas in flight while one is promoted
 #endif
-#ifndef EARLY_WEIGHTS
-#define EARLY_WEIGHTS 0  // 1: the first stages' weight boxes load before the PDL wait (the launcher passes it)
-#endif
 #ifndef PERSIST
 #define PERSIST 0  // 1: the persistent form (fp8_linear_prefill_persistent): a CTA an SM walks the tiles
 #endif
@@ -136,6 +133,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_constant__ TensorMap tmap_w,
                    const float* __restrict__ xs, i64 stride_xsm, const float* __restrict__ ws, i64 stride_wsn,
                    u16* __restrict__ out, i64 stride_om, int M, int N, int K) {
+    pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     int m0, n0;
@@ -157,32 +155,17 @@ fp8_linear_prefill(const __grid_constant__ TensorMap tmap_x, const __grid_consta
 #if PRODUCER_THREADS == 128
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
 #endif
-        // Launched with PDL this CTA may start while the previous kernel still runs: the weight boxes of the
-        // first STAGES stages (no kernel's output) go out before the wait (pdl_common.cuh), the activations after
-        const int early = EARLY_WEIGHTS ? min(steps, STAGES) : 0;
-        if (warp == 4 * CWG && lane == 0) {
-            asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
-            for (int step = 0; step < early; ++step) {
-                mbar_expect_tx(full0 + 8 * step, A_STAGE + B_STAGE);  // the activation box completes it later
-                tma_load_2d(smem_u32(w_ring + step * B_STAGE), &tmap_w, step * KSTEP, n0, full0 + 8 * step);
-            }
-        }
-        pdl_enter();  // before any access to memory an earlier kernel writes
         if (warp == 4 * CWG && lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_x) : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
             for (int step = 0; step < steps; ++step) {
                 const int s = step % STAGES;
-                if (step < early) {  // its weights are in flight already
-                    tma_load_2d(smem_u32(x_ring + s * A_STAGE), &tmap_x, step * KSTEP, m0, full0 + 8 * s);
-                    continue;
-                }
                 if (step >= STAGES) mbar_wait(empty0 + 8 * s, ((step / STAGES) & 1) ^ 1);
                 load_stage(&tmap_x, &tmap_w, x_ring, w_ring, full0, s, step * KSTEP, m0, n0);
             }
         }
         return;
     }
-    pdl_enter();  // the consumers read the activation scales (act_quant's output)
 
     // ---- consumer warpgroups ----
 #if PRODUCER_THREADS == 128

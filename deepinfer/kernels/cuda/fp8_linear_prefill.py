@@ -28,15 +28,10 @@ DEFAULT_TILES = dict(CWG=2, BN=128, STAGES=0, GROUP_M=8, PIPE=0, PERSIST=0)  # S
 # SM walks the tiles, the ring running on across them (the .cu's `fp8_linear_prefill_persistent`)
 _SIGNATURE = "mmplplpliii"  # tensor maps x / w, xs, stride_xsm, ws, stride_wsn, out, stride_om, M, N, K
 _KERNELS: dict[tuple, CudaKernel] = {}
-# Load the first STAGES weight boxes before the PDL wait (the .cu's EARLY_WEIGHTS; config key "EARLY" per call).
-# Off until a GPU has timed it (benchmarks/bench_linear_early.py, pending_device_runs.sh s31a): written and tested
-# on the CPU machine (sm_90a builds, the PDL source rule) on 2026-12-06, when no device could be had.
-EARLY_WEIGHTS = False
 
 
 def kernel(cfg: dict) -> CudaKernel:
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES)
-    key += (("EARLY_WEIGHTS", int(cfg.get("EARLY", EARLY_WEIGHTS))),)  # the .cu's EARLY_WEIGHTS
     if key not in _KERNELS:
         name = "fp8_linear_prefill_persistent" if cfg["PERSIST"] else "fp8_linear_prefill"
         _KERNELS[key] = CudaKernel(SOURCE, name, _SIGNATURE, dict(key), arch_suffix="a", pdl=True)
@@ -67,7 +62,7 @@ def tiles(config: dict | None = None) -> dict:
     """DEFAULT_TILES with config's keys on top; STAGES (when 0) as deep as SMEM_BUDGET allows. ValueError
     naming the rule a plan breaks."""
     cfg = dict(DEFAULT_TILES)
-    cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES or k == "EARLY"})
+    cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
     if cfg["CWG"] not in (1, 2) or cfg["BN"] not in (64, 128) or cfg["GROUP_M"] < 1 or cfg["STAGES"] < 0 \
             or cfg["PIPE"] not in (0, 1) or cfg["PERSIST"] not in (0, 1) or (cfg["PIPE"] and cfg["PERSIST"]):
         raise ValueError(f"fp8_linear_prefill tiles: CWG 1/2, BN 64/128, GROUP_M >= 1, STAGES >= 2 (0: as deep "

@@ -76,9 +76,6 @@
 #ifndef HALVES
 #define HALVES 0  // 1: half-stage fragment buffers (16 registers each), what fits 4 consumer warpgroups
 #endif
-#ifndef EARLY_WEIGHTS
-#define EARLY_WEIGHTS 0  // 1: the first stages' weight boxes load before the PDL wait (the launcher passes it)
-#endif
 #ifndef DIAG
 #define DIAG 0  // diagnostics, not the GEMM (benchmarks time them against it): 1 the ring alone (the producer's
 #endif          // copies; consumers release each stage unread), 2 the math alone (no copies: stale shared memory),
@@ -141,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
 fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                  const float* __restrict__ ws, i64 stride_wsn, int block,
                  void* __restrict__ out, i64 stride_os, i64 stride_om, int M, int N, int k_split) {
+    pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int tok0 = blockIdx.x * BT;  // token tiles on x (launched first): the tiles sharing a weight tile run
@@ -160,20 +158,8 @@ fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant
 
     if (warp == 4 * CWG) {
         // ---- producer warp (lane 0): the stage's weight box and the two activation boxes ----
-        // Launched with PDL this CTA may start while the previous kernel still runs. The weights of the first
-        // STAGES stages are no kernel's output, so their copies go out before the wait (pdl_common.cuh); the
-        // activations (the previous kernel's output) only after it.
-        const int early = DIAG >= 2 || !EARLY_WEIGHTS ? 0 : min(steps, STAGES);  // weight stages before the wait
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
-            for (int step = 0; step < early; ++step) {
-                const u32 full = full0 + 8 * step;
-                mbar_expect_tx(full, W_STAGE + A_STAGE);  // the stage's activation boxes complete it later
-                tma_load_2d(smem_u32(w_ring + step * W_STAGE), &tmap_w, k_lo + step * KSTEP, row0, full);
-            }
-        }
-        pdl_enter();  // before any access to memory an earlier kernel writes
-        if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_a) : "memory");
             for (int step = 0; step < steps; ++step) {
                 const int s = step % STAGES;
@@ -183,11 +169,9 @@ fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant
                 mbar_arrive(full);
                 continue;
 #endif
+                mbar_expect_tx(full, W_STAGE + A_STAGE);
                 const int k = k_lo + step * KSTEP;
-                if (step >= early) {
-                    mbar_expect_tx(full, W_STAGE + A_STAGE);
-                    tma_load_2d(smem_u32(w_ring + s * W_STAGE), &tmap_w, k, row0, full);
-                }
+                tma_load_2d(smem_u32(w_ring + s * W_STAGE), &tmap_w, k, row0, full);
                 const u32 a_dst = smem_u32(a_ring + s * A_STAGE);
 #if GROUP_ROWS
                 const int ka = (row0 / GROUP_ROWS) * k_split * (int)gridDim.z + k;  // the CTA's group of a (K long)
@@ -202,7 +186,6 @@ fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant
     }
 
     // ---- consumer warpgroups ----
-    pdl_enter();  // their stores must follow the previous kernel (their stages' activations do already)
     const int wg = warp >> 2, wi = warp & 3;
     const int g = lane >> 2, t = lane & 3;
     const int lr0 = wg * 64 + wi * 16 + g;  // the lane's rows lr0 and lr0 + 8 of the tile; (lr0 & 7) == g

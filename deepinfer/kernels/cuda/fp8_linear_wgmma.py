@@ -28,10 +28,6 @@ SMEM_BUDGET = 200 * 1024  # of an SM's 227 KB: one CTA an SM, as deep a ring as 
 DEFAULT_TILES = dict(BT=128, CWG=2, STAGES=4, HALVES=0)
 _SIGNATURE = "mmpliplliii"  # tensor maps, ws, stride_wsn, block, out, stride_os, stride_om, M, N, k_split
 _KERNELS: dict[tuple, CudaKernel] = {}
-# Load the first STAGES weight boxes before the PDL wait (the .cu's EARLY_WEIGHTS; config key "EARLY" per call).
-# Off until a GPU has timed it (benchmarks/bench_linear_early.py, pending_device_runs.sh s31a): written and tested
-# on the CPU machine (sm_90a builds, the PDL source rule) on 2026-12-06, when no device could be had.
-EARLY_WEIGHTS = False
 
 
 def kernel(cfg: dict, split_out: bool, group_rows: int = 0) -> CudaKernel:
@@ -39,7 +35,6 @@ def kernel(cfg: dict, split_out: bool, group_rows: int = 0) -> CudaKernel:
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES) + (("SPLIT_OUT", int(split_out)),)
     if cfg.get("DIAG"):  # a diagnostic build (the .cu's DIAG: not the GEMM), for benchmarks only
         key += (("DIAG", int(cfg["DIAG"])),)
-    key += (("EARLY_WEIGHTS", int(cfg.get("EARLY", EARLY_WEIGHTS))),)  # the .cu's EARLY_WEIGHTS
     if group_rows:
         key += (("GROUP_ROWS", int(group_rows)),)
     if key not in _KERNELS:
@@ -84,7 +79,7 @@ def tiles(m: int, config: dict | None = None, n: int = 0, k: int = 0) -> dict:
     accumulators would spill); config's keys (BT, CWG, STAGES, HALVES) on top."""
     config = config or {}
     cfg = dict(DEFAULT_TILES, BT=token_tile(m), CWG=warpgroups(m, n, k) if n and k else DEFAULT_TILES["CWG"])
-    cfg.update({k: int(v) for k, v in config.items() if k in DEFAULT_TILES or k in ("DIAG", "EARLY")})
+    cfg.update({k: int(v) for k, v in config.items() if k in DEFAULT_TILES or k == "DIAG"})
     if "STAGES" not in config:
         cfg["STAGES"] = max(2, min(8, SMEM_BUDGET // stage_bytes(cfg["BT"], cfg["CWG"])))
     if "HALVES" not in config:

@@ -222,216 +222,36 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, ssq_ptr, T, KD, n_out, k_chu
     tl.store(ssq_ptr + base + toks, tl.sum(sq, axis=1), mask=tmask)
 
 
-@triton.jit
-def _split_total(ptr, rows, m):
-    """The Sinkhorn block's split sums: sum over axis 1 (the splits) of ptr[rows] ([BLOCK_S, SP] offsets, mask
-    m), one cross-lane reduction whose order is fixed by the tile's shape and the warps (so by the launch plan,
-    not by T or by where a token sits)."""
-    return tl.sum(tl.load(ptr + rows, mask=m, other=0.0), axis=1)
-
-
-@triton.jit
-def _norm4(a, b, c, d, eps):
-    """a..d / ((a + b) + (c + d) + eps): one Sinkhorn row or column of 4, its sum in a fixed tree order."""
-    s = (a + b) + (c + d) + eps
-    return a / s, b / s, c / s, d / s
-
-
-@triton.jit
-def _row_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps):
-    """One Sinkhorn row pass over a 4 x 4 matrix held as 16 values (c{row}{column}): each row j divided by its
-    sum + eps (`_norm4`)."""
-    c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
-    c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
-    c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
-    c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
-    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
-
-
-@triton.jit
-def _column_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps):
-    """One Sinkhorn column pass over a 4 x 4 matrix held as 16 values (c{row}{column}): each column k divided by
-    its sum + eps (`_norm4`)."""
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
-    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps):
-    """softmax of a..d (max subtracted, exp, over the fixed-order sum) + eps: the Sinkhorn's first row pass."""
-    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
-    s = (a + b) + (c + d)
-    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
-
-
-@triton.jit
-def _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, blk, T, D, splits, iters,
-                     hc_eps, norm_eps, SP: tl.constexpr, BLOCK_S: tl.constexpr):
-    """post [T, 4] and comb [T, 4, 4] of BLOCK_S tokens (hc = 4, the models' hc_mult). The split partials are
-    summed first, 21 independent reductions over [BLOCK_S, SP] tiles (`_split_total`); from then on a token's
-    4 x 4 matrix is 16 values held by its lane (or by every lane that holds the token, where BLOCK_S is less
-    than the program's threads), so the Sinkhorn's 2 x iters passes of row / column sums are register adds in
-    a fixed order (`_norm4`), with no cross-lane or cross-warp reduction on the chain. A token's bits depend on
-    the launch plan (SP, BLOCK_S, warps), not on T or on which block holds it. (The default form,
-    `_sinkhorn_token`, is a program of the collapse's 1-16 warps a token over a [4, 4] tile: at a decode plan 40
-    dependent cross-warp reductions a token, and at prefill 8192 such programs beside the collapse's.)"""
-    toks = blk * BLOCK_S + tl.arange(0, BLOCK_S)
-    ok = toks < T
-    t = toks.to(tl.int64)
-    sp = tl.arange(0, SP).to(tl.int64)
-    m = ok[:, None] & (sp < splits)[None, :]
-    srow = sp[None, :] * T + t[:, None]  # [BLOCK_S, SP]: (split, token) rows of ssq
-    rows = srow * 24  # ... and of the partials, (2 + hc) * hc = 24 mixes a row
-    ssq = _split_total(ssq_ptr, srow, m)
-    mp0 = _split_total(part_ptr, rows + 4, m)
-    mp1 = _split_total(part_ptr, rows + 5, m)
-    mp2 = _split_total(part_ptr, rows + 6, m)
-    mp3 = _split_total(part_ptr, rows + 7, m)
-    c00 = _split_total(part_ptr, rows + 8, m)
-    c01 = _split_total(part_ptr, rows + 9, m)
-    c02 = _split_total(part_ptr, rows + 10, m)
-    c03 = _split_total(part_ptr, rows + 11, m)
-    c10 = _split_total(part_ptr, rows + 12, m)
-    c11 = _split_total(part_ptr, rows + 13, m)
-    c12 = _split_total(part_ptr, rows + 14, m)
-    c13 = _split_total(part_ptr, rows + 15, m)
-    c20 = _split_total(part_ptr, rows + 16, m)
-    c21 = _split_total(part_ptr, rows + 17, m)
-    c22 = _split_total(part_ptr, rows + 18, m)
-    c23 = _split_total(part_ptr, rows + 19, m)
-    c30 = _split_total(part_ptr, rows + 20, m)
-    c31 = _split_total(part_ptr, rows + 21, m)
-    c32 = _split_total(part_ptr, rows + 22, m)
-    c33 = _split_total(part_ptr, rows + 23, m)
-    r = 1.0 / tl.sqrt(ssq / (4 * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
-    sp_ = tl.load(scale_ptr + 1)
-    o = post_ptr + t * 4
-    tl.store(o, 2.0 * tl.sigmoid(mp0 * r * sp_ + tl.load(base_ptr + 4)), mask=ok)
-    tl.store(o + 1, 2.0 * tl.sigmoid(mp1 * r * sp_ + tl.load(base_ptr + 5)), mask=ok)
-    tl.store(o + 2, 2.0 * tl.sigmoid(mp2 * r * sp_ + tl.load(base_ptr + 6)), mask=ok)
-    tl.store(o + 3, 2.0 * tl.sigmoid(mp3 * r * sp_ + tl.load(base_ptr + 7)), mask=ok)
-    sc = tl.load(scale_ptr + 2)
-    c00 = c00 * r * sc + tl.load(base_ptr + 8)
-    c01 = c01 * r * sc + tl.load(base_ptr + 9)
-    c02 = c02 * r * sc + tl.load(base_ptr + 10)
-    c03 = c03 * r * sc + tl.load(base_ptr + 11)
-    c10 = c10 * r * sc + tl.load(base_ptr + 12)
-    c11 = c11 * r * sc + tl.load(base_ptr + 13)
-    c12 = c12 * r * sc + tl.load(base_ptr + 14)
-    c13 = c13 * r * sc + tl.load(base_ptr + 15)
-    c20 = c20 * r * sc + tl.load(base_ptr + 16)
-    c21 = c21 * r * sc + tl.load(base_ptr + 17)
-    c22 = c22 * r * sc + tl.load(base_ptr + 18)
-    c23 = c23 * r * sc + tl.load(base_ptr + 19)
-    c30 = c30 * r * sc + tl.load(base_ptr + 20)
-    c31 = c31 * r * sc + tl.load(base_ptr + 21)
-    c32 = c32 * r * sc + tl.load(base_ptr + 22)
-    c33 = c33 * r * sc + tl.load(base_ptr + 23)
-    # comb[j, k] = c{j}{k}; rows are j (softmax along k), columns k. The first pass: softmax + eps along rows,
-    # then columns only; every later pass rows, then columns
-    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, hc_eps)
-    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, hc_eps)
-    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, hc_eps)
-    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, hc_eps)
-    (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32,
-     c33) = _column_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps)
-    for _ in range(iters - 1):
-        (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32,
-         c33) = _row_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps)
-        (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32,
-         c33) = _column_pass(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps)
-    o = comb_ptr + t * 16
-    tl.store(o, c00, mask=ok)
-    tl.store(o + 1, c01, mask=ok)
-    tl.store(o + 2, c02, mask=ok)
-    tl.store(o + 3, c03, mask=ok)
-    tl.store(o + 4, c10, mask=ok)
-    tl.store(o + 5, c11, mask=ok)
-    tl.store(o + 6, c12, mask=ok)
-    tl.store(o + 7, c13, mask=ok)
-    tl.store(o + 8, c20, mask=ok)
-    tl.store(o + 9, c21, mask=ok)
-    tl.store(o + 10, c22, mask=ok)
-    tl.store(o + 11, c23, mask=ok)
-    tl.store(o + 12, c30, mask=ok)
-    tl.store(o + 13, c31, mask=ok)
-    tl.store(o + 14, c32, mask=ok)
-    tl.store(o + 15, c33, mask=ok)
-
-
-@triton.jit
-def _token_splits(ssq_ptr, t, T, D, splits, norm_eps, n_mix, HC: tl.constexpr, SP: tl.constexpr):
-    """Token t's split-K rows of the mix partials (row [SP]: (split * T + t) * n_mix), which splits are real
-    (live [SP]) and r = rsqrt(mean of the squares over all HC * D values), applied after the matmul; its ssq
-    partials summed as a tree over [SP] (a fixed order). Every program of the kernel computes it first (the
-    collapse and the one-token Sinkhorn use it)."""
-    sp = tl.arange(0, SP)
-    live = sp < splits
-    row = (sp.to(tl.int64) * T + t) * n_mix
-    ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
-    return row, live, 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)
-
-
-@triton.jit
-def _sinkhorn_token(part_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, row, live, r, iters, hc_eps,
-                    HC: tl.constexpr):
-    """post [HC] and comb [HC, HC] of token t in one program of the collapse's warps over a [HC, HC] tile (the
-    form before the Sinkhorn blocks; `DEEPINFER_HC_SINKHORN_BLOCKS=0`): the Sinkhorn's row / column sums are
-    tile reductions, at a decode plan's warps cross-warp (3 barriers a pass). row / live / r: `_token_splits`."""
-    j = tl.arange(0, HC)
-    cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
-    m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + j[None, :], mask=live[:, None], other=0.0), axis=0)
-    m_comb = tl.sum(tl.load(part_ptr + row[:, None, None] + cidx[None, :, :], mask=live[:, None, None],
-                            other=0.0), axis=0)
-    post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j))
-    c = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)
-    c = tl.exp(c - tl.max(c, axis=1)[:, None])
-    c = c / tl.sum(c, axis=1)[:, None] + hc_eps
-    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)  # the first pass normalises columns only
-    for _ in range(iters - 1):
-        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-    tl.store(post_ptr + t * HC + j, post)
-    tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
-
-
 @fast_launch
 @triton.jit
 def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, nw_ptr, y_ptr, post_ptr, comb_ptr,
                                  pre_in_ptr, pre_out_ptr, T, D, splits, iters, hc_eps, norm_eps,
                                  HC: tl.constexpr, BLOCK_D: tl.constexpr, SP: tl.constexpr, HEAD: tl.constexpr,
-                                 DEFERRED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """BLOCK_S 0 (the default): grid (T, 2) ((T, 1) for HEAD); program (t, 0) collapses token t, (t, 1) runs
-    its Sinkhorn (`_sinkhorn_token`). BLOCK_S > 0 (the Sinkhorn blocks, `DEEPINFER_HC_SINKHORN_BLOCKS=1`, opt-in
-    until a GPU has timed them): grid (T + ceil(T / BLOCK_S),) ((T,) for HEAD); programs t < T collapse token
-    t, programs T + b run the Sinkhorn split (post, comb) of tokens [b BLOCK_S, (b + 1) BLOCK_S)
-    (`_sinkhorn4_block`).
-    A token's collapse: sum the split-K partials of its pre mixes and r-normalise them, collapse the token's hc
-    streams with the pre weights, round to bf16, RMSNorm and round again (y); the Sinkhorn's outputs are not
-    needed for y. History: one program did a token's collapse and Sinkhorn one after the other until
-    2026-12-05 (at decode the Sinkhorn's chain of 2 x iters dependent reductions and the collapse's stream
-    loads were the two halves of a ~7 us critical path); then the (T, 2) grid; the blocks written 2026-12-06.
-    The partials of all splits are loaded at once ([SP, ...], SP the splits' power of two) and summed as a tree
-    (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first, to overlap their latency
-    with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 -> 9.2 us;
-    reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre weights alone, no
-    post, comb or Sinkhorn. DEFERRED (V4.1's deferred pre, `hc_pre_deferred_fused`): the collapse stores the
-    pre weights it computes (pre_out [T, HC]) and collapses with the given ones (pre_in [T, HC] fp32)."""
+                                 DEFERRED: tl.constexpr, PDL: tl.constexpr = False):
+    """One token, in two programs (grid (T, 2); (T, 1) for HEAD): both sum the split-K partials they need
+    and r-normalise them; program 0 collapses the token's hc streams with the pre weights, rounds to bf16,
+    RMSNorms and rounds again (y); program 1 runs the Sinkhorn split (post, comb), which y does not need.
+    One program did both one after the other until 2026-12-05: at decode the Sinkhorn's chain of 2 x iters
+    dependent reductions and the collapse's stream loads were the two halves of a ~7 us critical path.
+    The partials of all splits are loaded at once ([SP, ...], SP the splits' power of two) and summed as a
+    tree (deterministic: a fixed order). (Tried 2026-12-02: loading the streams first, to overlap their
+    latency with the Sinkhorn chain in one program: H200 8k prefill 152 -> 197 us per call, decode b1 8.1 ->
+    9.2 us; reverted.) HEAD: the model head's collapse (`hc_head_fused`): the mixes are the HC pre weights
+    alone, no post, comb or Sinkhorn. DEFERRED (V4.1's deferred pre, `hc_pre_deferred_fused`): program 0 stores
+    the pre weights it computes (pre_out [T, HC]) and collapses with the given ones (pre_in [T, HC] fp32)."""
     pdl_enter(PDL)
-    pid = tl.program_id(0)
-    if BLOCK_S > 0:
-        collapse = pid < T
-        t = tl.minimum(pid, T - 1).to(tl.int64)  # (a Sinkhorn block's program reads a real row and uses none)
+    t = tl.program_id(0).to(tl.int64)
+    if HEAD:
+        n_mix = HC
     else:
-        collapse = tl.program_id(1) == 0
-        t = pid.to(tl.int64)
+        n_mix = (2 + HC) * HC
     j = tl.arange(0, HC)
-    row, live, r = _token_splits(ssq_ptr, t, T, D, splits, norm_eps, HC if HEAD else (2 + HC) * HC, HC, SP)
-    if collapse:
+    sp = tl.arange(0, SP)
+    live = sp < splits
+    row = (sp.to(tl.int64) * T + t) * n_mix  # [SP]
+    ssq = tl.sum(tl.load(ssq_ptr + sp.to(tl.int64) * T + t, mask=live, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt(ssq / (HC * D) + norm_eps)  # rsqrt(mean over all hc*D values), applied after the matmul
+    if tl.program_id(1) == 0:
         m_pre = tl.sum(tl.load(part_ptr + row[:, None] + j[None, :], mask=live[:, None], other=0.0), axis=0)
         pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
         if DEFERRED:  # this sublayer's pre goes to the next sublayer; the collapse takes the previous one's
@@ -447,11 +267,20 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
         y = tl.load(nw_ptr + cols, mask=dmask, other=0.0) * (y * rn)
         tl.store(y_ptr + t * D + cols, y.to(tl.bfloat16), mask=dmask)
     elif not HEAD:
-        if BLOCK_S > 0:
-            _sinkhorn4_block(part_ptr, ssq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, pid - T, T, D, splits,
-                             iters, hc_eps, norm_eps, SP, BLOCK_S)
-        else:
-            _sinkhorn_token(part_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, row, live, r, iters, hc_eps, HC)
+        cidx = 2 * HC + j[:, None] * HC + j[None, :]  # comb[j, k], row-major
+        m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + j[None, :], mask=live[:, None], other=0.0), axis=0)
+        m_comb = tl.sum(tl.load(part_ptr + row[:, None, None] + cidx[None, :, :], mask=live[:, None, None],
+                                other=0.0), axis=0)
+        post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j))
+        c = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + cidx)
+        c = tl.exp(c - tl.max(c, axis=1)[:, None])
+        c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)  # the first pass normalises columns only
+        for _ in range(iters - 1):
+            c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+        tl.store(post_ptr + t * HC + j, post)
+        tl.store(comb_ptr + t * HC * HC + j[:, None] * HC + j[None, :], c)
 
 
 @fast_launch
@@ -642,29 +471,13 @@ def _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters
     """`_hc_sinkhorn_collapse_kernel` over the mix partials of `plan`: y (and, unless `head`, post / comb);
     deferred = (pre_in, pre_out): collapse with pre_in, store the computed pre into pre_out."""
     T, hc, D = x.shape
-    blocks = hc == SINKHORN_HC and env.hc_sinkhorn_blocks()  # (other hc: one program a token's Sinkhorn)
     block_d = next_power_of_2(D)
     pre_in, pre_out = deferred if deferred is not None else (post, post)  # (unread without DEFERRED)
-    sp = max(2, next_power_of_2(plan["SPLITS"]))
-    warps = plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024))
-    block_s = sinkhorn_block(sp, warps) if blocks else 0
-    grid = ((T if head else T + cdiv(T, block_s)),) if blocks else (T, 1 if head else 2)
-    _hc_sinkhorn_collapse_kernel[grid](
+    _hc_sinkhorn_collapse_kernel[(T, 1 if head else 2)](
         part, ssq, scale.to(F32).contiguous(), base.to(F32).contiguous(), x, norm_weight.to(F32).contiguous(),
         y, post, comb, pre_in, pre_out, T, D, plan["SPLITS"], int(iters), float(hc_eps), float(norm_eps),
-        HC=hc, BLOCK_D=block_d, SP=sp, HEAD=head, DEFERRED=deferred is not None, BLOCK_S=block_s, num_warps=warps)
-
-
-SINKHORN_HC = 4  # the hc_mult the Sinkhorn blocks are written for (16 named registers); others: a program a token
-SINKHORN_TILE = 8  # split partials a thread loads per mix in a Sinkhorn program ([BLOCK_S, SP] tiles)
-
-
-def sinkhorn_block(sp: int, warps: int) -> int:
-    """Tokens per Sinkhorn program: its [BLOCK_S, SP] split tiles about SINKHORN_TILE values a thread (a decode
-    plan's 128-256 splits: a few tokens; a prefill's 4: one token a thread), at most one token a thread. A
-    function of the plan alone (SP, warps), never of T: a token's bits must not depend on the batch."""
-    threads = 32 * warps
-    return max(1, min(threads, threads * SINKHORN_TILE // sp))
+        HC=hc, BLOCK_D=block_d, SP=max(2, next_power_of_2(plan["SPLITS"])), HEAD=head, DEFERRED=deferred is not None,
+        num_warps=plan["COLLAPSE_WARPS"] or max(1, min(16, block_d * hc // 1024)))
 
 
 POST_MIX_MAX_T = 16  # the fused mix kernel's tokens: the decode plan's one token block. Its larger plans'
