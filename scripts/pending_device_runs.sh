@@ -1,4 +1,4 @@
-# The device checks the code of 2026-12-06 still owes, in the order the next device run should take them; each
+# The device checks the code of 2026-12-07 still owes, in the order the next device run should take them; each
 # stage bounded so one `run` call (10 minutes) brings its logs back. The twenty-seventh session ran s27a (the
 # twenty-sixth session's review), s27b-e (PDL: tests, anatomy, the slice against transformers, prefill), all on
 # an H100 (passed; numbers in BENCHMARKS.md). The twenty-eighth session ran s27f's and s28a's tests and timings
@@ -6,7 +6,8 @@
 # stages as they were are in git history, the numbers in BENCHMARKS.md). The thirtieth session ran s29d and its
 # own s30_tests, s30_bench, s30b and s30c on an H100 (passed; BENCHMARKS.md). The thirty-second session ran the
 # thirty-first's s31a on an H100 (tests passed; both opt-in changes slower, removed with their stages s31a / s31b)
-# and the new stage timeline at b1 / b128 (results/decode_timeline_*_h100_2026-12-07_s32.log). Still owed
+# and the new stage timeline at b1 / b128 (results/decode_timeline_*_h100_2026-12-07_s32.log); the stage's
+# critical path (stream_timeline.critical_path) was added after that run and is owed on any Hopper GPU. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -29,8 +30,234 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-timeline)  # the b1 / b32 / b128 replays' main stream in order, PDL off (true kernel times): which kernels and
-    # which side-stream joins make up a decode layer's critical path (stream_timeline.py)
+s30d)  # routing at prefill sizes for both families' expert counts: where the per-expert kernel stops beating the
+    # torch sort (PARALLEL_ROUTING_SLOTS was set from E = 256 on the H200; V4.1's 4k prefill, 24,576 slots over
+    # 384 experts, took 236 us a call on it on the H100)
+    step bench_routing_s30d 200 python benchmarks/bench_routing.py --experts 256 384 --ts 512 1024 2048 3072 4096 \
+        8192 --parallel-max 49152
+    ;;
+s30c)  # the indexer's chunk rule (fewer blocks a program for small grids; T = 1, E = 65536 had taken 22.2 us with
+    # 8-block chunks on the H100) and the lone token's skipped work: its tests, the op, V4.1's prefill kernels
+    step gpu_tests_s30c 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_scores.py \
+        tests/test_kernels_indexer_paged.py tests/test_kernels_attn.py -k indexer
+    step bench_indexer_s30c 100 python benchmarks/bench_attn_kernels.py --indexer
+    ;;
+s30b)  # the thirtieth session's second round: grouped_proj_fp8's dequant form through grouped_proj_bf16_cublas (no
+    # permuted view for wo_b's flatten to copy), the embed's cat; then the 8k prefill and its ops by shape
+    step gpu_tests_s30b 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_grouped_proj.py \
+        tests/test_kernels_bf16_gemm.py tests/test_engine_fast_prefill.py
+    step prefill8k_s30b 200 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
+    step profile_ops_8k_s30b 150 python benchmarks/profile_ops.py --layers 4 --prefill 8192 --decode 0 --top 30
+    ;;
+s30_tests)  # one call's worth: s29d's GPU tests and the indexer's pair kernel's (s30a in the step names), then the
+    # indexer op before / after (s30_bench follows)
+    step gpu_tests_s29d 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_wgmma.py
+    step gpu_tests_s29d_tma 100 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py \
+        -k default
+    step gpu_tests_s30a 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_scores.py \
+        tests/test_kernels_indexer_paged.py tests/test_engine_fast_prefill.py tests/test_engine_fast_v41_extend.py
+    step bench_indexer_s30a 100 python benchmarks/bench_attn_kernels.py --indexer
+    if git worktree add -q /tmp/before 0190088^ 2>/dev/null; then  # the kernel before, through this bench script
+        cp benchmarks/bench_attn_kernels.py /tmp/before/benchmarks/
+        (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before:/tmp/before/benchmarks step bench_indexer_before 100 \
+            python benchmarks/bench_attn_kernels.py --indexer)
+    else
+        echo "no git here: the kernel before is not timed"
+    fi
+    ;;
+s30_bench)  # the other call: V4.1's prefill with s29d's expert changes, the 8k prefill's kernels and its ops
+    step bench_v41_prefill_wgmma_experts 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 \
+        --graphs --top 8
+    step prefill8k_s30a 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 8192 --top 16
+    step profile_ops_8k_s30a 150 python benchmarks/profile_ops.py --layers 4 --prefill 8192 --decode 0 --top 30
+    ;;
+s29d)  # owed by the twenty-ninth session: the experts' wgmma form from 11 slots an expert (fp4_moe.WGMMA_SLOTS_PER_EXPERT,
+    # 16 before; the H100's crossover, fp4_moe_crossover_h100_2026-12-06_s29.log): the dispatch test and the wgmma
+    # form's tests, among them `act_quant_gather` compiled (now 4 slots a program at V4.1's I = 2304: the K = 2304
+    # case), then V4.1's 1k / 4k prefill with both (s29: 33.1 / 61.0 ms; the experts on the TMA form at 1k, the 4k's
+    # 8 operand gathers 4.0 ms)
+    step gpu_tests_s29d 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_wgmma.py
+    step gpu_tests_s29d_tma 100 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py \
+        -k default
+    step bench_v41_prefill_wgmma_experts 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 \
+        --graphs --top 8
+    ;;
+s27f)  # the twenty-seventh session's last changes, not yet on a GPU: the cache codecs through the registry
+    # (V4.1's varlen path now on the Triton codecs; V4's extend path through the same PackedStore methods), V4.1's
+    # per-forward window rows and RoPE tables, PDL's one switch and device check (runtime.griddepcontrol_device,
+    # the driver check before cuLaunchKernelEx; FastLaunch asking torch for the device once); then V4.1's prefill
+    # timed (new --prefills; for the before, the same command on the tree at 508cf3d)
+    step gpu_tests_s27f 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41.py \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast.py tests/test_extend_graphs.py tests/test_kernels_pdl.py \
+        tests/test_kernels_launch.py tests/test_engine_fast_decode.py -k "not side_streams"
+    step bench_v41_prefill 150 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 --no-varlen
+    ;;
+crossover)  # the TMA decode form against the wgmma prefill form around WGMMA_SLOTS_PER_EXPERT (10), both families'
+    # expert shapes (H100: fp4_moe_crossover_h100_2026-12-06_s29.log); run where the H100's numbers do not apply
+    step fp4_moe_crossover_v4 150 python benchmarks/bench_fp4_moe.py --wgmma --ts 256,341,427,512,683
+    step fp4_moe_crossover_v41 200 python benchmarks/bench_fp4_moe.py --wgmma --ts 512,640,704,768,896,1024 \
+        --dims 384,6,5120,2304
+    ;;
+s28b)  # owed by the twenty-eighth session: V4's per-sequence reference path on the batched path's fused ops (its
+    # GPU test failed since the nineteenth session's fusions: bisected on the H100 to 428cfe5 pass / c787048 fail)
+    # and the review's mends after the last device run (PackedStore.ring_extend_rows in both families' extend
+    # cores, ExtendGraphs._pieces_and_cores / _load_step for both families' graphs, V41Attention.index_keys_of /
+    # store_entries on every V4.1 path, decode graphs included): behaviour unchanged on the CPU
+    step gpu_tests_s28b 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_prefill.py \
+        tests/test_engine_fast_v41_extend.py tests/test_extend_graphs.py tests/test_v41_extend_graphs.py \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
+    ;;
+s28c)  # V4.1's prefill linears on the bf16 form (fp8_gemm.FP8_MMA_BLOCKS: the fp8 form from 1024 rows for 128-blocks
+    # only): the kernel's tests, then the V4.1 slice's prefill and its kernels (s28: 43.1 ms at 1k, 94.5 at 4k, the
+    # fp8-form linears 13.8 ms of the 1k's 44 ms of kernels) and the 32x32 rows of the kernel benchmark
+    step gpu_tests_s28c 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear.py
+    step bench_v41_prefill_bf16_linears 200 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 \
+        --graphs --top 16
+    ;;
+s28a)  # the twenty-eighth session (ran on an H100, see BENCHMARKS.md; the V4 prefill test's failure led to s28b): V4.1's batched extend path (model/v41_extend.py), the shared slot resets
+    # (cache.SlotResets: V4's and V4.1's), V4.1's engine GPU tests with them
+    step gpu_tests_s28a 420 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_v41_extend.py \
+        tests/test_engine_fast_v41.py tests/test_engine_fast_v41_decode.py tests/test_engine_fast_prefill.py \
+        tests/test_cache_reset.py
+    # what the batched path gives: one prompt, and 16 prompts in one step, against the per-sequence path
+    step bench_v41_prefill_batched 240 python benchmarks/bench_v41_decode.py --batches --prefills 1024 4096 \
+        --per-sequence
+    step bench_v41_prefill_16 200 python benchmarks/bench_v41_decode.py --batches --prefills 2048 --prefill-seqs 16 \
+        --per-sequence
+    ;;
+s27e)  # PDL on and off: the 1k / 8k prefill and the b1 step against the ceilings of the same run
+    step run_slice_pdl 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 \
+        --no-breakdown
+    DEEPINFER_PDL=0 step run_slice_nopdl 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 \
+        --prefills 1024 8192 --no-breakdown
+    ;;
+s27d)  # the issue's ratios against transformers with the current defaults (PDL on; last measured in the
+    # twenty-second session)
+    step engine_slice_s27 560 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 --async-modes on \
+        --output-kind final_only --transformers --env-sets ""
+    ;;
+s27b)  # programmatic dependent launch on every Triton and CUDA kernel: the CUDA kernels' GPU tests (their sources
+    # changed), the rule's tests, decode with PDL against without (bit-identical, side streams, graphs), the engine
+    step gpu_tests_pdl_cuda 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_pdl.py \
+        tests/test_kernels_fp8_linear_mma.py tests/test_kernels_fp4_moe_mma.py tests/test_kernels_fp4_moe_tma.py \
+        tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_fp4_moe_wgmma.py tests/test_kernels_fp8_linear_prefill.py
+    step gpu_tests_pdl_engine 250 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
+        tests/test_engine_fast.py
+    ;;
+s27c)  # what PDL gives the decode steps: the V4-Flash slice's anatomy with it and without, V4.1's slice both ways
+    step decode_anatomy_pdl 330 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 30 \
+        --env-sets "" DEEPINFER_PDL=0
+    step bench_v41_decode_pdl 110 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 6
+    DEEPINFER_PDL=0 step bench_v41_decode_nopdl 110 python benchmarks/bench_v41_decode.py --batches 1 8 32 \
+        --context 2048 --top 6
+    ;;
+s27a)  # owed from the twenty-sixth session's review (the embed mends: V4.1's varlen and batched decode, V4's
+    # decode_step; topk_positions' empty-input guard), then what PDL with an early trigger saves
+    step gpu_tests_s26_review 330 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_topk_positions.py tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py \
+        tests/test_engine_fast_decode.py -k "topk or graph or v41"
+    step bench_pdl 200 python benchmarks/bench_pdl.py
+    ;;
+s26d)  # V4.1's wk kept bf16 (the GEMV / cuBLAS bf16 instead of cuBLAS fp32): V4.1's decode and engine GPU tests, the slice
+    step gpu_tests_v41_wk 300 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
+    step bench_v41_decode_wk 130 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 10
+    ;;
+s26c)  # linear_f32 at V4.1-Flash's decode shapes (K 5120: the MoE gate N 384 took cuBLAS's 3-CTA fp32 kernel at
+    # b8, 2 x 51 us a step), then the owed 1k / 8k prefill A/B
+    step bench_gemv_v41 120 python benchmarks/bench_gemv.py --k 5120 --ns 64,384,512,1024,2048 --no-sweep --budget 90
+    bash "$0" prefill_ab
+    ;;
+s26b)  # V4.1's top-k in position order (topk_positions): its GPU test, V4.1's decode and engine GPU tests with it,
+    # the slice's decode steps
+    step gpu_tests_topk_positions 200 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_topk_positions.py tests/test_kernels_attn.py -k "topk"
+    step gpu_tests_v41_topk 300 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
+    step bench_v41_decode_topk 130 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 10
+    ;;
+s26a)  # the TMA expert form on any K (the bank's 16-byte scale rows): its GPU tests (V4.1-Flash's w2 K = 2304 new),
+    # then the V4.1 slice's decode with it (the default) and with the mma.sync form it replaces there
+    step gpu_tests_tma_any_k 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp4_moe_tma.py
+    step bench_v41_decode_tma 130 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 8
+    DEEPINFER_MOE_DECODE_KERNEL=mma step bench_v41_decode_mma 130 python benchmarks/bench_v41_decode.py \
+        --batches 8 32 --context 2048 --top 4
+    ;;
+s25b)  # what the twenty-fifth session's review changed after its last device run: V4.1's decode on V4's
+    # decode_select_rows, hc_pre through the shared _hc_pre, the shared replay-vs-eager helper (both families),
+    # bench_v41_decode as a SliceRunner subclass
+    step gpu_tests_s25b_kernels 120 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_hc_pre_deferred.py tests/test_kernels_hc_post_pre.py
+    step gpu_tests_s25b_decode 330 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py tests/test_engine_fast_decode.py -k \
+        "graph or v41"
+    step bench_v41_decode_s25b 130 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 12
+    ;;
+s25)  # V4.1's batched decode path (graphs) and its kernels (deferred hc_pre, the E4M3-scaled FP4 latent decode,
+    # the gate with V4.1's renormalisation, the two-layout paged attention): their GPU tests and the V4.1 engine's, then the slice's decode steps
+    step gpu_tests_v41_kernels 120 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_hc_pre_deferred.py tests/test_kernels_decode.py tests/test_kernels_attn_paged_mixed.py
+    step gpu_tests_v41_decode 300 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine_fast_v41_decode.py tests/test_engine_fast_v41.py
+    step bench_v41_decode 240 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 30
+    ;;
+fp8_prefill)  # the twenty-third session's kernels: the prefill FP8 linear CUDA kernel and the experts' trimmed
+    # routing blocks: their tests, then each against what it replaces
+    step gpu_tests_s23_kernels 230 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernels_fp8_linear_prefill.py tests/test_kernels_fp4_moe_wgmma.py
+    step bench_fp8_prefill 130 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    step bench_fp4_moe_trim 170 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
+    ;;
+s24b)  # the extend graphs after the bind fix: their GPU tests (the bound-model one new) and the engine's
+    step gpu_tests_extend_graphs_bind 200 python -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_extend_graphs.py tests/test_engine_fast.py -k "extend_graphs or llm_fast_cuda"
+    ;;
+s24a)  # the extend graphs: GPU tests (and the engine's with them on and off), the prefill eager vs graphs
+    step gpu_tests_extend_graphs 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_extend_graphs.py \
+        tests/test_engine_fast.py -k "extend_graphs or llm_fast_cuda"
+    step bench_extend_graphs 200 python benchmarks/bench_extend_graphs.py --layers 4 --tokens 256 512 1024 2048
+    ;;
+s23c)  # the least of s23b: the persistent form's tests and the sweep
+    step gpu_tests_fp8_prefill 100 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
+        tests/test_kernels_fp8_linear_prefill.py
+    step bench_fp8_prefill 100 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    ;;
+s23b)  # the prefill FP8 kernel's persistent form (tests and the sweep), the trimmed experts at T=1024, the prefill A/B
+    step gpu_tests_fp8_prefill 100 python -m pytest -m gpu -q -rf -p no:cacheprovider -x \
+        tests/test_kernels_fp8_linear_prefill.py
+    step bench_fp8_prefill 100 python benchmarks/bench_fp8_prefill.py --ms 1024 8192 --sweep
+    step bench_fp4_moe_trim_1024 45 python benchmarks/bench_fp4_moe.py --wgmma --ts 1024
+    bash "$0" prefill_ab
+    ;;
+prefill_ab)  # the 1k / 8k prefill with the prefill FP8 linears on the CUDA kernel and on the Triton form
+    for form in wgmma triton; do
+        DEEPINFER_LINEAR_PREFILL_KERNEL=$form step prefill_slice_$form 110 python benchmarks/run_slice.py --layers 4 \
+            --no-hf --batches --prefills 1024 8192 --no-breakdown
+    done
+    ;;
+tests)  # the twenty-first session's defaults on the H200 (they ran on an H100): cluster split-K up to 4 splits,
+    # lanes, wo_a FP8 with its wgmma form; V4.1's fast path with wo_a FP8 (block 32) has run on no GPU yet
+    step gpu_tests 330 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear_mma.py \
+        tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_grouped_proj.py tests/test_side_stream.py
+    step gpu_tests_engine 250 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
+        tests/test_engine_fast.py tests/test_engine_fast_v41.py
+    ;;
+anatomy)  # where the b1 / b32 / b128 steps go: the defaults against the switches' old values; then wo_a bf16 (read
+    # when the params are made: its own process)
+    step decode_anatomy 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 45 \
+        --env-sets "" DEEPINFER_INDEXER_LANES=0,DEEPINFER_LINEAR_CLUSTER_SPLIT=0
+    DEEPINFER_WO_A_FP8=0 step decode_anatomy_wo_a_bf16 250 python benchmarks/decode_anatomy.py --layers 4 \
+        --batches 1 32 128 --top 45
+    ;;
+linears)  # wo_a's forms and the cluster split-K, op by op
+    step grouped_proj 150 python benchmarks/bench_grouped_proj.py --ts 1 8 32 128 --no-sweep
+    step linear_sync 200 python benchmarks/bench_linear_sync.py --ms 1,8 --variants "split sum,cluster sum"
+    ;;
+prefill)  # the 1k / 8k prefill with every change since the eleventh session (its last kernel breakdown)
+    step prefill_slice 400 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 --top 40
+    ;;
+timeline)  # the b1 / b32 / b128 replays' critical path and main stream in order, PDL off (true kernel times):
+    # which kernels and which side-stream joins bound a decode layer (stream_timeline.py)
     DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 \
         --top 8 --timeline 140
     ;;
