@@ -122,6 +122,7 @@ def critical_path(kernels: list[Kernel], slack_us: float = 0.3) -> list[MainStep
 
 
 def format_critical_path(chain: list[MainStep], rows: int = 0, name_width: int = 48) -> str:
+    """A summary line, the path's kernels by name (largest first), then (rows > 0) its first `rows` in order."""
     busy, idle = sum(s.us for s in chain), sum(s.idle_before_us for s in chain)
     out = [f"critical path: {len(chain)} kernels, {busy:.1f} us in kernels + {idle:.1f} us between them"]
     by_name: dict[str, list[float]] = {}
