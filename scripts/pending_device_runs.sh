@@ -7,7 +7,8 @@
 # own s30_tests, s30_bench, s30b and s30c on an H100 (passed; BENCHMARKS.md). The thirty-second session ran the
 # thirty-first's s31a on an H100 (tests passed; both opt-in changes slower, removed with their stages s31a / s31b)
 # and the new stage timeline at b1 / b128 (results/decode_timeline_*_h100_2026-12-07_s32.log); the stage's
-# critical path (stream_timeline.critical_path) was added after that run and is owed on any Hopper GPU. Still owed
+# critical path (stream_timeline.critical_path) was added after that run: stage s32 owes it on any Hopper GPU,
+# first, with the indexer query kernel's warps A/B. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -19,7 +20,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s32, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -30,6 +31,14 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s32)  # owed by the thirty-second session, on any Hopper GPU, first: the decode steps' critical path (stage
+    # timeline's critical_path, new), then indexer_q_rotate by warps (a lead that path showed: 13.2 us at b1 on
+    # the indexer lane, one 4-warp program of 3,856 instructions); its bits-by-warps GPU test first
+    step gpu_tests_s32 60 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_rotate.py
+    step bench_indexer_rotate_s32 90 python benchmarks/bench_indexer_rotate.py
+    DEEPINFER_PDL=0 step decode_timeline_s32 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 \
+        --top 8 --timeline 140
+    ;;
 s30d)  # routing at prefill sizes for both families' expert counts: where the per-expert kernel stops beating the
     # torch sort (PARALLEL_ROUTING_SLOTS was set from E = 256 on the H200; V4.1's 4k prefill, 24,576 slots over
     # 384 experts, took 236 us a call on it on the H100)

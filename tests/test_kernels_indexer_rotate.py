@@ -109,3 +109,22 @@ def test_indexer_rotate_ops_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     _check("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 300])
+def test_indexer_q_rotate_bits_do_not_depend_on_its_warps(T):
+    """The warps override (benchmarks/bench_indexer_rotate.py) changes how a program's tile is spread over
+    threads, not its MMA tiles or their order: 8 and 16 warps give 4 warps' bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from deepinfer.kernels import official
+    from deepinfer.kernels.triton.indexer_rotate import indexer_q_rotate
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q = (torch.randn(T, 64, D, generator=g, device="cuda") * 2).bfloat16()
+    pos = torch.randint(0, 50_000, (T,), generator=g, device="cuda")
+    freqs = official.rope_freqs32(ROPE, 65536, 160000.0, 16.0, 32, 1).to("cuda")
+    want = indexer_q_rotate(q, pos, freqs, None)
+    for warps in (8, 16):
+        assert torch.equal(indexer_q_rotate(q, pos, freqs, None, warps=warps), want), warps

@@ -133,9 +133,12 @@ def _table(positions: torch.Tensor, freqs: torch.Tensor, table: torch.Tensor | N
 
 
 def indexer_q_rotate(q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-                     table: torch.Tensor | None) -> torch.Tensor:
+                     table: torch.Tensor | None, warps: int = 4) -> torch.Tensor:
     """Same contract as `official_fused.indexer_q_rotate`: q [T, heads, d] -> a new bf16 tensor (`table`:
-    `rope.rope_table32(positions, freqs)` or None)."""
+    `rope.rope_table32(positions, freqs)` or None). warps: the kernel's warps per program (benchmarks; the
+    program's tile and MMA order, hence the bits, do not depend on it). At decode (T = 1: one program of the
+    Hadamard tile's 64 rows) the 4-warp build is 3,856 instructions straight-line and took 13.2 us on an H100
+    (2026-12-07); `benchmarks/bench_indexer_rotate.py` times 4 against 8 and 16."""
     if q.dtype == torch.float64 or not (q.is_cuda or interpreting()):
         return official_fused.indexer_q_rotate(q, positions, freqs, table)
     if q.dim() != 3 or positions.shape != (q.shape[0],):
@@ -154,7 +157,7 @@ def indexer_q_rotate(q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tens
         bm = hadamard._block_rows(d)  # the Hadamard kernel's tiles, hence its sums
         _indexer_q_rotate_kernel[(cdiv(T * H, bm),)](
             x2, hadamard._hadamard_bf16(d, q.device), table[0], table[1], out, T * H, H, x2.stride(0), d**-0.5,
-            D=d, HALF=half, BM=bm, INTERPRET=interpreting(), num_warps=4)
+            D=d, HALF=half, BM=bm, INTERPRET=interpreting(), num_warps=warps)
     return out.view(q.shape)
 
 
