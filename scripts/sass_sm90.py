@@ -185,7 +185,20 @@ def _case_hc_collapse(sp, warps, head=False, deferred=False):
                         num_warps=warps, num_stages=3)
 
 
+def _case_indexer_q_rotate(warps):
+    """`_indexer_q_rotate_kernel` on V4-Flash's indexer query (64 heads of 128, a 64-channel rope tail): one
+    program is the Hadamard tile's 64 rows (at decode b1 the whole call)."""
+    from deepinfer.kernels.triton.indexer_rotate import _indexer_q_rotate_kernel
+    params = dict(x_ptr="*bf16", h_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*bf16", M="i32",
+                  heads="i32", stride_x="i32", scale="fp32", D=128, HALF=32, BM=64, INTERPRET=False, PDL=True)
+    return compile_sm90(_indexer_q_rotate_kernel, params,
+                        {"x_ptr", "h_ptr", "cos_ptr", "sin_ptr", "out_ptr", "stride_x"}, num_warps=warps)
+
+
 CASES = {
+    "indexer_q_rotate_w4": lambda: _case_indexer_q_rotate(4),
+    "indexer_q_rotate_w8": lambda: _case_indexer_q_rotate(8),
+    "indexer_q_rotate_w16": lambda: _case_indexer_q_rotate(16),
     "hc_collapse_decode": lambda: _case_hc_collapse(256, 16),
     "hc_collapse_prefill": lambda: _case_hc_collapse(4, 16),
     "hc_collapse_head": lambda: _case_hc_collapse(4, 16, head=True),
