@@ -1,6 +1,7 @@
 """`indexer_q_rotate` (the indexer query's RoPE, Hadamard and FP4 fake quantisation, one launch) by its warps
 per program, at the batched decode's sizes and a prefill's: CUDA-graph replay, one call per query copy over
-enough copies to outrun the L2; each warps count's output checked bit-equal to 4 warps'.
+up to 64 copies (at decode sizes they stay in L2, as the previous kernel's output would; from T = 128 they
+outrun it); each warps count's output checked bit-equal to 4 warps'.
 
     PYTHONPATH=$PWD python benchmarks/bench_indexer_rotate.py [--ts 1 8 32 128 8192] [--warps 4 8 16]
 
@@ -37,8 +38,9 @@ def main() -> None:
     print(torch.cuda.get_device_name(), flush=True)
     freqs = official.rope_freqs32(ROPE, 65536, 160000.0, 16.0, 32, 1).to(dev)
     g = torch.Generator(device=dev).manual_seed(0)
+    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 60 << 20)  # as bench_linear_sync
     for t in args.ts:
-        copies = max(1, math.ceil(4 * 50 * 2**20 / (t * HEADS * D * 2)))
+        copies = max(1, math.ceil(4 * l2 / (t * HEADS * D * 2)))
         qs = [(torch.randn(t, HEADS, D, generator=g, device=dev) * 2).bfloat16() for _ in range(min(copies, 64))]
         pos = torch.randint(0, 50_000, (t,), generator=g, device=dev)
         table = rope_table32(pos, freqs)

@@ -26,33 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_config import slice_config  # noqa: E402
-from stream_timeline import (critical_path, format_critical_path, format_timeline, main_stream_path,  # noqa: E402
-                             profiled_kernels)
+from stream_timeline import (critical_path, format_critical_path, format_timeline, kernel_table,  # noqa: E402
+                             main_stream_path, profiled_kernels)
 from timing import back_to_back_ms, cuda_time_ms  # noqa: E402
-
-
-def graph_kernels(replay, top: int) -> dict:
-    """Kernels the profiler records inside one graph replay: (name, launches, us) largest first, their
-    summed device time and the span from the first kernel's start to the last one's end."""
-    from torch.profiler import ProfilerActivity, profile
-
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    if not kernels:
-        return {"kernels": 0}
-    starts = [e.time_range.start for e in kernels]
-    ends = [e.time_range.end for e in kernels]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name[:70], []).append(e.time_range.elapsed_us())
-    rows = sorted(((n, len(v), sum(v)) for n, v in by_name.items()), key=lambda r: -r[2])
-    return {"kernels": len(kernels), "kernel_us": sum(e.time_range.elapsed_us() for e in kernels),
-            "span_us": max(ends) - min(starts), "top": rows[:top]}
 
 
 def eager_ops_table(step, rows: int) -> str:
@@ -128,9 +104,9 @@ def anatomy(runner, batch: int, context: int, top: int, ops: int = 0, timeline: 
     out = {"step_ms": step_ms, "prepare_host_ms": statistics.median(prep), "replay_ms": replay_ms,
            "host_pieces_ms": {k: statistics.median(v) for k, v in pieces.items()},
            "pipelined_step_ms": pipelined_ms}
-    out.update(graph_kernels(graph.replay, top))
+    ks = profiled_kernels(graph.replay)  # one profiled replay: the table and the timeline
+    out.update(kernel_table(ks, top))
     if timeline >= 0:
-        ks = profiled_kernels(graph.replay)
         out["timeline"] = (format_critical_path(critical_path(ks), rows=timeline) + "\n"
                            + format_timeline(main_stream_path(ks, idle_floor_us=0.5), rows=timeline))
     if ops:

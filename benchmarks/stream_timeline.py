@@ -5,8 +5,9 @@ path. This reads the profiler's kernel records with their streams and lays out t
 each kernel's time, the idle time before it, and, where the main stream sat idle, the side-stream kernel
 that ended last before it resumed (what it was most likely waiting on: a join).
 
-    timeline = stream_timeline(graph.replay)          # needs CUDA
-    print(format_timeline(timeline, rows=120))
+    ks = profiled_kernels(graph.replay)               # needs CUDA
+    print(format_critical_path(critical_path(ks), rows=120))
+    print(format_timeline(main_stream_path(ks), rows=120))
 
 Read it with DEEPINFER_PDL=0: with programmatic dependent launch a kernel starts early and waits on the
 device for its predecessor, so its recorded time includes that wait and the gaps read negative.
@@ -15,7 +16,7 @@ captured on (H100, 2026-12-07: the "main" stream of the replay carried the share
 experts' chain ran beside it), so `critical_path` also walks back from the step's last kernel, each time
 to the kernel that ended last before it started, on any stream: with PDL off a kernel starts once its last
 dependency ends, so that chain is the step's critical path up to launch latencies.
-The analysis (`main_stream_path`, `critical_path`) is plain Python over (stream, start, end, name) records,
+The analysis (`main_stream_path`, `critical_path`, `kernel_table`) is plain Python over (stream, start, end, name) records,
 tested on the CPU (tests/test_stream_timeline.py).
 """
 from __future__ import annotations
@@ -48,9 +49,15 @@ class Timeline:
     steps: list[MainStep] = field(default_factory=list)
     first_us: float = 0.0
     main_end_us: list[float] = field(default_factory=list)  # each main kernel's end
-    side_kernels: int = 0
-    side_us: float = 0.0
     side: list[Kernel] = field(default_factory=list)  # the other streams' kernels, by start
+
+    @property
+    def side_kernels(self) -> int:
+        return len(self.side)
+
+    @property
+    def side_us(self) -> float:
+        return sum(k.end_us - k.start_us for k in self.side)
 
     @property
     def main_busy_us(self) -> float:
@@ -82,8 +89,7 @@ def main_stream_path(kernels: list[Kernel], idle_floor_us: float = 0.0) -> Timel
 
     main = max(by_stream, key=rank)
     side = sorted((k for s, ks in by_stream.items() if s != main for k in ks), key=lambda k: k.end_us)
-    tl = Timeline(span_us=last - first, main_stream=main, first_us=first, side_kernels=len(side),
-                  side_us=sum(k.end_us - k.start_us for k in side),
+    tl = Timeline(span_us=last - first, main_stream=main, first_us=first,
                   side=sorted(side, key=lambda k: k.start_us))
     prev_end = None
     for k in by_stream[main]:
@@ -200,5 +206,14 @@ def profiled_kernels(fn) -> list[Kernel]:
     return out
 
 
-def stream_timeline(fn, idle_floor_us: float = 0.5) -> Timeline:
-    return main_stream_path(profiled_kernels(fn), idle_floor_us)
+def kernel_table(kernels: list[Kernel], top: int, name_width: int = 70) -> dict:
+    """The kernels by name, (name, launches, us) largest first (the first `top`), their summed device time
+    and the span from the first kernel's start to the last one's end (decode_anatomy's per-kernel table)."""
+    if not kernels:
+        return {"kernels": 0}
+    by_name: dict[str, list[float]] = {}
+    for k in kernels:
+        by_name.setdefault(k.name[:name_width], []).append(k.end_us - k.start_us)
+    rows = sorted(((n, len(v), sum(v)) for n, v in by_name.items()), key=lambda r: -r[2])
+    return {"kernels": len(kernels), "kernel_us": sum(k.end_us - k.start_us for k in kernels),
+            "span_us": max(k.end_us for k in kernels) - min(k.start_us for k in kernels), "top": rows[:top]}

@@ -31,12 +31,15 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s32)  # owed by the thirty-second session, on any Hopper GPU, first: the decode steps' critical path (stage
-    # timeline's critical_path, new), then indexer_q_rotate by warps (a lead that path showed: 13.2 us at b1 on
-    # the indexer lane, one 4-warp program of 3,856 instructions); its bits-by-warps GPU test first
-    step gpu_tests_s32 60 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_rotate.py
-    step bench_indexer_rotate_s32 90 python benchmarks/bench_indexer_rotate.py
-    DEEPINFER_PDL=0 step decode_timeline_s32 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 \
+s32|timeline)  # s32, owed by the thirty-second session on any Hopper GPU, first: indexer_q_rotate by warps (a
+    # lead the critical path showed: 13.2 us at b1 on the indexer lane, one 4-warp program of 3,856 instructions;
+    # its bits-by-warps GPU test first), then timeline: the b1 / b32 / b128 replays' critical path and main
+    # stream in order, PDL off (true kernel times): which kernels and side-stream joins bound a decode layer
+    if [ "$stage" = s32 ]; then
+        step gpu_tests_s32 60 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_rotate.py
+        step bench_indexer_rotate_s32 90 python benchmarks/bench_indexer_rotate.py
+    fi
+    DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 \
         --top 8 --timeline 140
     ;;
 s30d)  # routing at prefill sizes for both families' expert counts: where the per-expert kernel stops beating the
@@ -264,11 +267,6 @@ linears)  # wo_a's forms and the cluster split-K, op by op
     ;;
 prefill)  # the 1k / 8k prefill with every change since the eleventh session (its last kernel breakdown)
     step prefill_slice 400 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 --prefills 1024 8192 --top 40
-    ;;
-timeline)  # the b1 / b32 / b128 replays' critical path and main stream in order, PDL off (true kernel times):
-    # which kernels and which side-stream joins bound a decode layer (stream_timeline.py)
-    DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 \
-        --top 8 --timeline 140
     ;;
 slice_defaults)  # the issue's ratios against transformers with the defaults only (one engine: fits a call with room)
     step engine_slice_defaults 560 python benchmarks/bench_engine_slice.py --layers 4 --batches 1 32 128 \

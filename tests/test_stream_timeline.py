@@ -16,8 +16,9 @@ K = st.Kernel
 
 def test_main_stream_is_the_fork_and_join_chain_not_the_busiest():
     # stream 7 forks at t=0 and joins at the end; stream 9 has more kernels but runs inside the span
+    # ('early' also ends inside main's idle window, before 'scores')
     ks = [K(7, 0, 2, "hc_pre"), K(9, 2.5, 3, "a"), K(9, 3, 4, "b"), K(9, 4, 5, "c"), K(9, 5, 9, "scores"),
-          K(7, 2, 6, "wq_b"), K(7, 10, 12, "attn")]
+          K(11, 6, 7, "early"), K(7, 2, 6, "wq_b"), K(7, 10, 12, "attn")]
     tl = st.main_stream_path(ks, idle_floor_us=0.5)
     assert tl.main_stream == 7
     assert [s.name for s in tl.steps] == ["hc_pre", "wq_b", "attn"]
@@ -26,7 +27,7 @@ def test_main_stream_is_the_fork_and_join_chain_not_the_busiest():
     assert tl.main_idle_us == pytest.approx(4)  # 6 -> 10
     assert tl.steps[2].waited_on == "scores"  # the side kernel that ended last before attn began
     assert tl.steps[1].waited_on is None  # no idle before wq_b
-    assert tl.side_kernels == 4 and tl.side_us == pytest.approx(6.5)
+    assert tl.side_kernels == 5 and tl.side_us == pytest.approx(7.5)
 
 
 def test_idle_below_the_floor_names_no_wait_and_overlap_counts_no_idle():
@@ -56,3 +57,11 @@ def test_critical_path_follows_the_latest_dependency_across_streams():
     assert text.startswith("critical path: 4 kernels") and " s\n" not in text
     with pytest.raises(ValueError, match="no kernels"):
         st.critical_path([])
+
+
+def test_kernel_table_sums_by_name_over_the_span():
+    ks = [K(1, 0, 2, "gemm"), K(2, 1, 4, "norm"), K(1, 5, 9, "gemm"), K(1, 9, 9.5, "norm")]
+    t = st.kernel_table(ks, top=1)
+    assert t["kernels"] == 4 and t["kernel_us"] == pytest.approx(9.5) and t["span_us"] == pytest.approx(9.5)
+    assert t["top"] == [("gemm", 2, pytest.approx(6.0))]
+    assert st.kernel_table([], top=3) == {"kernels": 0}
