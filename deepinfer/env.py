@@ -182,6 +182,14 @@ def fused_greedy_enabled() -> bool:
     return os.environ.get("DEEPINFER_FUSED_GREEDY", "1") not in ("0", "false", "no")
 
 
+def fused_route_enabled() -> bool:
+    """DEEPINFER_FUSED_ROUTE=0 makes op "moe_route" on CUDA run the MoE gate's unfused ops (GEMV, gate; the
+    routed experts then make their slot blocks and act_quant(x) themselves) where it would take its one fused
+    launch (kernels/triton/moe_route.py; for A/B runs; read at each call, so a graph keeps what its capture
+    saw); default on."""
+    return os.environ.get("DEEPINFER_FUSED_ROUTE", "1") not in ("0", "false", "no")
+
+
 def fast_launch_enabled() -> bool:
     """The decorated Triton kernels launch through kernels/triton/launch.py's per-specialisation cache
     instead of Triton's per-call JIT dispatch; default on since its GPU tests passed on the H200 (2026-12-05);

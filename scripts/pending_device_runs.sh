@@ -20,7 +20,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s32, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s33a, s33b, s32, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -31,6 +31,24 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s33a)  # the thirty-third session's fused MoE route (kernels/triton/moe_route.py: the gate's GEMV, the gate, the
+    # slot blocks and act_quant(x) in one launch at b1) and s32's owed indexer warps: GPU tests, then the route
+    # against the four ops it replaces (PDL on and off), then the indexer query kernel by warps
+    step gpu_tests_s33 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
+        tests/test_kernels_indexer_rotate.py tests/test_kernels_bf16_gemv.py tests/test_kernels_fp4_moe_shared.py \
+        tests/test_kernels_pdl.py tests/test_kernels_launch.py
+    step gpu_tests_s33_engine 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
+        tests/test_engine_fast_v41_decode.py
+    step bench_moe_route 60 python benchmarks/bench_moe_route.py
+    DEEPINFER_PDL=0 step bench_moe_route_nopdl 60 python benchmarks/bench_moe_route.py
+    step bench_indexer_rotate_s32 60 python benchmarks/bench_indexer_rotate.py
+    ;;
+s33b)  # the step with the fused route and without (its switch), PDL on (the default), then the PDL-off timeline
+    step decode_anatomy_route 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
+        --env-sets "" DEEPINFER_FUSED_ROUTE=0 "" DEEPINFER_FUSED_ROUTE=0
+    DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 128 \
+        --top 8 --timeline 140
+    ;;
 s32|timeline)  # s32, owed by the thirty-second session on any Hopper GPU, first: indexer_q_rotate by warps (a
     # lead the critical path showed: 13.2 us at b1 on the indexer lane, one 4-warp program of 3,856 instructions;
     # its bits-by-warps GPU test first), then timeline: the b1 / b32 / b128 replays' critical path and main

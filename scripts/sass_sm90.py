@@ -195,6 +195,26 @@ def _case_indexer_q_rotate(warps):
                         {"x_ptr", "h_ptr", "cos_ptr", "sin_ptr", "out_ptr", "stride_x"}, num_warps=warps)
 
 
+def _case_moe_route(d, e, k, ab, hashed=False):
+    """moe_route's fused decode kernel at one row (GEMV tiles of M=1 N=E, then act_quant, the last program's
+    gate and slot blocks)."""
+    from deepinfer.kernels.triton import fp4_moe
+    from deepinfer.kernels.triton.bf16_gemv import _gemv_tiles
+    from deepinfer.kernels.triton.moe_route import FUSED_WARPS, ROUTE_BLOCK_M, _route_kernel
+    t = _gemv_tiles(1, e, d)
+    n_blocks = fp4_moe.n_routing_blocks(k, e, ROUTE_BLOCK_M)
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", logits_ptr="*fp32", bias_ptr="*fp32", tid_ptr="*i32", ids_ptr="*i64",
+                wout_ptr="*fp32", idx_ptr="*i64", sorted_ptr="*i32", block_expert_ptr="*i32", xa_ptr="*bf16",
+                counter_ptr="*i32")
+    params = dict(ptrs, M="i32", E="i32", D="i32", stride_xm="i32", stride_wn="i32", stride_tid="i32",
+                  stride_xam="i32", route_scale="fp32", norm_eps="fp32", temp="fp32", n_blocks="i32",
+                  n_groups="i32", M_PAD=1, BN=t["BN"], BK=t["BK"], TOPK=k, K_P2=1 << (k - 1).bit_length(),
+                  E_P2=1 << (e - 1).bit_length(), AB=ab, ACT_ITERS=1, HASH=hashed, TEMP=False, BM=ROUTE_BLOCK_M,
+                  **fp4_moe.align_small_sizes(k, e, n_blocks, ROUTE_BLOCK_M), PDL=True)
+    return compile_sm90(_route_kernel, params, set(ptrs) | {"D", "stride_xm", "stride_wn", "stride_xam"},
+                        num_warps=FUSED_WARPS, num_stages=t["num_stages"])
+
+
 CASES = {
     "indexer_q_rotate_w4": lambda: _case_indexer_q_rotate(4),
     "indexer_q_rotate_w8": lambda: _case_indexer_q_rotate(8),
@@ -206,6 +226,9 @@ CASES = {
     "gather_256_rows1": lambda: _case_gather(256, 1),
     "gather_256_rows4": lambda: _case_gather(256, 4),
     "gemv_m1_n256": lambda: _case_gemv(1, 256),
+    "moe_route_v4": lambda: _case_moe_route(4096, 256, 6, 128),
+    "moe_route_v4_hash": lambda: _case_moe_route(4096, 256, 6, 128, hashed=True),
+    "moe_route_v41": lambda: _case_moe_route(5120, 384, 6, 32),
     "gemv_m1_n2048": lambda: _case_gemv(1, 2048),
     "fp4_v2_decode": lambda: _case_fp4_v2(16, 128, 6),
     "fp4_v2_decode_e5": lambda: _case_fp4_v2(16, 128, 5),

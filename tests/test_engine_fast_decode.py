@@ -297,6 +297,34 @@ def test_graph_replay_is_bit_identical_to_eager(tiny_v4_raw, cuda_kernels):
 
 
 @pytest.mark.gpu
+def test_fused_route_changes_no_bit_of_a_b1_decode(tiny_v4_raw, cuda_kernels, monkeypatch):
+    """Op "moe_route"'s one launch at b1 (the gate's GEMV, the gate, the slot blocks, act_quant(x); the
+    routed experts then take its PreRouted) against DEEPINFER_FUSED_ROUTE=0 (the unfused ops, fp4_moe
+    routing itself): one sequence's decode logits and every cache tensor bit-identical after each step,
+    eager and in replayed graphs (captured with the switch as set)."""
+    cfg, raw = tiny_v4_raw
+    params = v4_params(raw, cfg, "fast", "cuda")
+    for graphs in (False, True):
+        models, tok, lens = prefilled_pair(cfg, params, LENS[:1], "cuda")
+        mk = dict(max_batch=1, max_context=BPS * 128, scratch_slot=SLOTS - 1, scratch_block=BPS * (SLOTS - 1),
+                  cuda_graphs=graphs)
+        runners = []
+        for m, flag in zip(models, "01"):  # (in case a runner captures when it is made)
+            monkeypatch.setenv("DEEPINFER_FUSED_ROUTE", flag)
+            runners.append(DecodeRunner(m, **mk))
+        for k in range(4):
+            seqs = [SeqContext(lens[0] + k, 1, 0, 0, table(0))]
+            monkeypatch.setenv("DEEPINFER_FUSED_ROUTE", "0")
+            ref = runners[0](tok, seqs).clone()
+            monkeypatch.setenv("DEEPINFER_FUSED_ROUTE", "1")
+            got = runners[1](tok, seqs).clone()
+            assert torch.equal(got, ref), (graphs, k)
+            tok = ref.argmax(-1)
+        for name, ref in cache_tensors(models[0]).items():
+            assert torch.equal(cache_tensors(models[1])[name], ref), (graphs, name)
+
+
+@pytest.mark.gpu
 def test_fast_decode_cuda_matches_the_oracle_within_its_noise(tiny_v4_raw, oracle_run, cuda_kernels):
     """Prefill by the existing path, then the oracle's greedy tokens decoded by the graphed decode path,
     judged like test_engine_fast (the oracle's own prefill-vs-decode noise floor)."""

@@ -8,7 +8,9 @@ norm, exactly `V4EngineModel.logits`' steps before the head GEMM), `hc_post_fuse
 `kv_encode` / `kv_decode` (a `cache/layouts.py` KVLayout's own store/load, as ops a device can replace),
 `moe_gate_sqrtsoftplus` (the V4 gate after its logits GEMM: sqrt-softplus, bias-only selection, top-k,
 renormalise, scale: exactly `V4MoE.route`'s ops) and `moe_gate_hash_sqrtsoftplus` (the hash layers' gate:
-the experts from the token-id table, their sqrt-softplus scores renormalised and scaled), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
+the experts from the token-id table, their sqrt-softplus scores renormalised and scaled), `moe_route` (the
+gate's logits GEMM and then either gate: the MoE layers' routing as one op, which CUDA runs in one launch
+at decode), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
 `compress_decode_step` (one decode token per row through a compressor: state scatter, block pooling, overlap
 shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention._compress_step` ran),
 `sparse_attn_sink_paged` (the official sparse attention over rows read straight from the stored window ring
@@ -30,7 +32,7 @@ from deepinfer.kernels import official, torch_ops
 
 __all__ = ["hc_pre_fused", "hc_pre_deferred_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "kv_decode_rows",
            "moe_gate_sqrtsoftplus",
-           "moe_gate_hash_sqrtsoftplus", "fp4_fake_quant",
+           "moe_gate_hash_sqrtsoftplus", "moe_route", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
            "sparse_attn_sink_paged_rope", "sparse_attn_sink_paged_mixed", "indexer_q_rotate", "index_key_rotate_store",
            "hc_post_pre_fused"]
@@ -166,6 +168,50 @@ def moe_gate_hash_sqrtsoftplus(logits: torch.Tensor, tid2eid: torch.Tensor, ids:
     weights = scores.gather(1, indices)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * route_scale, indices
+
+
+def check_moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, topk: int,
+                    tid2eid: torch.Tensor | None, ids: torch.Tensor | None) -> None:
+    """The argument contract of op "moe_route" (shared with its CUDA version): ValueError naming what does
+    not fit."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"moe_route: x [T, D], weight [E, D]; got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.dtype not in (BF16, F32) or weight.dtype not in (BF16, F32):
+        raise ValueError(f"moe_route: bf16 or fp32 x and weight expected, got {x.dtype}, {weight.dtype}")
+    n_experts = weight.shape[0]
+    if not 0 < topk <= n_experts:
+        raise ValueError(f"moe_route: 0 < topk <= E = {n_experts}, got {topk}")
+    if tid2eid is None:
+        if bias is None or tuple(bias.shape) != (n_experts,):
+            raise ValueError(f"moe_route: bias [{n_experts}] expected, got "
+                             f"{None if bias is None else tuple(bias.shape)}")
+    else:
+        if ids is None or tid2eid.dim() != 2 or tid2eid.shape[1] != topk:
+            raise ValueError(f"moe_route: a hash gate needs tid2eid [vocab, {topk}] and ids [T]; got "
+                             f"{tuple(tid2eid.shape)}, {None if ids is None else tuple(ids.shape)}")
+        check_moe_gate_hash(x.new_empty((x.shape[0], n_experts), dtype=F32), tid2eid, ids)
+
+
+def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float,
+              norm_eps: float = 0.0, gate_temp: float = 1.0, act_block: int = 128,
+              tid2eid: torch.Tensor | None = None, ids: torch.Tensor | None = None):
+    """A MoE layer's routing: x [T, D] bf16, the gate's weight [E, D] -> (weights [T, k] fp32, indices [T, k]
+    int64, None). The official fp32 logits (`bf16_gemm.linear_f32_torch`), divided by gate_temp when it is not
+    1 (V4.1), then `moe_gate_sqrtsoftplus` (bias, norm_eps) or, given tid2eid and ids, the hash layer's
+    `moe_gate_hash_sqrtsoftplus`: exactly the ops the MoE layers ran one by one. The third item is the CUDA
+    op's `quant_weights.PreRouted` (the experts' slot blocks and act_quant(x, act_block), made in the same
+    launch); None here: `fp4_moe` routes itself when it gets none."""
+    from deepinfer.kernels.bf16_gemm import linear_f32_torch  # (bf16_gemm loads after this module)
+
+    check_moe_route(x, weight, bias, topk, tid2eid, ids)
+    logits = linear_f32_torch(x, weight)
+    if gate_temp != 1.0:
+        logits = logits / gate_temp
+    if tid2eid is not None:
+        w, idx = moe_gate_hash_sqrtsoftplus(logits, tid2eid, ids, route_scale)
+    else:
+        w, idx = moe_gate_sqrtsoftplus(logits, bias, topk, route_scale, norm_eps)
+    return w, idx, None
 
 
 def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:

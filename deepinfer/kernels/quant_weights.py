@@ -315,6 +315,21 @@ class FP4ExpertBank:
         return w13[: self.inter_dim], w13[self.inter_dim:], formats.dequant_fp4(self.w2[e], self.w2_scale[e])
 
 
+@dataclass(frozen=True)
+class PreRouted:
+    """Routing an `fp4_moe` call gets ready-made (op "moe_route" on CUDA makes it in the gate's launch):
+    `align_by_expert(topk_ids, E, block_m)`'s outputs sorted_slots int32 [n_blocks * block_m] and
+    block_expert int32 [n_blocks] for the call's topk_ids, and xa = act_quant_dequant_bf16(x, act_block)
+    (bf16 [T, D], q * s exactly). The op's forms that route in blocks of block_m with bf16 activations use
+    them instead of making them again; the others, and the twins, ignore them (same results either way)."""
+
+    sorted_slots: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+    xa: torch.Tensor
+    act_block: int
+
+
 def check_routing(op: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   bank: FP4ExpertBank) -> None:
     """Shape/dtype checks shared by the twin and the Triton op (ids are range-checked by the twin only:
@@ -338,10 +353,12 @@ def check_shared(op: str, x: torch.Tensor, shared: torch.Tensor) -> None:
 
 
 def fp4_moe_shared_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
-                         swiglu_limit: float, shared: torch.Tensor, ready=None) -> torch.Tensor:
+                         swiglu_limit: float, shared: torch.Tensor, ready=None,
+                         routed: PreRouted | None = None) -> torch.Tensor:
     """Twin of op "fp4_moe_shared": the routed experts' fp32 sum (`fp4_moe_torch`), the shared expert's bf16
     rows added last (upcast inside the add: exact), rounded to bf16 once: `V4MoE._forward_fast`'s steps.
-    ready: called once before `shared` is read (the caller's stream join)."""
+    ready: called once before `shared` is read (the caller's stream join). routed: ignored (a `PreRouted`
+    only saves the CUDA op work; its contents are what this twin computes anyway)."""
     if ready is not None:
         ready()
     check_shared("fp4_moe_shared", x, shared)

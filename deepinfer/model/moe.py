@@ -50,20 +50,26 @@ class V4MoE:
         h = kernels.get("swiglu_bf16", self.kdev)(gate, up, limit, weight)
         return qlinear(h, self.p[pre + "w2.weight"])
 
+    def _route_fast(self, x: torch.Tensor, ids: torch.Tensor):
+        """Fast numerics' sqrt-softplus routing as op "moe_route": the official fp32 logits of the bf16 x and
+        weight, then the gate (hash or biased top-k), exactly the ops `route` runs below; on cuda at b1 one
+        launch that also makes the routed experts' slot blocks and act_quant(x) (the third item, a
+        `PreRouted` for fp4_moe_shared, else None)."""
+        bank = self.p["experts"]
+        hashed = self.hash
+        return kernels.get("moe_route", self.kdev)(
+            x, self.p["gate.weight"], None if hashed else self.p["gate.bias"], self.topk, self.cfg.route_scale,
+            act_block=bank.act_block, tid2eid=self.p["gate.tid2eid"] if hashed else None, ids=ids if hashed else None)
+
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], ids [T] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
+        if self.fast and cfg.score_func == "sqrtsoftplus":
+            return self._route_fast(x, ids)[:2]
         if self.fast:  # the official fp32 matmul of the bf16 x and weight (tensor cores on cuda)
             logits = kernels.get("linear_f32", self.kdev)(x, self.p["gate.weight"])
         else:
             logits = (x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T
-        if self.fast and cfg.score_func == "sqrtsoftplus":
-            # one op for the rest (one Triton kernel on cuda); its cpu twin is exactly the lines below
-            if self.hash:
-                return kernels.get("moe_gate_hash_sqrtsoftplus", self.kdev)(logits, self.p["gate.tid2eid"], ids,
-                                                                            cfg.route_scale)
-            return kernels.get("moe_gate_sqrtsoftplus", self.kdev)(logits, self.p["gate.bias"], self.topk,
-                                                                   cfg.route_scale)
         if cfg.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
@@ -124,7 +130,11 @@ class V4MoE:
             with on_side(branch):
                 shared = self._swiglu_official(x, "shared_experts.", self.shared_limit, None)
             xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
-            weights, indices = self.route(xr, idr)
+            routed = None
+            if self.cfg.score_func == "sqrtsoftplus" and self.comm is None and self.expert_shard is None:
+                weights, indices, routed = self._route_fast(xr, idr)
+            else:
+                weights, indices = self.route(xr, idr)
             weights = weights.to(torch.float32)
             if self.expert_shard is not None:  # this rank's experts only; the others' slots contribute 0
                 indices, weights = local_routing(indices, weights, *self.expert_shard)
@@ -132,7 +142,7 @@ class V4MoE:
             if self.comm is None:  # the shared rows added last in fp32 and the bf16 rounding inside the op's
                 # combine; the op joins the side stream just before that combine (after queueing the GEMMs)
                 return kernels.get("fp4_moe_shared", self.kdev)(xr, indices, weights, bank, limit, shared,
-                                                                lambda: join(branch))
+                                                                lambda: join(branch), routed=routed)
             y = kernels.get("fp4_moe", self.kdev)(xr, indices, weights, bank, limit)
             y = self.comm.moe_combine(y)  # fp32 partial sums over the expert shards, this rank's rows
             # in place, the bf16 shared output upcast inside the add (exact, the same sum as adding its fp32

@@ -36,18 +36,29 @@ class V41MoE:
         """The routed experts this batch uses that live on this rank (all of them in one process)."""
         return [e for e in sorted(set(indices.flatten().tolist())) if f"experts.{e}.w1.weight" in self.p]
 
+    def _gate_is_fused(self) -> bool:
+        """Whether fast numerics routes through op "moe_route" (sqrt-softplus scores, renormalised top-k)."""
+        cfg = self.cfg
+        return self.fast and cfg.score_func == "sqrtsoftplus" and cfg.norm_topk_prob and self.topk > 1
+
+    def _route_fast(self, x: torch.Tensor):
+        """Op "moe_route": the official fp32 logits of the bf16 x and weight, / gate_temp, the gate with this
+        renormalisation's + 1e-20: exactly the ops `route` runs below; on cuda at b1 one launch that also
+        makes the routed experts' slot blocks and act_quant(x) (the third item, else None)."""
+        cfg = self.cfg
+        return kernels.get("moe_route", self.kdev)(x, self.p["gate.weight"], self.p["gate.bias"], self.topk,
+                                                   cfg.route_scale, 1e-20, cfg.gate_temp,
+                                                   act_block=self.p["experts"].act_block)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
+        if self._gate_is_fused():
+            return self._route_fast(x)[:2]
         if self.fast:  # the official fp32 matmul of the bf16 x and weight (tensor cores on cuda)
             logits = kernels.get("linear_f32", self.kdev)(x, self.p["gate.weight"])
             if cfg.gate_temp != 1.0:  # (a division by 1.0 changes no bit: no launch for it)
                 logits = logits / cfg.gate_temp
-            if cfg.score_func == "sqrtsoftplus" and cfg.norm_topk_prob and self.topk > 1:
-                # one op for the rest (one Triton kernel on cuda, ~11 before); its cpu twin is exactly the lines
-                # below with this renormalisation's + 1e-20
-                return kernels.get("moe_gate_sqrtsoftplus", self.kdev)(logits, self.p["gate.bias"], self.topk,
-                                                                       cfg.route_scale, 1e-20)
         else:
             logits = ((x.to(torch.float32) if self.official else x) @ self.p["gate.weight"].T) / cfg.gate_temp
         if cfg.score_func == "softmax":
@@ -96,12 +107,12 @@ class V41MoE:
         with forked(x.device) as branch:  # the shared expert beside the routing and routed experts (as V4MoE)
             with on_side(branch):
                 shared = self._swiglu_official(x, "shared_experts.", None)
-            weights, indices = self.route(x)
+            weights, indices, routed = self._route_fast(x) if self._gate_is_fused() else (*self.route(x), None)
             # the shared rows added last in fp32 and the bf16 rounding inside the op's combine, which joins the
             # side stream just before it
             return kernels.get("fp4_moe_shared", self.kdev)(x, indices, weights.to(torch.float32),
                                                             self.p["experts"], self.cfg.swiglu_limit, shared,
-                                                            lambda: join(branch))
+                                                            lambda: join(branch), routed=routed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast:

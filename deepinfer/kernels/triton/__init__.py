@@ -27,6 +27,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "kv_pack",    # kv_encode, kv_decode: the FP8 KV layouts' codec, and the FP4 index keys' (fp4_quant's kernels)
     "fp4_quant",  # fp4_fake_quant: the indexer q's FP4 fake quantisation (bit-identical to its twin)
     "moe_gate",   # moe_gate_sqrtsoftplus: sqrt-softplus scores, biased top-k, renormalised weights in one kernel
+    "moe_route",  # moe_route: the MoE gate GEMV, gate, slot blocks and act_quant(x) in one launch at b1
     "hadamard",   # hadamard32: the indexer's rotation as one bf16 MMA kernel (fp32 accumulation, one rounding)
     "swiglu",     # swiglu_bf16: the shared experts' upcast, clamps, silu * up and bf16 rounding in one kernel
     "decode_rows",  # decode_rows: a batched decode step's window / entry / write rows, one launch per ratio

@@ -45,16 +45,13 @@ GEMV_MAX_ROWS = 8  # rows of x one program holds (its [M_PAD, BN, BK] fp32 accum
 GEMV_MAX_WORK = 2048  # M x N up to this (and M <= 8) take the GEMV; above, cuBLAS is as fast or faster
 
 
-@fast_launch
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
-    """out[m, n] = sum_k x[m, k] * w[n, k] for n in this program's BN columns and all m < M <= M_PAD.
-    x [M, K] and w [N, K] with unit column strides (x's a run-time stride made sm_90 code load x 2 bytes at a
-    time: 32 LDG.U16 against the weight's 4 LDG.128 a thread at M=1 N=256, scripts/sass_sm90.py); out [M, N]
-    with unit column stride, its dtype (fp32 or bf16) the one output rounding."""
-    pdl_enter(PDL)
-    cols = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # weight rows = output columns
+def gemv_program(x_ptr, w_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om,
+                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program `pid`'s share of the GEMV: out[m, n] = sum_k x[m, k] * w[n, k] for n in its BN columns and all
+    m < M <= M_PAD. Also the first stage of the MoE's fused decode route (moe_route.py), which calls it with
+    the same tiles so that its logits have these bits."""
+    cols = pid.to(tl.int64) * BN + tl.arange(0, BN)  # weight rows = output columns
     rows = tl.arange(0, M_PAD)
     cmask = cols < N
     rmask = rows < M
@@ -71,6 +68,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     y = tl.sum(acc, axis=2)  # [M_PAD, BN]: the BK lane sums, in the reduction tree's order
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
+
+
+@fast_launch
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    """out[m, n] = sum_k x[m, k] * w[n, k] for n in this program's BN columns and all m < M <= M_PAD.
+    x [M, K] and w [N, K] with unit column strides (x's a run-time stride made sm_90 code load x 2 bytes at a
+    time: 32 LDG.U16 against the weight's 4 LDG.128 a thread at M=1 N=256, scripts/sass_sm90.py); out [M, N]
+    with unit column stride, its dtype (fp32 or bf16) the one output rounding."""
+    pdl_enter(PDL)
+    gemv_program(x_ptr, w_ptr, out_ptr, tl.program_id(0), M, N, K, stride_xm, stride_wn, stride_om, M_PAD, BN, BK)
 
 
 def _gemv_tiles(m: int, n: int, k: int) -> dict:

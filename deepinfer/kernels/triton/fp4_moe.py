@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import env
-from deepinfer.kernels.quant_weights import FP4ExpertBank, check_routing, check_shared, fp4_moe_torch
+from deepinfer.kernels.quant_weights import FP4ExpertBank, PreRouted, check_routing, check_shared, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, act_quant_gather,
                                                e8m0_to_f32, interpreting, quantise_rows)
 from deepinfer.kernels.triton.expert_tile import expert_rows, swiglu_bf16
@@ -125,17 +125,15 @@ ONE_PROGRAM_ROUTING_SLOTS = 8  # and route_slots takes it up to this many: 6 slo
 # kernel's 6.9; 48 slots 10.1 vs 7.0 (H200, results/routing_h200_2026-12-02_s4.log)
 
 
-@fast_launch
 @triton.jit
-def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
-                        BM: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """`align_by_expert` in one program (decode: its ~19 torch launches cost more host time than the GEMMs).
-    Slot i goes to padded_start[e_i] + (number of earlier slots of expert e_i): the stable sort's order."""
-    pdl_enter(PDL)
+def align_small(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr, BM: tl.constexpr,
+                SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr, CACHE: tl.constexpr = ""):
+    """`align_by_expert` in one program over the n_slots <= SP expert ids at ids_ptr: slot i goes to
+    padded_start[e_i] + (number of earlier slots of expert e_i), the stable sort's order. Also the last stage
+    of the MoE's fused decode route (moe_route.py), which reads the ids its own program just wrote (CACHE)."""
     i = tl.arange(0, SP)
     ok = i < n_slots
-    ids = tl.load(ids_ptr + i, mask=ok, other=EP).to(tl.int32)  # EP: matches no expert
+    ids = tl.load(ids_ptr + i, mask=ok, other=EP, cache_modifier=CACHE).to(tl.int32)  # EP: matches no expert
     e = tl.arange(0, EP)
     onehot = ids[:, None] == e[None, :]  # [SP, EP]
     padded = (tl.sum(onehot.to(tl.int32), axis=0) + (BM - 1)) // BM * BM
@@ -150,6 +148,22 @@ def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks
     b = tl.arange(0, NBP)
     owner = tl.sum((padded_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)  # searchsorted, right
     tl.store(block_expert_ptr + b, tl.where(owner >= E, -1, owner), mask=b < n_blocks)
+
+
+@fast_launch
+@triton.jit
+def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr,
+                        BM: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """`align_by_expert` in one program (decode: its ~19 torch launches cost more host time than the GEMMs)."""
+    pdl_enter(PDL)
+    align_small(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E, BM, SP, EP, NBP, TP)
+
+
+def align_small_sizes(n_slots: int, n_experts: int, n_blocks: int, block_m: int) -> dict:
+    """`align_small`'s block sizes for n_slots slots of n_experts experts in n_blocks blocks of block_m."""
+    return dict(SP=max(16, next_power_of_2(n_slots)), EP=next_power_of_2(n_experts),
+                NBP=max(16, next_power_of_2(n_blocks)), TP=next_power_of_2(n_blocks * block_m))
 
 
 PARALLEL_ROUTING_SLOTS = 24576  # up to this many slots the one-program-per-expert kernel below: H200 2026-12-02
@@ -248,6 +262,17 @@ def _routing_outputs(name: str, topk_ids: torch.Tensor, n_experts: int, block_m:
     return flat, n_slots, n_blocks, sorted_slots, block_expert
 
 
+def check_pre_routed(routed: PreRouted, x: torch.Tensor, n_slots: int, n_experts: int) -> None:
+    """A `PreRouted` fits the call: its blocks sized as `align_by_expert`'s for n_slots slots of n_experts
+    experts, its activations x's shape (ValueError otherwise; the contents are the maker's promise)."""
+    n_blocks = n_routing_blocks(n_slots, n_experts, routed.block_m)
+    if (routed.sorted_slots.numel() != n_blocks * routed.block_m or routed.block_expert.numel() != n_blocks
+            or routed.xa.shape != x.shape or routed.xa.dtype != torch.bfloat16):
+        raise ValueError(f"fp4_moe: routed made for another call: {routed.block_expert.numel()} blocks and xa "
+                         f"{routed.xa.dtype} {tuple(routed.xa.shape)}, want {n_blocks} blocks of {routed.block_m} "
+                         f"and bf16 {tuple(x.shape)}")
+
+
 def routing_form(n_slots: int, n_experts: int, cuda: bool) -> str:
     """Which routing `route_slots` runs: "small" (one program), "parallel" (one program per expert) or "torch"
     (the sort path; also off CUDA). Every form gives the same outputs: only the time differs."""
@@ -276,9 +301,7 @@ def align_by_expert_small(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
     flat, n_slots, n_blocks, sorted_slots, block_expert = _routing_outputs(
         "align_by_expert_small", topk_ids, n_experts, block_m, SMALL_ROUTING_SLOTS)
     _align_small_kernel[(1,)](flat, sorted_slots, block_expert, n_slots, n_blocks, E=n_experts, BM=block_m,
-                              SP=max(16, next_power_of_2(n_slots)), EP=next_power_of_2(n_experts),
-                              NBP=max(16, next_power_of_2(n_blocks)),
-                              TP=next_power_of_2(n_blocks * block_m), num_warps=8)
+                              **align_small_sizes(n_slots, n_experts, n_blocks, block_m), num_warps=8)
     return sorted_slots, block_expert
 
 
@@ -872,13 +895,14 @@ def tma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
             and tma.usable(device))
 
 
-def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared=None):
+def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared=None, routed=None):
     """The CUDA forms of the decode regime: the mma.sync kernel (kernels/cuda/fp4_moe_mma.cu, config MMA_SYNC)
     or the TMA-fed one (fp4_moe_tma.cu, config TMA), which share the contract: routing in blocks of 8 slots,
     bf16 activations (act_quant's exact q * s), both GEMMs as fp32 split partials (S >= 1) on mma.sync with
     the FP4 expansion in the MMA's registers, the w13 partials through the SwiGLU + act_quant reduce and the
     w2 partials through the ordered k-row sum (the v2 path's reduce kernels). Official fp4_gemm math up to
-    fp32 summation order, like the Triton kernels. No host sync: CUDA-graph capturable (compiled on first use)."""
+    fp32 summation order, like the Triton kernels. No host sync: CUDA-graph capturable (compiled on first use).
+    routed: a `PreRouted` in blocks of TOKENS (op "moe_route" at b1) replaces the routing and act_quant(x)."""
     from deepinfer.kernels.cuda import fp4_moe_mma, fp4_moe_tma
 
     use_tma = any(key in config for key in TMA_KEYS)
@@ -894,9 +918,13 @@ def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, share
     d, inter, n_slots, ab = bank.dim, bank.inter_dim, topk_ids.numel(), bank.act_block
     plan = plan_tma if use_tma else plan_mma
     cfg = plan(n_slots, bank.plan_experts, d, inter, sm_count(x.device), config)
-    sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, mma.TOKENS)
+    if routed is not None and routed.block_m == mma.TOKENS and routed.act_block == ab:
+        check_pre_routed(routed, x, n_slots, bank.n_experts)
+        sorted_slots, block_expert, xa = routed.sorted_slots, routed.block_expert, routed.xa
+    else:
+        sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, mma.TOKENS)
+        xa = act_quant_dequant_bf16(x, ab)
     route_w = topk_weights.contiguous().view(-1)
-    xa = act_quant_dequant_bf16(x, ab)
     part = torch.empty((cfg["S13"], n_slots, 2 * inter), dtype=torch.float32, device=x.device)
     mma.expert_gemm_partials(xa, bank.w13, bank.w13_scale, part, sorted_slots, block_expert, n_slots, topk, cfg)
     ha, _ = _reduce_split_w13(part, route_w, ab, swiglu_limit, True)
@@ -1065,15 +1093,17 @@ class _SharedRows:
 
 def fp4_moe_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
                    swiglu_limit: float, shared: torch.Tensor, ready: Callable[[], None] | None = None,
-                   expand: int | None = None, config: dict | None = None) -> torch.Tensor:
+                   expand: int | None = None, config: dict | None = None,
+                   routed: PreRouted | None = None) -> torch.Tensor:
     """Op "fp4_moe_shared": bf16(fp4_moe(...) + shared), the MoE's output with the shared expert's bf16 rows
     added last in fp32 and one rounding (twin: `quant_weights.fp4_moe_shared_torch`). The forms that end in
     `_combine_kernel` do both in it (two launches fewer than an add and a cast); the others add after.
     ready: called once before anything reads `shared` (model/moe.py passes its side stream's join, so the
-    shared expert runs beside the routing and the expert GEMMs)."""
+    shared expert runs beside the routing and the expert GEMMs). routed: op "moe_route"'s ready-made
+    routing of these topk_ids, if any (`PreRouted`)."""
     check_shared("fp4_moe_shared", x, shared)
     return fp4_moe(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config,
-                   shared=_SharedRows(shared, ready))
+                   shared=_SharedRows(shared, ready), routed=routed)
 
 
 def _add_shared(y: torch.Tensor, shared: _SharedRows | None) -> torch.Tensor:
@@ -1083,7 +1113,7 @@ def _add_shared(y: torch.Tensor, shared: _SharedRows | None) -> torch.Tensor:
 
 def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
             swiglu_limit: float, expand: int | None = None, config: dict | None = None,
-            shared: _SharedRows | None = None) -> torch.Tensor:
+            shared: _SharedRows | None = None, routed: PreRouted | None = None) -> torch.Tensor:
     """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
     topk_ids must lie in [0, E) (not checked on the device: that would force a host sync).
     expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`; with config None too: the measured default,
@@ -1124,7 +1154,7 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if t == 0:
         return y
     if config and any(key in config for key in MMA_KEYS + TMA_KEYS):
-        return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
+        return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared, routed)
     if config and any(key in config for key in WGMMA_KEYS):
         return _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
     if config and any(key in config for key in FP8_KEYS):

@@ -33,31 +33,44 @@ def _sqrt_softplus(x):
     return tl.sqrt_rn(tl.where(x > 20.0, x, lp))
 
 
+@triton.jit
+def hash_gate_row(logits_row_ptr, tid_ptr, tid, w_row_ptr, idx_row_ptr, stride_tid, route_scale, K: tl.constexpr,
+                  K_P2: tl.constexpr, CACHE: tl.constexpr = ""):
+    """One token's hash gate: its k table entries (row `tid` of tid2eid), their logits' sqrt-softplus scores
+    renormalised and scaled. CACHE: the logits' load cache modifier (the fused route reads logits other
+    programs wrote: ".cg")."""
+    kk = tl.arange(0, K_P2)
+    kmask = kk < K
+    e = tl.load(tid_ptr + tid * stride_tid + kk, mask=kmask, other=0).to(tl.int64)
+    x = tl.load(logits_row_ptr + e, mask=kmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    w = tl.where(kmask, _sqrt_softplus(x), 0.0)
+    tl.store(w_row_ptr + kk, w / tl.sum(w, axis=0) * route_scale, mask=kmask)
+    tl.store(idx_row_ptr + kk, e, mask=kmask)
+
+
 @fast_launch
 @triton.jit
 def _hash_gate_kernel(logits_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, stride_t, stride_tid, route_scale,
                       K: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    kk = tl.arange(0, K_P2)
-    kmask = kk < K
     tid = tl.load(ids_ptr + t).to(tl.int64)
-    e = tl.load(tid_ptr + tid * stride_tid + kk, mask=kmask, other=0).to(tl.int64)
-    x = tl.load(logits_ptr + t * stride_t + e, mask=kmask, other=0.0).to(tl.float32)
-    w = tl.where(kmask, _sqrt_softplus(x), 0.0)
-    tl.store(w_ptr + t * K + kk, w / tl.sum(w, axis=0) * route_scale, mask=kmask)
-    tl.store(idx_ptr + t * K + kk, e, mask=kmask)
+    hash_gate_row(logits_ptr + t * stride_t, tid_ptr, tid, w_ptr + t * K, idx_ptr + t * K, stride_tid, route_scale,
+                  K, K_P2)
 
 
-@fast_launch
 @triton.jit
-def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale, norm_eps,
-                 K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
+def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, norm_eps, temp,
+             K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, TEMP: tl.constexpr = False,
+             CACHE: tl.constexpr = ""):
+    """One token's gate: sqrt-softplus scores of its E logits (each first divided by temp, IEEE, when TEMP),
+    the top-k of the biased scores (ties: the lower expert), their unbiased scores renormalised and scaled.
+    CACHE: the logits' load cache modifier (the fused route reads logits other programs wrote: ".cg")."""
     e = tl.arange(0, E_P2)
     emask = e < E
-    x = tl.load(logits_ptr + t * stride_t + e, mask=emask, other=0.0).to(tl.float32)
+    x = tl.load(logits_row_ptr + e, mask=emask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    if TEMP:  # V4.1's logits / gate_temp (torch's fp32 division: correctly rounded)
+        x = tl.math.div_rn(x, temp)
     scores = _sqrt_softplus(x)
     biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32), float("-inf"))
     kk = tl.arange(0, K_P2)
@@ -72,8 +85,18 @@ def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
         biased = tl.where(e == j, float("-inf"), biased)
     total = tl.sum(sel_w, axis=0)
     kmask = kk < K
-    tl.store(w_ptr + t * K + kk, sel_w / (total + norm_eps) * route_scale, mask=kmask)
-    tl.store(idx_ptr + t * K + kk, sel_idx.to(tl.int64), mask=kmask)
+    tl.store(w_row_ptr + kk, sel_w / (total + norm_eps) * route_scale, mask=kmask)
+    tl.store(idx_row_ptr + kk, sel_idx.to(tl.int64), mask=kmask)
+
+
+@fast_launch
+@triton.jit
+def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale, norm_eps,
+                 K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    gate_row(logits_ptr + t * stride_t, bias_ptr, w_ptr + t * K, idx_ptr + t * K, E, route_scale, norm_eps, 1.0,
+             K, E_P2, K_P2)
 
 
 def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
