@@ -92,12 +92,16 @@ def test_cpu_tensors_take_the_twins(monkeypatch):
         x, w = _inputs(m, 37, 200, m)
         assert torch.equal(gemv.linear_f32(x, w), bf16_gemm.linear_f32_torch(x, w))
         assert torch.equal(gemv.blinear(x, w), official.blinear(x, w))
+        assert torch.equal(gemv.blinear_scaled(x, w, 0.3), official.blinear(x, w) * 0.3)
         assert torch.equal(gemv.linear_f32(x, w.float()), bf16_gemm.linear_f32_torch(x, w.float()))
 
 
 def test_bad_inputs_raise_errors_naming_the_op():
     gemv = _kernel()
-    for name, fn in (("linear_f32", gemv.linear_f32), ("blinear", gemv.blinear)):
+    def scaled(x, w):
+        return gemv.blinear_scaled(x, w, 0.5)
+
+    for name, fn in (("linear_f32", gemv.linear_f32), ("blinear", gemv.blinear), ("blinear_scaled", scaled)):
         with pytest.raises(ValueError, match=f"{name}: needs a bf16 activation"):
             fn(torch.zeros(2, 8), torch.zeros(5, 8, dtype=BF16))
         with pytest.raises(ValueError, match=f"{name}: shapes .* do not fit"):
@@ -108,7 +112,8 @@ def test_bad_inputs_raise_errors_naming_the_op():
 
 def test_registrations_and_tile_rule():
     gemv = _kernel()
-    assert gemv.REGISTRATIONS == {"linear_f32": gemv.linear_f32, "blinear": gemv.blinear}
+    assert gemv.REGISTRATIONS == {"linear_f32": gemv.linear_f32, "blinear": gemv.blinear,
+                                  "blinear_scaled": gemv.blinear_scaled}
     from deepinfer.kernels.triton import KERNEL_MODULES
 
     assert "bf16_gemv" in KERNEL_MODULES
@@ -149,6 +154,7 @@ def no_fallback(*args):
 
 
 bf16_gemm.linear_f32_cublas = bf16_gemm.blinear_cublas = no_fallback  # the wrappers must take the kernel
+twin_s, bf16_gemm.blinear_scaled_cublas = bf16_gemm.blinear_scaled_cublas, no_fallback
 for m in (1, 3, 8):
     for n, k in ((37, 200), (64, 256), (8, 64), (130, 96)):
         x, w = _inputs(m, n, k, 100 * m + n)
@@ -156,6 +162,9 @@ for m in (1, 3, 8):
         b = bf16_gemv.blinear(x, w)
         _check_bf16(b, x, w, (m, n, k))
         assert torch.equal(b, bf16_gemv.linear_f32(x, w).to(BF16)), (m, n, k)  # one rounding of the same sums
+        # the indexer weights' scale in the launch: torch's product of the bf16 sums and the fp32 scale
+        for c in (128**-0.5 * 64**-0.5, 0.3):
+            assert torch.equal(bf16_gemv.blinear_scaled(x, w, c), b * c), (m, n, k, c)
     # several K steps with a K tail, wide and narrow N tiles with an N tail
     x, w = _inputs(m, 37, 200, m)
     for tiles in (dict(BN=16, BK=64), dict(BN=2, BK=32), dict(BN=1, BK=64, num_warps=1)):
@@ -178,10 +187,11 @@ assert torch.equal(bf16_gemv.linear_f32(tall, w), ref)
 # empty calls
 assert bf16_gemv.linear_f32(x[:0], w).shape == (0, 37) and bf16_gemv.blinear(x, w[:0]).shape == (5, 0)
 # not taken: M > GEMV_MAX_ROWS, M x N > GEMV_MAX_WORK, an fp32 weight, a non-contiguous weight -> the twin's bits
-bf16_gemm.linear_f32_cublas, bf16_gemm.blinear_cublas = twin_f32, twin_b
+bf16_gemm.linear_f32_cublas, bf16_gemm.blinear_cublas, bf16_gemm.blinear_scaled_cublas = twin_f32, twin_b, twin_s
 x9, _ = _inputs(bf16_gemv.GEMV_MAX_ROWS + 1, 37, 200, 17)
 assert torch.equal(bf16_gemv.linear_f32(x9, w), bf16_gemm.linear_f32_torch(x9, w))
 assert torch.equal(bf16_gemv.blinear(x9, w), official.blinear(x9, w))
+assert torch.equal(bf16_gemv.blinear_scaled(x9, w, 0.3), official.blinear(x9, w) * 0.3)
 x4, w600 = _inputs(4, 600, 64, 4)  # M x N > GEMV_MAX_WORK: cuBLAS's (here the twin's) bits
 assert not bf16_gemv._takes(x4, w600)
 assert torch.equal(bf16_gemv.linear_f32(x4, w600), bf16_gemm.linear_f32_torch(x4, w600))
@@ -231,6 +241,8 @@ def test_triton_gemv_matches_the_twins_on_cuda(m, n):
     assert torch.equal(gemv._launch(x, w, BF16), got.to(BF16))  # one rounding of the same fp32 sums
     _check_f32(gemv.linear_f32(x, w), x, w, (m, n, "op"))
     _check_bf16(gemv.blinear(x, w), x, w, (m, n, "op"))
+    c = 128**-0.5 * 64**-0.5  # the indexer weights' scale: in the launch, torch's product of the bf16 output
+    assert torch.equal(gemv.blinear_scaled(x, w, c), gemv.blinear(x, w) * c), (m, n)
     rel = float((got.double() - (x.double() @ w.double().T)).norm() / (x.double() @ w.double().T).norm())
     print(f"bf16 gemv M={m} N={n}: rel_err vs float64 {rel:.2e}, tiles {gemv._gemv_tiles(m, n, 4096)}")
 

@@ -60,6 +60,7 @@ register("linear_f32", bf16_gemm.linear_f32_torch)
 register("grouped_proj_bf16", bf16_gemm.grouped_proj_bf16_cublas, device="cuda")
 register("linear_f32", bf16_gemm.linear_f32_cublas, device="cuda")
 register("blinear", bf16_gemm.blinear_cublas, device="cuda")
+register("blinear_scaled", bf16_gemm.blinear_scaled_cublas, device="cuda")
 
 # the batched decode step's index rows (plain index arithmetic; one Triton launch per ratio on cuda)
 from deepinfer.kernels import decode_rows  # noqa: E402

@@ -84,6 +84,11 @@ def linear_f32_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.T, out_dtype=F32)
 
 
+def blinear_scaled_cublas(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """`blinear_cublas(x, w) * scale` (the twin's steps on cuBLAS's blinear)."""
+    return blinear_cublas(x, w) * scale
+
+
 def blinear_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The official bf16 linear: fp32 accumulation and output in cuBLAS, one bf16 rounding."""
     if not x.is_cuda or w.dtype != BF16:

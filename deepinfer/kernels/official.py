@@ -17,7 +17,7 @@ import torch
 from deepinfer import formats
 from deepinfer.kernels import torch_ops
 
-__all__ = ["qlinear", "blinear", "swiglu_bf16", "rope_freqs32", "rope_table32", "rope32", "rms_norm_bf16",
+__all__ = ["qlinear", "blinear", "blinear_scaled", "swiglu_bf16", "rope_freqs32", "rope_table32", "rope32", "rms_norm_bf16",
            "hadamard32",
            "indexer_scores_bf16",
            "indexer_scores_batched_bf16", "indexer_scores_paged_bf16",
@@ -37,6 +37,12 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, block: int = ACT_BLOCK) -> torch.T
 def blinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """bf16-weight linear on bf16 input: fp32 accumulation, bf16 out (w: the bf16 weight or its fp32 copy)."""
     return (x.to(F32) @ w.to(F32).T).to(BF16)
+
+
+def blinear_scaled(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """`blinear(x, w) * scale` as torch computes it: the bf16 output times the fp32 value of scale, rounded to
+    bf16 again (the indexer's per-head weights: weights_proj(x) * index_head_dim**-0.5 * n_heads**-0.5)."""
+    return blinear(x, w) * scale
 
 
 def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor, limit: float,

@@ -176,8 +176,8 @@ def check_moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     not fit."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"moe_route: x [T, D], weight [E, D]; got {tuple(x.shape)}, {tuple(weight.shape)}")
-    if x.dtype not in (BF16, F32) or weight.dtype not in (BF16, F32):
-        raise ValueError(f"moe_route: bf16 or fp32 x and weight expected, got {x.dtype}, {weight.dtype}")
+    if x.dtype != BF16 or weight.dtype not in (BF16, F32):
+        raise ValueError(f"moe_route: bf16 x and a bf16 or fp32 weight expected, got {x.dtype}, {weight.dtype}")
     n_experts = weight.shape[0]
     if not 0 < topk <= n_experts:
         raise ValueError(f"moe_route: 0 < topk <= E = {n_experts}, got {topk}")

@@ -213,7 +213,7 @@ class V4Attention:
             ihd, nh = cfg.index_head_dim, cfg.index_n_heads
             q_idx = qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd)
             q_idx = k("indexer_q_rotate")(q_idx, pos, self.inv_freq, None)  # RoPE, Hadamard, FP4 fake quant
-            w_idx = k("blinear")(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+            w_idx = k("blinear_scaled")(x, self.idx_p["weights_proj.weight"], ihd**-0.5 * nh**-0.5)
 
         outs, pools, idxs, base = [], [], [], 0
         for i, s in enumerate(ctx.seqs):

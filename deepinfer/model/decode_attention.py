@@ -122,7 +122,7 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
 
     def indexer_weights() -> torch.Tensor:  # [B, heads] bf16: the indexer's per-head weights of each row
         ihd, nh = cfg.index_head_dim, cfg.index_n_heads
-        return k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+        return k("blinear_scaled")(x, attn.idx_p["weights_proj.weight"], ihd**-0.5 * nh**-0.5)
 
     def indexer_query() -> torch.Tensor:  # [B, heads, ihd] bf16: rotated, Hadamard-mixed, FP4 fake-quantised
         q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(B, cfg.index_n_heads, cfg.index_head_dim)

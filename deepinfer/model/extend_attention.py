@@ -217,7 +217,7 @@ def attention_pre(attn, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor,
                 ihd, nh = cfg.index_head_dim, cfg.index_n_heads
                 q_idx = qlinear(qr, attn.idx_p["wq_b.weight"]).view(T, nh, ihd)
                 q_idx = k("indexer_q_rotate")(q_idx, pos, attn.inv_freq, table)  # RoPE, Hadamard, FP4 fake quant
-                w_idx = k("blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+                w_idx = k("blinear_scaled")(x, attn.idx_p["weights_proj.weight"], ihd**-0.5 * nh**-0.5)
     return AttnPre(q, kv_stored, kv, q_idx, w_idx, projected)
 
 

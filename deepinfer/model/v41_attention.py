@@ -348,7 +348,7 @@ class V41Attention:
             q_idx = rope(qlinear(qr, self.idx_p["wq_b.weight"]).view(T, nh, ihd), pos, self.inv_freq, table=table,
                          inplace=True)
             q_idx = formats.fp4_fake_quant(q_idx, 32)  # no Hadamard in V4.1
-            w_idx = k("blinear")(x, self.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+            w_idx = k("blinear_scaled")(x, self.idx_p["weights_proj.weight"], ihd**-0.5 * nh**-0.5)
         return q, kv_stored, kv, q_idx, w_idx
 
     def attention_post(self, o: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ def _select(attn: V41Attention, lc: V41LayerCache, src: V41LayerCache, x: torch.
     q_idx = _k(attn, "fp8_linear")(qr, attn.idx_p["wq_b.weight"]).view(B, nh, ihd)
     q_idx = _k(attn, "rope32")(q_idx, rows.positions, attn.inv_freq, table=table, inplace=True)
     q_idx = _k(attn, "fp4_fake_quant")(q_idx, 32)  # no Hadamard in V4.1
-    w_idx = _k(attn, "blinear")(x, attn.idx_p["weights_proj.weight"]) * (ihd**-0.5 * nh**-0.5)
+    w_idx = _k(attn, "blinear_scaled")(x, attn.idx_p["weights_proj.weight"], ihd**-0.5 * nh**-0.5)
     scores = _k(attn, "indexer_scores_paged_bf16")(q_idx, w_idx, src.index_keys, rr.entry_rows, rr.hidden,
                                                    src.layouts["index"])  # [B, E], -inf past the visible entries
     if attn.is_cand_source:

@@ -46,11 +46,12 @@ GEMV_MAX_WORK = 2048  # M x N up to this (and M <= 8) take the GEMV; above, cuBL
 
 
 @triton.jit
-def gemv_program(x_ptr, w_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om,
-                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def gemv_program(x_ptr, w_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stride_om, scale,
+                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr):
     """Program `pid`'s share of the GEMV: out[m, n] = sum_k x[m, k] * w[n, k] for n in its BN columns and all
-    m < M <= M_PAD. Also the first stage of the MoE's fused decode route (moe_route.py), which calls it with
-    the same tiles so that its logits have these bits."""
+    m < M <= M_PAD. SCALED (bf16 out): the bf16 sum times the fp32 scale, rounded to bf16 again (`blinear(x,
+    w) * scale` as torch does it). Also the first stage of the MoE's fused decode route (moe_route.py), which
+    calls it with the same tiles so that its logits have these bits."""
     cols = pid.to(tl.int64) * BN + tl.arange(0, BN)  # weight rows = output columns
     rows = tl.arange(0, M_PAD)
     cmask = cols < N
@@ -66,6 +67,8 @@ def gemv_program(x_ptr, w_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stri
                     mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)  # [BN, BK]
         acc += x[:, None, :] * w[None, :, :]  # exact products, one fp32 sum per lane and k-step
     y = tl.sum(acc, axis=2)  # [M_PAD, BN]: the BK lane sums, in the reduction tree's order
+    if SCALED:
+        y = y.to(tl.bfloat16).to(tl.float32) * scale
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
@@ -73,13 +76,15 @@ def gemv_program(x_ptr, w_ptr, out_ptr, pid, M, N, K, stride_xm, stride_wn, stri
 @fast_launch
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                 scale, M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] * w[n, k] for n in this program's BN columns and all m < M <= M_PAD.
     x [M, K] and w [N, K] with unit column strides (x's a run-time stride made sm_90 code load x 2 bytes at a
     time: 32 LDG.U16 against the weight's 4 LDG.128 a thread at M=1 N=256, scripts/sass_sm90.py); out [M, N]
-    with unit column stride, its dtype (fp32 or bf16) the one output rounding."""
+    with unit column stride, its dtype (fp32 or bf16) the one output rounding (SCALED: see gemv_program)."""
     pdl_enter(PDL)
-    gemv_program(x_ptr, w_ptr, out_ptr, tl.program_id(0), M, N, K, stride_xm, stride_wn, stride_om, M_PAD, BN, BK)
+    gemv_program(x_ptr, w_ptr, out_ptr, tl.program_id(0), M, N, K, stride_xm, stride_wn, stride_om, scale, M_PAD,
+                 BN, BK, SCALED)
 
 
 def _gemv_tiles(m: int, n: int, k: int) -> dict:
@@ -103,12 +108,12 @@ def _gemv_tiles(m: int, n: int, k: int) -> dict:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: dict | None = None,
-            max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+            max_rows: int = GEMV_MAX_ROWS, scale: float | None = None) -> torch.Tensor:
     """The kernel on x's device (cuda, or CPU under TRITON_INTERPRET=1), no checks beyond the layout:
     x bf16 [M <= max_rows, K] (any strides: one with a column stride other than 1 is copied first, at most
     max_rows rows), w bf16 [N, K] with unit column stride -> out_dtype [M, N]. tiles: {BN, BK, num_warps,
     num_stages} overriding `_gemv_tiles` (benchmark sweeps, tests); max_rows is raised past GEMV_MAX_ROWS only
-    by the benchmark (to see where the limit should sit)."""
+    by the benchmark (to see where the limit should sit). scale (bf16 out only): `blinear(x, w) * scale`."""
     M, K = x.shape
     N = w.shape[0]
     if M > max_rows or w.stride(1) != 1:
@@ -120,9 +125,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: dic
     if x.stride(1) != 1:
         x = x.contiguous()
     t = dict(_gemv_tiles(M, N, K), **(tiles or {}))
+    if scale is not None and out_dtype != BF16:
+        raise ValueError("bf16 gemv: a scale needs the bf16 output (blinear_scaled)")
     _gemv_kernel[(cdiv(N, t["BN"]),)](
-        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        M_PAD=next_power_of_2(M), BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), float(1.0 if scale is None else scale),
+        M_PAD=next_power_of_2(M), BN=t["BN"], BK=t["BK"], SCALED=scale is not None, num_warps=t["num_warps"],
         num_stages=t["num_stages"])
     return out
 
@@ -160,4 +167,15 @@ def blinear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return bf16_gemm.blinear_cublas(x, w)
 
 
-REGISTRATIONS = {"linear_f32": linear_f32, "blinear": blinear}
+def blinear_scaled(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as `bf16_gemm.blinear_scaled_cublas`: `blinear(x, w) * scale` (bf16 out; torch's product of
+    the bf16 output and the fp32 scale, rounded again), the multiply inside the GEMV's launch when it takes
+    the call (the indexer's per-head weights at decode: one launch fewer on its lane)."""
+    if w.dtype == BF16:
+        bf16_gemm._check("blinear_scaled", x, w, 2, 2, (BF16, F32))
+        if _takes(x, w):
+            return _launch(x, w, BF16, scale=scale)
+    return bf16_gemm.blinear_scaled_cublas(x, w, scale)
+
+
+REGISTRATIONS = {"linear_f32": linear_f32, "blinear": blinear, "blinear_scaled": blinear_scaled}

@@ -68,7 +68,8 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, tid_ptr, ids_ptr, wout_ptr
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # 1. this program's logits (the GEMV's tiles and code: its bits)
-    bf16_gemv.gemv_program(x_ptr, w_ptr, logits_ptr, pid, M, E, D, stride_xm, stride_wn, E, M_PAD, BN, BK)
+    bf16_gemv.gemv_program(x_ptr, w_ptr, logits_ptr, pid, M, E, D, stride_xm, stride_wn, E, 1.0, M_PAD, BN, BK,
+                           False)
     # 2. act_quant of groups pid, pid + nprog, ... of the M x D / AB (as _act_quant_kernel's DEQUANT form)
     c = tl.arange(0, AB)
     for it in tl.static_range(ACT_ITERS):
@@ -98,11 +99,11 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, tid_ptr, ids_ptr, wout_ptr
 
 
 def fused_route_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `moe_route` fuses a call: CUDA (or the interpreter), 1..FUSED_ROUTE_MAX_ROWS rows of bf16 x
-    and a contiguous bf16 gate weight the GEMV takes at that row count."""
+    """Whether `moe_route` fuses a call: CUDA (or the interpreter), 1..FUSED_ROUTE_MAX_ROWS rows and a
+    contiguous bf16 gate weight the GEMV takes at that row count."""
     m = x.shape[0]
     return ((x.is_cuda or interpreting()) and 0 < m <= min(FUSED_ROUTE_MAX_ROWS, FUSED_KERNEL_MAX_ROWS)
-            and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and weight.is_contiguous() and bf16_gemv.takes_shape(m, weight.shape[0]))
+            and weight.dtype == torch.bfloat16 and weight.is_contiguous() and bf16_gemv.takes_shape(m, weight.shape[0]))
 
 
 def launch_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float,
