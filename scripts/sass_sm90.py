@@ -143,7 +143,7 @@ def _case_gemv(m, n):
     t = _gemv_tiles(m, n, 4096)
     params = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", K="i32", stride_xm="i32",
                   stride_wn="i32", stride_om="i32", scale="fp32", M_PAD=1 << (m - 1).bit_length(), BN=t["BN"],
-                  BK=t["BK"], PDL=True)
+                  BK=t["BK"], SCALED=False, PDL=True)
     return compile_sm90(_gemv_kernel, params,
                         {"x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn", "stride_om"},
                         num_warps=t["num_warps"], num_stages=t["num_stages"])
