@@ -20,7 +20,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s33a, s33b, s32, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s33, s33a, s33b, s32, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -31,6 +31,16 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s33)  # the least of s33a / s33b for a short device: the new code's GPU tests, the route's bench, the b1 step with
+    # the fused route and without (twice each, PDL on), the indexer query kernel's warps at decode sizes
+    step gpu_tests_s33 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
+        tests/test_kernels_bf16_gemv.py tests/test_kernels_indexer_rotate.py tests/test_engine_fast_decode.py \
+        -k "route or gemv or bits or graph_replay"
+    step bench_moe_route 50 python benchmarks/bench_moe_route.py
+    step decode_anatomy_route_b1 150 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
+        --env-sets "" DEEPINFER_FUSED_ROUTE=0 "" DEEPINFER_FUSED_ROUTE=0
+    step bench_indexer_rotate_s32 40 python benchmarks/bench_indexer_rotate.py --ts 1 8 32
+    ;;
 s33a)  # the thirty-third session's fused MoE route (kernels/triton/moe_route.py: the gate's GEMV, the gate, the
     # slot blocks and act_quant(x) in one launch at b1) and s32's owed indexer warps: GPU tests, then the route
     # against the four ops it replaces (PDL on and off), then the indexer query kernel by warps
