@@ -33,13 +33,13 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 case $stage in
 s33)  # the least of s33a / s33b for a short device: the new code's GPU tests, the route's bench, the b1 step with
     # the fused route and without (twice each, PDL on), the indexer query kernel's warps at decode sizes
-    step gpu_tests_s33 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
+    step gpu_tests_s33 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
         tests/test_kernels_bf16_gemv.py tests/test_kernels_indexer_rotate.py tests/test_engine_fast_decode.py \
-        -k "route or gemv or bits or graph_replay"
-    step bench_moe_route 50 python benchmarks/bench_moe_route.py
-    step decode_anatomy_route_b1 150 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
+        -k "route or (twins_on_cuda and 256) or bits"
+    step bench_moe_route 40 python benchmarks/bench_moe_route.py --rows 1 2 4
+    step decode_anatomy_route_b1 120 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
         --env-sets "" DEEPINFER_FUSED_ROUTE=0 "" DEEPINFER_FUSED_ROUTE=0
-    step bench_indexer_rotate_s32 40 python benchmarks/bench_indexer_rotate.py --ts 1 8 32
+    step bench_indexer_rotate_s32 30 python benchmarks/bench_indexer_rotate.py --ts 1 8 32
     ;;
 s33a)  # the thirty-third session's fused MoE route (kernels/triton/moe_route.py: the gate's GEMV, the gate, the
     # slot blocks and act_quant(x) in one launch at b1) and s32's owed indexer warps: GPU tests, then the route
