@@ -104,8 +104,8 @@ for m in (1, 3):
                 counter = moe_route._counter(x.device)
                 assert int(counter.item()) == 0, (m, ab, mode)
                 logits = bf16_gemv._launch(x, w, F32)
-                if temp != 1.0:
-                    logits = logits / temp
+                if temp != 1.0:  # what torch's `logits / temp` does on the GPU (a multiply by the fp32 reciprocal)
+                    logits = logits * moe_route.gate_temp_inverse(temp)
                 if mode == "hash":
                     want_w, want_i = moe_gate.moe_gate_hash_sqrtsoftplus(logits, tid2eid, ids, 2.5)
                 else:
@@ -122,6 +122,16 @@ for m in (1, 3):
                                                         ab, **kw)
                 assert none is None and torch.equal(ti, got_i), what
                 assert torch.allclose(tw, got_w, rtol=1e-5, atol=0), what
+
+# ties: equal biased scores pick the lower expert first (the packed key's order), in both kernels
+x, w, bias, _, _ = _inputs(1, D, E, 7)
+x = x.abs() + 0.5  # experts 3, 7, 9, 20, 40: the same weight row, positive: the same largest logit
+w[[3, 7, 9, 20, 40]] = w[3].abs() + 0.5
+flat = torch.zeros(E)
+got_w, got_i, _ = moe_route.launch_fused(x, w, flat, K, 1.0, 0.0, 1.0, 128, None, None)
+assert got_i[0, :5].tolist() == [3, 7, 9, 20, 40], got_i
+want_w, want_i = moe_gate.moe_gate_sqrtsoftplus(bf16_gemv._launch(x, w, F32), flat, K, 1.0)
+assert torch.equal(got_i, want_i) and torch.equal(got_w, want_w)
 
 # the op: fused at one row (a PreRouted), the unfused ops above FUSED_ROUTE_MAX_ROWS (routed None)
 x, w, bias, _, _ = _inputs(1, D, E, 99)

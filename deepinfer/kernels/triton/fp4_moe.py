@@ -157,7 +157,7 @@ def _align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks
                         PDL: tl.constexpr = False):
     """`align_by_expert` in one program (decode: its ~19 torch launches cost more host time than the GEMMs)."""
     pdl_enter(PDL)
-    align_small(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E, BM, SP, EP, NBP, TP)
+    align_small(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E, BM, SP, EP, NBP, TP, "")
 
 
 def align_small_sizes(n_slots: int, n_experts: int, n_blocks: int, block_m: int) -> dict:

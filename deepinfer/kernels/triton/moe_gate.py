@@ -56,35 +56,50 @@ def _hash_gate_kernel(logits_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, stride_t, st
     t = tl.program_id(0).to(tl.int64)
     tid = tl.load(ids_ptr + t).to(tl.int64)
     hash_gate_row(logits_ptr + t * stride_t, tid_ptr, tid, w_ptr + t * K, idx_ptr + t * K, stride_tid, route_scale,
-                  K, K_P2)
+                  K, K_P2, "")
 
 
 @triton.jit
-def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, norm_eps, temp,
-             K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, TEMP: tl.constexpr = False,
-             CACHE: tl.constexpr = ""):
-    """One token's gate: sqrt-softplus scores of its E logits (each first divided by temp, IEEE, when TEMP),
-    the top-k of the biased scores (ties: the lower expert), their unbiased scores renormalised and scaled.
-    CACHE: the logits' load cache modifier (the fused route reads logits other programs wrote: ".cg")."""
+def _gate_scores(x, temp_inv, TEMP: tl.constexpr):
+    """The scores of fp32 logits: sqrt(softplus(x)), x first times temp_inv when TEMP (torch's CUDA division of
+    a tensor by a Python scalar multiplies by the fp32 reciprocal: `logits / gate_temp` on the GPU)."""
+    if TEMP:
+        x = x * temp_inv
+    return _sqrt_softplus(x)
+
+
+@triton.jit
+def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, norm_eps, temp_inv,
+             K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, TEMP: tl.constexpr, CACHE: tl.constexpr):
+    """One token's gate: sqrt-softplus scores of its E logits (`_gate_scores`), the top-k of the biased scores
+    (descending; ties: the lower expert), their unbiased scores renormalised and scaled.
+    Each of the k rounds is ONE reduction: the max of an int64 key (the biased score's order-preserving
+    int32 bits, then E_P2 - 1 - e), which gives the largest score and, among equal ones, the lowest expert
+    (three reductions a round before: max, min index of the max, the selected score; 2026-12-07). The
+    selected experts' unbiased scores are then recomputed from their k logits, the same function on the same
+    values. Scores are >= +0 and the bias finite, so no biased score is -0.0 (whose bits would order below
+    +0.0) or NaN. CACHE: the logits' load cache modifier (the fused route reads logits other programs wrote:
+    ".cg")."""
     e = tl.arange(0, E_P2)
     emask = e < E
     x = tl.load(logits_row_ptr + e, mask=emask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    if TEMP:  # V4.1's logits / gate_temp (torch's fp32 division: correctly rounded)
-        x = tl.math.div_rn(x, temp)
-    scores = _sqrt_softplus(x)
+    scores = _gate_scores(x, temp_inv, TEMP)
     biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32), float("-inf"))
+    bits = biased.to(tl.int32, bitcast=True)
+    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int32 in the floats' order
+    key = (order.to(tl.int64) << 32) | (E_P2 - 1 - e).to(tl.int64)
+    gone = tl.full([E_P2], -9223372036854775807 - 1, tl.int64)  # below every key: a picked expert's
     kk = tl.arange(0, K_P2)
     sel_idx = tl.zeros([K_P2], dtype=tl.int32)
-    sel_w = tl.zeros([K_P2], dtype=tl.float32)
     for i in tl.static_range(K):
-        m = tl.max(biased, axis=0)
-        j = tl.min(tl.where(biased == m, e, E_P2), axis=0)  # ties: the lower expert
-        wj = tl.sum(tl.where(e == j, scores, 0.0), axis=0)
+        best = tl.max(key, axis=0)
+        j = (E_P2 - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
         sel_idx = tl.where(kk == i, j, sel_idx)
-        sel_w = tl.where(kk == i, wj, sel_w)
-        biased = tl.where(e == j, float("-inf"), biased)
-    total = tl.sum(sel_w, axis=0)
+        key = tl.where(e == j, gone, key)
     kmask = kk < K
+    xk = tl.load(logits_row_ptr + sel_idx, mask=kmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    sel_w = tl.where(kmask, _gate_scores(xk, temp_inv, TEMP), 0.0)
+    total = tl.sum(sel_w, axis=0)
     tl.store(w_row_ptr + kk, sel_w / (total + norm_eps) * route_scale, mask=kmask)
     tl.store(idx_row_ptr + kk, sel_idx.to(tl.int64), mask=kmask)
 
@@ -96,7 +111,7 @@ def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     gate_row(logits_ptr + t * stride_t, bias_ptr, w_ptr + t * K, idx_ptr + t * K, E, route_scale, norm_eps, 1.0,
-             K, E_P2, K_P2)
+             K, E_P2, K_P2, False, "")
 
 
 def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,

@@ -26,6 +26,7 @@ last one's in stream order) or be imported off CUDA (imports triton).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -59,7 +60,7 @@ def _counter(device: torch.device) -> torch.Tensor:
 @triton.jit
 def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, tid_ptr, ids_ptr, wout_ptr, idx_ptr, sorted_ptr,
                   block_expert_ptr, xa_ptr, counter_ptr, M, E, D, stride_xm, stride_wn, stride_tid, stride_xam,
-                  route_scale, norm_eps, temp, n_blocks, n_groups,
+                  route_scale, norm_eps, temp_inv, n_blocks, n_groups,
                   M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr,
                   K_P2: tl.constexpr, E_P2: tl.constexpr, AB: tl.constexpr, ACT_ITERS: tl.constexpr,
                   HASH: tl.constexpr, TEMP: tl.constexpr, BM: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr,
@@ -91,11 +92,17 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, tid_ptr, ids_ptr, wout_ptr
                                        idx_ptr + t * TOPK, stride_tid, route_scale, TOPK, K_P2, ".cg")
             else:
                 moe_gate.gate_row(logits_ptr + t * E, bias_ptr, wout_ptr + t * TOPK, idx_ptr + t * TOPK, E,
-                                  route_scale, norm_eps, temp, TOPK, E_P2, K_P2, TEMP, ".cg")
+                                  route_scale, norm_eps, temp_inv, TOPK, E_P2, K_P2, TEMP, ".cg")
         tl.debug_barrier()  # the ids stored before the slot blocks read them
         fp4_moe.align_small(idx_ptr, sorted_ptr, block_expert_ptr, M * TOPK, n_blocks, E, BM, SP, EP, NBP, TP,
                             ".cg")
         tl.store(counter_ptr, 0)  # for the next launch (every program has arrived)
+
+
+def gate_temp_inverse(gate_temp: float) -> float:
+    """fp32(1 / fp32(gate_temp)): what torch's CUDA `logits / gate_temp` multiplies by (a tensor divided by a
+    Python scalar on the GPU is a multiply by the scalar's fp32 reciprocal; on the CPU a true division)."""
+    return float(np.float32(1.0) / np.float32(gate_temp))
 
 
 def fused_route_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -137,7 +144,8 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _route_kernel[(nprog,)](
         x, weight, logits, bias if bias is not None else logits, tid, ids.contiguous() if hashed else indices,
         weights, indices, sorted_slots, block_expert, xa, _counter(dev), m, e, d, x.stride(0), weight.stride(0),
-        tid.stride(0) if hashed else 0, xa.stride(0), float(route_scale), float(norm_eps), float(gate_temp),
+        tid.stride(0) if hashed else 0, xa.stride(0), float(route_scale), float(norm_eps),
+        gate_temp_inverse(gate_temp),
         n_blocks, n_groups, M_PAD=next_power_of_2(m), BN=tiles["BN"], BK=tiles["BK"], TOPK=topk,
         K_P2=next_power_of_2(topk), E_P2=next_power_of_2(e), AB=act_block,
         ACT_ITERS=cdiv(m * n_groups, nprog), HASH=hashed, TEMP=gate_temp != 1.0, BM=ROUTE_BLOCK_M,
