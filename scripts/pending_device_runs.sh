@@ -20,7 +20,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s33c, s33, s33a, s33b, s32, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s33d, s33c, s33, s33a, s33b, s32, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -31,6 +31,12 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s33d)  # s33c's least (device time nearly gone): its GPU tests and the b1 A/B
+    step gpu_tests_s33c 90 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
+        tests/test_kernels_decode.py tests/test_engine_fast_decode.py -k "route or gate"
+    step decode_anatomy_route_b1_s33c 80 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
+        --env-sets "" DEEPINFER_FUSED_ROUTE=0
+    ;;
 s33c)  # after s33 (H100): the gate's top-k in one reduction a round (moe_gate.gate_row), V4.1's gate_temp as torch's
     # GPU division (a reciprocal multiply), the routing queued before the shared expert; then the b1 A/B and timeline
     step gpu_tests_s33c 90 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
