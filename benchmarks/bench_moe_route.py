@@ -51,7 +51,7 @@ def main() -> None:
                 return gw, gi, slots, blocks, act_quant_dequant_bf16(x, ab)
 
             def fused(w):
-                gw, gi, pre = moe_route.launch_fused(x, w, bias, k, 2.5, 0.0, 1.0, ab, None, None)
+                gw, gi, pre = moe_route.launch_fused(x, w, bias, k, 2.5, 0.0, ab, None, None)
                 return gw, gi, pre.sorted_slots, pre.block_expert, pre.xa
 
             same = all(torch.equal(a, b) for a, b in zip(fused(ws[0]), unfused(ws[0])))

@@ -8,7 +8,9 @@
 # thirty-first's s31a on an H100 (tests passed; both opt-in changes slower, removed with their stages s31a / s31b)
 # and the new stage timeline at b1 / b128 (results/decode_timeline_*_h100_2026-12-07_s32.log); the stage's
 # critical path (stream_timeline.critical_path) was added after that run: stage s32 owes it on any Hopper GPU,
-# first, with the indexer query kernel's warps A/B. Still owed
+# first, with the indexer query kernel's warps A/B. The thirty-third session's H100 ran those (s32's warps A/B,
+# the b1 critical path) and its own stage s33 (at c8aa150; results/*_s33*, BENCHMARKS.md); it owes s34 (the rest
+# of the GPU tests its changes touch and the b1 / b32 / b128 A/B of the fused MoE route) and s34_timeline. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -20,7 +22,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s33d, s33c, s33, s33a, s33b, s32, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s34, s34_timeline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -31,58 +33,22 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s33d)  # s33c's least (device time nearly gone): its GPU tests and the b1 A/B
-    step gpu_tests_s33c 90 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
-        tests/test_kernels_decode.py tests/test_engine_fast_decode.py -k "route or gate"
-    step decode_anatomy_route_b1_s33c 80 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
+s34)  # owed by the thirty-third session (its H100 ran stage s33 as it was at c8aa150, results/*_s33*): the rest of
+    # the GPU tests its changes touch (every GEMV shape with blinear_scaled, fp4_moe_shared's every form, the gate
+    # kernels, V4.1's decode with the fused route, the indexer query's warps default), then the b1 / b32 / b128
+    # step with the fused route and without, and the PDL-off critical path at b1 / b128
+    step gpu_tests_s34 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
+        tests/test_kernels_bf16_gemv.py tests/test_kernels_fp4_moe_shared.py tests/test_kernels_decode.py \
+        tests/test_kernels_indexer_rotate.py tests/test_engine_fast_decode.py tests/test_engine_fast_v41_decode.py
+    step decode_anatomy_route 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
         --env-sets "" DEEPINFER_FUSED_ROUTE=0
     ;;
-s33c)  # after s33 (H100): the gate's top-k in one reduction a round (moe_gate.gate_row), V4.1's gate_temp as torch's
-    # GPU division (a reciprocal multiply), the routing queued before the shared expert; then the b1 A/B and timeline
-    step gpu_tests_s33c 90 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
-        tests/test_kernels_decode.py tests/test_engine_fast_decode.py -k "route or gate"
-    step bench_moe_route_s33c 30 python benchmarks/bench_moe_route.py --rows 1 2
-    step decode_anatomy_route_b1_s33c 100 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
-        --env-sets "" DEEPINFER_FUSED_ROUTE=0 "" DEEPINFER_FUSED_ROUTE=0
-    DEEPINFER_PDL=0 step decode_timeline_b1_s33c 60 python benchmarks/decode_anatomy.py --layers 4 --batches 1 \
-        --top 8 --timeline 140
-    ;;
-s33)  # the least of s33a / s33b for a short device: the new code's GPU tests, the route's bench, the b1 step with
-    # the fused route and without (twice each, PDL on), the indexer query kernel's warps at decode sizes
-    step gpu_tests_s33 120 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
-        tests/test_kernels_bf16_gemv.py tests/test_kernels_indexer_rotate.py tests/test_engine_fast_decode.py \
-        -k "route or (twins_on_cuda and 256) or bits"
-    step bench_moe_route 40 python benchmarks/bench_moe_route.py --rows 1 2 4
-    step decode_anatomy_route_b1 120 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
-        --env-sets "" DEEPINFER_FUSED_ROUTE=0 "" DEEPINFER_FUSED_ROUTE=0
-    step bench_indexer_rotate_s32 30 python benchmarks/bench_indexer_rotate.py --ts 1 8 32
-    ;;
-s33a)  # the thirty-third session's fused MoE route (kernels/triton/moe_route.py: the gate's GEMV, the gate, the
-    # slot blocks and act_quant(x) in one launch at b1) and s32's owed indexer warps: GPU tests, then the route
-    # against the four ops it replaces (PDL on and off), then the indexer query kernel by warps
-    step gpu_tests_s33 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
-        tests/test_kernels_indexer_rotate.py tests/test_kernels_bf16_gemv.py tests/test_kernels_fp4_moe_shared.py \
-        tests/test_kernels_pdl.py tests/test_kernels_launch.py
-    step gpu_tests_s33_engine 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py \
-        tests/test_engine_fast_v41_decode.py
-    step bench_moe_route 60 python benchmarks/bench_moe_route.py
-    DEEPINFER_PDL=0 step bench_moe_route_nopdl 60 python benchmarks/bench_moe_route.py
-    step bench_indexer_rotate_s32 60 python benchmarks/bench_indexer_rotate.py
-    ;;
-s33b)  # the step with the fused route and without (its switch), PDL on (the default), then the PDL-off timeline
-    step decode_anatomy_route 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
-        --env-sets "" DEEPINFER_FUSED_ROUTE=0 "" DEEPINFER_FUSED_ROUTE=0
+s34_timeline)  # the critical path at b1 / b128 with this session's defaults (PDL off: true kernel times)
     DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 128 \
         --top 8 --timeline 140
     ;;
-s32|timeline)  # s32, owed by the thirty-second session on any Hopper GPU, first: indexer_q_rotate by warps (a
-    # lead the critical path showed: 13.2 us at b1 on the indexer lane, one 4-warp program of 3,856 instructions;
-    # its bits-by-warps GPU test first), then timeline: the b1 / b32 / b128 replays' critical path and main
-    # stream in order, PDL off (true kernel times): which kernels and side-stream joins bound a decode layer
-    if [ "$stage" = s32 ]; then
-        step gpu_tests_s32 60 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_indexer_rotate.py
-        step bench_indexer_rotate_s32 90 python benchmarks/bench_indexer_rotate.py
-    fi
+timeline)  # the b1 / b32 / b128 replays' critical path and main stream in order, PDL off (true kernel times): which
+    # kernels and side-stream joins bound a decode layer (its b1 part ran on an H100 in the thirty-third session)
     DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 \
         --top 8 --timeline 140
     ;;

@@ -208,9 +208,9 @@ def _case_moe_route(d, e, k, ab, hashed=False):
                 wout_ptr="*fp32", idx_ptr="*i64", sorted_ptr="*i32", block_expert_ptr="*i32", xa_ptr="*bf16",
                 counter_ptr="*i32")
     params = dict(ptrs, M="i32", E="i32", D="i32", stride_xm="i32", stride_wn="i32", stride_tid="i32",
-                  stride_xam="i32", route_scale="fp32", norm_eps="fp32", temp_inv="fp32", n_blocks="i32",
+                  stride_xam="i32", route_scale="fp32", norm_eps="fp32", n_blocks="i32",
                   n_groups="i32", M_PAD=1, BN=t["BN"], BK=t["BK"], TOPK=k, K_P2=1 << (k - 1).bit_length(),
-                  E_P2=1 << (e - 1).bit_length(), AB=ab, ACT_ITERS=1, HASH=hashed, TEMP=False, BM=ROUTE_BLOCK_M,
+                  E_P2=1 << (e - 1).bit_length(), AB=ab, ACT_ITERS=1, HASH=hashed, BM=ROUTE_BLOCK_M,
                   **fp4_moe.align_small_sizes(k, e, n_blocks, ROUTE_BLOCK_M), PDL=True)
     return compile_sm90(_route_kernel, params, set(ptrs) | {"D", "stride_xm", "stride_wn", "stride_xam"},
                         num_warps=FUSED_WARPS, num_stages=t["num_stages"])

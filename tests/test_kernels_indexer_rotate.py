@@ -125,6 +125,6 @@ def test_indexer_q_rotate_bits_do_not_depend_on_its_warps(T):
     q = (torch.randn(T, 64, D, generator=g, device="cuda") * 2).bfloat16()
     pos = torch.randint(0, 50_000, (T,), generator=g, device="cuda")
     freqs = official.rope_freqs32(ROPE, 65536, 160000.0, 16.0, 32, 1).to("cuda")
-    want = indexer_q_rotate(q, pos, freqs, None)
-    for warps in (8, 16):
+    want = indexer_q_rotate(q, pos, freqs, None, warps=4)
+    for warps in (8, 16, None):  # None: the default by T (8 up to FEW_ROWS tokens)
         assert torch.equal(indexer_q_rotate(q, pos, freqs, None, warps=warps), want), warps

@@ -6,7 +6,7 @@ division by gate_temp, either gate's twin); bad inputs raise ValueError naming t
 a ready-made routing refuses one made for another call.
 Interpreter (TRITON_INTERPRET=1, fresh process, the GPU's roundings): the fused kernel against the unfused
 Triton ops on the same inputs, bit for bit: weights and indices against `bf16_gemv` + `moe_gate` (biased
-top-k with V4's norm, V4.1's norm_eps and gate_temp, the hash gate), the slot blocks against
+top-k with V4's norm, V4.1's norm_eps, the hash gate), the slot blocks against
 `align_by_expert`, xa against `act_quant_dequant_bf16` (act blocks 128 and 32); at 1 and 3 rows, several
 launches in a row (the counter returns to 0), the op's choice (fused at 1 row, unfused with routed None
 above FUSED_ROUTE_MAX_ROWS), and the twin within the GEMV's fp32 summation-order bound.
@@ -97,15 +97,13 @@ for m in (1, 3):
         for mode in ("v4", "v41", "hash"):
             x, w, bias, tid2eid, ids = _inputs(m, D, E, 10 * m + ab + len(mode))
             kw = dict(tid2eid=tid2eid, ids=ids) if mode == "hash" else dict(tid2eid=None, ids=None)
-            eps, temp = (1e-20, 1.5) if mode == "v41" else (0.0, 1.0)
+            eps = 1e-20 if mode == "v41" else 0.0
             for repeat in range(2):  # the counter must be back at 0 for the second launch
                 got_w, got_i, pre = moe_route.launch_fused(x, w, None if mode == "hash" else bias, K, 2.5, eps,
-                                                           temp, ab, **kw)
+                                                           ab, **kw)
                 counter = moe_route._counter(x.device)
                 assert int(counter.item()) == 0, (m, ab, mode)
                 logits = bf16_gemv._launch(x, w, F32)
-                if temp != 1.0:  # what torch's `logits / temp` does on the GPU (a multiply by the fp32 reciprocal)
-                    logits = logits * moe_route.gate_temp_inverse(temp)
                 if mode == "hash":
                     want_w, want_i = moe_gate.moe_gate_hash_sqrtsoftplus(logits, tid2eid, ids, 2.5)
                 else:
@@ -118,7 +116,7 @@ for m in (1, 3):
                 assert pre.block_m == moe_route.ROUTE_BLOCK_M and pre.act_block == ab
                 assert torch.equal(pre.xa, act_quant_dequant_bf16(x, ab)), what
                 # the twin: the same gate on logits within the fp32 summation-order bound of the GEMV's
-                tw, ti, none = official_fused.moe_route(x, w, None if mode == "hash" else bias, K, 2.5, eps, temp,
+                tw, ti, none = official_fused.moe_route(x, w, None if mode == "hash" else bias, K, 2.5, eps, 1.0,
                                                         ab, **kw)
                 assert none is None and torch.equal(ti, got_i), what
                 assert torch.allclose(tw, got_w, rtol=1e-5, atol=0), what
@@ -128,7 +126,7 @@ x, w, bias, _, _ = _inputs(1, D, E, 7)
 x = x.abs() + 0.5  # experts 3, 7, 9, 20, 40: the same weight row, positive: the same largest logit
 w[[3, 7, 9, 20, 40]] = w[3].abs() + 0.5
 flat = torch.zeros(E)
-got_w, got_i, _ = moe_route.launch_fused(x, w, flat, K, 1.0, 0.0, 1.0, 128, None, None)
+got_w, got_i, _ = moe_route.launch_fused(x, w, flat, K, 1.0, 0.0, 128, None, None)
 assert got_i[0, :5].tolist() == [3, 7, 9, 20, 40], got_i
 want_w, want_i = moe_gate.moe_gate_sqrtsoftplus(bf16_gemv._launch(x, w, F32), flat, K, 1.0)
 assert torch.equal(got_i, want_i) and torch.equal(got_w, want_w)
@@ -142,6 +140,11 @@ rows = moe_route.FUSED_ROUTE_MAX_ROWS + 1
 x, w, bias, _, _ = _inputs(rows, D, E, 98)
 _, _, pre = moe_route.moe_route(x, w, bias, K, 1.0)
 assert pre is None
+# a gate_temp other than 1 (V4.1's option) takes the unfused ops: torch's division, routed None
+x, w, bias, _, _ = _inputs(1, D, E, 97)
+got_w, got_i, pre = moe_route.moe_route(x, w, bias, K, 1.0, 1e-20, 1.5)
+want_w, want_i = moe_gate.moe_gate_sqrtsoftplus(bf16_gemv._launch(x, w, F32) / 1.5, bias, K, 1.0, 1e-20)
+assert pre is None and torch.equal(got_i, want_i) and torch.equal(got_w, want_w)
 print("ok")
 '''
 
@@ -153,12 +156,12 @@ def test_fused_route_under_the_interpreter():
 
 # ---------------------------------------------------------------------------------------------- cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,e,k,ab,eps,temp,hashed", [
-    (4096, 256, 6, 128, 0.0, 1.0, False),    # V4-Flash
-    (4096, 256, 6, 128, 0.0, 1.0, True),     # V4-Flash's hash layers
-    (5120, 384, 6, 32, 1e-20, 1.5, False),   # V4.1-Flash's shapes, its norm and a gate_temp
+@pytest.mark.parametrize("d,e,k,ab,eps,hashed", [
+    (4096, 256, 6, 128, 0.0, False),    # V4-Flash
+    (4096, 256, 6, 128, 0.0, True),     # V4-Flash's hash layers
+    (5120, 384, 6, 32, 1e-20, False),   # V4.1-Flash's shapes and its norm (gate_temp 1: other values stay unfused)
 ])
-def test_fused_route_matches_the_unfused_ops_on_cuda(d, e, k, ab, eps, temp, hashed, cuda_kernels):
+def test_fused_route_matches_the_unfused_ops_on_cuda(d, e, k, ab, eps, hashed, cuda_kernels):
     from deepinfer.kernels.triton import bf16_gemv, fp4_moe, moe_gate, moe_route
     from deepinfer.kernels.triton.act_quant import act_quant_dequant_bf16
 
@@ -168,12 +171,10 @@ def test_fused_route_matches_the_unfused_ops_on_cuda(d, e, k, ab, eps, temp, has
     b = None if hashed else bias
 
     def fused():
-        return moe_route.launch_fused(x, w, b, k, 2.5, eps, temp, ab, **kw)
+        return moe_route.launch_fused(x, w, b, k, 2.5, eps, ab, **kw)
 
     def unfused():
         logits = bf16_gemv._launch(x, w, F32)
-        if temp != 1.0:
-            logits = logits / temp
         if hashed:
             gw, gi = moe_gate.moe_gate_hash_sqrtsoftplus(logits, tid2eid, ids, 2.5)
         else:
@@ -216,7 +217,7 @@ def test_fp4_moe_shared_with_the_prerouted_is_bit_identical(cuda_kernels):
 
     bank = _random_bank(256, 4096, 2048, 128, "cuda")
     x, w, bias, _, _ = _inputs(1, 4096, 256, 7, dev="cuda")
-    gw, gi, pre = moe_route.launch_fused(x, w, bias, 6, 2.5, 0.0, 1.0, 128, None, None)
+    gw, gi, pre = moe_route.launch_fused(x, w, bias, 6, 2.5, 0.0, 128, None, None)
     shared = (torch.randn(1, 4096, device="cuda") * 0.3).to(BF16)
     want = m.fp4_moe_shared(x, gi, gw, bank, 10.0, shared, config=m.DECODE_MMA)
     got = m.fp4_moe_shared(x, gi, gw, bank, 10.0, shared, config=m.DECODE_MMA, routed=pre)

@@ -126,17 +126,15 @@ class V4MoE:
         the shared expert added in fp32, rounded to bf16 once."""
         # The shared expert needs only x: on CUDA it runs on the side stream beside the gate, the routing and
         # the routed experts (model/side_stream.py), and joins before its fp32 add. Same kernels, same bits.
-        # The routing is queued before it: the routed chain is the layer's critical path at decode, so its
-        # first kernel should get the SMs first (captured in this order, a graph launches it first).
         with forked(x.device) as branch:  # joined at the latest when the block ends
+            with on_side(branch):
+                shared = self._swiglu_official(x, "shared_experts.", self.shared_limit, None)
             xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
             routed = None
             if self.cfg.score_func == "sqrtsoftplus" and self.comm is None and self.expert_shard is None:
                 weights, indices, routed = self._route_fast(xr, idr)
             else:
                 weights, indices = self.route(xr, idr)
-            with on_side(branch):
-                shared = self._swiglu_official(x, "shared_experts.", self.shared_limit, None)
             weights = weights.to(torch.float32)
             if self.expert_shard is not None:  # this rank's experts only; the others' slots contribute 0
                 indices, weights = local_routing(indices, weights, *self.expert_shard)

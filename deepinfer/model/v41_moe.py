@@ -105,10 +105,9 @@ class V41MoE:
         """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts in
         ascending expert order, as official), the clamped shared expert added in fp32, rounded to bf16 once."""
         with forked(x.device) as branch:  # the shared expert beside the routing and routed experts (as V4MoE)
-            # the routing queued first: its chain is the critical path (as V4MoE)
-            weights, indices, routed = self._route_fast(x) if self._gate_is_fused() else (*self.route(x), None)
             with on_side(branch):
                 shared = self._swiglu_official(x, "shared_experts.", None)
+            weights, indices, routed = self._route_fast(x) if self._gate_is_fused() else (*self.route(x), None)
             # the shared rows added last in fp32 and the bf16 rounding inside the op's combine, which joins the
             # side stream just before it
             return kernels.get("fp4_moe_shared", self.kdev)(x, indices, weights.to(torch.float32),

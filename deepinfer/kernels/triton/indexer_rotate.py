@@ -132,13 +132,20 @@ def _table(positions: torch.Tensor, freqs: torch.Tensor, table: torch.Tensor | N
     return table
 
 
+FEW_ROWS_WARPS = 8  # warps per program up to FEW_ROWS tokens (decode), 4 above (`indexer_q_rotate`)
+FEW_ROWS = 32
+
+
 def indexer_q_rotate(q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-                     table: torch.Tensor | None, warps: int = 4) -> torch.Tensor:
+                     table: torch.Tensor | None, warps: int | None = None) -> torch.Tensor:
     """Same contract as `official_fused.indexer_q_rotate`: q [T, heads, d] -> a new bf16 tensor (`table`:
-    `rope.rope_table32(positions, freqs)` or None). warps: the kernel's warps per program (benchmarks; the
-    program's tile and MMA order, hence the bits, do not depend on it). At decode (T = 1: one program of the
-    Hadamard tile's 64 rows) the 4-warp build is 3,856 instructions straight-line and took 13.2 us on an H100
-    (2026-12-07); `benchmarks/bench_indexer_rotate.py` times 4 against 8 and 16."""
+    `rope.rope_table32(positions, freqs)` or None). warps: the kernel's warps per program (None: FEW_ROWS_WARPS
+    up to FEW_ROWS tokens, else 4; the program's tile and MMA order, hence the bits, do not depend on it: GPU
+    test `test_indexer_q_rotate_bits_do_not_depend_on_its_warps`, passed on an H100 2026-12-07). At decode
+    (T = 1: one program of the Hadamard tile's 64 rows) the 4-warp build is 3,856 instructions straight-line
+    (8 warps: 2,240). H100, CUDA-graph replay, PDL on (`benchmarks/bench_indexer_rotate.py`,
+    results/bench_indexer_rotate_h100_2026-12-07_s33.log): T = 1 / 8 / 32 took 6.4 / 6.8 / 7.3 us with 4
+    warps, 5.9 / 6.0 / 6.2 with 8, 5.9 / 6.1 / 6.3 with 16; larger T was not timed, so it keeps 4."""
     if q.dtype == torch.float64 or not (q.is_cuda or interpreting()):
         return official_fused.indexer_q_rotate(q, positions, freqs, table)
     if q.dim() != 3 or positions.shape != (q.shape[0],):
@@ -149,6 +156,8 @@ def indexer_q_rotate(q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tens
     if not _geometry_ok(q, half) or not env.attn_fusions_enabled():  # the separate kernels
         return fp4_fake_quant(hadamard.hadamard32(rope.rope32(q, positions, freqs, table=table)), FP4_BLOCK)
     T, H, d = q.shape
+    if warps is None:
+        warps = FEW_ROWS_WARPS if T <= FEW_ROWS else 4
     x2 = q.reshape(T * H, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -35,7 +35,7 @@ def _sqrt_softplus(x):
 
 @triton.jit
 def hash_gate_row(logits_row_ptr, tid_ptr, tid, w_row_ptr, idx_row_ptr, stride_tid, route_scale, K: tl.constexpr,
-                  K_P2: tl.constexpr, CACHE: tl.constexpr = ""):
+                  K_P2: tl.constexpr, CACHE: tl.constexpr):
     """One token's hash gate: its k table entries (row `tid` of tid2eid), their logits' sqrt-softplus scores
     renormalised and scaled. CACHE: the logits' load cache modifier (the fused route reads logits other
     programs wrote: ".cg")."""
@@ -60,46 +60,34 @@ def _hash_gate_kernel(logits_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, stride_t, st
 
 
 @triton.jit
-def _gate_scores(x, temp_inv, TEMP: tl.constexpr):
-    """The scores of fp32 logits: sqrt(softplus(x)), x first times temp_inv when TEMP (torch's CUDA division of
-    a tensor by a Python scalar multiplies by the fp32 reciprocal: `logits / gate_temp` on the GPU)."""
-    if TEMP:
-        x = x * temp_inv
-    return _sqrt_softplus(x)
-
-
-@triton.jit
-def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, norm_eps, temp_inv,
-             K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, TEMP: tl.constexpr, CACHE: tl.constexpr):
-    """One token's gate: sqrt-softplus scores of its E logits (`_gate_scores`), the top-k of the biased scores
-    (descending; ties: the lower expert), their unbiased scores renormalised and scaled.
-    Each of the k rounds is ONE reduction: the max of an int64 key (the biased score's order-preserving
-    int32 bits, then E_P2 - 1 - e), which gives the largest score and, among equal ones, the lowest expert
-    (three reductions a round before: max, min index of the max, the selected score; 2026-12-07). The
-    selected experts' unbiased scores are then recomputed from their k logits, the same function on the same
-    values. Scores are >= +0 and the bias finite, so no biased score is -0.0 (whose bits would order below
-    +0.0) or NaN. CACHE: the logits' load cache modifier (the fused route reads logits other programs wrote:
-    ".cg")."""
+def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, norm_eps,
+             K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, CACHE: tl.constexpr):
+    """One token's gate: sqrt-softplus scores of its E logits, the top-k of the biased scores (ties: the lower
+    expert), their unbiased scores renormalised and scaled. CACHE: the logits' load cache modifier (the fused
+    route reads logits other programs wrote: ".cg"; a constexpr argument every caller passes: a str default
+    does not compile for the GPU, 2026-12-07).
+    A lead not yet run on a GPU (2026-12-07): each top-k round is three reductions (max, the lowest index of
+    the max, the selected score), each a barrier round trip across the warps; one max over an int64 key (the
+    biased score's order-preserving bits, then E_P2 - 1 - e) gives the first two at once, and the k scores
+    can be recomputed from their logits after the loop: a third of the barriers (sm_90 build: 54 -> 18 in the
+    loop). It was written, interpreter-tested and compiled, but the device time ran out before its GPU test."""
     e = tl.arange(0, E_P2)
     emask = e < E
     x = tl.load(logits_row_ptr + e, mask=emask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    scores = _gate_scores(x, temp_inv, TEMP)
+    scores = _sqrt_softplus(x)
     biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32), float("-inf"))
-    bits = biased.to(tl.int32, bitcast=True)
-    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int32 in the floats' order
-    key = (order.to(tl.int64) << 32) | (E_P2 - 1 - e).to(tl.int64)
-    gone = tl.full([E_P2], -9223372036854775807 - 1, tl.int64)  # below every key: a picked expert's
     kk = tl.arange(0, K_P2)
     sel_idx = tl.zeros([K_P2], dtype=tl.int32)
+    sel_w = tl.zeros([K_P2], dtype=tl.float32)
     for i in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        j = (E_P2 - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        m = tl.max(biased, axis=0)
+        j = tl.min(tl.where(biased == m, e, E_P2), axis=0)  # ties: the lower expert
+        wj = tl.sum(tl.where(e == j, scores, 0.0), axis=0)
         sel_idx = tl.where(kk == i, j, sel_idx)
-        key = tl.where(e == j, gone, key)
-    kmask = kk < K
-    xk = tl.load(logits_row_ptr + sel_idx, mask=kmask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    sel_w = tl.where(kmask, _gate_scores(xk, temp_inv, TEMP), 0.0)
+        sel_w = tl.where(kk == i, wj, sel_w)
+        biased = tl.where(e == j, float("-inf"), biased)
     total = tl.sum(sel_w, axis=0)
+    kmask = kk < K
     tl.store(w_row_ptr + kk, sel_w / (total + norm_eps) * route_scale, mask=kmask)
     tl.store(idx_row_ptr + kk, sel_idx.to(tl.int64), mask=kmask)
 
@@ -110,8 +98,8 @@ def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale,
                  K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    gate_row(logits_ptr + t * stride_t, bias_ptr, w_ptr + t * K, idx_ptr + t * K, E, route_scale, norm_eps, 1.0,
-             K, E_P2, K_P2, False, "")
+    gate_row(logits_ptr + t * stride_t, bias_ptr, w_ptr + t * K, idx_ptr + t * K, E, route_scale, norm_eps,
+             K, E_P2, K_P2, "")
 
 
 def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
