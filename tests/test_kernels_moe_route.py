@@ -109,6 +109,7 @@ for m in (1, 3):
                 else:
                     want_w, want_i = moe_gate.moe_gate_sqrtsoftplus(logits, bias, K, 2.5, eps)
                 what = (m, ab, mode, repeat)
+                assert got_i.dtype == want_i.dtype == torch.int64 and got_w.dtype == torch.float32, what
                 assert torch.equal(got_i, want_i), what
                 assert torch.equal(got_w, want_w), what
                 slots, blocks = fp4_moe.align_by_expert(want_i, E, moe_route.ROUTE_BLOCK_M)
@@ -189,7 +190,7 @@ def test_fused_route_matches_the_unfused_ops_on_cuda(d, e, k, ab, eps, hashed, c
     want = unfused()
     got = flat(fused())
     for name, a, b_ in zip(("weights", "indices", "sorted_slots", "block_expert", "xa"), got, want):
-        assert torch.equal(a, b_), name
+        assert a.dtype == b_.dtype and torch.equal(a, b_), name
     assert int(moe_route._counter(x.device).item()) == 0
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()

@@ -127,7 +127,7 @@ ONE_PROGRAM_ROUTING_SLOTS = 8  # and route_slots takes it up to this many: 6 slo
 
 @triton.jit
 def align_small(ids_ptr, sorted_ptr, block_expert_ptr, n_slots, n_blocks, E: tl.constexpr, BM: tl.constexpr,
-                SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr, CACHE: tl.constexpr = ""):
+                SP: tl.constexpr, EP: tl.constexpr, NBP: tl.constexpr, TP: tl.constexpr, CACHE: tl.constexpr):
     """`align_by_expert` in one program over the n_slots <= SP expert ids at ids_ptr: slot i goes to
     padded_start[e_i] + (number of earlier slots of expert e_i), the stable sort's order. Also the last stage
     of the MoE's fused decode route (moe_route.py), which reads the ids its own program just wrote (CACHE)."""

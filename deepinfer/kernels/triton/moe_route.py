@@ -43,9 +43,11 @@ from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
 
 ROUTE_BLOCK_M = 8  # slots per routing block of fp4_moe's decode forms (fp4_moe_mma / fp4_moe_tma TOKENS)
-FUSED_ROUTE_MAX_ROWS = 1  # rows (tokens) the fused launch takes; more go to the unfused ops. b1 is where the
-# chain's prologue was measured (above); the last program's gate loop is serial in rows, so the rule for 2-4
-# rows waits on benchmarks/bench_moe_route.py on a GPU (the kernel itself takes up to FUSED_KERNEL_MAX_ROWS)
+FUSED_ROUTE_MAX_ROWS = 1  # rows (tokens) the fused launch takes; more go to the unfused ops. H100, graph replay,
+# PDL on (benchmarks/bench_moe_route.py, results/bench_moe_route_h100_2026-12-07_s33.log), fused against unfused:
+# V4-Flash 1 row 8.3 vs 9.7 us, 2 rows 11.6 vs 10.4, 4 rows 18.4 vs 11.0 (V4.1-Flash 10.3 vs 11.8, 15.3 vs 13.2,
+# 27.2 vs 17.1): the last program runs the rows' gates one after the other. The kernel itself takes up to
+# FUSED_KERNEL_MAX_ROWS (tests, the benchmark)
 FUSED_KERNEL_MAX_ROWS = 4  # the GEMV tiles of up to 4 rows run 4 warps (`_gemv_tiles`), the gate kernel's count
 FUSED_WARPS = 4
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}  # device -> int32 [1], 0 between launches
@@ -133,7 +135,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     n_groups = d // act_block
     logits = torch.empty((m, e), dtype=torch.float32, device=dev)
     weights = torch.empty((m, topk), dtype=torch.float32, device=dev)
-    indices = torch.empty((m, topk), dtype=torch.int, device=dev)
+    indices = torch.empty((m, topk), dtype=torch.int64, device=dev)
     sorted_slots = torch.empty(n_blocks * ROUTE_BLOCK_M, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     xa = torch.empty((m, d), dtype=torch.bfloat16, device=dev)
