@@ -40,6 +40,7 @@ class MainStep:
     us: float
     idle_before_us: float
     waited_on: str | None = None
+    end_us: float = 0.0  # its end, on the profiler's clock
 
 
 @dataclass
@@ -48,7 +49,6 @@ class Timeline:
     main_stream: int
     steps: list[MainStep] = field(default_factory=list)
     first_us: float = 0.0
-    main_end_us: list[float] = field(default_factory=list)  # each main kernel's end
     side: list[Kernel] = field(default_factory=list)  # the other streams' kernels, by start
 
     @property
@@ -99,8 +99,7 @@ def main_stream_path(kernels: list[Kernel], idle_floor_us: float = 0.0) -> Timel
             inside = [s for s in side if prev_end < s.end_us <= k.start_us]
             if inside:
                 waited = inside[-1].name
-        tl.steps.append(MainStep(k.name, k.end_us - k.start_us, idle, waited))
-        tl.main_end_us.append(k.end_us)
+        tl.steps.append(MainStep(k.name, k.end_us - k.start_us, idle, waited, k.end_us))
         prev_end = k.end_us if prev_end is None else max(prev_end, k.end_us)
     return tl
 
@@ -120,22 +119,28 @@ def critical_path(kernels: list[Kernel], slack_us: float = 0.3) -> list[MainStep
                  and k.start_us < cur.start_us]
         prev = preds[-1] if preds else None
         gap = 0.0 if prev is None else max(0.0, cur.start_us - prev.end_us)
-        chain.append(MainStep(cur.name, cur.end_us - cur.start_us, gap))
+        chain.append(MainStep(cur.name, cur.end_us - cur.start_us, gap, end_us=cur.end_us))
         if prev is None:
             break
         cur = prev
     return chain[::-1]
 
 
+def _by_name(named_us, name_width: int) -> list[tuple[str, int, float]]:
+    """(name, us) pairs grouped by their name's first name_width characters: (name, count, summed us), the
+    largest sum first."""
+    by_name: dict[str, list[float]] = {}
+    for name, us in named_us:
+        by_name.setdefault(name[:name_width], []).append(us)
+    return sorted(((n, len(v), sum(v)) for n, v in by_name.items()), key=lambda r: -r[2])
+
+
 def format_critical_path(chain: list[MainStep], rows: int = 0, name_width: int = 48) -> str:
     """A summary line, the path's kernels by name (largest first), then (rows > 0) its first `rows` in order."""
     busy, idle = sum(s.us for s in chain), sum(s.idle_before_us for s in chain)
     out = [f"critical path: {len(chain)} kernels, {busy:.1f} us in kernels + {idle:.1f} us between them"]
-    by_name: dict[str, list[float]] = {}
-    for s in chain:
-        by_name.setdefault(s.name[:name_width], []).append(s.us)
-    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]:
-        out.append(f"    {sum(v):8.1f} us {len(v):4d}x  {name}")
+    for name, n, us in _by_name(((s.name, s.us) for s in chain), name_width)[:20]:
+        out.append(f"    {us:8.1f} us {n:4d}x  {name}")
     if rows:
         out.append("  in order (us: gap before, own time):")
         for i, s in enumerate(chain[:rows]):
@@ -153,28 +158,22 @@ def format_timeline(tl: Timeline, rows: int = 0, name_width: int = 48) -> str:
     if tl.side_kernels == 0 and tl.main_busy_us > 1.05 * tl.span_us:
         out.append("  (every kernel reported on one stream, yet they overlap: this profiler did not tell the graph's "
                    "branches apart, so the idle figures are the device's, not the main chain's)")
-    waits: dict[str, list[float]] = {}
-    for s in tl.steps:
-        if s.waited_on is not None:
-            waits.setdefault(s.waited_on[:name_width], []).append(s.idle_before_us)
+    waits = _by_name(((s.waited_on, s.idle_before_us) for s in tl.steps if s.waited_on is not None), name_width)
     if waits:
         out.append("  main stream idle, by the side kernel that ended last before it resumed:")
-        for name, v in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:12]:
-            out.append(f"    {sum(v):8.1f} us {len(v):4d}x  {name}")
-    by_name: dict[str, list[float]] = {}
-    for s in tl.steps:
-        by_name.setdefault(s.name[:name_width], []).append(s.us)
+        for name, n, us in waits[:12]:
+            out.append(f"    {us:8.1f} us {n:4d}x  {name}")
     out.append("  main stream busy, by kernel:")
-    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]:
-        out.append(f"    {sum(v):8.1f} us {len(v):4d}x  {name}")
+    for name, n, us in _by_name(((s.name, s.us) for s in tl.steps), name_width)[:20]:
+        out.append(f"    {us:8.1f} us {n:4d}x  {name}")
     if rows:
         out.append("  main stream in order (us: idle before, own time):")
         for i, s in enumerate(tl.steps[:rows]):
             wait = f"  <- {s.waited_on[:name_width]}" if s.waited_on else ""
             out.append(f"    {i:4d} {s.idle_before_us:6.1f} {s.us:7.1f}  {s.name[:name_width]}{wait}")
         if tl.side:
-            t0 = min(tl.side[0].start_us, tl.first_us)
-            horizon = tl.main_end_us[min(rows, len(tl.steps)) - 1]
+            t0 = tl.first_us  # (every kernel's earliest start, side ones included)
+            horizon = tl.steps[min(rows, len(tl.steps)) - 1].end_us
             out.append("  side streams in order (stream, us from the step's first kernel, own time):")
             for k in tl.side:
                 if k.start_us > horizon:
@@ -211,9 +210,6 @@ def kernel_table(kernels: list[Kernel], top: int, name_width: int = 70) -> dict:
     and the span from the first kernel's start to the last one's end (decode_anatomy's per-kernel table)."""
     if not kernels:
         return {"kernels": 0}
-    by_name: dict[str, list[float]] = {}
-    for k in kernels:
-        by_name.setdefault(k.name[:name_width], []).append(k.end_us - k.start_us)
-    rows = sorted(((n, len(v), sum(v)) for n, v in by_name.items()), key=lambda r: -r[2])
+    rows = _by_name(((k.name, k.end_us - k.start_us) for k in kernels), name_width)
     return {"kernels": len(kernels), "kernel_us": sum(k.end_us - k.start_us for k in kernels),
             "span_us": max(k.end_us for k in kernels) - min(k.start_us for k in kernels), "top": rows[:top]}
