@@ -59,6 +59,9 @@ def test_twin_is_the_ops_it_replaces():
     (dict(bias=torch.zeros(5)), "bias \\[64\\]"),
     (dict(bias=None, tid2eid=torch.zeros(50, 4, dtype=torch.int32), ids=torch.zeros(3, dtype=torch.int64)),
      "a hash gate needs tid2eid \\[vocab, 6\\]"),
+    (dict(bias=None, tid2eid=torch.zeros(50, 6, dtype=torch.int32), ids=torch.zeros(2, dtype=torch.int64)),
+     "a hash gate needs tid2eid \\[vocab, 6\\] and ids \\[3\\]"),
+    (dict(bias=None, tid2eid=torch.zeros(50, 6), ids=torch.zeros(3, dtype=torch.int64)), "integer tid2eid"),
     (dict(x=torch.zeros(3, 256, dtype=torch.float32)), "bf16 x"),
 ])
 def test_bad_inputs_raise_errors_naming_the_op(args, match):

@@ -173,7 +173,7 @@ def moe_gate_hash_sqrtsoftplus(logits: torch.Tensor, tid2eid: torch.Tensor, ids:
 def check_moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, topk: int,
                     tid2eid: torch.Tensor | None, ids: torch.Tensor | None) -> None:
     """The argument contract of op "moe_route" (shared with its CUDA version): ValueError naming what does
-    not fit."""
+    not fit. (No allocation: the CUDA op runs it at every MoE layer of an eager step.)"""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"moe_route: x [T, D], weight [E, D]; got {tuple(x.shape)}, {tuple(weight.shape)}")
     if x.dtype != BF16 or weight.dtype not in (BF16, F32):
@@ -185,32 +185,43 @@ def check_moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if bias is None or tuple(bias.shape) != (n_experts,):
             raise ValueError(f"moe_route: bias [{n_experts}] expected, got "
                              f"{None if bias is None else tuple(bias.shape)}")
-    else:
-        if ids is None or tid2eid.dim() != 2 or tid2eid.shape[1] != topk:
-            raise ValueError(f"moe_route: a hash gate needs tid2eid [vocab, {topk}] and ids [T]; got "
-                             f"{tuple(tid2eid.shape)}, {None if ids is None else tuple(ids.shape)}")
-        check_moe_gate_hash(x.new_empty((x.shape[0], n_experts), dtype=F32), tid2eid, ids)
+        return
+    if (ids is None or tid2eid.dim() != 2 or tid2eid.shape[1] != topk or ids.dim() != 1
+            or ids.shape[0] != x.shape[0]):
+        raise ValueError(f"moe_route: a hash gate needs tid2eid [vocab, {topk}] and ids [{x.shape[0]}]; got "
+                         f"{tuple(tid2eid.shape)}, {None if ids is None else tuple(ids.shape)}")
+    if tid2eid.dtype.is_floating_point or ids.dtype.is_floating_point:
+        raise ValueError(f"moe_route: integer tid2eid and ids expected, got {tid2eid.dtype}, {ids.dtype}")
+
+
+def route_steps(linear_f32, gate, hash_gate, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                topk: int, route_scale: float, norm_eps: float, gate_temp: float, tid2eid: torch.Tensor | None,
+                ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE layers' routing as its separate ops, given their implementations (the twins here; the CUDA
+    op's unfused path passes its kernels): the fp32 logits, / gate_temp when it is not 1 (V4.1), then the
+    biased top-k gate or, given tid2eid and ids, the hash gate."""
+    logits = linear_f32(x, weight)
+    if gate_temp != 1.0:
+        logits = logits / gate_temp
+    if tid2eid is not None:
+        return hash_gate(logits, tid2eid, ids, route_scale)
+    return gate(logits, bias, topk, route_scale, norm_eps)
 
 
 def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, topk: int, route_scale: float,
               norm_eps: float = 0.0, gate_temp: float = 1.0, act_block: int = 128,
               tid2eid: torch.Tensor | None = None, ids: torch.Tensor | None = None):
     """A MoE layer's routing: x [T, D] bf16, the gate's weight [E, D] -> (weights [T, k] fp32, indices [T, k]
-    int64, None). The official fp32 logits (`bf16_gemm.linear_f32_torch`), divided by gate_temp when it is not
-    1 (V4.1), then `moe_gate_sqrtsoftplus` (bias, norm_eps) or, given tid2eid and ids, the hash layer's
-    `moe_gate_hash_sqrtsoftplus`: exactly the ops the MoE layers ran one by one. The third item is the CUDA
-    op's `quant_weights.PreRouted` (the experts' slot blocks and act_quant(x, act_block), made in the same
-    launch); None here: `fp4_moe` routes itself when it gets none."""
+    int64, None). `route_steps` on the twins: the official fp32 logits (`bf16_gemm.linear_f32_torch`),
+    divided by gate_temp when it is not 1 (V4.1), then `moe_gate_sqrtsoftplus` (bias, norm_eps) or, given
+    tid2eid and ids, the hash layer's `moe_gate_hash_sqrtsoftplus`: exactly the ops the MoE layers ran one by
+    one. The third item is the CUDA op's `quant_weights.PreRouted` (the experts' slot blocks and
+    act_quant(x, act_block), made in the same launch); None here: `fp4_moe` routes itself when it gets none."""
     from deepinfer.kernels.bf16_gemm import linear_f32_torch  # (bf16_gemm loads after this module)
 
     check_moe_route(x, weight, bias, topk, tid2eid, ids)
-    logits = linear_f32_torch(x, weight)
-    if gate_temp != 1.0:
-        logits = logits / gate_temp
-    if tid2eid is not None:
-        w, idx = moe_gate_hash_sqrtsoftplus(logits, tid2eid, ids, route_scale)
-    else:
-        w, idx = moe_gate_sqrtsoftplus(logits, bias, topk, route_scale, norm_eps)
+    w, idx = route_steps(linear_f32_torch, moe_gate_sqrtsoftplus, moe_gate_hash_sqrtsoftplus, x, weight, bias,
+                         topk, route_scale, norm_eps, gate_temp, tid2eid, ids)
     return w, idx, None
 
 

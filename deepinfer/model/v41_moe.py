@@ -36,8 +36,9 @@ class V41MoE:
         """The routed experts this batch uses that live on this rank (all of them in one process)."""
         return [e for e in sorted(set(indices.flatten().tolist())) if f"experts.{e}.w1.weight" in self.p]
 
-    def _gate_is_fused(self) -> bool:
-        """Whether fast numerics routes through op "moe_route" (sqrt-softplus scores, renormalised top-k)."""
+    def _routes_by_op(self) -> bool:
+        """Whether fast numerics routes through op "moe_route" (sqrt-softplus scores, renormalised top-k; the op
+        fuses its steps where it can)."""
         cfg = self.cfg
         return self.fast and cfg.score_func == "sqrtsoftplus" and cfg.norm_topk_prob and self.topk > 1
 
@@ -53,7 +54,7 @@ class V41MoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> weights [T, k], expert indices [T, k]."""
         cfg = self.cfg
-        if self._gate_is_fused():
+        if self._routes_by_op():
             return self._route_fast(x)[:2]
         if self.fast:  # the official fp32 matmul of the bf16 x and weight (tensor cores on cuda)
             logits = kernels.get("linear_f32", self.kdev)(x, self.p["gate.weight"])
@@ -107,7 +108,7 @@ class V41MoE:
         with forked(x.device) as branch:  # the shared expert beside the routing and routed experts (as V4MoE)
             with on_side(branch):
                 shared = self._swiglu_official(x, "shared_experts.", None)
-            weights, indices, routed = self._route_fast(x) if self._gate_is_fused() else (*self.route(x), None)
+            weights, indices, routed = self._route_fast(x) if self._routes_by_op() else (*self.route(x), None)
             # the shared rows added last in fp32 and the bf16 rounding inside the op's combine, which joins the
             # side stream just before it
             return kernels.get("fp4_moe_shared", self.kdev)(x, indices, weights.to(torch.float32),

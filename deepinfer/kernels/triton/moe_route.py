@@ -50,15 +50,14 @@ FUSED_ROUTE_MAX_ROWS = 1  # rows (tokens) the fused launch takes; more go to the
 # FUSED_KERNEL_MAX_ROWS (tests, the benchmark)
 FUSED_KERNEL_MAX_ROWS = 4  # the GEMV tiles of up to 4 rows run 4 warps (`_gemv_tiles`), the gate kernel's count
 FUSED_WARPS = 4
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}  # device -> int32 [1], 0 between launches
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> int32 [1], 0 between launches (a device named two
+# ways, "cuda" and "cuda:0", gets two counters: harmless, each is back at 0 after every launch)
 
 
 def _counter(device: torch.device) -> torch.Tensor:
-    key = (device.type, device.index if device.index is not None or device.type != "cuda"
-           else torch.cuda.current_device())
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 @fast_launch
@@ -163,13 +162,9 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         return launch_fused(x, weight, bias, topk, route_scale, norm_eps, act_block, tid2eid, ids)
     from deepinfer import kernels
 
-    logits = kernels.get("linear_f32", "cuda")(x, weight)
-    if gate_temp != 1.0:
-        logits = logits / gate_temp
-    if tid2eid is not None:
-        w, idx = moe_gate.moe_gate_hash_sqrtsoftplus(logits, tid2eid, ids, route_scale)
-    else:
-        w, idx = moe_gate.moe_gate_sqrtsoftplus(logits, bias, topk, route_scale, norm_eps)
+    w, idx = official_fused.route_steps(kernels.get("linear_f32", "cuda"), moe_gate.moe_gate_sqrtsoftplus,
+                                        moe_gate.moe_gate_hash_sqrtsoftplus, x, weight, bias, topk, route_scale,
+                                        norm_eps, gate_temp, tid2eid, ids)
     return w, idx, None
 
 
