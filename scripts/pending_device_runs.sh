@@ -22,7 +22,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s34, s34_timeline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s35, s34, s34_timeline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -33,6 +33,17 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s35)  # the thirty-fourth session's changes: the gate's top-k as one packed-key max a round (moe_gate.gate_row, in
+    # the gate kernel and the fused route) and the routing queued before the shared expert (DEEPINFER_ROUTE_FIRST):
+    # their GPU tests, the route op alone (s33 on an H100: 1 row 8.3 us fused, 9.7 unfused), the b1 / b32 / b128
+    # step with the routing first and without
+    step gpu_tests_s35 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_decode.py \
+        tests/test_kernels_moe_route.py tests/test_engine_fast_v41_decode.py tests/test_engine_fast_decode.py \
+        -k "gate or route or v41 or graph"
+    step bench_moe_route_s35 100 python benchmarks/bench_moe_route.py --rows 1 2 4
+    step decode_anatomy_route_first 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
+        --env-sets "" DEEPINFER_ROUTE_FIRST=0
+    ;;
 s34)  # owed by the thirty-third session (its H100 ran stage s33 as it was at c8aa150, results/*_s33*): the rest of
     # the GPU tests its changes touch (every GEMV shape with blinear_scaled, fp4_moe_shared's every form, the gate
     # kernels, V4.1's decode with the fused route, the indexer query's warps default), then the b1 / b32 / b128

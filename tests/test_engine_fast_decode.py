@@ -297,11 +297,13 @@ def test_graph_replay_is_bit_identical_to_eager(tiny_v4_raw, cuda_kernels):
 
 
 @pytest.mark.gpu
-def test_fused_route_changes_no_bit_of_a_b1_decode(tiny_v4_raw, cuda_kernels, monkeypatch):
+@pytest.mark.parametrize("switch", ["DEEPINFER_FUSED_ROUTE", "DEEPINFER_ROUTE_FIRST"])
+def test_moe_route_switches_change_no_bit_of_a_b1_decode(tiny_v4_raw, cuda_kernels, monkeypatch, switch):
     """Op "moe_route"'s one launch at b1 (the gate's GEMV, the gate, the slot blocks, act_quant(x); the
     routed experts then take its PreRouted) against DEEPINFER_FUSED_ROUTE=0 (the unfused ops, fp4_moe
-    routing itself): one sequence's decode logits and every cache tensor bit-identical after each step,
-    eager and in replayed graphs (captured with the switch as set)."""
+    routing itself), and the MoE's routing queued before the shared expert against after it
+    (DEEPINFER_ROUTE_FIRST): one sequence's decode logits and every cache tensor bit-identical after each
+    step, eager and in replayed graphs (captured with the switch as set)."""
     cfg, raw = tiny_v4_raw
     params = v4_params(raw, cfg, "fast", "cuda")
     for graphs in (False, True):
@@ -310,13 +312,13 @@ def test_fused_route_changes_no_bit_of_a_b1_decode(tiny_v4_raw, cuda_kernels, mo
                   cuda_graphs=graphs)
         runners = []
         for m, flag in zip(models, "01"):  # (in case a runner captures when it is made)
-            monkeypatch.setenv("DEEPINFER_FUSED_ROUTE", flag)
+            monkeypatch.setenv(switch, flag)
             runners.append(DecodeRunner(m, **mk))
         for k in range(4):
             seqs = [SeqContext(lens[0] + k, 1, 0, 0, table(0))]
-            monkeypatch.setenv("DEEPINFER_FUSED_ROUTE", "0")
+            monkeypatch.setenv(switch, "0")
             ref = runners[0](tok, seqs).clone()
-            monkeypatch.setenv("DEEPINFER_FUSED_ROUTE", "1")
+            monkeypatch.setenv(switch, "1")
             got = runners[1](tok, seqs).clone()
             assert torch.equal(got, ref), (graphs, k)
             tok = ref.argmax(-1)

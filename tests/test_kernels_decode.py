@@ -86,15 +86,47 @@ def test_gate_rejects_bad_shapes():
         moe_gate_sqrtsoftplus(torch.zeros(2, 8), torch.zeros(7), 2, 1.0)
 
 
+def _gate_inputs(T, E, gen, device="cpu"):
+    """Logits with the softplus threshold and underflow in row 0, and a bias that makes many biased scores
+    negative in the later rows (the packed top-k key flips negative floats' bits: their order must hold)."""
+    logits = torch.randn(T, E, generator=gen) * 4
+    logits[0, :2] = torch.tensor([30.0, -50.0])
+    bias = torch.randn(E, generator=gen) * 0.2
+    if T > 1:
+        logits[1:] -= 8.0  # sqrt-softplus scores ~0.02 or less, below the bias's spread
+        bias = bias * 5 - 1.0
+    return logits.to(device), bias.to(device)
+
+
+_GATE_INTERPRET = """
+import torch
+from deepinfer.kernels.official_fused import moe_gate_sqrtsoftplus as twin
+from deepinfer.kernels.triton.moe_gate import moe_gate_sqrtsoftplus as gate
+from test_kernels_decode import _gate_inputs
+for T, E, k in ((1, 256, 6), (3, 256, 6), (3, 384, 8), (2, 100, 7), (3, 8, 2)):
+    logits, bias = _gate_inputs(T, E, torch.Generator().manual_seed(T * 1000 + E))
+    for eps in (0.0, 1e-20):
+        w, idx = gate(logits, bias, k, 1.5, eps)
+        w_ref, idx_ref = twin(logits, bias, k, 1.5, eps)
+        assert idx.dtype == torch.int64 and torch.equal(idx, idx_ref), (T, E, k, idx, idx_ref)
+        torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0)
+"""
+
+
+def test_gate_triton_under_the_interpreter():
+    """The Triton gate (its top-k by one max of a packed key a round) against the twin on the CPU."""
+    from interpreted import GPU_ROUNDINGS, assert_ran_ok, run_interpreted
+
+    pytest.importorskip("triton")
+    assert_ran_ok(run_interpreted(GPU_ROUNDINGS + _GATE_INTERPRET + "print('ok')", timeout=600))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,k", [(1, 256, 6), (8, 256, 6), (128, 256, 6), (3, 8, 2), (5, 384, 8)])
 def test_gate_triton_matches_its_twin(T, E, k):
     from deepinfer.kernels.triton.moe_gate import moe_gate_sqrtsoftplus as gate_triton
 
-    g = torch.Generator(device="cuda").manual_seed(T * 1000 + E)
-    logits = torch.randn(T, E, device="cuda", generator=g) * 4
-    logits[0, :2] = torch.tensor([30.0, -50.0], device="cuda")  # past the softplus threshold, underflow
-    bias = torch.randn(E, device="cuda", generator=g) * 0.2
+    logits, bias = _gate_inputs(T, E, torch.Generator().manual_seed(T * 1000 + E), "cuda")
     w, idx = gate_triton(logits, bias, k, 1.5)
     w_ref, idx_ref = moe_gate_sqrtsoftplus(logits, bias, k, 1.5)
     assert idx.dtype == torch.int64 and torch.equal(idx, idx_ref)

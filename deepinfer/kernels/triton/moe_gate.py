@@ -2,7 +2,7 @@
 
 Owns: `moe_gate_sqrtsoftplus(logits, bias, topk, route_scale, norm_eps=0)` (V4.1 renormalises by sum + 1e-20).
 One program per token row: sqrt(softplus) scores (`_sqrt_softplus`: torch's softplus, IEEE sqrt), the top-k of the biased
-scores by k rounds of max + lowest index of the max (descending, as torch.topk returns them), the unbiased
+scores by k rounds of one max over a packed (score, lowest index) key (descending, as torch.topk returns them), the unbiased
 scores of those experts renormalised and scaled. On torch this is ~9 kernels (softplus, sqrt, add, topk,
 gather, sum, div, mul + the index cast); here one.
 Numerics: the renormalising sum of the k weights is a tree sum (tl.sum), torch's is sequential: the weights
@@ -60,36 +60,45 @@ def _hash_gate_kernel(logits_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, stride_t, st
 
 
 @triton.jit
+def _order_key(v, e, E_P2: tl.constexpr):
+    """An int64 key whose order is v's (fp32, no NaN; -0.0 is taken as +0.0, as float compares them) and,
+    between equal v, the lower e first: v's bits made order-preserving as a signed int32 (negative floats'
+    magnitude bits flipped) in the high word, E_P2 - 1 - e in the low word."""
+    bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    return (ordered << 32) | (E_P2 - 1 - e).to(tl.int64)
+
+
+@triton.jit
 def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, norm_eps,
              K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, CACHE: tl.constexpr):
     """One token's gate: sqrt-softplus scores of its E logits, the top-k of the biased scores (ties: the lower
     expert), their unbiased scores renormalised and scaled. CACHE: the logits' load cache modifier (the fused
     route reads logits other programs wrote: ".cg"; a constexpr argument every caller passes: a str default
     does not compile for the GPU, 2026-12-07).
-    A lead not yet run on a GPU (2026-12-07): each top-k round is three reductions (max, the lowest index of
-    the max, the selected score), each a barrier round trip across the warps; one max over an int64 key (the
-    biased score's order-preserving bits, then E_P2 - 1 - e) gives the first two at once, and the k scores
-    can be recomputed from their logits after the loop: a third of the barriers (sm_90 build: 54 -> 18 in the
-    loop). It was written, interpreter-tested and compiled, but the device time ran out before its GPU test."""
+    Each top-k round is ONE reduction, the max of `_order_key` (score and lowest index at once; each
+    reduction across the warps is a barrier round trip, and the three of a round before -- max, the lowest
+    index of the max, the selected score -- made the row's serial tail: sm_90 build's loop 54 -> 18
+    barriers); the k unbiased scores are recomputed from their k logits after the loop (the same function of
+    the same values: the same bits)."""
     e = tl.arange(0, E_P2)
     emask = e < E
     x = tl.load(logits_row_ptr + e, mask=emask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    scores = _sqrt_softplus(x)
-    biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32), float("-inf"))
+    biased = _sqrt_softplus(x) + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)
+    key = tl.where(emask, _order_key(biased, e, E_P2), -9223372036854775807 - 1)
     kk = tl.arange(0, K_P2)
-    sel_idx = tl.zeros([K_P2], dtype=tl.int32)
-    sel_w = tl.zeros([K_P2], dtype=tl.float32)
+    sel_idx = tl.zeros([K_P2], dtype=tl.int64)
     for i in tl.static_range(K):
-        m = tl.max(biased, axis=0)
-        j = tl.min(tl.where(biased == m, e, E_P2), axis=0)  # ties: the lower expert
-        wj = tl.sum(tl.where(e == j, scores, 0.0), axis=0)
+        best = tl.max(key, axis=0)
+        j = (E_P2 - 1) - (best & (E_P2 - 1))  # the low word (< E_P2)
         sel_idx = tl.where(kk == i, j, sel_idx)
-        sel_w = tl.where(kk == i, wj, sel_w)
-        biased = tl.where(e == j, float("-inf"), biased)
-    total = tl.sum(sel_w, axis=0)
+        key = tl.where(e == j, -9223372036854775807 - 1, key)
     kmask = kk < K
+    sel_w = tl.where(kmask, _sqrt_softplus(tl.load(logits_row_ptr + sel_idx, mask=kmask, other=0.0,
+                                                   cache_modifier=CACHE).to(tl.float32)), 0.0)
+    total = tl.sum(sel_w, axis=0)
     tl.store(w_row_ptr + kk, sel_w / (total + norm_eps) * route_scale, mask=kmask)
-    tl.store(idx_row_ptr + kk, sel_idx.to(tl.int64), mask=kmask)
+    tl.store(idx_row_ptr + kk, sel_idx, mask=kmask)
 
 
 @fast_launch
