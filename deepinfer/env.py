@@ -190,6 +190,14 @@ def fused_route_enabled() -> bool:
     return os.environ.get("DEEPINFER_FUSED_ROUTE", "1") not in ("0", "false", "no")
 
 
+def gate_packed_key() -> bool:
+    """DEEPINFER_GATE_PACKED_KEY=1: the Triton MoE gate (kernels/triton/moe_gate.gate_row, in the gate kernel
+    and the fused route) takes its top-k by one max of a packed (score, lowest expert) key a round instead of
+    three reductions (the same bits under the interpreter; opt-in until its GPU test has run; read at each
+    launch, so a graph keeps what its capture saw); default off."""
+    return os.environ.get("DEEPINFER_GATE_PACKED_KEY", "0") not in ("0", "false", "no", "")
+
+
 def route_first_enabled() -> bool:
     """The fast MoE layers queue their routing (the critical path's start) before the shared expert's GEMMs
     on the side stream (model/moe.py, v41_moe.py; same kernels, same bits, another launch order);

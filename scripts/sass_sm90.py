@@ -196,9 +196,9 @@ def _case_indexer_q_rotate(warps):
                         {"x_ptr", "h_ptr", "cos_ptr", "sin_ptr", "out_ptr", "stride_x"}, num_warps=warps)
 
 
-def _case_moe_route(d, e, k, ab, hashed=False):
+def _case_moe_route(d, e, k, ab, hashed=False, packed=False):
     """moe_route's fused decode kernel at one row (GEMV tiles of M=1 N=E, then act_quant, the last program's
-    gate and slot blocks)."""
+    gate and slot blocks); packed: the gate's packed-key top-k (DEEPINFER_GATE_PACKED_KEY)."""
     from deepinfer.kernels.triton import fp4_moe
     from deepinfer.kernels.triton.bf16_gemv import _gemv_tiles
     from deepinfer.kernels.triton.moe_route import FUSED_WARPS, ROUTE_BLOCK_M, _route_kernel
@@ -211,7 +211,7 @@ def _case_moe_route(d, e, k, ab, hashed=False):
                   stride_xam="i32", route_scale="fp32", norm_eps="fp32", n_blocks="i32",
                   n_groups="i32", M_PAD=1, BN=t["BN"], BK=t["BK"], TOPK=k, K_P2=1 << (k - 1).bit_length(),
                   E_P2=1 << (e - 1).bit_length(), AB=ab, ACT_ITERS=1, HASH=hashed, BM=ROUTE_BLOCK_M,
-                  **fp4_moe.align_small_sizes(k, e, n_blocks, ROUTE_BLOCK_M), PDL=True)
+                  PACKED=packed, **fp4_moe.align_small_sizes(k, e, n_blocks, ROUTE_BLOCK_M), PDL=True)
     return compile_sm90(_route_kernel, params, set(ptrs) | {"D", "stride_xm", "stride_wn", "stride_xam"},
                         num_warps=FUSED_WARPS, num_stages=t["num_stages"])
 
@@ -230,6 +230,8 @@ CASES = {
     "moe_route_v4": lambda: _case_moe_route(4096, 256, 6, 128),
     "moe_route_v4_hash": lambda: _case_moe_route(4096, 256, 6, 128, hashed=True),
     "moe_route_v41": lambda: _case_moe_route(5120, 384, 6, 32),
+    "moe_route_v4_packed": lambda: _case_moe_route(4096, 256, 6, 128, packed=True),
+    "moe_route_v41_packed": lambda: _case_moe_route(5120, 384, 6, 32, packed=True),
     "gemv_m1_n2048": lambda: _case_gemv(1, 2048),
     "fp4_v2_decode": lambda: _case_fp4_v2(16, 128, 6),
     "fp4_v2_decode_e5": lambda: _case_fp4_v2(16, 128, 5),

@@ -99,22 +99,34 @@ def _gate_inputs(T, E, gen, device="cpu"):
 
 
 _GATE_INTERPRET = """
+import os
 import torch
 from deepinfer.kernels.official_fused import moe_gate_sqrtsoftplus as twin
 from deepinfer.kernels.triton.moe_gate import moe_gate_sqrtsoftplus as gate
 from test_kernels_decode import _gate_inputs
-for T, E, k in ((1, 256, 6), (3, 256, 6), (3, 384, 8), (2, 100, 7), (3, 8, 2)):
+for T, E, k in ((1, 256, 6), (3, 256, 6), (3, 384, 8), (2, 100, 7), (3, 8, 2), (2, 64, 4)):
     logits, bias = _gate_inputs(T, E, torch.Generator().manual_seed(T * 1000 + E))
+    tie = [1, 2, 3, E - 1]  # the last row's top: equal logits and bias, taken lowest expert first
+    logits[-1, tie] = 25.0
+    bias[tie] = bias[1] + 1.0
     for eps in (0.0, 1e-20):
-        w, idx = gate(logits, bias, k, 1.5, eps)
-        w_ref, idx_ref = twin(logits, bias, k, 1.5, eps)
-        assert idx.dtype == torch.int64 and torch.equal(idx, idx_ref), (T, E, k, idx, idx_ref)
-        torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0)
+        got = {}
+        for packed in ("0", "1"):
+            os.environ["DEEPINFER_GATE_PACKED_KEY"] = packed
+            got[packed] = gate(logits, bias, k, 1.5, eps)
+        assert torch.equal(got["0"][0], got["1"][0]) and torch.equal(got["0"][1], got["1"][1]), (T, E, k, eps)
+        w, idx = got["1"]
+        assert idx[-1, :4].tolist() == tie[:k], (T, E, k, idx)
+        if T > 1:  # the other rows against the twin (whose torch.topk orders ties its own way)
+            w_ref, idx_ref = twin(logits[:-1], bias, k, 1.5, eps)
+            assert idx.dtype == torch.int64 and torch.equal(idx[:-1], idx_ref), (T, E, k, idx, idx_ref)
+            torch.testing.assert_close(w[:-1], w_ref, rtol=2e-6, atol=0)
 """
 
 
 def test_gate_triton_under_the_interpreter():
-    """The Triton gate (its top-k by one max of a packed key a round) against the twin on the CPU."""
+    """The Triton gate's two top-k forms (three reductions a round; one max of a packed key a round,
+    DEEPINFER_GATE_PACKED_KEY=1) bit-identical to each other, ties included, and against the twin."""
     from interpreted import GPU_ROUNDINGS, assert_ran_ok, run_interpreted
 
     pytest.importorskip("triton")
@@ -123,8 +135,11 @@ def test_gate_triton_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,k", [(1, 256, 6), (8, 256, 6), (128, 256, 6), (3, 8, 2), (5, 384, 8)])
-def test_gate_triton_matches_its_twin(T, E, k):
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_gate_triton_matches_its_twin(T, E, k, packed, monkeypatch):
     from deepinfer.kernels.triton.moe_gate import moe_gate_sqrtsoftplus as gate_triton
+
+    monkeypatch.setenv("DEEPINFER_GATE_PACKED_KEY", packed)  # both top-k forms
 
     logits, bias = _gate_inputs(T, E, torch.Generator().manual_seed(T * 1000 + E), "cuda")
     w, idx = gate_triton(logits, bias, k, 1.5)

@@ -7,7 +7,8 @@ a ready-made routing refuses one made for another call.
 Interpreter (TRITON_INTERPRET=1, fresh process, the GPU's roundings): the fused kernel against the unfused
 Triton ops on the same inputs, bit for bit: weights and indices against `bf16_gemv` + `moe_gate` (biased
 top-k with V4's norm, V4.1's norm_eps, the hash gate), the slot blocks against
-`align_by_expert`, xa against `act_quant_dequant_bf16` (act blocks 128 and 32); at 1 and 3 rows, several
+`align_by_expert`, xa against `act_quant_dequant_bf16` (act blocks 128 and 32); ties and 3 rows with the
+gate's packed-key top-k (DEEPINFER_GATE_PACKED_KEY=1) the same bits as its three-reduction rounds; at 1 and 3 rows, several
 launches in a row (the counter returns to 0), the op's choice (fused at 1 row, unfused with routed None
 above FUSED_ROUTE_MAX_ROWS), and the twin within the GEMV's fp32 summation-order bound.
 GPU (-m gpu): V4-Flash's and V4.1-Flash's gate shapes, the fused launch bit-identical to the unfused CUDA
@@ -125,15 +126,25 @@ for m in (1, 3):
                 assert none is None and torch.equal(ti, got_i), what
                 assert torch.allclose(tw, got_w, rtol=1e-5, atol=0), what
 
-# ties: equal biased scores pick the lower expert first (the packed key's order), in both kernels
+# ties: equal biased scores pick the lower expert first, in both kernels and both top-k forms
+import os
 x, w, bias, _, _ = _inputs(1, D, E, 7)
 x = x.abs() + 0.5  # experts 3, 7, 9, 20, 40: the same weight row, positive: the same largest logit
 w[[3, 7, 9, 20, 40]] = w[3].abs() + 0.5
 flat = torch.zeros(E)
-got_w, got_i, _ = moe_route.launch_fused(x, w, flat, K, 1.0, 0.0, 128, None, None)
-assert got_i[0, :5].tolist() == [3, 7, 9, 20, 40], got_i
-want_w, want_i = moe_gate.moe_gate_sqrtsoftplus(bf16_gemv._launch(x, w, F32), flat, K, 1.0)
-assert torch.equal(got_i, want_i) and torch.equal(got_w, want_w)
+for packed in ("0", "1"):
+    os.environ["DEEPINFER_GATE_PACKED_KEY"] = packed
+    got_w, got_i, _ = moe_route.launch_fused(x, w, flat, K, 1.0, 0.0, 128, None, None)
+    assert got_i[0, :5].tolist() == [3, 7, 9, 20, 40], (packed, got_i)
+    want_w, want_i = moe_gate.moe_gate_sqrtsoftplus(bf16_gemv._launch(x, w, F32), flat, K, 1.0)
+    assert torch.equal(got_i, want_i) and torch.equal(got_w, want_w), packed
+    x3, w3, bias3, _, _ = _inputs(3, D, E, 31)  # and the packed form's rows against the rounds form's
+    a = moe_route.launch_fused(x3, w3, bias3, K, 2.5, 1e-20, 32, None, None)
+    if packed == "0":
+        rounds = a
+    else:
+        assert torch.equal(a[0], rounds[0]) and torch.equal(a[1], rounds[1])
+os.environ.pop("DEEPINFER_GATE_PACKED_KEY")
 
 # the op: fused at one row (a PreRouted), the unfused ops above FUSED_ROUTE_MAX_ROWS (routed None)
 x, w, bias, _, _ = _inputs(1, D, E, 99)

@@ -2,7 +2,7 @@
 
 Owns: `moe_gate_sqrtsoftplus(logits, bias, topk, route_scale, norm_eps=0)` (V4.1 renormalises by sum + 1e-20).
 One program per token row: sqrt(softplus) scores (`_sqrt_softplus`: torch's softplus, IEEE sqrt), the top-k of the biased
-scores by k rounds of one max over a packed (score, lowest index) key (descending, as torch.topk returns them), the unbiased
+scores by k rounds of max + lowest index of the max (descending, as torch.topk returns them), the unbiased
 scores of those experts renormalised and scaled. On torch this is ~9 kernels (softplus, sqrt, add, topk,
 gather, sum, div, mul + the index cast); here one.
 Numerics: the renormalising sum of the k weights is a tree sum (tl.sum), torch's is sequential: the weights
@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels.official_fused import check_moe_gate_hash
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
@@ -71,31 +72,46 @@ def _order_key(v, e, E_P2: tl.constexpr):
 
 @triton.jit
 def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, norm_eps,
-             K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, CACHE: tl.constexpr):
+             K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, CACHE: tl.constexpr, PACKED: tl.constexpr):
     """One token's gate: sqrt-softplus scores of its E logits, the top-k of the biased scores (ties: the lower
     expert), their unbiased scores renormalised and scaled. CACHE: the logits' load cache modifier (the fused
     route reads logits other programs wrote: ".cg"; a constexpr argument every caller passes: a str default
     does not compile for the GPU, 2026-12-07).
-    Each top-k round is ONE reduction, the max of `_order_key` (score and lowest index at once; each
-    reduction across the warps is a barrier round trip, and the three of a round before -- max, the lowest
-    index of the max, the selected score -- made the row's serial tail: sm_90 build's loop 54 -> 18
-    barriers); the k unbiased scores are recomputed from their k logits after the loop (the same function of
-    the same values: the same bits)."""
+    Top-k rounds: each reduction across the warps is a barrier round trip, and a round of the ROUNDS form
+    takes three (max, the lowest index of the max, the selected score): the row's serial tail. PACKED (opt-in,
+    `env.gate_packed_key`, until its GPU test has run): ONE reduction a round, the max of `_order_key` (score
+    and lowest index at once; sm_90 build of the fused route's loop: 54 -> 18 barriers), the k unbiased scores
+    recomputed from their k logits after the loop (the same function of the same values). Both forms give the
+    same bits (interpreter test)."""
     e = tl.arange(0, E_P2)
     emask = e < E
     x = tl.load(logits_row_ptr + e, mask=emask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    biased = _sqrt_softplus(x) + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)
-    key = tl.where(emask, _order_key(biased, e, E_P2), -9223372036854775807 - 1)
+    scores = _sqrt_softplus(x)
     kk = tl.arange(0, K_P2)
-    sel_idx = tl.zeros([K_P2], dtype=tl.int64)
-    for i in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        j = (E_P2 - 1) - (best & (E_P2 - 1))  # the low word (< E_P2)
-        sel_idx = tl.where(kk == i, j, sel_idx)
-        key = tl.where(e == j, -9223372036854775807 - 1, key)
     kmask = kk < K
-    sel_w = tl.where(kmask, _sqrt_softplus(tl.load(logits_row_ptr + sel_idx, mask=kmask, other=0.0,
-                                                   cache_modifier=CACHE).to(tl.float32)), 0.0)
+    if PACKED:
+        biased = scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)
+        key = tl.where(emask, _order_key(biased, e, E_P2), -9223372036854775807 - 1)
+        sel_idx = tl.zeros([K_P2], dtype=tl.int64)
+        for i in tl.static_range(K):
+            best = tl.max(key, axis=0)
+            j = (E_P2 - 1) - (best & (E_P2 - 1))  # the low word (< E_P2)
+            sel_idx = tl.where(kk == i, j, sel_idx)
+            key = tl.where(e == j, -9223372036854775807 - 1, key)
+        sel_w = tl.where(kmask, _sqrt_softplus(tl.load(logits_row_ptr + sel_idx, mask=kmask, other=0.0,
+                                                       cache_modifier=CACHE).to(tl.float32)), 0.0)
+    else:
+        biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32),
+                          float("-inf"))
+        sel_idx = tl.zeros([K_P2], dtype=tl.int64)
+        sel_w = tl.zeros([K_P2], dtype=tl.float32)
+        for i in tl.static_range(K):
+            m = tl.max(biased, axis=0)
+            j = tl.min(tl.where(biased == m, e, E_P2), axis=0)  # ties: the lower expert
+            wj = tl.sum(tl.where(e == j, scores, 0.0), axis=0)
+            sel_idx = tl.where(kk == i, j, sel_idx)
+            sel_w = tl.where(kk == i, wj, sel_w)
+            biased = tl.where(e == j, float("-inf"), biased)
     total = tl.sum(sel_w, axis=0)
     tl.store(w_row_ptr + kk, sel_w / (total + norm_eps) * route_scale, mask=kmask)
     tl.store(idx_row_ptr + kk, sel_idx, mask=kmask)
@@ -104,11 +120,12 @@ def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, n
 @fast_launch
 @triton.jit
 def _gate_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, stride_t, route_scale, norm_eps,
-                 K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr = False):
+                 K: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr, PACKED: tl.constexpr,
+                 PDL: tl.constexpr = False):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     gate_row(logits_ptr + t * stride_t, bias_ptr, w_ptr + t * K, idx_ptr + t * K, E, route_scale, norm_eps,
-             K, E_P2, K_P2, "")
+             K, E_P2, K_P2, "", PACKED)
 
 
 def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
@@ -127,7 +144,7 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, r
         e_p2 = next_power_of_2(E)
         _gate_kernel[(T,)](logits, bias.contiguous(), w, idx, E, logits.stride(0), float(route_scale),
                            float(norm_eps), K=topk,
-                           E_P2=e_p2, K_P2=next_power_of_2(topk), num_warps=4 if e_p2 <= 1024 else 8)
+                           E_P2=e_p2, K_P2=next_power_of_2(topk), PACKED=env.gate_packed_key(), num_warps=4 if e_p2 <= 1024 else 8)
     return w, idx
 
 

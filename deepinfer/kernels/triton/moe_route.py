@@ -68,7 +68,7 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, tid_ptr, ids_ptr, wout_ptr
                   M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr,
                   K_P2: tl.constexpr, E_P2: tl.constexpr, AB: tl.constexpr, ACT_ITERS: tl.constexpr,
                   HASH: tl.constexpr, BM: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr,
-                  NBP: tl.constexpr, TP: tl.constexpr, PDL: tl.constexpr = False):
+                  NBP: tl.constexpr, TP: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -96,7 +96,7 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, tid_ptr, ids_ptr, wout_ptr
                                        idx_ptr + t * TOPK, stride_tid, route_scale, TOPK, K_P2, ".cg")
             else:
                 moe_gate.gate_row(logits_ptr + t * E, bias_ptr, wout_ptr + t * TOPK, idx_ptr + t * TOPK, E,
-                                  route_scale, norm_eps, TOPK, E_P2, K_P2, ".cg")
+                                  route_scale, norm_eps, TOPK, E_P2, K_P2, ".cg", PACKED)
         tl.debug_barrier()  # the ids stored before the slot blocks read them
         fp4_moe.align_small(idx_ptr, sorted_ptr, block_expert_ptr, M * TOPK, n_blocks, E, BM, SP, EP, NBP, TP,
                             ".cg")
@@ -146,7 +146,7 @@ def launch_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         tid.stride(0) if hashed else 0, xa.stride(0), float(route_scale), float(norm_eps),
         n_blocks, n_groups, M_PAD=next_power_of_2(m), BN=tiles["BN"], BK=tiles["BK"], TOPK=topk,
         K_P2=next_power_of_2(topk), E_P2=next_power_of_2(e), AB=act_block,
-        ACT_ITERS=cdiv(m * n_groups, nprog), HASH=hashed, BM=ROUTE_BLOCK_M,
+        ACT_ITERS=cdiv(m * n_groups, nprog), HASH=hashed, BM=ROUTE_BLOCK_M, PACKED=env.gate_packed_key(),
         **fp4_moe.align_small_sizes(n_slots, e, n_blocks, ROUTE_BLOCK_M), num_warps=FUSED_WARPS,
         num_stages=tiles["num_stages"])
     return weights, indices, PreRouted(sorted_slots, block_expert, ROUTE_BLOCK_M, xa, act_block)
