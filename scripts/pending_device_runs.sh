@@ -39,12 +39,12 @@ s35)  # one call for everything owed since the thirty-third session's H100 run: 
     # GPU tests, most telling first (pytest -q prints each file's progress, so a step cut by its timeout still
     # shows what passed), the route op alone with either gate form (s33 on an H100: 1 row 8.3 us fused, 9.7
     # unfused), then the b1 step with each switch flipped
-    step gpu_tests_s35 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
+    step gpu_tests_s35 170 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
         tests/test_kernels_decode.py tests/test_engine_fast_decode.py tests/test_engine_fast_v41_decode.py \
         tests/test_kernels_indexer_rotate.py tests/test_kernels_bf16_gemv.py tests/test_kernels_fp4_moe_shared.py
     step bench_moe_route_rounds 45 python benchmarks/bench_moe_route.py --rows 1 2
     DEEPINFER_GATE_PACKED_KEY=1 step bench_moe_route_packed 45 python benchmarks/bench_moe_route.py --rows 1 2
-    step decode_anatomy_s35 150 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
+    step decode_anatomy_s35 130 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
         --env-sets "" DEEPINFER_ROUTE_FIRST=0 DEEPINFER_GATE_PACKED_KEY=1
     ;;
 s34)  # owed by the thirty-third session (its H100 ran stage s33 as it was at c8aa150, results/*_s33*): the rest of
