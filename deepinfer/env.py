@@ -191,11 +191,11 @@ def fused_route_enabled() -> bool:
 
 
 def gate_packed_key() -> bool:
-    """DEEPINFER_GATE_PACKED_KEY=1: the Triton MoE gate (kernels/triton/moe_gate.gate_row, in the gate kernel
-    and the fused route) takes its top-k by one max of a packed (score, lowest expert) key a round instead of
-    three reductions (the same bits under the interpreter; opt-in until its GPU test has run; read at each
-    launch, so a graph keeps what its capture saw); default off."""
-    return os.environ.get("DEEPINFER_GATE_PACKED_KEY", "0") not in ("0", "false", "no", "")
+    """The Triton MoE gate (kernels/triton/moe_gate.gate_row, in the gate kernel and the fused route) takes its
+    top-k by one max of a packed (score, lowest expert) key a round; DEEPINFER_GATE_PACKED_KEY=0 takes the three
+    reductions a round of before 2026-12-07 (the same bits: interpreter and H100 tests; A/B runs; read at each
+    launch, so a graph keeps what its capture saw); default on since its GPU tests passed on an H100."""
+    return os.environ.get("DEEPINFER_GATE_PACKED_KEY", "1") not in ("0", "false", "no", "")
 
 
 def route_first_enabled() -> bool:

@@ -9,8 +9,9 @@
 # and the new stage timeline at b1 / b128 (results/decode_timeline_*_h100_2026-12-07_s32.log); the stage's
 # critical path (stream_timeline.critical_path) was added after that run: stage s32 owes it on any Hopper GPU,
 # first, with the indexer query kernel's warps A/B. The thirty-third session's H100 ran those (s32's warps A/B,
-# the b1 critical path) and its own stage s33 (at c8aa150; results/*_s33*, BENCHMARKS.md); it owes s34 (the rest
-# of the GPU tests its changes touch and the b1 / b32 / b128 A/B of the fused MoE route) and s34_timeline. Still owed
+# the b1 critical path) and its own stage s33 (at c8aa150; results/*_s33*, BENCHMARKS.md). The thirty-fourth
+# session's H100 ran s34's tests with its own in stage s35 (at 0974dc8; results/*_s34*, BENCHMARKS.md); it owes s36
+# (the b1 step's A/B of its two changes in alternated rounds). Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -22,7 +23,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s35, s34, s34_timeline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s36, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -33,31 +34,14 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s35)  # one call for everything owed since the thirty-third session's H100 run: s34's tests, and the thirty-fourth
-    # session's opt-in gate top-k by one packed-key max a round (DEEPINFER_GATE_PACKED_KEY=1; the gate kernel and
-    # the fused route) and its routing queued before the shared expert (DEEPINFER_ROUTE_FIRST, default on): their
-    # GPU tests, most telling first (pytest -q prints each file's progress, so a step cut by its timeout still
-    # shows what passed), the route op alone with either gate form (s33 on an H100: 1 row 8.3 us fused, 9.7
-    # unfused), then the b1 step with each switch flipped
-    step gpu_tests_s35 170 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
-        tests/test_kernels_decode.py tests/test_engine_fast_decode.py tests/test_engine_fast_v41_decode.py \
-        tests/test_kernels_indexer_rotate.py tests/test_kernels_bf16_gemv.py tests/test_kernels_fp4_moe_shared.py
-    step bench_moe_route_rounds 45 python benchmarks/bench_moe_route.py --rows 1 2
-    DEEPINFER_GATE_PACKED_KEY=1 step bench_moe_route_packed 45 python benchmarks/bench_moe_route.py --rows 1 2
-    step decode_anatomy_s35 130 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 12 \
-        --env-sets "" DEEPINFER_ROUTE_FIRST=0 DEEPINFER_GATE_PACKED_KEY=1
+s36)  # the thirty-fourth session's step-level A/B, which its single round in a fixed order left unresolved (its
+    # H100: 1.050 ms rounds form + routing first, 1.073 old order, 1.067 packed + routing first): the b1 step with
+    # the defaults (packed-key gate, routing first) and each switched back, in alternated rounds
+    step decode_anatomy_s36 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 4 \
+        --env-sets "" DEEPINFER_GATE_PACKED_KEY=0 DEEPINFER_ROUTE_FIRST=0 "" DEEPINFER_GATE_PACKED_KEY=0 \
+        DEEPINFER_ROUTE_FIRST=0
     ;;
-s34)  # owed by the thirty-third session (its H100 ran stage s33 as it was at c8aa150, results/*_s33*): the rest of
-    # the GPU tests its changes touch (every GEMV shape with blinear_scaled, fp4_moe_shared's every form, the gate
-    # kernels, V4.1's decode with the fused route, the indexer query's warps default), then the b1 / b32 / b128
-    # step with the fused route and without, and the PDL-off critical path at b1 / b128
-    step gpu_tests_s34 300 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_moe_route.py \
-        tests/test_kernels_bf16_gemv.py tests/test_kernels_fp4_moe_shared.py tests/test_kernels_decode.py \
-        tests/test_kernels_indexer_rotate.py tests/test_engine_fast_decode.py tests/test_engine_fast_v41_decode.py
-    step decode_anatomy_route 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
-        --env-sets "" DEEPINFER_FUSED_ROUTE=0
-    ;;
-s34_timeline)  # the critical path at b1 / b128 with this session's defaults (PDL off: true kernel times)
+timeline)  # the critical path at b1 / b128 with this session's defaults (PDL off: true kernel times)
     DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 128 \
         --top 8 --timeline 140
     ;;
