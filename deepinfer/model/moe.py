@@ -131,8 +131,11 @@ class V4MoE:
                 with on_side(branch):
                     return self._swiglu_official(x, "shared_experts.", self.shared_limit, None)
             # the routing is the critical path's start, the shared expert only joins at the combine: queued
-            # first, a replayed graph starts its kernel first (env.route_first_enabled)
-            shared = None if env.route_first_enabled() else shared_expert()
+            # first, a replayed graph starts its kernel first (env.route_first_enabled). Not with a
+            # communicator: its dispatch syncs the host (the dp groups' row counts), which would hold the shared
+            # expert back from overlapping the collective
+            first = env.route_first_enabled() and self.comm is None
+            shared = None if first else shared_expert()
             xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
             routed = None
             if self.cfg.score_func == "sqrtsoftplus" and self.comm is None and self.expert_shard is None:

@@ -144,8 +144,8 @@ def moe_gate_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor, topk: int, r
     if T:
         e_p2 = next_power_of_2(E)
         _gate_kernel[(T,)](logits, bias.contiguous(), w, idx, E, logits.stride(0), float(route_scale),
-                           float(norm_eps), K=topk,
-                           E_P2=e_p2, K_P2=next_power_of_2(topk), PACKED=env.gate_packed_key(), num_warps=4 if e_p2 <= 1024 else 8)
+                           float(norm_eps), K=topk, E_P2=e_p2, K_P2=next_power_of_2(topk),
+                           PACKED=env.gate_packed_key(), num_warps=4 if e_p2 <= 1024 else 8)
     return w, idx
 
 
