@@ -201,9 +201,8 @@ def gate_packed_key() -> bool:
 def route_first_enabled() -> bool:
     """The fast MoE layers queue their routing (the critical path's start) before the shared expert's GEMMs
     on the side stream (model/moe.py without a communicator, v41_moe.py; same kernels, same bits, another
-    launch order);
-    DEEPINFER_ROUTE_FIRST=0 queues the shared expert first (the order before 2026-12-07; A/B runs; read at
-    each call, so a graph keeps what its capture saw); default on."""
+    launch order); DEEPINFER_ROUTE_FIRST=0 queues the shared expert first (the order before 2026-12-07; A/B
+    runs; read at each call, so a graph keeps what its capture saw); default on."""
     return os.environ.get("DEEPINFER_ROUTE_FIRST", "1") not in ("0", "false", "no")
 
 

@@ -302,8 +302,9 @@ def test_moe_route_switches_change_no_bit_of_a_b1_decode(tiny_v4_raw, cuda_kerne
     """Op "moe_route"'s one launch at b1 (the gate's GEMV, the gate, the slot blocks, act_quant(x); the
     routed experts then take its PreRouted) against DEEPINFER_FUSED_ROUTE=0 (the unfused ops, fp4_moe
     routing itself), the MoE's routing queued before the shared expert against after it
-    (DEEPINFER_ROUTE_FIRST) and the gate's two top-k forms (DEEPINFER_GATE_PACKED_KEY): one sequence's decode logits and every cache tensor bit-identical after each
-    step, eager and in replayed graphs (captured with the switch as set)."""
+    (DEEPINFER_ROUTE_FIRST) and the gate's two top-k forms (DEEPINFER_GATE_PACKED_KEY): one sequence's decode
+    logits and every cache tensor bit-identical after each step, eager and in replayed graphs (captured with
+    the switch as set)."""
     cfg, raw = tiny_v4_raw
     params = v4_params(raw, cfg, "fast", "cuda")
     for graphs in (False, True):

@@ -6,11 +6,11 @@ division by gate_temp, either gate's twin); bad inputs raise ValueError naming t
 a ready-made routing refuses one made for another call.
 Interpreter (TRITON_INTERPRET=1, fresh process, the GPU's roundings): the fused kernel against the unfused
 Triton ops on the same inputs, bit for bit: weights and indices against `bf16_gemv` + `moe_gate` (biased
-top-k with V4's norm, V4.1's norm_eps, the hash gate), the slot blocks against
-`align_by_expert`, xa against `act_quant_dequant_bf16` (act blocks 128 and 32); ties and 3 rows with the
-gate's packed-key top-k (DEEPINFER_GATE_PACKED_KEY=1) the same bits as its three-reduction rounds; at 1 and 3 rows, several
-launches in a row (the counter returns to 0), the op's choice (fused at 1 row, unfused with routed None
-above FUSED_ROUTE_MAX_ROWS), and the twin within the GEMV's fp32 summation-order bound.
+top-k with V4's norm, V4.1's norm_eps, the hash gate), the slot blocks against `align_by_expert`, xa against
+`act_quant_dequant_bf16` (act blocks 128 and 32); ties and 3 rows with the gate's packed-key top-k the same
+bits as with its three-reduction rounds (DEEPINFER_GATE_PACKED_KEY=0); at 1 and 3 rows, several launches in a
+row (the counter returns to 0), the op's choice (fused at 1 row, unfused with routed None above
+FUSED_ROUTE_MAX_ROWS), and the twin within the GEMV's fp32 summation-order bound.
 GPU (-m gpu): V4-Flash's and V4.1-Flash's gate shapes, the fused launch bit-identical to the unfused CUDA
 ops, in eager and in a replayed CUDA graph (twice: the counter's reset), and `fp4_moe_shared` given the
 PreRouted bit-identical to it without (the decode mma.sync form).
