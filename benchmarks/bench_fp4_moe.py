@@ -114,7 +114,11 @@ MMA_VARIANTS = [  # (name, config, expand, max T); "default" (the first row) is 
     ("mma MT1 w4 s4 k256", dict(MMA_SYNC=True, MT=1, WARPS=4, STAGES=4, KSTEP=256), None, 10 ** 9),
     ("mma MT1 w8 s2 k256", dict(MMA_SYNC=True, MT=1, WARPS=8, STAGES=2, KSTEP=256), None, 10 ** 9),
     ("mma async MT1 w4 s8", dict(MMA_SYNC=True, ASYNC=1, MT=1, WARPS=4, STAGES=8, KSTEP=128), None, 10 ** 9),
-]
+] + [  # the b1 plan's split-K counts (w13, w2) around its default (2, 2 on 132 SMs), 2026-12-07
+    (f"mma MT1 w4 s2 k256 S{a},{b}", dict(MMA_SYNC=True, MT=1, WARPS=4, STAGES=2, KSTEP=256, SPLIT_K13=a, SPLIT_K2=b),
+     None, 8) for a, b in ((1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (4, 4), (8, 4))  # S2 = 8: K per split 256, refused
+] + [(f"mma MT1 w8 s2 k256 S{a},{b}", dict(MMA_SYNC=True, MT=1, WARPS=8, STAGES=2, KSTEP=256, SPLIT_K13=a,
+                                             SPLIT_K2=b), None, 8) for a, b in ((2, 2), (4, 4))]
 
 
 # the TMA form (`fp4_moe(config={"TMA": True, ...})`, kernels/cuda/fp4_moe_tma.cu) against the default

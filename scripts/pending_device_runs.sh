@@ -23,7 +23,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s36, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s37, s37b, s37c, s37t, s36, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -34,6 +34,33 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s37)  # the thirty-fifth session's changes, their GPU tests: PendingRows (wo_b's split sum and the MoE's combine added
+    # inside the next hc kernel), the decode GEMVs' L2 prefetch before the PDL wait (every fp8_linear_mma launch),
+    # the MoE's w2 with EARLY weight loads; then the engine's b1 decode bit-identical under each switch
+    step gpu_tests_s37_new 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_hc_post_pre.py \
+        tests/test_kernels_fp4_moe_shared.py tests/test_kernels_fp4_moe_mma.py \
+        -k "pending or early or k256e or k128e or post_pre"
+    step gpu_tests_s37_linear 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear_mma.py
+    step gpu_tests_s37_engine 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py
+    ;;
+s37b)  # the b1 step A/B in alternated rounds (results/decode_anatomy_s37_h100_2026-12-07.log: pending rows and the
+    # slice prefetch were slower; defaults now none of them): defaults, the decode GEMVs' "pin" prologue (their first
+    # stages' loads really before the PDL wait), pin with EARLY w2, the slice prefetch with EARLY w2
+    step decode_anatomy_s37b 420 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 4 \
+        --env-sets "" DEEPINFER_DECODE_PREFETCH=pin DEEPINFER_DECODE_PREFETCH=pin,DEEPINFER_MOE_EARLY_W2=1 \
+        DEEPINFER_MOE_EARLY_W2=1 "" DEEPINFER_DECODE_PREFETCH=pin DEEPINFER_DECODE_PREFETCH=pin,DEEPINFER_MOE_EARLY_W2=1 \
+        DEEPINFER_MOE_EARLY_W2=1
+    ;;
+s37c)  # the headline numbers with the current defaults against the ceilings of the same run (the b1 roofline was last
+    # measured in the twenty-seventh session), after s36's owed A/B of the thirty-fourth session's switches
+    bash "$0" s36
+    step run_slice_s37c 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 32 128 --prefills 8192 \
+        --no-breakdown
+    ;;
+s37t)  # the b1 critical path (PDL off: true kernel times; the prefetch then runs after the previous kernel's end)
+    DEEPINFER_PDL=0 step decode_timeline_s37 200 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 8 \
+        --timeline 140
+    ;;
 s36)  # the thirty-fourth session's step-level A/B, which its single round in a fixed order left unresolved (its
     # H100: 1.050 ms rounds form + routing first, 1.073 old order, 1.067 packed + routing first): the b1 step with
     # the defaults (packed-key gate, routing first) and each switched back, in alternated rounds
