@@ -206,15 +206,6 @@ def route_first_enabled() -> bool:
     return os.environ.get("DEEPINFER_ROUTE_FIRST", "1") not in ("0", "false", "no")
 
 
-def pending_rows_enabled() -> bool:
-    """The batched decode step asks wo_b and the MoE for their last reduction's inputs (`PendingRows`,
-    kernels/pending.py) and the next sublayer's hc_post / mix kernel adds them up itself: the split-K sum
-    and the MoE's combine, two launches fewer a layer at b1, the same bits (the same sums in the same
-    order). DEEPINFER_PENDING_ROWS=0 runs the reduce kernels (A/B runs; read at each call, so a graph keeps
-    what its capture saw); default on."""
-    return os.environ.get("DEEPINFER_PENDING_ROWS", "0") not in ("0", "false", "no")
-
-
 def moe_mma_waves() -> int | None:
     """DEEPINFER_MOE_MMA_WAVES=n: the mma.sync expert form's auto split-K aims for n CTAs per SM instead of
     fp4_moe.MMA_WAVES (a benchmark's A/B of the split counts; read at each call, so a graph keeps what its
@@ -225,26 +216,6 @@ def moe_mma_waves() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"DEEPINFER_MOE_MMA_WAVES must be a positive integer, got {value!r}")
     return int(value)
-
-
-def decode_prefetch() -> str:
-    """What the decode GEMV kernels launched early by PDL (fp8_linear_mma; fp4_moe_mma's EARLY w2) do before
-    they wait for the previous kernel (kernels/cuda/pdl_common.cuh `prefetch_l2`), DEEPINFER_DECODE_PREFETCH:
-    "none" (default): nothing but the register loads written there, which ptxas moves after the wait;
-    "pin": one 16-byte prefetch of a line they load anyway, which keeps those loads before the wait;
-    "slice": the CTA's whole weight slice into L2 (measured slower on an H100, 2026-12-07: BENCHMARKS.md).
-    Same bits. Read when a launch picks its kernel, so a graph keeps what its capture saw."""
-    value = os.environ.get("DEEPINFER_DECODE_PREFETCH", "none")
-    if value not in ("none", "pin", "slice"):
-        raise ValueError(f"DEEPINFER_DECODE_PREFETCH must be none, pin or slice, got {value!r}")
-    return value
-
-
-def moe_early_w2() -> bool:
-    """fp4_moe's mma.sync form launches its w2 GEMM with EARLY (kernels/cuda/fp4_moe_mma.cu): the routing read
-    and the first stages' weights loaded before the PDL wait, while the SwiGLU reduce before it still runs.
-    Same bits. DEEPINFER_MOE_EARLY_W2=1 turns it on (opt-in until a GPU times it; read at each call)."""
-    return os.environ.get("DEEPINFER_MOE_EARLY_W2", "0") not in ("0", "false", "no")
 
 
 def fast_launch_enabled() -> bool:

@@ -10,8 +10,10 @@
 # critical path (stream_timeline.critical_path) was added after that run: stage s32 owes it on any Hopper GPU,
 # first, with the indexer query kernel's warps A/B. The thirty-third session's H100 ran those (s32's warps A/B,
 # the b1 critical path) and its own stage s33 (at c8aa150; results/*_s33*, BENCHMARKS.md). The thirty-fourth
-# session's H100 ran s34's tests with its own in stage s35 (at 0974dc8; results/*_s34*, BENCHMARKS.md); it owes s36
-# (the b1 step's A/B of its two changes in alternated rounds). Still owed
+# session's H100 ran s34's tests with its own in stage s35 (at 0974dc8; results/*_s34*, BENCHMARKS.md). The
+# thirty-fifth session's H100 ran the owed s36 (the thirty-fourth's A/B), its own experiments' stages s37 / s37b
+# (at 8de6614; the code was slower and was removed with its stages), `headline` and slice_defaults
+# (results/*_s35*, BENCHMARKS.md). Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -23,7 +25,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s37, s37b, s37c, s37t, s36, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -34,39 +36,10 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s37)  # the thirty-fifth session's changes, their GPU tests: PendingRows (wo_b's split sum and the MoE's combine added
-    # inside the next hc kernel), the decode GEMVs' L2 prefetch before the PDL wait (every fp8_linear_mma launch),
-    # the MoE's w2 with EARLY weight loads; then the engine's b1 decode bit-identical under each switch
-    step gpu_tests_s37_new 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_hc_post_pre.py \
-        tests/test_kernels_fp4_moe_shared.py tests/test_kernels_fp4_moe_mma.py \
-        -k "pending or early or k256e or k128e or post_pre"
-    step gpu_tests_s37_linear 150 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernels_fp8_linear_mma.py
-    step gpu_tests_s37_engine 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_engine_fast_decode.py
-    ;;
-s37b)  # the b1 step A/B in alternated rounds (results/decode_anatomy_s37_h100_2026-12-07.log: pending rows and the
-    # slice prefetch were slower; defaults now none of them): defaults, the decode GEMVs' "pin" prologue (their first
-    # stages' loads really before the PDL wait), pin with EARLY w2, the slice prefetch with EARLY w2
-    step decode_anatomy_s37b 420 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 4 \
-        --env-sets "" DEEPINFER_DECODE_PREFETCH=pin DEEPINFER_DECODE_PREFETCH=pin,DEEPINFER_MOE_EARLY_W2=1 \
-        DEEPINFER_MOE_EARLY_W2=1 "" DEEPINFER_DECODE_PREFETCH=pin DEEPINFER_DECODE_PREFETCH=pin,DEEPINFER_MOE_EARLY_W2=1 \
-        DEEPINFER_MOE_EARLY_W2=1
-    ;;
-s37c)  # the headline numbers with the current defaults against the ceilings of the same run (the b1 roofline was last
-    # measured in the twenty-seventh session), after s36's owed A/B of the thirty-fourth session's switches
-    bash "$0" s36
-    step run_slice_s37c 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 32 128 --prefills 8192 \
+headline)  # the issue's numbers with the current defaults against the ceilings of the same run: the b1 roofline
+    # (back to back, head excluded), b32 / b128, the 8k prefill against the FP8 peak (thirty-fifth session: H100)
+    step run_slice_headline 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 32 128 --prefills 8192 \
         --no-breakdown
-    ;;
-s37t)  # the b1 critical path (PDL off: true kernel times; the prefetch then runs after the previous kernel's end)
-    DEEPINFER_PDL=0 step decode_timeline_s37 200 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 8 \
-        --timeline 140
-    ;;
-s36)  # the thirty-fourth session's step-level A/B, which its single round in a fixed order left unresolved (its
-    # H100: 1.050 ms rounds form + routing first, 1.073 old order, 1.067 packed + routing first): the b1 step with
-    # the defaults (packed-key gate, routing first) and each switched back, in alternated rounds
-    step decode_anatomy_s36 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 --top 4 \
-        --env-sets "" DEEPINFER_GATE_PACKED_KEY=0 DEEPINFER_ROUTE_FIRST=0 "" DEEPINFER_GATE_PACKED_KEY=0 \
-        DEEPINFER_ROUTE_FIRST=0
     ;;
 timeline)  # the critical path at b1 / b128 with this session's defaults (PDL off: true kernel times)
     DEEPINFER_PDL=0 step decode_timeline 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 128 \

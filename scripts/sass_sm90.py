@@ -186,20 +186,6 @@ def _case_hc_collapse(sp, warps, head=False, deferred=False):
                         num_warps=warps, num_stages=3)
 
 
-def _case_hc_post_mix(mode, s=1, topk=1):
-    """`_hc_post_mix_partial_kernel` at its decode plan (D = 4096, 64 columns a program, one 16-token block),
-    f given as F_MODE `mode`: 0 the bf16 rows, 1 a split-K PendingRows of s partials (wo_b: 16), 2 the MoE's
-    PendingRows (s partials of top-k slots, the shared rows)."""
-    from deepinfer.kernels.triton.norm_hc import PENDING_WARPS, _hc_post_mix_partial_kernel
-    ptrs = dict(f_ptr="*bf16" if mode == 0 else "*fp32", r_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32",
-                x_ptr="*bf16", fn_ptr="*fp32", part_ptr="*fp32", ssq_ptr="*fp32", ids_ptr="*i64", sh_ptr="*bf16")
-    params = dict(ptrs, T="i32", D="i32", KD="i32", n_out="i32", k_chunk="i32", stride_fs="i32", HC=4, BLOCK_T=16,
-                  BLOCK_O=32, BLOCK_K=64, INTERPRET=False, F_MODE=mode, F_S=s, F_TOPK=topk,
-                  F_KP=max(2, 1 << (topk - 1).bit_length()), F_SHARED=mode == 2, PDL=True)
-    return compile_sm90(_hc_post_mix_partial_kernel, params, set(ptrs) | {"D", "KD", "stride_fs"},
-                        num_warps=4 if mode == 0 else PENDING_WARPS, num_stages=2)
-
-
 def _case_indexer_q_rotate(warps):
     """`_indexer_q_rotate_kernel` on V4-Flash's indexer query (64 heads of 128, a 64-channel rope tail): one
     program is the Hadamard tile's 64 rows (at decode b1 the whole call)."""
@@ -235,9 +221,6 @@ CASES = {
     "indexer_q_rotate_w8": lambda: _case_indexer_q_rotate(8),
     "indexer_q_rotate_w16": lambda: _case_indexer_q_rotate(16),
     "hc_collapse_decode": lambda: _case_hc_collapse(256, 16),
-    "hc_post_mix_rows": lambda: _case_hc_post_mix(0),
-    "hc_post_mix_split16": lambda: _case_hc_post_mix(1, 16),
-    "hc_post_mix_moe": lambda: _case_hc_post_mix(2, 2, 6),
     "hc_collapse_prefill": lambda: _case_hc_collapse(4, 16),
     "hc_collapse_head": lambda: _case_hc_collapse(4, 16, head=True),
     "indexer_pair": _case_indexer,

@@ -37,36 +37,6 @@ def test_twin_is_the_steps_it_replaces():
     assert got.dtype == BF16 and torch.equal(got, want)
     with pytest.raises(ValueError, match="shared must be bf16"):
         fp4_moe_shared_torch(x, ids, w, bank, 10.0, shared.float())
-    # pending is a device op's option: the twin makes the rows anyway
-    assert torch.equal(kernels.get("fp4_moe_shared")(x, ids, w, bank, 10.0, shared, pending=True), want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t,config", [(1, "MMA_SYNC"), (32, "TMA"), (8, "V2"), (2048, "WGMMA"), (40, None)])
-def test_pending_rows_are_the_combine_unsummed(t, config, cuda_kernels):
-    """pending=True: the forms that end in the combine of split partials (the decode forms) return a
-    PendingRows of the moe kind whose materialize() is the op's own result, bit for bit, the stream join
-    run once; the others return their rows as always."""
-    from test_kernels_gemm import _random_bank
-    from deepinfer.kernels.pending import PendingRows
-    from deepinfer.kernels.triton import fp4_moe as m
-
-    cfg = {"MMA_SYNC": m.DECODE_MMA, "TMA": m.DECODE_TMA, "V2": {**m.DECODE_V2, "SPLIT_K": 2},
-           "WGMMA": m.PREFILL_WGMMA, None: None}[config]
-    expand = 6 if config in ("V2", None) else None
-    bank = _random_bank(256, 4096, 2048, 128, "cuda")
-    g = torch.Generator().manual_seed(100 + t)
-    x, ids, w, shared = _inputs(t, 4096, 256, g, "cuda")
-    want = m.fp4_moe_shared(x, ids, w, bank, 10.0, shared, expand=expand, config=cfg)
-    calls = []
-    got = m.fp4_moe_shared(x, ids, w, bank, 10.0, shared, lambda: calls.append(1), expand=expand, config=cfg,
-                           pending=True)
-    if config in ("MMA_SYNC", "TMA", "V2"):
-        assert isinstance(got, PendingRows) and got.ids is not None and tuple(got.shape) == (t, 4096)
-        assert calls == [] and torch.equal(got.shared_rows(), shared) and calls == [1]
-        assert torch.equal(got.materialize(), want) and calls == [1, 1]
-    else:
-        assert torch.is_tensor(got) and torch.equal(got, want) and calls == [1]
 
 
 @pytest.mark.gpu

@@ -339,33 +339,6 @@ def test_graph_replay_is_eager_bit_for_bit(block):
 
 
 @pytest.mark.gpu
-def test_pending_split_is_the_sum_unsummed():
-    """pending=True at wo_b's decode shape (M=1, 4096 x 8192: 16 splits, no cluster): a split-K PendingRows
-    whose materialize() is the op's own bf16 output bit for bit, and that the next hc kernel
-    (`hc_post_pre_fused`) takes for the same bits as the rows; a cluster-summed split returns the rows."""
-    from deepinfer.kernels.cuda.fp8_linear_mma import plan
-    from deepinfer.kernels.pending import PendingRows
-    from deepinfer.kernels.triton import norm_hc
-    from deepinfer.kernels.triton.fp8_gemm import fp8_linear, sm_count
-    from test_kernels_hc_post_pre import _inputs
-
-    dev = _cuda()
-    w = _random_fp8_weight(4096, 8192, 128, 128, dev)
-    x = _activation(1, 8192, dev)
-    assert plan(1, 4096, 8192, sm_count(dev), None)["SPLIT_K"] > 4  # the separate sum's regime
-    want = fp8_linear(x, w, mma="sync")
-    got = fp8_linear(x, w, mma="sync", pending=True)
-    assert isinstance(got, PendingRows) and got.ids is None and tuple(got.shape) == (1, 4096)
-    _, r, post, comb, fn, scale, base, nw = _inputs(1, 4096, dev, 3)
-    hc = (fn, scale, base, nw, 4, 20, 1e-6, 1e-6)
-    fused = norm_hc.hc_post_pre_fused(got, r, post, comb, *hc)
-    assert all(torch.equal(a, b) for a, b in zip(fused, norm_hc.hc_post_pre_fused(want, r, post, comb, *hc)))
-    assert torch.equal(got.materialize(), want)
-    clustered = fp8_linear(x, w, {"SPLIT_K": 2, "CLUSTER": True}, mma="sync", pending=True)
-    assert torch.is_tensor(clustered)
-
-
-@pytest.mark.gpu
 def test_op_dispatch_takes_the_sync_kernel_up_to_8_rows(monkeypatch):
     """fp8_linear's auto form: the sync kernel for M <= SYNC_MAX_M (bit for bit its output), the Triton bf16
     form above and under DEEPINFER_LINEAR_DECODE_KERNEL=triton."""

@@ -29,7 +29,6 @@ import torch
 
 from deepinfer import formats
 from deepinfer.kernels import official, torch_ops
-from deepinfer.kernels.pending import rows as pending_rows
 
 __all__ = ["hc_pre_fused", "hc_pre_deferred_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "kv_decode_rows",
            "moe_gate_sqrtsoftplus",
@@ -85,9 +84,8 @@ def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
 
 
 def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """bf16(post_k * F + sum_j comb[j, k] * R_j) with fp32 arithmetic: f [T, D] (a device op's `PendingRows`
-    is materialised first), residual [T, hc, D]."""
-    return torch_ops.hc_post(pending_rows(f).to(F32), residual.to(F32), post, comb).to(BF16)
+    """bf16(post_k * F + sum_j comb[j, k] * R_j) with fp32 arithmetic: f [T, D], residual [T, hc, D]."""
+    return torch_ops.hc_post(f.to(F32), residual.to(F32), post, comb).to(BF16)
 
 
 def kv_encode(layout, x: torch.Tensor) -> torch.Tensor:

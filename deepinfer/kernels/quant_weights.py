@@ -131,10 +131,9 @@ def fp8_scale_exponent_max(scale: torch.Tensor) -> int:
     return max(int(e.max()) - 1 + 127, 0)  # 2^p has exponent field p + 127 (0: subnormal)
 
 
-def fp8_linear_torch(x: torch.Tensor, w: QuantLinearWeight, pending: bool = False) -> torch.Tensor:
+def fp8_linear_torch(x: torch.Tensor, w: QuantLinearWeight) -> torch.Tensor:
     """Twin of op "fp8_linear": official act_quant of x (pow2 scale per w.act_block) then the FP8 block-scaled
-    GEMM with fp32 accumulation, bf16 out. x bf16 [M, K] -> bf16 [M, N]. pending: accepted and ignored (the
-    rows are always made here; kernels/pending.py)."""
+    GEMM with fp32 accumulation, bf16 out. x bf16 [M, K] -> bf16 [M, N]."""
     _check_activation("fp8_linear", x, w.in_features)
     return official.qlinear(x, w.dequant(), w.act_block)
 
@@ -355,12 +354,11 @@ def check_shared(op: str, x: torch.Tensor, shared: torch.Tensor) -> None:
 
 def fp4_moe_shared_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
                          swiglu_limit: float, shared: torch.Tensor, ready=None,
-                         routed: PreRouted | None = None, pending: bool = False) -> torch.Tensor:
+                         routed: PreRouted | None = None) -> torch.Tensor:
     """Twin of op "fp4_moe_shared": the routed experts' fp32 sum (`fp4_moe_torch`), the shared expert's bf16
     rows added last (upcast inside the add: exact), rounded to bf16 once: `V4MoE._forward_fast`'s steps.
     ready: called once before `shared` is read (the caller's stream join). routed: ignored (a `PreRouted`
-    only saves the CUDA op work; its contents are what this twin computes anyway); pending: ignored too (the
-    rows are always made here; kernels/pending.py)."""
+    only saves the CUDA op work; its contents are what this twin computes anyway)."""
     if ready is not None:
         ready()
     check_shared("fp4_moe_shared", x, shared)

@@ -31,7 +31,6 @@ import contextlib
 import torch
 
 from deepinfer import env, kernels
-from deepinfer.kernels.pending import PendingRows
 from deepinfer.model.attention import V4Attention
 from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
 from deepinfer.model.compressor import project
@@ -92,10 +91,8 @@ def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.
                                      rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
 
 
-def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache,
-                     pending: bool = False) -> "torch.Tensor | PendingRows":
-    """x [B, D] bf16 (one token per row) -> [B, D] bf16. pending (without a communicator): wo_b may return
-    its split-K partials unsummed (`PendingRows`, kernels/pending.py) for the next hc kernel to add up."""
+def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache) -> torch.Tensor:
+    """x [B, D] bf16 (one token per row) -> [B, D] bf16."""
     if not attn.fast:
         raise ValueError("the batched decode path runs fast numerics only")
     cfg, p, r = attn.cfg, attn.p, attn.ratio
@@ -200,6 +197,5 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
                                          attn.inv_freq, table)
     G = attn.G
     z = out_lora(k, o.reshape(B, G, -1), p["wo_a.weight"])  # the official bf16 einsum's math, wo_a kept FP8
-    if attn.comm is None:
-        return qlinear(z.flatten(1), p["wo_b.weight"], pending=pending)
-    return attn.comm.attn_out(qlinear(z.flatten(1), p["wo_b.weight"]))
+    out = qlinear(z.flatten(1), p["wo_b.weight"])
+    return out if attn.comm is None else attn.comm.attn_out(out)

@@ -30,12 +30,9 @@ def decode_hidden(model, ids: torch.Tensor, meta: DecodeMetadata) -> torch.Tenso
     """ids [B] on the model's device, meta filled -> final 4-stream residual [B, hc, D]."""
     rows = meta.derive()  # once per step, shared by every layer
     x = model.embed(ids)
-    # wo_b's split-K sum and the MoE's combine left to the next hc kernel (kernels/pending.py)
-    pending = env.pending_rows_enabled()
     for block in model.layers:  # each sublayer's hc_post runs inside the next one's hc_pre (PendingPost)
-        x = block._hc(x, "attn", lambda y, b=block: decode_attention(b.attn, y, rows, model.cache, pending),
-                      defer=True)
-        x = block._hc(x, "ffn", lambda y, i, b=block: b.ffn(y, i, pending=pending), ids, defer=True)
+        x = block._hc(x, "attn", lambda y, b=block: decode_attention(b.attn, y, rows, model.cache), defer=True)
+        x = block._hc(x, "ffn", block.ffn, ids, defer=True)
     return resolved(x, model.kdev)
 
 

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from deepinfer import env, kernels
 from deepinfer.config import ModelConfig
-from deepinfer.kernels.pending import PendingRows
 from deepinfer.model.expert_parallel_fast import expert_shard, local_routing
 from deepinfer.model.side_stream import forked, join, on_side
 from deepinfer.model.stacked import pair
@@ -86,11 +85,10 @@ class V4MoE:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * cfg.route_scale, indices
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, pending: bool = False) -> "torch.Tensor | PendingRows":
-        """x [T, D], ids [T] -> [T, D]. pending (fast numerics, no communicator): the device op may return its
-        combine's inputs unsummed (`PendingRows`, kernels/pending.py) for the next hc kernel to add up."""
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D], ids [T] -> [T, D]."""
         if self.fast:
-            return self._forward_fast(x, ids, pending)
+            return self._forward_fast(x, ids)
         if self.official:
             return self._forward_official(x, ids)
         swiglu = kernels.get("swiglu")
@@ -123,7 +121,7 @@ class V4MoE:
         y += self._swiglu_official(x, "shared_experts.", self.shared_limit, None).to(torch.float32)
         return y.to(torch.bfloat16)
 
-    def _forward_fast(self, x: torch.Tensor, ids: torch.Tensor, pending: bool = False) -> "torch.Tensor | PendingRows":
+    def _forward_fast(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts),
         the shared expert added in fp32, rounded to bf16 once."""
         # The shared expert needs only x: on CUDA it runs on the side stream beside the gate, the routing and
@@ -152,7 +150,7 @@ class V4MoE:
             if self.comm is None:  # the shared rows added last in fp32 and the bf16 rounding inside the op's
                 # combine; the op joins the side stream just before that combine (after queueing the GEMMs)
                 return kernels.get("fp4_moe_shared", self.kdev)(xr, indices, weights, bank, limit, shared,
-                                                                lambda: join(branch), routed=routed, pending=pending)
+                                                                lambda: join(branch), routed=routed)
             y = kernels.get("fp4_moe", self.kdev)(xr, indices, weights, bank, limit)
             y = self.comm.moe_combine(y)  # fp32 partial sums over the expert shards, this rank's rows
             # in place, the bf16 shared output upcast inside the add (exact, the same sum as adding its fp32

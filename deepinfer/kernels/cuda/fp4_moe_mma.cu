@@ -49,12 +49,6 @@
 #ifndef LOAD_ONLY
 #define LOAD_ONLY 0          // 1: a diagnostic (benchmarks/bench_moe_load_bound.py), not the GEMM: the same loads,
 #endif                       // folded into the accumulator by an XOR instead of the expansion and the MMAs
-#ifndef EARLY
-#define EARLY 0              // 1: the routing was written before the previous kernel began (see below)
-#endif
-#ifndef PREFETCH
-#define PREFETCH 0           // EARLY: 1 its weight slice prefetched into L2 before the wait; else one line (pin)
-#endif
 #define TOKENS 8
 #define WV (KSTEP / 128)     // uint4 of packed codes per weight row per lane and stage (32 K each)
 #define W_CHUNKS (MT * 2 * WV)  // ASYNC: 16-byte weight chunks per lane and stage
@@ -88,23 +82,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// EARLY (the w2 GEMM, whose routing blocks the routing kernel wrote two launches before it: w13 and the SwiGLU
-// reduce ran in between): with programmatic dependent launch this grid starts while the reduce still runs, and
-// the reduce started only once w13 had ended, which started only once the routing had ended. So the routing
-// is complete before any CTA of this grid runs: each CTA reads its block's expert and slots through L2 (.cg:
-// no stale L1 line), issues its first STAGES - 1 stages of WEIGHT loads (memory no kernel writes) and
-// prefetches the rest of its weight slice into L2 before pdl_enter; only the activations (the reduce's output)
-// wait. Without PDL the order is the plain one.
-__device__ __forceinline__ int ld_routing(const int* p) {
-#if EARLY
-    int v;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-#else
-    return *p;
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
                     const u8* __restrict__ w, i64 stride_we, i64 stride_wn,
@@ -112,12 +89,10 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
                     float* __restrict__ out, i64 stride_os, i64 stride_om,
                     const int* __restrict__ sorted_slots, const int* __restrict__ block_expert,
                     int n_slots, int N, int k_split, int a_row_div) {
-#if !EARLY
     pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
-#endif
     const int blk = blockIdx.x;
-    const int expert = ld_routing(block_expert + blk);
-    if (expert < 0) return;  // (EARLY: this CTA writes nothing and read only the finished routing)
+    const int expert = block_expert[blk];
+    if (expert < 0) return;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
@@ -126,7 +101,7 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
     const int steps = k_split / KSTEP;
 
     // this lane's token (B column g) and its activation row; a padding slot loads nothing (zeros, never stored)
-    const int my_slot = ld_routing(sorted_slots + blk * TOKENS + g);
+    const int my_slot = sorted_slots[blk * TOKENS + g];
     const bool tok_ok = my_slot < n_slots;
     const i64 a_row = tok_ok ? (i64)(my_slot / a_row_div) : 0;
     const unsigned short* a_ptr = a + a_row * stride_am + k_lo + LANE_K * t;
@@ -152,7 +127,7 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
         acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
 
     Stage buf[ASYNC ? 1 : STAGES];
-    auto load_w = [&](Stage& st, int step) {
+    auto load = [&](Stage& st, int step) {
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
 #pragma unroll
@@ -164,8 +139,6 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
                 }
             }
         }
-    };
-    auto load_x = [&](Stage& st, int step) {
 #pragma unroll
         for (int q = 0; q < 4 * WV; ++q) {
             if (tok_ok) {
@@ -174,10 +147,6 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
                 st.x[q].x = st.x[q].y = st.x[q].z = st.x[q].w = 0u;
             }
         }
-    };
-    auto load = [&](Stage& st, int step) {
-        load_w(st, step);
-        load_x(st, step);
     };
     auto compute = [&](const Stage& st) {
 #if LOAD_ONLY
@@ -290,24 +259,8 @@ fp4_expert_gemm_mma(const unsigned short* __restrict__ a, i64 stride_am,
         }
     }
 #else
-#if EARLY
-#pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) load_w(buf[j], j);  // weights: no kernel writes them
-#if PREFETCH == 1  // and the CTA's whole weight slice into L2 (a row's K range each thread; pdl_common.cuh)
-    for (int i = threadIdx.x; i < 16 * MT * WARPS; i += 32 * WARPS) {
-        const int r = blockIdx.y * (16 * MT * WARPS) + i;
-        if (r < N) prefetch_l2(w + (i64)expert * stride_we + (i64)r * stride_wn + k_lo / 2, (unsigned)(k_split / 2));
-    }
-#else  // a memory instruction between the loads and the wait, or ptxas hoists the wait above them
-    prefetch_l2(w_ptr[0][0], 16u);  // the line the first load reads
-#endif
-    pdl_enter();  // the activations are the previous kernel's output
-#pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) load_x(buf[j], j);
-#else
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) load(buf[j], j);
-#endif
     for (int i = 0; i < steps; i += STAGES) {
 #pragma unroll
         for (int j = 0; j < STAGES; ++j) {

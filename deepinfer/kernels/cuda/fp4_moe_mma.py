@@ -19,12 +19,9 @@ from deepinfer.kernels.cuda.runtime import CudaKernel
 SOURCE = "fp4_moe_mma.cu"
 TOKENS = 8  # slots per routing block: the MMA's n8
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
-DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=128, ASYNC=0, LOAD_ONLY=0, EARLY=0, PREFETCH=0)  # KSTEP: K per
-# pipeline stage (128 or 256); ASYNC 1: the stages go through a shared-memory ring by cp.async (`ring_bytes`) instead of
-# registers; LOAD_ONLY 1: a diagnostic, the loads alone (garbage out; benchmarks/bench_moe_load_bound.py);
-# EARLY 1: the routing is read and the first stages' weights loaded before the PDL wait (the .cu's EARLY: only
-# for a GEMM whose routing was written before its previous kernel began, fp4_moe's w2; register stages only;
-# PREFETCH 1 with it: the CTA's weight slice prefetched into L2 too)
+DEFAULT_TILES = dict(MT=2, WARPS=4, STAGES=2, KSTEP=128, ASYNC=0, LOAD_ONLY=0)  # KSTEP: K per pipeline stage
+# (128 or 256); ASYNC 1: the stages go through a shared-memory ring by cp.async (`ring_bytes`) instead of
+# registers; LOAD_ONLY 1: a diagnostic, the loads alone (garbage out; benchmarks/bench_moe_load_bound.py)
 _SIGNATURE = "plpllpllpllppiiii"  # the kernel parameters in order: p pointer, l int64, i int32
 _KERNELS: dict[tuple, CudaKernel] = {}
 
@@ -40,9 +37,9 @@ def tiles(config: dict | None = None) -> dict:
     cfg = dict(DEFAULT_TILES)
     cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
     if cfg["KSTEP"] not in (128, 256) or cfg["STAGES"] < 1 or cfg["MT"] < 1 or cfg["WARPS"] < 1 \
-            or (cfg["ASYNC"] and cfg["STAGES"] < 2) or (cfg["EARLY"] and cfg["ASYNC"]):
+            or (cfg["ASYNC"] and cfg["STAGES"] < 2):
         raise ValueError(f"fp4_moe_mma tiles: KSTEP 128 or 256, STAGES >= 1 (ASYNC: >= 2), MT and WARPS >= 1, "
-                         f"EARLY without ASYNC, got {cfg}")
+                         f"got {cfg}")
     return cfg
 
 

@@ -72,9 +72,6 @@
 #ifndef CLUSTER_SPLIT
 #define CLUSTER_SPLIT 0
 #endif
-#ifndef PREFETCH
-#define PREFETCH 0  // before the PDL wait (pdl_common.cuh prefetch_l2): 1 the CTA's weight slice into L2; 2 "pin", one
-#endif              // 16-byte prefetch of a line already loaded, only so the first stages' loads stay before the wait
 #ifndef RAW_ACT
 #define RAW_ACT 0  // 1: x enters the MMA as the bf16 it is (no act_quant: the grouped output LoRA's bf16 einsum)
 #endif
@@ -244,18 +241,12 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
 
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) load(buf[j]);  // in flight while the first chunk is quantised
-    // Launched with PDL this kernel starts while the previous one still runs: the first stages of its weights
-    // (which no kernel writes) are already loading when it waits here for the activations (pdl_common.cuh) -
-    // IF a memory instruction sits between them (PREFETCH 1 or 2): without one ptxas hoists the wait above the
-    // loads. PREFETCH 1 also streams the CTA's whole weight slice into L2 meanwhile (a row's K range a thread).
-#if PREFETCH == 1
-    for (int i = threadIdx.x; i < TILE_ROWS; i += 32 * WARPS) {
-        const int r = blockIdx.y * TILE_ROWS + i;
-        if (r < N) prefetch_l2(w + (i64)r * stride_wn + k_lo, (unsigned)k_split);
-    }
-#elif PREFETCH == 2
-    prefetch_l2(w_ptr[0][0] - 128 * (STAGES - 1), 16u);  // the line the first load just read: pins the order only
-#endif
+    // Launched with PDL this kernel starts while the previous one still runs. The loads above read only weights
+    // (which no kernel writes), so they MAY precede the wait; in the sm_90 SASS ptxas puts the wait
+    // (griddepcontrol.wait, ACQBULK) first all the same (tests/test_kernels_pdl_sass.py). Keeping them before
+    // it (a prefetch between them pins the order), or prefetching the CTA's whole weight slice into L2 there,
+    // made the b1 step slower on an H100 (2026-12-07, back to back: 1.070 against 1.054 ms, and 1.099 against
+    // 1.059 in another run; BENCHMARKS.md).
     pdl_enter();
     for (int i = 0; i < steps; i += STAGES) {
         const int ls0 = i % CHUNK_STEPS;

@@ -13,19 +13,17 @@ The weight expansion is exact for scales up to 2^7 (fp32 exponent field <= SCALE
 power-of-two scales: `QuantLinearWeight.scale_exponent_max()` checks both once per weight (one host sync,
 cached on the weight); pass `scale_max_exp` to skip it.
 Needs sm_90 (mul.rn.bf16x2) or newer. The ops' dispatch (fp8_gemm.py) decides when this form is used.
-Launched with programmatic dependent launch (runtime.CudaKernel(pdl=True)): the kernel reads its first
-weight and scale stages (and, by `env.decode_prefetch()`, prefetches its CTA's weight slice into L2) BEFORE it
-waits for the previous kernel (where a prefetch keeps ptxas from moving the wait up), so w's bytes and scales
-must not be written
-by the kernels just before it in the stream (model weights are written at load time; a test that makes a
-weight on the GPU must not do it with one of this package's PDL kernels right before the launch).
+Launched with programmatic dependent launch (runtime.CudaKernel(pdl=True)): the source reads its first
+weight and scale stages before it waits for the previous kernel (ptxas moves the wait above them in the sm_90
+build, but another build may not), so w's bytes and scales must not be written by the kernels just before it
+in the stream (model weights are written at load time; a test that makes a weight on the GPU must not do it
+with one of this package's PDL kernels right before the launch).
 Must not: import triton; allocate per-call weights.
 """
 from __future__ import annotations
 
 import torch
 
-from deepinfer import env
 from deepinfer.kernels.cuda import runtime
 from deepinfer.kernels.cuda.runtime import CudaKernel
 from deepinfer.kernels.quant_weights import E4M3_EXPANSION_EXP_MAX, QuantLinearWeight, check_e4m3_expansion
@@ -45,17 +43,13 @@ _KERNELS: dict[tuple[int, ...], CudaKernel] = {}
 
 
 def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int = 0,
-           group_rows: int = 0, prefetch: str | None = None) -> CudaKernel:
+           group_rows: int = 0) -> CudaKernel:
     """The kernel for these tiles: fp32 partials out (split_out), bf16 out from one CTA per tile
     (cluster_split 0), or bf16 out from a cluster of `cluster_split` split CTAs per tile; group_rows > 0: the
-    grouped output LoRA form (raw bf16 x of the rows' group, no act_quant); prefetch (None: the environment's
-    `env.decode_prefetch()`): before the PDL wait "slice" prefetches the CTA's weight slice into L2, "pin" one
-    line (only so the first stages' loads stay before the wait), "none" nothing (ptxas then moves them after)."""
-    prefetch = env.decode_prefetch() if prefetch is None else prefetch
-    key = (mt, warps, stages, int(split_out), cluster_split, group_rows, prefetch)
+    grouped output LoRA form (raw bf16 x of the rows' group, no act_quant)."""
+    key = (mt, warps, stages, int(split_out), cluster_split, group_rows)
     if key not in _KERNELS:
-        defines = dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out),
-                       PREFETCH={"none": 0, "slice": 1, "pin": 2}[prefetch])
+        defines = dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out))
         if group_rows:
             defines.update(RAW_ACT=1, GROUP_ROWS=group_rows)
         if cluster_split:

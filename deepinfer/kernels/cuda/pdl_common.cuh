@@ -13,15 +13,3 @@ __device__ __forceinline__ void pdl_enter() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-
-// L2 prefetch of `bytes` (a multiple of 16) from p (16-byte aligned) by the bulk-copy engine: one instruction,
-// no register result, so nothing waits on it. A kernel launched early (PDL) calls it before pdl_enter on its
-// weights (which no kernel writes): they stream into L2 while the previous kernel, often a latency-bound one
-// that leaves HBM idle, still runs. It also keeps ptxas from sinking the loads written before pdl_enter below
-// griddepcontrol.wait (seen in the sm_90 SASS: without a memory instruction between them ptxas hoists the
-// wait to the top; tests/test_kernels_pdl_sass.py checks the compiled order).
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}

@@ -65,7 +65,6 @@ import triton
 import triton.language as tl
 
 from deepinfer import env
-from deepinfer.kernels.pending import PendingRows
 from deepinfer.kernels.quant_weights import FP4ExpertBank, PreRouted, check_routing, check_shared, fp4_moe_torch
 from deepinfer.kernels.triton.act_quant import (_perm32, act_quant, act_quant_dequant_bf16, act_quant_gather,
                                                e8m0_to_f32, interpreting, quantise_rows)
@@ -741,15 +740,10 @@ def _w2_rows(s2, n_slots, d, device):
     return torch.empty((n_slots, d), dtype=torch.bfloat16, device=device)
 
 
-def _combine_rows(y, rows, topk_ids, shared=None, pending=False):
+def _combine_rows(y, rows, topk_ids, shared=None):
     """y[t] = the ordered fp32 sum of token t's k w2 rows (`_combine_kernel`): rows fp32 split partials
     [S2, slots, D] (3-D, any S2 >= 1: their fixed-order sum rounded to bf16 per row, fused) or bf16 [slots, D].
-    shared (bf16 [T, D], op fp4_moe_shared): added last in fp32, y bf16 (the MoE's one rounding, fused).
-    pending (with shared and 3-D rows): a `PendingRows` of the moe kind whose materialize() runs this
-    (kernels/pending.py), for a consumer that adds the rows up itself."""
-    if pending and shared is not None and rows.dim() == 3:
-        ids = topk_ids.contiguous()
-        return PendingRows(rows, lambda: _combine_rows(y, rows, ids, shared), ids=ids, shared=shared)
+    shared (bf16 [T, D], op fp4_moe_shared): added last in fp32, y bf16 (the MoE's one rounding, fused)."""
     t, topk = topk_ids.shape
     d = y.shape[1]
     partial = rows.dim() == 3
@@ -767,7 +761,7 @@ def _combine_rows(y, rows, topk_ids, shared=None, pending=False):
     return y
 
 
-def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y, shared=None, pending=False):
+def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y, shared=None):
     """The v2 path (variants under measurement, same function as the default path): pre-dequantised bf16
     activations (A_BF16), one gate+up tile per program, split-K with fixed-order reduce kernels (the w13
     reduce fuses the SwiGLU epilogue and act_quant(h), the w2 reduce fuses the k-row sum), and the k-row sum
@@ -805,11 +799,13 @@ def _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y
     rows = _w2_rows(s2, n_slots, d, x.device)
     _v2_gemm(ha, hs, bank.w2, bank.w2_scale, rows, route_w, sorted_slots, block_expert, n_slots, d, inter, 0.0, 1,
              ab, a_bf16, False, s2, cfg, expand)
-    return _combine_rows(y, rows, topk_ids, shared, pending)
+    return _combine_rows(y, rows, topk_ids, shared)
 
 
 MMA_KEYS = ("MMA_SYNC",)  # a config with any of these takes the mma.sync kernels (`_fp4_moe_mma`)
-MMA_WAVES = 4  # auto split-K of the mma.sync form: programs per SM the split aims for
+MMA_WAVES = 4  # auto split-K of the mma.sync form: programs per SM the split aims for (DEEPINFER_MOE_MMA_WAVES:
+# another, for A/B runs). At b1 it gives w13 / w2 2 splits each; 1 each (waves 2) took the op 54.5 -> 50.6 us on
+# an H100 but the 4-layer step only 1.057 -> 1.051 ms, within its run-to-run spread (2026-12-07, BENCHMARKS.md)
 # its tiles (H200 2026-12-02, bench_fp4_moe.py --mma, whole op, results/fp4_moe_mma_h200_2026-12-02_run3.log):
 # 256 K per stage (a quad reads whole 128-byte lines of each weight row), two register stages; up to 8 slots
 # (b1) one m16 tile per warp: T=1 53.7 us (two tiles: 55.7; 128-K stages 60.1); above, two m16 tiles per
@@ -901,8 +897,7 @@ def tma_form_usable(bank: FP4ExpertBank, device: torch.device) -> bool:
             and tma.usable(device))
 
 
-def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared=None, routed=None,
-                 pending=False):
+def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared=None, routed=None):
     """The CUDA forms of the decode regime: the mma.sync kernel (kernels/cuda/fp4_moe_mma.cu, config MMA_SYNC)
     or the TMA-fed one (fp4_moe_tma.cu, config TMA), which share the contract: routing in blocks of 8 slots,
     bf16 activations (act_quant's exact q * s), both GEMMs as fp32 split partials (S >= 1) on mma.sync with
@@ -936,11 +931,8 @@ def _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, share
     mma.expert_gemm_partials(xa, bank.w13, bank.w13_scale, part, sorted_slots, block_expert, n_slots, topk, cfg)
     ha, _ = _reduce_split_w13(part, route_w, ab, swiglu_limit, True)
     rows = torch.empty((cfg["S2"], n_slots, d), dtype=torch.float32, device=x.device)
-    # w2's routing was written before w13 and the reduce ran: its weights may load before the PDL wait (EARLY)
-    cfg2 = {**cfg, "EARLY": 1, "PREFETCH": int(env.decode_prefetch() == "slice")} \
-        if not use_tma and env.moe_early_w2() else cfg
-    mma.expert_gemm_partials(ha, bank.w2, bank.w2_scale, rows, sorted_slots, block_expert, n_slots, 1, cfg2)
-    return _combine_rows(y, rows, topk_ids, shared, pending)
+    mma.expert_gemm_partials(ha, bank.w2, bank.w2_scale, rows, sorted_slots, block_expert, n_slots, 1, cfg)
+    return _combine_rows(y, rows, topk_ids, shared)
 
 
 WGMMA_KEYS = ("WGMMA",)  # a config with any of these takes the wgmma prefill form (kernels/cuda/fp4_moe_wgmma.cu)
@@ -1104,18 +1096,16 @@ class _SharedRows:
 def fp4_moe_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
                    swiglu_limit: float, shared: torch.Tensor, ready: Callable[[], None] | None = None,
                    expand: int | None = None, config: dict | None = None,
-                   routed: PreRouted | None = None, pending: bool = False) -> "torch.Tensor | PendingRows":
+                   routed: PreRouted | None = None) -> torch.Tensor:
     """Op "fp4_moe_shared": bf16(fp4_moe(...) + shared), the MoE's output with the shared expert's bf16 rows
     added last in fp32 and one rounding (twin: `quant_weights.fp4_moe_shared_torch`). The forms that end in
     `_combine_kernel` do both in it (two launches fewer than an add and a cast); the others add after.
     ready: called once before anything reads `shared` (model/moe.py passes its side stream's join, so the
     shared expert runs beside the routing and the expert GEMMs). routed: op "moe_route"'s ready-made
-    routing of these topk_ids, if any (`PreRouted`). pending: where the form ends in `_combine_kernel`
-    with split partials (the decode forms), return those as a `PendingRows` of the moe kind instead
-    (kernels/pending.py: the consumer adds them up in the same order, or materialises them)."""
+    routing of these topk_ids, if any (`PreRouted`)."""
     check_shared("fp4_moe_shared", x, shared)
     return fp4_moe(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config,
-                   shared=_SharedRows(shared, ready), routed=routed, pending=pending)
+                   shared=_SharedRows(shared, ready), routed=routed)
 
 
 def _add_shared(y: torch.Tensor, shared: _SharedRows | None) -> torch.Tensor:
@@ -1125,8 +1115,7 @@ def _add_shared(y: torch.Tensor, shared: _SharedRows | None) -> torch.Tensor:
 
 def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bank: FP4ExpertBank,
             swiglu_limit: float, expand: int | None = None, config: dict | None = None,
-            shared: _SharedRows | None = None, routed: PreRouted | None = None,
-            pending: bool = False) -> "torch.Tensor | PendingRows":
+            shared: _SharedRows | None = None, routed: PreRouted | None = None) -> torch.Tensor:
     """Op "fp4_moe" on CUDA tensors (see the module docstring); CPU tensors go to the torch twin.
     topk_ids must lie in [0, E) (not checked on the device: that would force a host sync).
     expand: how the kernel turns FP4 into bf16 (`EXPANSIONS`; with config None too: the measured default,
@@ -1167,13 +1156,13 @@ def fp4_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if t == 0:
         return y
     if config and any(key in config for key in MMA_KEYS + TMA_KEYS):
-        return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared, routed, pending)
+        return _fp4_moe_mma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared, routed)
     if config and any(key in config for key in WGMMA_KEYS):
         return _fp4_moe_wgmma(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
     if config and any(key in config for key in FP8_KEYS):
         return _fp4_moe_fp8(x, topk_ids, topk_weights, bank, swiglu_limit, config, y, shared)
     if config and any(key in config for key in V2_KEYS):
-        return _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y, shared, pending)
+        return _fp4_moe_v2(x, topk_ids, topk_weights, bank, swiglu_limit, expand, config, y, shared)
     y = y if shared is None else torch.empty((t, d), dtype=torch.float32, device=x.device)
     cfg = config or _config(n_slots, bank.plan_experts)
     sorted_slots, block_expert = route_slots(topk_ids, bank.n_experts, cfg["BM"])

@@ -59,7 +59,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.pending import PendingRows
 from deepinfer.kernels.quant_weights import QuantLinearWeight, e4m3_expansion_exact, fp8_linear_torch, _check_activation
 from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
@@ -331,12 +330,10 @@ def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
     return e4m3_expansion_exact(w)
 
 
-def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor,
-                     pending: bool = False):
+def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
     """fp8_linear through the mma.sync CUDA kernel (act_quant fused, exact products, fp32 sums): one launch
     when S = 1 or the split CTAs add their partials as a cluster (`use_cluster`), else fp32 partials and
-    `_split_sum_kernel` (the same fixed-order sum as the Triton forms, so every way gives the same bits;
-    pending: not run here, see `fp8_linear`)."""
+    `_split_sum_kernel` (the same fixed-order sum as the Triton forms, so every way gives the same bits)."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
 
     m, k = x.shape
@@ -345,7 +342,7 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     split = cfg["SPLIT_K"]
     if use_cluster(split, config, lambda: sync.cluster_fits(m, n, cfg, x.device)):
         return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
-    return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out, pending)
+    return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out)
 
 
 CLUSTER_MAX_SPLIT = 4  # the most split CTAs a tile adds up as one cluster by default (`use_cluster`)
@@ -370,24 +367,14 @@ def use_cluster(split: int, config: dict | None, fits) -> bool:
     return fits()
 
 
-def _partials_then_sum(launch, split: int, out: torch.Tensor, pending: bool = False):
+def _partials_then_sum(launch, split: int, out: torch.Tensor) -> torch.Tensor:
     """`launch(dest)` straight into out (bf16 [M, N]) when split is 1, else into fp32 partials [split, M, N]
-    that `_split_sum_kernel` adds in a fixed order into out (the CUDA forms' split-K, like the Triton ones');
-    pending: the partials as a `PendingRows` whose materialize() runs that sum (kernels/pending.py)."""
+    that `_split_sum_kernel` adds in a fixed order into out (the CUDA forms' split-K, like the Triton ones')."""
     if split == 1:
         return launch(out)
     m, n = out.shape
     part = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
     launch(part)
-    return _sum_splits(part, out, pending)
-
-
-def _sum_splits(part: torch.Tensor, out: torch.Tensor, pending: bool = False):
-    """out = bf16(part[0] + part[1] + ... + part[S-1]) by `_split_sum_kernel` (fixed order), or, pending, a
-    `PendingRows` that runs it when materialised (its consumer may add the partials itself)."""
-    if pending:
-        return PendingRows(part, lambda: _sum_splits(part, out))
-    split, m, n = part.shape
     block = 1024
     _split_sum_kernel[(cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
                                                    num_warps=4)
@@ -470,7 +457,7 @@ def auto_form(m: int, n: int, k: int, block: int = 128) -> str:
 
 
 def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,
-               out: torch.Tensor | None = None, pending: bool = False) -> "torch.Tensor | PendingRows":
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Op "fp8_linear" on CUDA tensors; CPU tensors go to the torch twin (or, under TRITON_INTERPRET=1,
     through the kernels in Triton's interpreter, for tests at tiny shapes). config: launch override (the
     benchmark's sweep; see `plan`, or for "sync" kernels/cuda/fp8_linear_mma.plan). mma: "bf16" (exact
@@ -480,10 +467,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
     DEEPINFER_LINEAR_DECODE_KERNEL / DECODE_LINEAR_FORM say so, "wgmma" for WGMMA_MIN_M..WGMMA_MAX_M where it
     can run and DEEPINFER_LINEAR_BATCH_FORM says so, "fp8" from FP8_MMA_MIN_M, there the "fp8_wgmma" CUDA kernel
     where it can run and PREFILL_LINEAR_FORM / DEEPINFER_LINEAR_PREFILL_KERNEL say so); None: `MMA`.
-    out: optional bf16 [M, N] destination (tests poison it to check every element is written).
-    pending: where a form would end in `_split_sum_kernel`, return its fp32 partials as a `PendingRows`
-    instead (kernels/pending.py: the consumer adds them up in the same order, or materialises them); a form
-    that does not split (or sums in a cluster) returns out as always, and so does the twin."""
+    out: optional bf16 [M, N] destination (tests poison it to check every element is written)."""
     if not x.is_cuda and not interpreting():
         return fp8_linear_torch(x, w)
     _check_activation("fp8_linear", x, w.in_features)
@@ -506,7 +490,7 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
         return _fp8_linear_prefill(x, w, config, out)
     if mma == "sync" or (mma == "auto" and m <= SYNC_MAX_M and _decode_linear_form() == "mma"
                          and _sync_usable(w, x.device)):
-        return _fp8_linear_sync(x, w, config, out, pending)
+        return _fp8_linear_sync(x, w, config, out)
     if mma == "wgmma" or (mma == "auto" and WGMMA_MIN_M <= m <= WGMMA_MAX_M and _batch_form() == "auto"
                           and _wgmma_usable(w, x.device)):
         return _fp8_linear_wgmma(x, w, config, out)
@@ -542,7 +526,11 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
         _fp8_linear_kernel[grid](x, w.data, w.scale, dest, m, n, x.stride(0), w.data.stride(0), w.scale.stride(0),
                                  stride_om, stride_os, K=k, WBLOCK=w.block, CHUNK=w.act_block, KB=kb,
                                  A_DEQUANT=not fused, K_SPLIT=k // split, SPLIT_OUT=split > 1, **cfg)
-    return _sum_splits(dest, out, pending) if split > 1 else out
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(cdiv(m * n, block),)](dest, out, n, m * n, out.stride(0), S=split, BLOCK=block,
+                                                       num_warps=4)
+    return out
 
 
 REGISTRATIONS = {"fp8_linear": fp8_linear}

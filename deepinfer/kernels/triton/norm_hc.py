@@ -29,7 +29,6 @@ import triton.language as tl
 
 from deepinfer import env
 from deepinfer.kernels import official, official_fused, torch_ops
-from deepinfer.kernels.pending import PendingRows, rows as pending_rows
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
 
@@ -286,35 +285,19 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
 
 @fast_launch
 @triton.jit
-def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, ssq_ptr, ids_ptr, sh_ptr,
-                                T, D, KD, n_out, k_chunk, stride_fs, HC: tl.constexpr, BLOCK_T: tl.constexpr,
-                                BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-                                F_MODE: tl.constexpr, F_S: tl.constexpr, F_TOPK: tl.constexpr, F_KP: tl.constexpr,
-                                F_SHARED: tl.constexpr, PDL: tl.constexpr = False):
+def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, ssq_ptr, T, D, KD,
+                                n_out, k_chunk, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
+                                BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """`_hc_mix_partial_kernel` whose x is made here: the previous sublayer's hc_post (`_hc_post_kernel`'s
     arithmetic, post_k * f + sum over j of comb[j, k] * r_j in fp32, rounded to bf16) of the columns this
     program reads, stored into x [T, HC * D] (every column by exactly one program) and used for the partials.
-    A step of BLOCK_K columns lies in one stream k (D % BLOCK_K == 0, checked by the launcher).
-    f, the sublayer's bf16 output, is F_MODE 0: f [T, D] itself; 1: a split-K `PendingRows`, f_ptr its F_S
-    fp32 partials [F_S, T, D] (split stride stride_fs), added here as `_split_sum_kernel` does; 2: the MoE's
-    `PendingRows`, f_ptr its partials [F_S, T F_TOPK, D], ids [T, F_TOPK], added here as fp4_moe's
-    `_combine_kernel` does (the slots in ascending expert id, ties by position; F_SHARED: the shared rows
-    sh [T, D] last). The same arithmetic in the same order: the same f bits as the reduce kernel's."""
+    A step of BLOCK_K columns lies in one stream k (D % BLOCK_K == 0, checked by the launcher)."""
     pdl_enter(PDL)
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = toks < T
     t64 = toks.to(tl.int64)
-    if F_MODE == 2:  # each token's rank of its k slots by (expert id, position), as `_combine_kernel` ranks them
-        jk = tl.arange(0, F_KP)
-        jk_ok = jk < F_TOPK
-        ids = tl.load(ids_ptr + t64[:, None] * F_TOPK + jk[None, :], mask=tmask[:, None] & jk_ok[None, :],
-                      other=0).to(tl.int64)
-        ia = ids[:, :, None]  # slot a of the pair (a, b): is b before a?
-        ib = ids[:, None, :]
-        before = ((ib < ia) | ((ib == ia) & (jk[None, None, :] < jk[None, :, None]))) & jk_ok[None, None, :]
-        rank = tl.where(jk_ok[None, :], tl.sum(before.to(tl.int32), axis=2), F_KP)  # [BLOCK_T, F_KP]
     outs = tl.arange(0, BLOCK_O)
     omask = outs < n_out
     acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
@@ -327,24 +310,7 @@ def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr,
         stream = c0 // D  # this step's output stream k
         dd = ks - stream * D
         m2 = tmask[:, None] & kmask[None, :]
-        if F_MODE == 0:
-            f = tl.load(f_ptr + t64[:, None] * D + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-        elif F_MODE == 1:
-            fs = tl.load(f_ptr + t64[:, None] * D + dd[None, :], mask=m2, other=0.0)
-            for s in tl.static_range(1, F_S):
-                fs += tl.load(f_ptr + s * stride_fs + t64[:, None] * D + dd[None, :], mask=m2, other=0.0)
-            f = fs.to(tl.bfloat16).to(tl.float32)
-        else:
-            fm = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-            for rk in tl.static_range(F_TOPK):
-                slot = t64 * F_TOPK + tl.sum(tl.where(rank == rk, jk[None, :], 0), axis=1)  # [BLOCK_T]
-                row = tl.load(f_ptr + slot[:, None] * D + dd[None, :], mask=m2, other=0.0)
-                for s in tl.static_range(1, F_S):
-                    row += tl.load(f_ptr + s * stride_fs + slot[:, None] * D + dd[None, :], mask=m2, other=0.0)
-                fm += row.to(tl.bfloat16).to(tl.float32)
-            if F_SHARED:
-                fm += tl.load(sh_ptr + t64[:, None] * D + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-            f = fm.to(tl.bfloat16).to(tl.float32)
+        f = tl.load(f_ptr + t64[:, None] * D + dd[None, :], mask=m2, other=0.0).to(tl.float32)
         live = tmask & (c0 < KD)
         post = tl.load(post_ptr + t64 * HC + stream, mask=live, other=0.0)
         # sum over j in ascending order, one stream's [BLOCK_T, BLOCK_K] tile at a time (a [HC, ...] tile of
@@ -523,29 +489,22 @@ POST_MIX_PLAN = dict(BLOCK_K=64, num_stages=2)  # and one step of 64 columns a p
 # T=1 against 8.9 for 128 of 128 on the H200 (results/hc_mix_h200_2026-12-05_s18.log)
 
 
-PENDING_WARPS = 8  # the post-mix kernel's warps when it adds up a PendingRows: sm_90 builds of the decode plan
-# (scripts/sass_sm90.py hc_post_mix_*) at 4 warps spill 1448 B a thread for wo_b's 16 splits (536 for the MoE's
-# 2 x 6 slots), at 8 warps 80 B and none (the [16, 64] tile's loads in flight: half the registers a thread)
-
-
-def hc_post_pre_fused(f: "torch.Tensor | PendingRows", residual: torch.Tensor, post: torch.Tensor,
-                      comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                      norm_weight: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float,
+def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                      fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor, hc: int,
+                      iters: int, hc_eps: float, norm_eps: float,
                       config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Op "hc_post_pre_fused" (twin `official_fused.hc_post_pre_fused`): one sublayer's hc_post and the next
     sublayer's hc_pre -> (x [T, hc, D] bf16 the new residual streams, y, post, comb as `hc_pre_fused`). Two
     launches where there were three at decode (up to POST_MIX_MAX_T tokens): the mix kernel makes the columns
-    of x it reads (`_hc_post_mix_partial_kernel`) instead of a separate hc_post pass writing them first.
-    f may be a `PendingRows` (kernels/pending.py): the mix kernel then adds up its partials itself, one
-    reduce launch fewer (the two-op path materialises f: the producer's reduce kernel)."""
-    if _fallback(f if torch.is_tensor(f) else None, residual, post, comb):
-        return official_fused.hc_post_pre_fused(pending_rows(f), residual, post, comb, fn, scale, base, norm_weight,
-                                                hc, iters, hc_eps, norm_eps)
+    of x it reads (`_hc_post_mix_partial_kernel`) instead of a separate hc_post pass writing them first."""
+    if _fallback(f, residual, post, comb):
+        return official_fused.hc_post_pre_fused(f, residual, post, comb, fn, scale, base, norm_weight, hc, iters,
+                                                hc_eps, norm_eps)
     T, hc_r, D = residual.shape if residual.dim() == 3 else (0, 0, 0)
     plan = mix_plan(T, hc * D, {**POST_MIX_PLAN, "SPLITS": max(1, hc * D // 64), **(config or {})}) if T else None
     if (not env.attn_fusions_enabled() or residual.dtype != BF16 or f.dtype != BF16 or hc_r != hc or not T
             or T > POST_MIX_MAX_T or D % plan["BLOCK_K"] or tuple(f.shape) != (T, D)):  # the two ops in turn
-        x = hc_post_fused(pending_rows(f), residual, post, comb)
+        x = hc_post_fused(f, residual, post, comb)
         return (x,) + tuple(hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps, config))
     _need(tuple(post.shape) == (T, hc) and tuple(comb.shape) == (T, hc, hc),
           f"hc_post_pre: want post [{T}, {hc}] and comb [{T}, {hc}, {hc}], got {tuple(post.shape)}, {tuple(comb.shape)}")
@@ -558,37 +517,13 @@ def hc_post_pre_fused(f: "torch.Tensor | PendingRows", residual: torch.Tensor, p
     KD, n_out, splits = hc * D, fn.shape[0], plan["SPLITS"]
     part = torch.empty(splits, T, n_out, dtype=F32, device=dev)
     ssq = torch.empty(splits, T, dtype=F32, device=dev)
-    fsrc = _f_source(f)
     _hc_post_mix_partial_kernel[(cdiv(T, plan["BLOCK_T"]), splits)](
-        fsrc["f"], residual.contiguous(), post.to(F32).contiguous(), comb.to(F32).contiguous(), x,
-        fn.to(F32).contiguous(), part, ssq, fsrc["ids"], fsrc["shared"], T, D, KD, n_out, plan["K_CHUNK"],
-        fsrc["stride"], HC=hc, BLOCK_T=plan["BLOCK_T"], BLOCK_O=max(16, next_power_of_2(n_out)),
-        BLOCK_K=plan["BLOCK_K"], INTERPRET=_interpreting(), F_MODE=fsrc["mode"], F_S=fsrc["S"],
-        F_TOPK=fsrc["topk"], F_KP=max(2, next_power_of_2(fsrc["topk"])), F_SHARED=fsrc["has_shared"],
-        num_warps=plan["num_warps"] if fsrc["mode"] == 0 else max(plan["num_warps"], PENDING_WARPS),
-        num_stages=plan["num_stages"])
+        f.contiguous(), residual.contiguous(), post.to(F32).contiguous(), comb.to(F32).contiguous(), x,
+        fn.to(F32).contiguous(), part, ssq, T, D, KD, n_out, plan["K_CHUNK"], HC=hc, BLOCK_T=plan["BLOCK_T"],
+        BLOCK_O=max(16, next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"], INTERPRET=_interpreting(),
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post2, comb2, iters, hc_eps, norm_eps)
     return x, y, post2, comb2
-
-
-def _f_source(f: "torch.Tensor | PendingRows") -> dict:
-    """`_hc_post_mix_partial_kernel`'s view of the sublayer output f: its mode (0 rows, 1 split-K partials,
-    2 the MoE's partials), the tensor it reads, the split stride and count, the MoE's ids and shared rows
-    (the producer's stream joined here, before the launch that reads them)."""
-    if not isinstance(f, PendingRows):
-        f = f.contiguous()
-        return dict(mode=0, f=f, stride=0, S=1, ids=f, shared=f, topk=1, has_shared=False)
-    part = f.part.contiguous()
-    if f.ids is None:
-        return dict(mode=1, f=part, stride=part.stride(0), S=part.shape[0], ids=part, shared=part, topk=1,
-                    has_shared=False)
-    shared = f.shared_rows()
-    if shared is not None:
-        _need(shared.dtype == BF16 and tuple(shared.shape) == tuple(f.shape) and shared.is_contiguous(),
-              f"hc_post_pre: the MoE's shared rows must be bf16 contiguous {tuple(f.shape)}, got {shared.dtype} "
-              f"{tuple(shared.shape)}")
-    return dict(mode=2, f=part, stride=part.stride(0), S=part.shape[0], ids=f.ids.contiguous(),
-                shared=shared if shared is not None else part, topk=f.ids.shape[1], has_shared=shared is not None)
 
 
 def hc_head_fused(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -659,11 +594,10 @@ def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     return _hc_post(f, residual, post, comb, dtype)
 
 
-def hc_post_fused(f: "torch.Tensor | PendingRows", residual: torch.Tensor, post: torch.Tensor,
-                  comb: torch.Tensor) -> torch.Tensor:
-    """hc_post rounded once to bf16, as the official block does: f [T, D] (bf16 sublayer output, read as fp32;
-    a `PendingRows` is materialised first), residual [T, hc, D] bf16 -> [T, hc, D] bf16."""
-    return _hc_post(pending_rows(f), residual, post, comb, BF16)
+def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """hc_post rounded once to bf16, as the official block does: f [T, D] (bf16 sublayer output, read as fp32),
+    residual [T, hc, D] bf16 -> [T, hc, D] bf16."""
+    return _hc_post(f, residual, post, comb, BF16)
 
 
 REGISTRATIONS = {
