@@ -206,6 +206,20 @@ def route_first_enabled() -> bool:
     return os.environ.get("DEEPINFER_ROUTE_FIRST", "1") not in ("0", "false", "no")
 
 
+def hc_post_mix_plan() -> dict:
+    """DEEPINFER_HC_POST_MIX="num_stages:1;num_warps:2": launch-plan keys of `norm_hc.hc_post_pre_fused`'s
+    post-mix kernel at decode on top of its POST_MIX_PLAN (A/B runs of the plan; integers; read at each call,
+    so a graph keeps what its capture saw); unset: {}."""
+    value = os.environ.get("DEEPINFER_HC_POST_MIX", "")
+    out = {}
+    for item in filter(None, value.split(";")):
+        key, _, number = item.partition(":")
+        if not key or not number.isdigit():
+            raise ValueError(f"DEEPINFER_HC_POST_MIX must be key:int items separated by ';', got {value!r}")
+        out[key] = int(number)
+    return out
+
+
 def moe_mma_waves() -> int | None:
     """DEEPINFER_MOE_MMA_WAVES=n: the mma.sync expert form's auto split-K aims for n CTAs per SM instead of
     fp4_moe.MMA_WAVES (a benchmark's A/B of the split counts; read at each call, so a graph keeps what its

@@ -276,6 +276,8 @@ def test_v41_cuda_kernels_match_their_twins_on_model_inputs(parts, cuda_kernels,
                 return ref
             got = kernel(*args, **kwargs)
             for r, g in zip(ref if isinstance(ref, tuple) else (ref,), got if isinstance(got, tuple) else (got,)):
+                if not (torch.is_tensor(r) and torch.is_tensor(g)):  # moe_route's third item: the CUDA op's
+                    continue  # PreRouted (work it saves the experts' op) where the twin has None
                 r, g = r.double(), g.double()
                 errors[name] = max(errors.get(name, 0.0), float((r - g).norm() / r.norm().clamp(min=1e-30)))
             return ref

@@ -371,9 +371,13 @@ def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
     collapse loading every split's partials at once, 128 splits of one 128-column step won on the H200,
     results/hc_mix_h200_2026-12-05_s18.log: the whole op at T=1 13.4 -> 8.9 us, T=8 13.6 -> 9.3, T=128
     17.4 -> 13.2; T=8192 keeps 4 splits, 8 measured slower). COLLAPSE_WARPS: the Sinkhorn-collapse kernel's warps (default
-    `COLLAPSE_WARPS`; None: one per 1024 of hc * D, up to 16, the rule before 2026-12-02)."""
+    `COLLAPSE_WARPS`; None: one per 1024 of hc * D, up to 16, the rule before 2026-12-02).
+    Since those 128 splits make one 128-column step a program at T <= 16, a software pipeline has nothing to
+    overlap: num_stages 1 (5 until 2026-12-07; benchmarks/bench_hc_post_pre.py --pre on an H100, the same bits:
+    hc_pre_fused T=1 / 8 / 16 7.51 / 9.03 / 8.00 -> 7.03 / 8.73 / 7.58 us, hc_head_fused 7.14 / 7.64 / 8.39 ->
+    6.90 / 7.45 / 8.06)."""
     if T <= 16:
-        cfg = dict(BLOCK_T=16, BLOCK_K=128, num_warps=4, num_stages=5)
+        cfg = dict(BLOCK_T=16, BLOCK_K=128, num_warps=4, num_stages=1)
     elif T <= 1024:
         cfg = dict(BLOCK_T=64, BLOCK_K=128, num_warps=4, num_stages=2)
     else:
@@ -483,10 +487,14 @@ def _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post, comb, iters
 POST_MIX_MAX_T = 16  # the fused mix kernel's tokens: the decode plan's one token block. Its larger plans'
 # [64 | 128, 128] tiles spill in the sm_90 build (5 KB / 3.8 KB of stack a thread with hc_post's loads added;
 # scripts/sass_sm90.py), and a prefill's launch count does not bound it: they take the two ops
-POST_MIX_PLAN = dict(BLOCK_K=64, num_stages=2)  # and one step of 64 columns a program (SPLITS = hc * D / 64):
+POST_MIX_PLAN = dict(BLOCK_K=64, num_stages=1)  # and one step of 64 columns a program (SPLITS = hc * D / 64):
 # the decode plan's 128-column step spills with hc_post's loads (704 B a thread at 4 warps, 56-96 B at 8);
 # this one builds in 255 registers without (sm_90). The whole hc_pre op with 256 splits of 64 took 9.0 us at
-# T=1 against 8.9 for 128 of 128 on the H200 (results/hc_mix_h200_2026-12-05_s18.log)
+# T=1 against 8.9 for 128 of 128 on the H200 (results/hc_mix_h200_2026-12-05_s18.log). One step a program:
+# no pipeline (num_stages 2 until 2026-12-07; the whole op on an H100, the same bits: T=1 / 2 / 8 / 16
+# 10.95 / 10.56 / 12.09 / 11.18 -> 8.83 / 8.99 / 10.67 / 11.24 us; num_warps 2, COLLAPSE_WARPS, SPLITS measured
+# worse or mixed; the b1 step 1.068 -> 1.060 ms, b8 1.916 -> 1.908: results/bench_hc_post_pre_*_s35.log).
+# DEEPINFER_HC_POST_MIX overrides its keys for A/B runs (env.hc_post_mix_plan)
 
 
 def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -501,7 +509,8 @@ def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
         return official_fused.hc_post_pre_fused(f, residual, post, comb, fn, scale, base, norm_weight, hc, iters,
                                                 hc_eps, norm_eps)
     T, hc_r, D = residual.shape if residual.dim() == 3 else (0, 0, 0)
-    plan = mix_plan(T, hc * D, {**POST_MIX_PLAN, "SPLITS": max(1, hc * D // 64), **(config or {})}) if T else None
+    plan = mix_plan(T, hc * D, {**POST_MIX_PLAN, "SPLITS": max(1, hc * D // 64), **env.hc_post_mix_plan(),
+                                **(config or {})}) if T else None
     if (not env.attn_fusions_enabled() or residual.dtype != BF16 or f.dtype != BF16 or hc_r != hc or not T
             or T > POST_MIX_MAX_T or D % plan["BLOCK_K"] or tuple(f.shape) != (T, D)):  # the two ops in turn
         x = hc_post_fused(f, residual, post, comb)
