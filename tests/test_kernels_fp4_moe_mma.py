@@ -108,6 +108,21 @@ def test_split_rule_on_v4_flash_shapes():
     assert (cfg["KSTEP"], cfg["STAGES"]) == (128, 2), cfg
 
 
+def test_the_waves_switch_sets_the_auto_split(monkeypatch):
+    """DEEPINFER_MOE_MMA_WAVES (A/B runs): 2 CTAs per SM leave b1's 384 CTAs unsplit; a config's WAVES wins; a
+    bad value is refused by name."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.fp4_moe import plan_mma
+
+    monkeypatch.setenv("DEEPINFER_MOE_MMA_WAVES", "2")
+    cfg = plan_mma(6, 256, 4096, 2048, 132, {"MMA_SYNC": True})
+    assert (cfg["S13"], cfg["S2"]) == (1, 1), cfg
+    assert plan_mma(6, 256, 4096, 2048, 132, {"MMA_SYNC": True, "WAVES": 4})["S13"] == 2
+    monkeypatch.setenv("DEEPINFER_MOE_MMA_WAVES", "two")
+    with pytest.raises(ValueError, match="DEEPINFER_MOE_MMA_WAVES"):
+        plan_mma(6, 256, 4096, 2048, 132, {"MMA_SYNC": True})
+
+
 def test_the_op_refuses_the_load_only_diagnostic():
     """LOAD_ONLY (benchmarks/bench_moe_load_bound.py) compiles the kernel without its math: the op must not run it."""
     pytest.importorskip("triton")

@@ -77,6 +77,32 @@ def _check(device: str, plant: str = "") -> None:
     assert all(torch.equal(a, b) for a, b in zip(off, (x,) + tuple(norm_hc.hc_pre_fused(x, *hc_args))))
 
 
+def test_the_plan_switch_reaches_the_post_mix_plan(monkeypatch):
+    """DEEPINFER_HC_POST_MIX (A/B runs of the decode plan): its keys on top of POST_MIX_PLAN, a call's config on
+    top of them; malformed values and unknown keys refused by name. (No kernel runs: the plan is built first.)"""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton import norm_hc
+
+    plans = []
+    monkeypatch.setattr(norm_hc, "_check_hc_pre", lambda *a: (_ for _ in ()).throw(RuntimeError("stop")))
+    real = norm_hc.mix_plan
+    monkeypatch.setattr(norm_hc, "mix_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    f, r, post, comb, fn, scale, base, nw = _inputs(1, 256, "cpu", 1)
+    args = (f, r, post, comb, fn, scale, base, nw, 4, 20, 1e-6, 1e-6)
+    monkeypatch.setenv("DEEPINFER_HC_POST_MIX", "num_stages:3;num_warps:2")
+    for config in (None, {"num_warps": 8}):
+        with pytest.raises(RuntimeError, match="stop"):
+            norm_hc.hc_post_pre_fused(*args, config=config)
+    assert (plans[0]["num_stages"], plans[0]["num_warps"], plans[0]["BLOCK_K"]) == (3, 2, 64)
+    assert (plans[1]["num_stages"], plans[1]["num_warps"]) == (3, 8)
+    monkeypatch.setenv("DEEPINFER_HC_POST_MIX", "num_stages=3")
+    with pytest.raises(ValueError, match="DEEPINFER_HC_POST_MIX"):
+        norm_hc.hc_post_pre_fused(*args)
+    monkeypatch.setenv("DEEPINFER_HC_POST_MIX", "stages:3")
+    with pytest.raises(ValueError, match="unknown config keys"):
+        norm_hc.hc_post_pre_fused(*args)
+
+
 def _interpreted(plant: str = ""):
     return run_check("test_kernels_hc_post_pre", f"_check('cpu', {plant!r})", timeout=900)
 
