@@ -13,7 +13,7 @@
 # session's H100 ran s34's tests with its own in stage s35 (at 0974dc8; results/*_s34*, BENCHMARKS.md). The
 # thirty-fifth session's H100 ran the owed s36 (the thirty-fourth's A/B), its own experiments' stages s37 / s37b
 # (at 8de6614; the code was slower and was removed with its stages), `headline` and slice_defaults
-# (results/*_s35*, BENCHMARKS.md). Still owed
+# (results/*_s35*, BENCHMARKS.md); it owes v41_hc (V4.1's decode with its hc plan change, any Hopper GPU). Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -25,7 +25,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -36,6 +36,10 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+v41_hc)  # V4.1's decode after the thirty-fifth session's hc plans (num_stages 1 for the mix kernel's decode plan: V4.1
+    # runs it in every sublayer's hc_pre_deferred_fused; not timed on V4.1): its slice's b1 / b8 / b32 steps
+    step bench_v41_decode_hc 200 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 6
+    ;;
 headline)  # the issue's numbers with the current defaults against the ceilings of the same run: the b1 roofline
     # (back to back, head excluded), b32 / b128, the 8k prefill against the FP8 peak (thirty-fifth session: H100)
     step run_slice_headline 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches 1 32 128 --prefills 8192 \
