@@ -128,3 +128,17 @@ def test_lanes_run_beside_each_other_and_hand_over_by_marks():
     assert torch.all(b == 70.0) and torch.all(c == 25.0) and torch.all(d == 95.0)
     with pytest.raises(RuntimeError, match="already joined"):
         wait_mark(l2, ready)
+
+
+def test_side_work_now_or_at_its_first_read():
+    """side_work: queued at once (later False) or at the getter's first call (later True: the caller's work in
+    between is queued first), run once either way, its result from every call."""
+    from deepinfer.model.side_stream import side_work
+
+    calls = []
+    for later in (False, True):
+        calls.clear()
+        get = side_work(None, lambda: calls.append("work") or len(calls), later=later)
+        calls.append("between")
+        assert get() == get() == (2 if later else 1)
+        assert calls == (["between", "work"] if later else ["work", "between"])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from deepinfer import env, kernels
 from deepinfer.config import ModelConfig
 from deepinfer.model.expert_parallel_fast import expert_shard, local_routing
-from deepinfer.model.side_stream import forked, join, on_side
+from deepinfer.model.side_stream import forked, join, side_work
 from deepinfer.model.stacked import pair
 
 
@@ -127,15 +127,12 @@ class V4MoE:
         # The shared expert needs only x: on CUDA it runs on the side stream beside the gate, the routing and
         # the routed experts (model/side_stream.py), and joins before its fp32 add. Same kernels, same bits.
         with forked(x.device) as branch:  # joined at the latest when the block ends
-            def shared_expert():
-                with on_side(branch):
-                    return self._swiglu_official(x, "shared_experts.", self.shared_limit, None)
             # the routing is the critical path's start, the shared expert only joins at the combine: queued
             # first, a replayed graph starts its kernel first (env.route_first_enabled). Not with a
             # communicator: its dispatch syncs the host (the dp groups' row counts), which would hold the shared
             # expert back from overlapping the collective
-            first = env.route_first_enabled() and self.comm is None
-            shared = None if first else shared_expert()
+            shared = side_work(branch, lambda: self._swiglu_official(x, "shared_experts.", self.shared_limit, None),
+                               later=env.route_first_enabled() and self.comm is None)
             xr, idr = (x, ids) if self.comm is None else self.comm.moe_dispatch(x, ids)  # EP over dp: all tokens
             routed = None
             if self.cfg.score_func == "sqrtsoftplus" and self.comm is None and self.expert_shard is None:
@@ -146,7 +143,7 @@ class V4MoE:
             if self.expert_shard is not None:  # this rank's experts only; the others' slots contribute 0
                 indices, weights = local_routing(indices, weights, *self.expert_shard)
             bank, limit = self.p["experts"], self.cfg.swiglu_limit
-            shared = shared_expert() if shared is None else shared
+            shared = shared()  # (queued here when the routing went first)
             if self.comm is None:  # the shared rows added last in fp32 and the bf16 rounding inside the op's
                 # combine; the op joins the side stream just before that combine (after queueing the GEMMs)
                 return kernels.get("fp4_moe_shared", self.kdev)(xr, indices, weights, bank, limit, shared,

@@ -33,11 +33,13 @@ Must not: be used around collectives (the ranks' streams would order them differ
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, TypeVar
 
 import torch
 
 from deepinfer import env
 
+T = TypeVar("T")
 LANES = 3  # side streams per device
 _SIDE: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, lane) -> stream
 
@@ -118,6 +120,26 @@ def wait_mark(branch: Branch | None, event: torch.cuda.Event | None) -> None:
     if branch.joined:
         raise RuntimeError("wait_mark: this branch was already joined; fork a new one with beside()")
     branch.side.wait_event(event)
+
+
+def side_work(branch: Branch | None, work: Callable[[], T], later: bool = False) -> Callable[[], T]:
+    """`work()` queued on the branch's side stream now, or (later) at the first call of the returned getter,
+    which gives its result either way: main-chain work the caller queues in between then starts first in a
+    replayed graph (the MoE layers' routing before their shared expert, env.route_first_enabled)."""
+    def run() -> T:
+        with on_side(branch):
+            return work()
+
+    if not later:
+        result = run()
+        return lambda: result
+    done: list = []
+
+    def get() -> T:
+        if not done:
+            done.append(run())
+        return done[0]
+    return get
 
 
 def join(branch: Branch | None) -> None:

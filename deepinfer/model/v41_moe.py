@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from deepinfer import env, kernels
 from deepinfer.config import ModelConfig
-from deepinfer.model.side_stream import forked, join, on_side
+from deepinfer.model.side_stream import forked, join, side_work
 from deepinfer.model.stacked import pair
 
 
@@ -106,12 +106,10 @@ class V41MoE:
         """Official rounding points, routed experts in one `fp4_moe` call (fp32 sum over the k experts in
         ascending expert order, as official), the clamped shared expert added in fp32, rounded to bf16 once."""
         with forked(x.device) as branch:  # the shared expert beside the routing and routed experts (as V4MoE)
-            def shared_expert():
-                with on_side(branch):
-                    return self._swiglu_official(x, "shared_experts.", None)
-            shared = None if env.route_first_enabled() else shared_expert()  # the routing first, as V4MoE
+            shared = side_work(branch, lambda: self._swiglu_official(x, "shared_experts.", None),
+                               later=env.route_first_enabled())  # the routing first, as V4MoE
             weights, indices, routed = self._route_fast(x) if self._routes_by_op() else (*self.route(x), None)
-            shared = shared_expert() if shared is None else shared
+            shared = shared()
             # the shared rows added last in fp32 and the bf16 rounding inside the op's combine, which joins the
             # side stream just before it
             return kernels.get("fp4_moe_shared", self.kdev)(x, indices, weights.to(torch.float32),
