@@ -90,21 +90,21 @@ def gate_row(logits_row_ptr, bias_ptr, w_row_ptr, idx_row_ptr, E, route_scale, n
     scores = _sqrt_softplus(x)
     kk = tl.arange(0, K_P2)
     kmask = kk < K
+    sel_idx = tl.zeros([K_P2], dtype=tl.int64)
     if PACKED:
+        taken = -9223372036854775807 - 1  # int64's minimum: below every key (padding and chosen experts)
         biased = scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)
-        key = tl.where(emask, _order_key(biased, e, E_P2), -9223372036854775807 - 1)
-        sel_idx = tl.zeros([K_P2], dtype=tl.int64)
+        key = tl.where(emask, _order_key(biased, e, E_P2), taken)
         for i in tl.static_range(K):
             best = tl.max(key, axis=0)
             j = (E_P2 - 1) - (best & (E_P2 - 1))  # the low word (< E_P2)
             sel_idx = tl.where(kk == i, j, sel_idx)
-            key = tl.where(e == j, -9223372036854775807 - 1, key)
+            key = tl.where(e == j, taken, key)
         sel_w = tl.where(kmask, _sqrt_softplus(tl.load(logits_row_ptr + sel_idx, mask=kmask, other=0.0,
                                                        cache_modifier=CACHE).to(tl.float32)), 0.0)
     else:
         biased = tl.where(emask, scores + tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32),
                           float("-inf"))
-        sel_idx = tl.zeros([K_P2], dtype=tl.int64)
         sel_w = tl.zeros([K_P2], dtype=tl.float32)
         for i in tl.static_range(K):
             m = tl.max(biased, axis=0)
