@@ -47,16 +47,23 @@ def compile_sm90(fn, params: dict, divisible: set[str] = frozenset(), num_warps:
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def _cuobjdump(compiled, flag: str) -> str:
-    """Triton's bundled cuobjdump with `flag` on the kernel's cubin (written to a temporary file)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")  # Triton's own
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """Triton's bundled cuobjdump with `flag` on a cubin (written to a temporary file): also the CUDA kernels'
+    NVRTC builds (tests/test_kernels_pdl_sass.py)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         path = f.name
     try:
-        return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([CUOBJDUMP, flag, path], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(path)
+
+
+def _cuobjdump(compiled, flag: str) -> str:
+    return cuobjdump(compiled.asm["cubin"], flag)
 
 
 def sass(compiled) -> str:

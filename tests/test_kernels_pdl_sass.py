@@ -10,22 +10,20 @@ H100, 2026-12-07; BENCHMARKS.md "thirty-fifth session".)
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import tempfile
+import sys
+from pathlib import Path
 
 import pytest
 
 from deepinfer.kernels.cuda import runtime
 
-_OP = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 WRITES = ("STG", "ST.", "STS", "STL", "ATOM", "RED")
 
 
 def _builds() -> list[tuple[str, dict]]:
     from deepinfer.kernels.cuda import fp4_moe_mma, fp4_moe_tma, fp8_linear_mma
 
-    lin = {k: v for k, v in fp8_linear_mma.DEFAULT_TILES.items()}
+    lin = dict(fp8_linear_mma.DEFAULT_TILES)
     return [
         ("fp8_linear_mma.cu", dict(lin, SPLIT_OUT=1)),  # split-K partials
         ("fp8_linear_mma.cu", dict(lin, SPLIT_OUT=0, CLUSTER_SPLIT=2)),  # the cluster sum
@@ -36,12 +34,15 @@ def _builds() -> list[tuple[str, dict]]:
     ]
 
 
-def _cuobjdump() -> str:
-    triton = pytest.importorskip("triton")
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+def _sass_tools():
+    """scripts/sass_sm90.py (its cuobjdump and SASS parser); skips without triton or its cuobjdump."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import sass_sm90
+
+    if not os.path.exists(sass_sm90.CUOBJDUMP):
         pytest.skip("Triton's cuobjdump is not installed here")
-    return tool
+    return sass_sm90
 
 
 def sass_ops(source_text: str, name: str, defines: dict) -> list[str]:
@@ -50,15 +51,9 @@ def sass_ops(source_text: str, name: str, defines: dict) -> list[str]:
         runtime.nvrtc_version()
     except runtime.CudaRuntimeError as err:
         pytest.skip(f"no NVRTC here: {err}")
-    tool = _cuobjdump()
+    tools = _sass_tools()
     cubin = runtime.compile_cubin(source_text, name, "sm_90a", tuple(f"-D{k}={v}" for k, v in defines.items()))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return [m.group(3) for m in map(_OP.search, text.splitlines()) if m]
+    return [op for _, op, _ in tools.instructions(tools.cuobjdump(cubin, "-sass"))]
 
 
 def writes_before_the_wait(ops: list[str]) -> list[str]:
