@@ -274,3 +274,15 @@ def split_mixed_steps() -> str:
     if value not in SPLIT_MIXED_CHOICES:
         raise ValueError(f"DEEPINFER_SPLIT_MIXED_STEPS={value!r}: expected one of {SPLIT_MIXED_CHOICES}")
     return value
+
+
+ATTN_PREFILL_KERNEL_CHOICES = ("auto", "wgmma", "triton")
+
+
+def attn_prefill_kernel() -> str:
+    """DEEPINFER_ATTN_PREFILL_KERNEL: which kernel runs the flat sparse attention with the sink (op
+    sparse_attn_sink_official*: prefill and extend steps) on CUDA: "wgmma" (kernels/cuda/sparse_attn_wgmma.cu on
+    sm_90 where it can run: head dim 512, whole blocks of 64 heads; else Triton), "triton"
+    (kernels/triton/sparse_attn.py), "auto" (the default: kernels/triton/sparse_attn.py WGMMA_MIN_TOKENS). Else a
+    ValueError naming the choices. Read at each call."""
+    return _kernel_choice("DEEPINFER_ATTN_PREFILL_KERNEL", ATTN_PREFILL_KERNEL_CHOICES)

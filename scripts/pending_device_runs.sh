@@ -25,7 +25,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -36,6 +36,19 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s38)  # the thirty-sixth session's sparse attention on wgmma (kernels/cuda/sparse_attn_wgmma.cu): its GPU tests with
+    # the Triton form's, then the two forms at the 8k prefill's index rows and the T crossover
+    step gpu_tests_s38 240 python -m pytest -q -m gpu -x tests/test_kernels_attn_wgmma.py tests/test_kernels_attn.py \
+        -k "wgmma or sparse or dispatch" -s
+    step bench_sparse_attn_prefill 200 python benchmarks/bench_sparse_attn_prefill.py
+    ;;
+s38_slice)  # the 8k prefill of the slice with each form (blocks against the FP8 peak), and the engine's prefill
+    # paths' GPU tests with the new default (real-dim ones take the wgmma form from 128 tokens)
+    DEEPINFER_ATTN_PREFILL_KERNEL=triton step run_slice_prefill_triton 200 python benchmarks/run_slice.py --layers 4 \
+        --no-hf --batches --prefills 8192 --top 12
+    step run_slice_prefill_wgmma 200 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 --top 12
+    step gpu_tests_s38_engine 200 python -m pytest -q -m gpu tests/test_engine_fast_prefill.py tests/test_engine_fast.py
+    ;;
 v41_hc)  # V4.1's decode after the thirty-fifth session's hc plans (num_stages 1 for the mix kernel's decode plan: V4.1
     # runs it in every sublayer's hc_pre_deferred_fused; not timed on V4.1): its slice's b1 / b8 / b32 steps
     step bench_v41_decode_hc 200 python benchmarks/bench_v41_decode.py --batches 1 8 32 --context 2048 --top 6

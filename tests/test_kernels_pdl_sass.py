@@ -21,7 +21,7 @@ WRITES = ("STG", "ST.", "STS", "STL", "ATOM", "RED")
 
 
 def _builds() -> list[tuple[str, dict]]:
-    from deepinfer.kernels.cuda import fp4_moe_mma, fp4_moe_tma, fp8_linear_mma
+    from deepinfer.kernels.cuda import fp4_moe_mma, fp4_moe_tma, fp8_linear_mma, sparse_attn_wgmma
 
     lin = dict(fp8_linear_mma.DEFAULT_TILES)
     return [
@@ -31,6 +31,7 @@ def _builds() -> list[tuple[str, dict]]:
         ("fp4_moe_mma.cu", dict(fp4_moe_mma.DEFAULT_TILES, MT=1, KSTEP=256)),  # the b1 tiles
         ("fp4_moe_mma.cu", dict(fp4_moe_mma.DEFAULT_TILES, ASYNC=1, STAGES=4)),
         ("fp4_moe_tma.cu", dict(fp4_moe_tma.DEFAULT_TILES)),
+        ("sparse_attn_wgmma.cu", dict(STAGES=sparse_attn_wgmma.STAGES, MN_SWAP=0)),
     ]
 
 

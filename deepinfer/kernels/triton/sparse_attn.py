@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
 from deepinfer.kernels.triton.pdl import pdl_enter
 
@@ -181,17 +182,47 @@ def sparse_attn_sink_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tenso
     return out
 
 
+# The warpgroup-MMA CUDA form (kernels/cuda/sparse_attn_wgmma.cu) takes a token's 64 heads a CTA, 384 threads and
+# ~210 KB of shared memory: from this many tokens a call has the CTAs to fill the GPU (below, Triton's 16-head
+# programs spread a decode batch wider). Measured crossover: BENCHMARKS.md, "thirty-sixth session".
+WGMMA_MIN_TOKENS = 128
+
+
+def _wgmma_form(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether this call runs on the CUDA form: DEEPINFER_ATTN_PREFILL_KERNEL, the device, the shapes (idx int32)."""
+    choice = env.attn_prefill_kernel()
+    if choice == "triton" or _interpreting() or (choice == "auto" and q.shape[0] < WGMMA_MIN_TOKENS):
+        return False
+    from deepinfer.kernels.cuda import sparse_attn_wgmma as wg
+
+    return wg.usable(q.device) and not wg.problems(q, kv, idx, out)
+
+
+def sparse_attn_sink_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                          initial_max: float = float("-inf"), out: torch.Tensor | None = None) -> torch.Tensor:
+    """`sparse_attn_sink_triton`'s contract and math, on the CUDA form where `_wgmma_form` picks it, else Triton."""
+    _check(q, kv, sink, idx)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense, whatever q's strides
+    idx = idx.to(torch.int32).contiguous()
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not _wgmma_form(q, kv, idx, out):
+        return sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max, out=out)  # (which checks out)
+    from deepinfer.kernels.cuda import sparse_attn_wgmma as wg
+
+    return wg.sparse_attn_wgmma(q, kv, sink.to(torch.float32).contiguous(), idx, scale, initial_max, out)
+
+
 def sparse_attn_sink_official_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                                    scale: float, initial_max: float = float("-inf"),
                                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Same signature as `official.sparse_attn_sink_official` (the V4 kernel: running max from -inf)."""
-    return sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max, out=out)
+    return sparse_attn_sink_cuda(q, kv, sink, idx, scale, initial_max, out=out)
 
 
 def sparse_attn_sink_official_v41_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                                        scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Same signature as `official.sparse_attn_sink_official_v41` (running max from -1e30)."""
-    return sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max=-1e30, out=out)
+    return sparse_attn_sink_cuda(q, kv, sink, idx, scale, initial_max=-1e30, out=out)
 
 
 REGISTRATIONS = {

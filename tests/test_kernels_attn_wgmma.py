@@ -1,0 +1,178 @@
+"""The warpgroup-MMA CUDA form of the sparse attention with the sink (kernels/cuda/sparse_attn_wgmma.cu) against
+its twin (kernels.official.sparse_attn_sink_official), float64 math and the Triton form, on fresh random inputs.
+
+GPU tests (`-m gpu`, sm_90): bounds as tests/test_kernels_attn.py's (the forms differ from the twin only by fp32
+summation order: bf16 outputs rel_err <= 2e-3 against the twin and the Triton form, <= 1e-2 against float64).
+Also: the skipped all-invalid blocks leave the bits unchanged (a row with such blocks inserted gives the same
+output to the bit), strided q and an `out` buffer, the dispatch switch, and the layout check that makes the test
+able to fail: the transposed operand's descriptor with LBO and SBO exchanged (MN_SWAP) is far off.
+CPU: the dispatch's choice without a GPU, and bad input named (the launcher's problems).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import official, torch_ops
+
+BF16_BOUND, EXACT_BOUND = 2e-3, 1e-2
+
+gpu = pytest.mark.gpu
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    a, b = out.double(), ref.double()
+    assert torch.isfinite(a).all(), "non-finite output (an unwritten or NaN element)"
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def _wgmma():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    from deepinfer.kernels.cuda import sparse_attn_wgmma
+
+    if not sparse_attn_wgmma.usable(torch.device("cuda")):
+        pytest.skip("NVRTC or the driver is missing")
+    return sparse_attn_wgmma
+
+
+def _inputs(g, T, H, N, K, hole_frac=0.3, empty_tail=False, d=512):
+    """Random q / kv / sink and index rows with holes (-1), at least one valid index in the first block of each
+    row (the V4 kernel's running max starts at -inf); empty_tail: half the rows end in whole blocks of -1."""
+    dev = "cuda"
+    q = torch.randn(T, H, d, generator=g, device=dev).bfloat16()
+    kv = torch.randn(N, d, generator=g, device=dev).bfloat16()
+    sink = torch.randn(H, generator=g, device=dev)
+    idx = torch.randint(0, N, (T, K), generator=g, device=dev, dtype=torch.int32)
+    idx = torch.where(torch.rand(T, K, generator=g, device=dev) < hole_frac, -1, idx)
+    idx[:, 0] = torch.randint(0, N, (T,), generator=g, device=dev, dtype=torch.int32)
+    if empty_tail and K > 64:
+        idx[: T // 2, 64:] = -1
+    return q, kv, sink, idx
+
+
+def _run(wg, q, kv, sink, idx, initial_max=float("-inf"), mn_swap=0):
+    out = torch.empty_like(q)
+    return wg.sparse_attn_wgmma(q, kv, sink, idx, q.shape[-1] ** -0.5, initial_max, out, mn_swap=mn_swap)
+
+
+@gpu
+@pytest.mark.parametrize("T,H,N,K,initial_max", [
+    (128, 64, 4000, 640, float("-inf")),  # V4-Flash's ratio-4 layers: window 128 + top 512
+    (300, 64, 3000, 192, float("-inf")),  # ratio 128: window + 64 entries
+    (200, 128, 5000, 200, float("-inf")),  # two head blocks (V4-Pro's 128 heads), K past a whole block
+    (257, 64, 2000, 640, -1e30),  # V4.1's running max
+    (1, 64, 500, 64, float("-inf")),  # one token, one block
+])
+def test_wgmma_matches_twin_float64_and_triton(T, H, N, K, initial_max):
+    wg = _wgmma()
+    from deepinfer.kernels.triton import sparse_attn
+
+    g = torch.Generator(device="cuda").manual_seed(T * 7 + K)
+    q, kv, sink, idx = _inputs(g, T, H, N, K, empty_tail=True)
+    scale = 512**-0.5
+    out = _run(wg, q, kv, sink, idx, initial_max)
+    ref = official.sparse_attn_sink_official(q, kv, sink, idx, scale, initial_max)
+    exact = torch_ops.sparse_attn_sink(q.double(), kv.double(), sink.double(), idx.long(), scale)
+    tri = sparse_attn.sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max)
+    errs = rel_err(out, ref), rel_err(out, exact), rel_err(out, tri)
+    print(f"wgmma T={T} H={H} K={K}: rel_err vs twin {errs[0]:.2e}, float64 {errs[1]:.2e}, triton {errs[2]:.2e}")
+    assert errs[0] <= BF16_BOUND and errs[1] <= EXACT_BOUND and errs[2] <= BF16_BOUND, errs
+
+
+@gpu
+def test_wgmma_v41_rows_without_an_index_give_zero():
+    wg = _wgmma()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, kv, sink, idx = _inputs(g, 130, 64, 900, 192)
+    idx[3] = -1
+    idx[77] = -1
+    out = _run(wg, q, kv, sink, idx, -1e30)
+    assert out[3].abs().max().item() == 0 and out[77].abs().max().item() == 0
+    assert rel_err(out, official.sparse_attn_sink_official(q, kv, sink, idx, 512**-0.5, -1e30)) <= BF16_BOUND
+
+
+@gpu
+@pytest.mark.parametrize("initial_max", [float("-inf"), -1e30])
+def test_wgmma_skipped_blocks_keep_the_bits(initial_max):
+    """Whole blocks of -1 inserted after a row's first block (and at its end) are skipped: the output is the same
+    to the bit as without them."""
+    wg = _wgmma()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, kv, sink, idx = _inputs(g, 150, 64, 3000, 192, hole_frac=0.2)
+    holes = torch.full((150, 64), -1, dtype=torch.int32, device="cuda")
+    wide = torch.cat([idx[:, :64], holes, holes, idx[:, 64:], holes], dim=1)  # K 192 -> 384
+    a, b = _run(wg, q, kv, sink, idx, initial_max), _run(wg, q, kv, sink, wide, initial_max)
+    assert torch.equal(a, b)
+
+
+@gpu
+def test_wgmma_strided_q_into_a_buffer():
+    wg = _wgmma()
+    from deepinfer.kernels.triton import sparse_attn
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, kv, sink, idx = _inputs(g, 140, 64, 1500, 640)
+    wide_q = torch.zeros(140, 64, 1024, dtype=torch.bfloat16, device="cuda")
+    wide_q[:, :, 256:768] = q
+    buf = torch.full((150, 64, 512), 7.0, dtype=torch.bfloat16, device="cuda")
+    got = sparse_attn.sparse_attn_sink_cuda(wide_q[:, :, 256:768], kv, sink, idx, 512**-0.5, out=buf[:140])
+    assert got.data_ptr() == buf.data_ptr() and bool((buf[140:] == 7).all())
+    assert torch.equal(buf[:140], _run(wg, q, kv, sink, idx))
+
+
+@gpu
+def test_wgmma_layout_check_can_fail():
+    """The transposed V operand's descriptor with its two strides exchanged reads the wrong values: the
+    comparison above would catch such a layout error."""
+    wg = _wgmma()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, kv, sink, idx = _inputs(g, 128, 64, 2000, 192)
+    ref = official.sparse_attn_sink_official(q, kv, sink, idx, 512**-0.5)
+    assert rel_err(_run(wg, q, kv, sink, idx), ref) <= BF16_BOUND
+    assert rel_err(_run(wg, q, kv, sink, idx, mn_swap=1), ref) > 0.1
+
+
+@gpu
+def test_dispatch_switch(monkeypatch):
+    wg = _wgmma()
+    from deepinfer.kernels.triton import sparse_attn
+
+    calls = []
+    real = wg.sparse_attn_wgmma
+    monkeypatch.setattr(wg, "sparse_attn_wgmma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, kv, sink, idx = _inputs(g, sparse_attn.WGMMA_MIN_TOKENS, 64, 800, 128)
+    sparse_attn.sparse_attn_sink_official_cuda(q, kv, sink, idx, 0.05)
+    assert len(calls) == 1
+    sparse_attn.sparse_attn_sink_official_cuda(q[:5], kv, sink, idx[:5], 0.05)  # a decode-sized call: Triton
+    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL_KERNEL", "triton")
+    sparse_attn.sparse_attn_sink_official_cuda(q, kv, sink, idx, 0.05)
+    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL_KERNEL", "wgmma")
+    sparse_attn.sparse_attn_sink_official_cuda(q[:5], kv, sink, idx[:5], 0.05)
+    assert len(calls) == 2
+
+
+def test_launcher_names_bad_input():
+    from deepinfer.kernels.cuda import sparse_attn_wgmma as wg
+
+    q = torch.zeros(4, 48, 256, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 256, dtype=torch.bfloat16)
+    found = wg.problems(q, kv, torch.zeros(4, 8, dtype=torch.int64), torch.zeros_like(q))
+    assert any("head dim 512" in p for p in found) and any("idx must be int32" in p for p in found)
+    with pytest.raises(ValueError, match="sparse_attn_wgmma: q"):
+        wg.sparse_attn_wgmma(q, kv, torch.zeros(48), torch.zeros(4, 8, dtype=torch.int32), 1.0, 0.0,
+                             torch.zeros_like(q))
+    good = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
+    assert wg.problems(good, torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int32),
+                       torch.zeros_like(good)) == []
+
+
+def test_env_switch_is_checked(monkeypatch):
+    from deepinfer import env
+
+    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="DEEPINFER_ATTN_PREFILL_KERNEL"):
+        env.attn_prefill_kernel()
+    monkeypatch.setenv("DEEPINFER_ATTN_PREFILL_KERNEL", "Triton")
+    assert env.attn_prefill_kernel() == "triton"
