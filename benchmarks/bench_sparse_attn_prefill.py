@@ -23,7 +23,6 @@ from deepinfer.kernels.cuda import sparse_attn_wgmma as wg
 from deepinfer.kernels.triton import sparse_attn
 
 H, D, WIN, TOPK = 64, 512, 128, 512
-FORMS = (1, 2)  # the .cu's consumer forms, each timed
 
 
 def bench(fn) -> float:
@@ -57,22 +56,16 @@ def time_pair(q, kv, sink, idx, label: str) -> str:
     out_t = torch.empty_like(q)
     out_w = torch.empty_like(q)
     tri = lambda: sparse_attn.sparse_attn_sink_triton(q, kv, sink, idx, scale, out=out_t)  # noqa: E731
-    forms = {f: (lambda f=f: wg.sparse_attn_wgmma(q, kv, sink, idx, scale, float("-inf"), out_w, form=f))
-             for f in FORMS}
+    cud = lambda: wg.sparse_attn_wgmma(q, kv, sink, idx, scale, float("-inf"), out_w)  # noqa: E731
     tri()
-    ms_t, ms_f, errs = bench(tri), {}, []
-    for f, cud in forms.items():
-        cud()
-        a, b = out_t.double(), out_w.double()
-        errs.append(((a - b).norm() / a.norm()).item())
-        ms_f[f] = bench(cud)
-    form = min(ms_f, key=ms_f.get)
-    ms_w, err = ms_f[form], max(errs)
+    cud()
+    a, b = out_t.double(), out_w.double()
+    err = ((a - b).norm() / a.norm()).item()
+    ms_t, ms_w = bench(tri), bench(cud)
     mma = 4.0 * T * H * K * D
     useful = 4.0 * H * D * (idx >= 0).sum().item()
     gathered = T * K * D * 2
-    others = " ".join(f"form {f} {ms * 1e3:.1f} us" for f, ms in ms_f.items())
-    return (f"{label:<34} [{others}] triton {ms_t * 1e3:9.1f} us ({mma / ms_t / 1e9:6.1f} TFLOP/s)  wgmma {ms_w * 1e3:9.1f} us "
+    return (f"{label:<34} triton {ms_t * 1e3:9.1f} us ({mma / ms_t / 1e9:6.1f} TFLOP/s)  wgmma {ms_w * 1e3:9.1f} us "
             f"({mma / ms_w / 1e9:6.1f} TFLOP/s, useful {useful / ms_w / 1e9:6.1f}, gathered {gathered / ms_w / 1e6:6.0f}"
             f" GB/s)  x{ms_t / ms_w:4.2f}  rel_err {err:.1e}")
 

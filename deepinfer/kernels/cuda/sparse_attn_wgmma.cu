@@ -44,9 +44,6 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
-#ifndef FORM
-#define FORM 1  // 2: warpgroup 0 computes all of S and P (see the consumer code)
-#endif
 #ifndef MN_SWAP
 #define MN_SWAP 0  // 1: the transposed operand's LBO and SBO exchanged (a layout check for the GPU test)
 #endif
@@ -80,23 +77,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], u64 desc_a, u64 desc_b)
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WGMMA_REGS64 "}, %64, %65, p, 1, 1, 0, 1;\n}\n"
         : WGMMA_D64
         : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-
-// d (+)= A (shared: 64 rows x 16 bf16, K-major) @ B (shared: 64 rows x 16 bf16, K-major) (FORM 2's S)
-__device__ __forceinline__ void wgmma_qk64(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WGMMA_REGS32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : WGMMA_D32
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-// d += A (registers: the m16n8k16 A layout per warp) @ B (shared: 16 K rows x 128 N, MN-major: transposed)
-__device__ __forceinline__ void wgmma_pv_rs(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WGMMA_REGS64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : WGMMA_D64
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(1));
 }
 
 // the 128-byte-swizzle descriptor of an MN-major operand laid out in planes: 64 N columns a plane (the next at
@@ -240,181 +220,6 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
     const int w = warp >> 2, wi = warp & 3, g = lane >> 2, t = lane & 3;
     const int r0 = wi * 16 + g;  // the lane's rows (heads) r0 and r0 + 8 of the CTA's 64
     const u32 q_base = smem_u32(q_s), kv_base = smem_u32(kv_s), p_base = smem_u32(p_s);
-#if FORM == 2
-    // FORM 2: warpgroup 0 computes the whole S (m64n64k16: q and the keys read once a block), the softmax, and its
-    // output half from P in registers (wgmma's register A operand: the S fragment's bf16 pairs are its layout);
-    // warpgroup 1 multiplies P from the shared tile by its half of V, rescaled by factors warpgroup 0 publishes.
-    float o[2][64];
-    float* resc_s = max_s;  // [2][64]: block n's rescale factors in buffer n & 1
-    int n = 0, item_no = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x, ++item_no) {
-        const int tok = item / hblocks, h0 = (item % hblocks) * BH;
-        const int* idx_row = idx + (i64)tok * stride_it;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int i = 0; i < 64; ++i) o[h][i] = 0.f;
-        bool seen = finite_start;
-        u32 even, odd;
-        int b = next_block(idx_row, K, nb, 0, seen, lane, even, odd);
-        const int first = n;
-        float run_max[2] = {initial_max, initial_max};
-        if (w == 0) {
-            float sacc[32], run_sum[2] = {0.f, 0.f};  // run_sum: this lane's columns only
-            u32 pa[4][4];                              // P's register A fragments, k16 step kk: pa[kk][0..3]
-            auto issue_qk = [&](int s, int n) {
-                mbar_wait(full0 + 8 * s, (n / STAGES) & 1);
-                fence_async_smem();
-                keep_all(sacc);
-                wgmma_fence();
-                const u32 kb = kv_base + s * KV_BYTES;
-#pragma unroll
-                for (int kk = 0; kk < HD / 16; ++kk) {
-                    const u32 off = (kk >> 2) * PLANE + (kk & 3) * 32;
-                    wgmma_qk64(sacc, desc_sw128(q_base + off), desc_sw128(kb + off), kk);
-                }
-                wgmma_commit();
-            };
-            mbar_wait(q_full, item_no & 1);
-            if (b < nb) issue_qk(n % STAGES, n);
-            for (; b < nb; ++n) {
-                const int s = n % STAGES;
-                wgmma_wait<1>();  // the previous block's P.V
-                keep_all(pa);
-                if (n > first) mbar_arrive(empty0 + 8 * ((n - 1) % STAGES));
-                wgmma_wait<0>();  // this block's S
-                keep_all(sacc);
-                keep_all(o[0]);
-                keep_all(o[1]);
-                float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const bool ok = (((e ? odd : even) >> (4 * j + t)) & 1u) != 0;  // key 8j + 2t + e
-#pragma unroll
-                        for (int rr = 0; rr < 2; ++rr) {
-                            float& v = sacc[4 * j + 2 * rr + e];
-                            v = ok ? v * scale : NEG_INF;
-                            mx[rr] = fmaxf(mx[rr], v);
-                        }
-                    }
-                float rescale[2];
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-                    mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-                    const float nm = fmaxf(run_max[rr], mx[rr]);
-                    rescale[rr] = tl_exp(run_max[rr] - nm);
-                    run_max[rr] = nm;
-                }
-                const u32 pb = p_base + (n & 1) * P_BYTES;
-                float ps[2] = {0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        const float p0 = tl_exp(sacc[4 * j + 2 * rr] - run_max[rr]);
-                        const float p1 = tl_exp(sacc[4 * j + 2 * rr + 1] - run_max[rr]);
-                        ps[rr] += p0 + p1;
-                        u32 pair;
-                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(p1), "f"(p0));
-                        pa[j >> 1][2 * (j & 1) + rr] = pair;  // A fragment: (row g / g + 8, K 2t) then (.., 2t + 8)
-                        const int r = r0 + 8 * rr;
-                        asm volatile("st.shared.b32 [%0], %1;" ::"r"(pb + r * 128 + ((j ^ g) << 4) + 4 * t),
-                                     "r"(pair) : "memory");
-                    }
-                if (t == 0) {
-                    resc_s[(n & 1) * BH + r0] = rescale[0];
-                    resc_s[(n & 1) * BH + r0 + 8] = rescale[1];
-                }
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) run_sum[rr] = run_sum[rr] * rescale[rr] + ps[rr];
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) o[h][i] *= rescale[(i >> 1) & 1];
-                fence_async_smem();  // the P stores, visible to warpgroup 1's wgmmas
-                named_sync(BAR_P);
-                keep_all(o[0]);
-                keep_all(o[1]);
-                wgmma_fence();
-                const u32 vb = kv_base + s * KV_BYTES;
-#pragma unroll
-                for (int kk = 0; kk < BK / 16; ++kk) {
-                    wgmma_pv_rs(o[0], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], desc_sw128_mn(vb + kk * 2048));
-                    wgmma_pv_rs(o[1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
-                                desc_sw128_mn(vb + 2 * PLANE + kk * 2048));
-                }
-                wgmma_commit();
-                seen = seen || (even | odd);
-                b = next_block(idx_row, K, nb, b + 1, seen, lane, even, odd);
-                if (b < nb) issue_qk((n + 1) % STAGES, n + 1);
-            }
-            wgmma_wait<0>();
-            keep_all(o[0]);
-            keep_all(o[1]);
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                run_sum[rr] += __shfl_xor_sync(0xffffffffu, run_sum[rr], 1);
-                run_sum[rr] += __shfl_xor_sync(0xffffffffu, run_sum[rr], 2);
-                run_max[rr] = run_sum[rr] + tl_exp(sink[h0 + r0 + 8 * rr] - run_max[rr]);  // now the denominator
-            }
-            if (t == 0) {
-                sum_s[r0] = run_max[0];
-                sum_s[r0 + 8] = run_max[1];
-            }
-        } else {
-            for (; b < nb; ++n) {
-                const int s = n % STAGES;
-                wgmma_wait<0>();  // the previous block's P.V
-                keep_all(o[0]);
-                keep_all(o[1]);
-                if (n > first) mbar_arrive(empty0 + 8 * ((n - 1) % STAGES));
-                named_sync(BAR_P);  // block n's P and rescale factors are in shared memory
-                const float r_lo = resc_s[(n & 1) * BH + r0], r_hi = resc_s[(n & 1) * BH + r0 + 8];
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) o[h][i] *= ((i >> 1) & 1) ? r_hi : r_lo;
-                const u32 pb = p_base + (n & 1) * P_BYTES, vb = kv_base + s * KV_BYTES + 4 * PLANE;
-                keep_all(o[0]);
-                keep_all(o[1]);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BK / 16; ++kk) {
-                    wgmma_pv(o[0], desc_sw128(pb + kk * 32), desc_sw128_mn(vb + kk * 2048));
-                    wgmma_pv(o[1], desc_sw128(pb + kk * 32), desc_sw128_mn(vb + 2 * PLANE + kk * 2048));
-                }
-                wgmma_commit();
-                seen = seen || (even | odd);
-                b = next_block(idx_row, K, nb, b + 1, seen, lane, even, odd);
-            }
-            wgmma_wait<0>();
-            keep_all(o[0]);
-            keep_all(o[1]);
-        }
-        if (n > first) mbar_arrive(empty0 + 8 * ((n - 1) % STAGES));  // the item's last stage
-        mbar_arrive(q_empty);
-        named_sync(BAR_SUM);  // the denominators
-        const float den[2] = {sum_s[r0], sum_s[r0 + 8]};
-        named_sync(BAR_SUM);  // read by both before the next item writes them
-        u16* out_tok = out + (i64)tok * stride_ot;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const int r = r0 + 8 * rr, col = 256 * w + 128 * h + 8 * j + 2 * t;
-                    u32 pair;
-                    asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
-                        : "=r"(pair)
-                        : "f"(o[h][4 * j + 2 * rr + 1] / den[rr]), "f"(o[h][4 * j + 2 * rr] / den[rr]));
-                    *reinterpret_cast<u32*>(out_tok + (i64)(h0 + r) * stride_oh + col) = pair;
-                }
-    }
-#else
     float o[2][64], sacc[16];
 
     // S for the n-th block run (stage s): keys 32w .. 32w + 31 over 512 dims (32 k16 steps, one commit group).
@@ -521,10 +326,13 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
                 }
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) run_sum[rr] = run_sum[rr] * rescale[rr] + ps[rr];
+            // x * 1 is x: a warp whose rows all kept their max skips the 128 multiplies (the same bits)
+            if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+                for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int i = 0; i < 64; ++i) o[h][i] *= rescale[(i >> 1) & 1];
+                    for (int i = 0; i < 64; ++i) o[h][i] *= rescale[(i >> 1) & 1];
+            }
             fence_async_smem();  // the P stores, visible to the wgmmas that read them
             named_sync(BAR_P);
             issue_pv(s, pb);
@@ -571,5 +379,4 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
                     *reinterpret_cast<u32*>(out_tok + (i64)(h0 + r) * stride_oh + col) = pair;
                 }
     }
-#endif
 }

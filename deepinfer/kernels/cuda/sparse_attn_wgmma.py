@@ -20,7 +20,6 @@ from deepinfer.kernels.cuda.runtime import CudaKernel
 SOURCE = "sparse_attn_wgmma.cu"
 HEAD_DIM, HEADS_PER_CTA, THREADS = 512, 64, 384
 STAGES = 2  # kv blocks in flight: q (64 KB) and two 64 KB stages fill an SM's shared memory
-FORM = 1  # the consumers' split of the work (the .cu's FORM): 1 keys halves, 2 warpgroup 0 computes S
 _SIGNATURE = "pppppiiiffllllll"  # q kv sink idx out | T H K | scale initial_max | 6 strides
 _KERNELS: dict[tuple, CudaKernel] = {}
 
@@ -30,11 +29,11 @@ def smem_bytes(stages: int = STAGES) -> int:
     return 65536 + stages * 65536 + 2 * 8192 + 2 * 2 * 64 * 4 + 8 * (2 + 2 * stages) + 1024
 
 
-def kernel(stages: int = STAGES, mn_swap: int = 0, form: int = FORM) -> CudaKernel:
-    key = (stages, mn_swap, form)
+def kernel(stages: int = STAGES, mn_swap: int = 0) -> CudaKernel:
+    key = (stages, mn_swap)
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(SOURCE, "sparse_attn_wgmma", _SIGNATURE,
-                                   {"STAGES": stages, "MN_SWAP": mn_swap, "FORM": form}, arch_suffix="a", pdl=True)
+        _KERNELS[key] = CudaKernel(SOURCE, "sparse_attn_wgmma", _SIGNATURE, {"STAGES": stages, "MN_SWAP": mn_swap},
+                                   arch_suffix="a", pdl=True)
     return _KERNELS[key]
 
 
@@ -64,9 +63,9 @@ def problems(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Te
 
 
 def sparse_attn_wgmma(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                      initial_max: float, out: torch.Tensor, mn_swap: int = 0, form: int | None = None) -> torch.Tensor:
+                      initial_max: float, out: torch.Tensor, mn_swap: int = 0) -> torch.Tensor:
     """Launch into `out` and return it (ValueError naming every problem, before any launch). mn_swap: the layout
-    check's other descriptor form (tests only); form: the .cu's FORM (None: FORM)."""
+    check's other descriptor form (tests only)."""
     found = problems(q, kv, idx, out)
     if found:
         raise ValueError("sparse_attn_wgmma: " + "; ".join(found))
@@ -74,7 +73,7 @@ def sparse_attn_wgmma(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx
     if T == 0:
         return out
     items = T * (H // HEADS_PER_CTA)  # (token, 64-head block) pairs: a persistent CTA an SM walks them
-    kernel(STAGES, mn_swap, form or FORM).launch(
+    kernel(STAGES, mn_swap).launch(
         (min(items, sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())), 1, 1),
         (THREADS, 1, 1),
         (q, kv, sink, idx, out, T, H, idx.shape[1], float(scale), float(initial_max),
