@@ -182,10 +182,11 @@ def sparse_attn_sink_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tenso
     return out
 
 
-# The warpgroup-MMA CUDA form (kernels/cuda/sparse_attn_wgmma.cu) takes a token's 64 heads a CTA, 384 threads and
-# ~210 KB of shared memory: from this many tokens a call has the CTAs to fill the GPU (below, Triton's 16-head
-# programs spread a decode batch wider). Measured crossover: BENCHMARKS.md, "thirty-sixth session".
-WGMMA_MIN_TOKENS = 128
+# The warpgroup-MMA CUDA form (kernels/cuda/sparse_attn_wgmma.cu) takes a token's 64 heads a CTA (384 threads, ~210 KB
+# of shared memory). Measured on an H100 at K = 640 (benchmarks/bench_sparse_attn_prefill.py): T = 16 / 32 Triton's
+# 16-head programs are faster (37 / 39 us against 40 / 41), from T = 64 the CUDA form (44 against 57 us; 8k prefill
+# rows 1.36x). BENCHMARKS.md, "thirty-sixth session".
+WGMMA_MIN_TOKENS = 64
 
 
 def _wgmma_form(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> bool:
