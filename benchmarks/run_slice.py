@@ -65,6 +65,23 @@ def engine_part(cfg, args, res: dict) -> None:
             g = runner.prefill_graphs_ms(s, tuple(sorted({t for t in args.prefills if t <= GRAPH_PREFILL_MAX})))
             res[f"prefill_{s}"].update(graphs_ms=g, graphs_tflops=flops_tok[s] * s * n / (g * 1e-3) / 1e12)
         print("prefill", s, res[f"prefill_{s}"], flush=True)
+    if args.prefill_env_sets:  # A/B of switches read at each call, in alternated rounds on this one engine
+        sets = [dict(kv.split("=", 1) for kv in es.split(",") if kv) for es in args.prefill_env_sets]
+        for s in args.prefills:
+            rounds = res.setdefault(f"prefill_{s}_env_rounds", [])
+            for _ in range(3):
+                for label, env_set in zip(args.prefill_env_sets, sets):
+                    saved = {k: os.environ.get(k) for k in env_set}
+                    os.environ.update(env_set)
+                    try:
+                        rounds.append((label or "defaults", runner.prefill_ms(s, blocks_only=True)))
+                    finally:
+                        for k, v in saved.items():
+                            if v is None:
+                                os.environ.pop(k, None)
+                            else:
+                                os.environ[k] = v
+                    print("prefill", s, "blocks", *rounds[-1], flush=True)
     if PREFILLS[-1] in args.prefills and not args.no_breakdown:
         res[f"prefill_{PREFILLS[-1]}_kernels"] = runner.prefill_kernel_breakdown(PREFILLS[-1], top=args.top)
     del runner
@@ -131,6 +148,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="*", default=list(DECODE_BATCHES), help="decode batches to time")
     ap.add_argument("--prefills", type=int, nargs="*", default=list(PREFILLS), help="prefill lengths to time")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's per-kernel breakdowns")
+    ap.add_argument("--prefill-env-sets", nargs="+", default=None,
+                    help='also time the prefills\' blocks under each set ("K=V,K2=V2"; "" = the defaults) in 3 '
+                         'alternated rounds on the same engine (switches read at each call)')
     args = ap.parse_args()
     from deepinfer.kernels.triton import register_cuda_kernels
 

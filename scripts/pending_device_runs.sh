@@ -42,11 +42,10 @@ s38)  # the thirty-sixth session's sparse attention on wgmma (kernels/cuda/spars
         -k "wgmma or sparse or dispatch" -s
     step bench_sparse_attn_prefill 200 python benchmarks/bench_sparse_attn_prefill.py
     ;;
-s38_slice)  # the 8k prefill of the slice with each form (blocks against the FP8 peak), and the engine's prefill
-    # paths' GPU tests with the new default (real-dim ones take the wgmma form from 128 tokens)
-    DEEPINFER_ATTN_PREFILL_KERNEL=triton step run_slice_prefill_triton 200 python benchmarks/run_slice.py --layers 4 \
-        --no-hf --batches --prefills 8192 --top 12
-    step run_slice_prefill_wgmma 200 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 --top 12
+s38_slice)  # the 8k prefill of the slice, the blocks with each attention form in alternated rounds on one engine
+    # (and the default's breakdown), then the engine's prefill paths' GPU tests (real-dim ones take the CUDA form)
+    step run_slice_prefill_ab 200 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 --top 12 \
+        --prefill-env-sets DEEPINFER_ATTN_PREFILL_KERNEL=triton ""
     step gpu_tests_s38_engine 200 python -m pytest -q -m gpu tests/test_engine_fast_prefill.py tests/test_engine_fast.py
     ;;
 v41_hc)  # V4.1's decode after the thirty-fifth session's hc plans (num_stages 1 for the mix kernel's decode plan: V4.1
