@@ -326,13 +326,10 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
                 }
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) run_sum[rr] = run_sum[rr] * rescale[rr] + ps[rr];
-            // x * 1 is x: a warp whose rows all kept their max skips the 128 multiplies (the same bits)
-            if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-                    for (int i = 0; i < 64; ++i) o[h][i] *= rescale[(i >> 1) & 1];
-            }
+                for (int i = 0; i < 64; ++i) o[h][i] *= rescale[(i >> 1) & 1];
             fence_async_smem();  // the P stores, visible to the wgmmas that read them
             named_sync(BAR_P);
             issue_pv(s, pb);
