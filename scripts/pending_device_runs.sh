@@ -13,7 +13,10 @@
 # session's H100 ran s34's tests with its own in stage s35 (at 0974dc8; results/*_s34*, BENCHMARKS.md). The
 # thirty-fifth session's H100 ran the owed s36 (the thirty-fourth's A/B), its own experiments' stages s37 / s37b
 # (at 8de6614; the code was slower and was removed with its stages), `headline` and slice_defaults
-# (results/*_s35*, BENCHMARKS.md); it owes v41_hc (V4.1's decode with its hc plan change, any Hopper GPU). Still owed
+# (results/*_s35*, BENCHMARKS.md); it owes v41_hc (V4.1's decode with its hc plan change, any Hopper GPU). The
+# thirty-sixth session's H100 ran s38 (the sparse attention's CUDA form: tests, timings; results/*_s36*) and s38_slice
+# in its two-process form with an earlier kernel; it owes s38_slice as it is now (the one-process A/B of the 8k
+# prefill's blocks and the engine's prefill GPU tests with the landed kernel), first. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
