@@ -51,12 +51,17 @@ def _inputs(g, T, H, N, K, hole_frac=0.3, empty_tail=False, d=512):
     return q, kv, sink, idx
 
 
-def _run(wg, q, kv, sink, idx, initial_max=float("-inf"), mn_swap=0):
+def _run(wg, q, kv, sink, idx, initial_max=float("-inf"), mn_swap=0, pipelined=False):
     out = torch.empty_like(q)
-    return wg.sparse_attn_wgmma(q, kv, sink, idx, q.shape[-1] ** -0.5, initial_max, out, mn_swap=mn_swap)
+    return wg.sparse_attn_wgmma(q, kv, sink, idx, q.shape[-1] ** -0.5, initial_max, out, mn_swap=mn_swap,
+                                pipelined=pipelined)
+
+
+BUILDS = (False, True)  # the default build and the PIPELINED_QK one (tests/test_kernels_wgmma_pipeline.py)
 
 
 @gpu
+@pytest.mark.parametrize("pipelined", BUILDS)
 @pytest.mark.parametrize("T,H,N,K,initial_max", [
     (128, 64, 4000, 640, float("-inf")),  # V4-Flash's ratio-4 layers: window 128 + top 512
     (300, 64, 3000, 192, float("-inf")),  # ratio 128: window + 64 entries
@@ -64,19 +69,20 @@ def _run(wg, q, kv, sink, idx, initial_max=float("-inf"), mn_swap=0):
     (257, 64, 2000, 640, -1e30),  # V4.1's running max
     (1, 64, 500, 64, float("-inf")),  # one token, one block
 ])
-def test_wgmma_matches_twin_float64_and_triton(T, H, N, K, initial_max):
+def test_wgmma_matches_twin_float64_and_triton(T, H, N, K, initial_max, pipelined):
     wg = _wgmma()
     from deepinfer.kernels.triton import sparse_attn
 
     g = torch.Generator(device="cuda").manual_seed(T * 7 + K)
     q, kv, sink, idx = _inputs(g, T, H, N, K, empty_tail=True)
     scale = 512**-0.5
-    out = _run(wg, q, kv, sink, idx, initial_max)
+    out = _run(wg, q, kv, sink, idx, initial_max, pipelined=pipelined)
     ref = official.sparse_attn_sink_official(q, kv, sink, idx, scale, initial_max)
     exact = torch_ops.sparse_attn_sink(q.double(), kv.double(), sink.double(), idx.long(), scale)
     tri = sparse_attn.sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max)
     errs = rel_err(out, ref), rel_err(out, exact), rel_err(out, tri)
-    print(f"wgmma T={T} H={H} K={K}: rel_err vs twin {errs[0]:.2e}, float64 {errs[1]:.2e}, triton {errs[2]:.2e}")
+    print(f"wgmma pipelined={pipelined} T={T} H={H} K={K}: rel_err vs twin {errs[0]:.2e}, float64 {errs[1]:.2e}, "
+          f"triton {errs[2]:.2e}")
     assert errs[0] <= BF16_BOUND and errs[1] <= EXACT_BOUND and errs[2] <= BF16_BOUND, errs
 
 
@@ -93,8 +99,9 @@ def test_wgmma_v41_rows_without_an_index_give_zero():
 
 
 @gpu
+@pytest.mark.parametrize("pipelined", BUILDS)
 @pytest.mark.parametrize("initial_max", [float("-inf"), -1e30])
-def test_wgmma_skipped_blocks_keep_the_bits(initial_max):
+def test_wgmma_skipped_blocks_keep_the_bits(initial_max, pipelined):
     """Whole blocks of -1 inserted after a row's first block (and at its end) are skipped: the output is the same
     to the bit as without them."""
     wg = _wgmma()
@@ -102,8 +109,10 @@ def test_wgmma_skipped_blocks_keep_the_bits(initial_max):
     q, kv, sink, idx = _inputs(g, 150, 64, 3000, 192, hole_frac=0.2)
     holes = torch.full((150, 64), -1, dtype=torch.int32, device="cuda")
     wide = torch.cat([idx[:, :64], holes, holes, idx[:, 64:], holes], dim=1)  # K 192 -> 384
-    a, b = _run(wg, q, kv, sink, idx, initial_max), _run(wg, q, kv, sink, wide, initial_max)
-    assert torch.equal(a, b)
+    a = _run(wg, q, kv, sink, idx, initial_max, pipelined=pipelined)
+    assert torch.equal(a, _run(wg, q, kv, sink, wide, initial_max, pipelined=pipelined))
+    if pipelined:  # the same math and order as the default build: the same bits
+        assert torch.equal(a, _run(wg, q, kv, sink, idx, initial_max))
 
 
 @gpu
@@ -122,15 +131,16 @@ def test_wgmma_strided_q_into_a_buffer():
 
 
 @gpu
-def test_wgmma_layout_check_can_fail():
+@pytest.mark.parametrize("pipelined", BUILDS)
+def test_wgmma_layout_check_can_fail(pipelined):
     """The transposed V operand's descriptor with its two strides exchanged reads the wrong values: the
     comparison above would catch such a layout error."""
     wg = _wgmma()
     g = torch.Generator(device="cuda").manual_seed(9)
     q, kv, sink, idx = _inputs(g, 128, 64, 2000, 192)
     ref = official.sparse_attn_sink_official(q, kv, sink, idx, 512**-0.5)
-    assert rel_err(_run(wg, q, kv, sink, idx), ref) <= BF16_BOUND
-    assert rel_err(_run(wg, q, kv, sink, idx, mn_swap=1), ref) > 0.1
+    assert rel_err(_run(wg, q, kv, sink, idx, pipelined=pipelined), ref) <= BF16_BOUND
+    assert rel_err(_run(wg, q, kv, sink, idx, mn_swap=1, pipelined=pipelined), ref) > 0.1
 
 
 @gpu

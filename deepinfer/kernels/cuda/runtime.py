@@ -149,6 +149,18 @@ def nvrtc_version() -> tuple[int, int]:
 def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> bytes:
     """NVRTC: CUDA C++ `source` -> cubin bytes for `arch` (e.g. "sm_90"). No device is needed (tests compile
     on the CPU machine when NVRTC is installed). Raises CudaRuntimeError with NVRTC's log on a compile error."""
+    return compile_with_log(source, name, arch, options)[0]
+
+
+def ptxas_advisories(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> list[str]:
+    """ptxas's "Potential Performance Loss" lines for the build (e.g. C7515 / C7511: wgmma.mma_async serialized,
+    each waiting for the one before): what the compiler did to the kernel's MMA pipeline, read offline."""
+    log = compile_with_log(source, name, arch, (*options, "--ptxas-options=-v"))[1]
+    return [line.strip() for line in log.splitlines() if "Performance Loss" in line]
+
+
+def compile_with_log(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """`compile_cubin`, and NVRTC's log (ptxas's messages with --ptxas-options=-v)."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
@@ -167,7 +179,7 @@ def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = 
         _check_nvrtc(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
         cubin = ctypes.create_string_buffer(size.value)
         _check_nvrtc(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin.raw
+        return cubin.raw, log.value.decode(errors="replace")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 

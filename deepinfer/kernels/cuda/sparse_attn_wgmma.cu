@@ -44,6 +44,9 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
+#ifndef PIPELINED_QK
+#define PIPELINED_QK 0  // 1: no register pin before S's wgmmas (see issue_qk): ptxas keeps the wgmma pipeline
+#endif
 #ifndef MN_SWAP
 #define MN_SWAP 0  // 1: the transposed operand's LBO and SBO exchanged (a layout check for the GPU test)
 #endif
@@ -228,7 +231,9 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
     auto issue_qk = [&](int s, int n) {
         mbar_wait(full0 + 8 * s, (n / STAGES) & 1);
         fence_async_smem();
-        keep_all(sacc);
+#if !PIPELINED_QK
+        keep_all(sacc);  // (inside P.V's open wgmma stage: ptxas then serializes every wgmma, C7515)
+#endif
         wgmma_fence();
         const u32 kb = kv_base + s * KV_BYTES + w * 32 * 128;
 #pragma unroll
@@ -260,6 +265,10 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int i = 0; i < 64; ++i) o[h][i] = 0.f;
+#if PIPELINED_QK
+        keep_all(o[0]);  // zeroed here, not after the first S is issued (ptxas serializes the wgmmas then, C7515)
+        keep_all(o[1]);
+#endif
         float run_max[2] = {initial_max, initial_max}, run_sum[2] = {0.f, 0.f};  // run_sum: this lane's columns
         bool seen = finite_start;
         u32 even, odd;

@@ -1,0 +1,44 @@
+"""What ptxas does to the warpgroup-MMA kernels' pipelines, read offline (NVRTC's ptxas log and the sm_90a SASS;
+skipped without NVRTC or Triton's cuobjdump, like tests/test_kernels_pdl_sass.py).
+
+ptxas serializes a kernel's wgmma.mma_async (each waits for the one before: advisory C7515) when a non-wgmma
+instruction writes an accumulator register while a wgmma stage is open. The sparse attention's default build does
+that twice (its output accumulators zeroed after an item's first S is issued; a register pin of S inside P.V's
+open stage); the PIPELINED_QK build does neither, and its 32 S wgmmas a block are issued back to back. Until a GPU
+has run and timed it (scripts/pending_device_runs.sh s38), the default stays the build the H100 tested.
+"""
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.kernels.cuda import runtime, sparse_attn_wgmma
+
+from test_kernels_pdl_sass import _sass_tools
+
+
+def _advisories(defines: dict) -> list[str]:
+    try:
+        runtime.nvrtc_version()
+    except runtime.CudaRuntimeError as err:
+        pytest.skip(f"no NVRTC here: {err}")
+    opts = tuple(f"-D{k}={v}" for k, v in defines.items())
+    return runtime.ptxas_advisories(runtime.read_source(sparse_attn_wgmma.SOURCE), sparse_attn_wgmma.SOURCE, "sm_90a",
+                                    opts)
+
+
+def test_pipelined_build_keeps_the_wgmma_pipeline():
+    defines = sparse_attn_wgmma.defines(pipelined=True)
+    assert _advisories(defines) == []
+    tools = _sass_tools()
+    cubin = runtime.compile_cubin(runtime.read_source(sparse_attn_wgmma.SOURCE), sparse_attn_wgmma.SOURCE, "sm_90a",
+                                  tuple(f"-D{k}={v}" for k, v in defines.items()))
+    lines = [line.split("*/")[1].strip() for _, _, line in tools.instructions(tools.cuobjdump(cubin, "-sass"))]
+    s_wgmmas = [i for i, line in enumerate(lines) if line.startswith("HGMMA.64x32x16")]
+    between = lines[s_wgmmas[0]:s_wgmmas[31] + 1]  # a block's S: 32 wgmmas (descriptor arithmetic between them)
+    assert not [line for line in between if line.startswith("WARPGROUP.DEPBAR")], "a wait inside S's wgmmas"
+
+
+def test_the_serialization_is_detected():
+    """The default build keeps the pins (the tested kernel): ptxas's advisory names the serialization."""
+    found = _advisories(sparse_attn_wgmma.defines(pipelined=False))
+    assert any("C7515" in line and "serialized" in line for line in found), found
