@@ -30,6 +30,13 @@ __device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
     return d;
 }
 
+// (lo, hi) rounded to bf16 (nearest even) as one register, lo in the low half (the lower address in memory)
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
 // byte permute of the pair (lo, hi): the activations' bf16 pairs regrouped to match the weights' K pairs
 __device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
     u32 d;

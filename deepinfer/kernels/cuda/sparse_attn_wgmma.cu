@@ -105,6 +105,33 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
+// the byte offset of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled plane (64 rows x 128 bytes, 1024-byte
+// aligned): the chunk index XOR the row's place in its 8-row atom, as wgmma's SW128 descriptors read it
+__device__ __forceinline__ u32 sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// 16-byte piece `chunk` of each of the 8 planes (64 dims each) of one 512-dim row: src (the row's piece `chunk`)
+// -> row `row` of the 8 planes at dst, zero-filled when !valid
+__device__ __forceinline__ void copy_row(unsigned char* dst, int row, int chunk, const u16* src, bool valid) {
+    const u32 d = smem_u32(dst + sw128(row, chunk));
+#pragma unroll
+    for (int c = 0; c < 8; ++c) cp16(d + c * PLANE, src + c * 64, valid);
+}
+
+// v[rr] (the lane's two rows) reduced over its quad by op, then published by the quad's first lane at dst[r0] and
+// dst[r0 + 8]
+template <typename Op>
+__device__ __forceinline__ void quad_publish(float (&v)[2], Op op, float* dst, int r0, int t) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        v[rr] = op(v[rr], __shfl_xor_sync(0xffffffffu, v[rr], 1));
+        v[rr] = op(v[rr], __shfl_xor_sync(0xffffffffu, v[rr], 2));
+    }
+    if (t == 0) {
+        dst[r0] = v[0];
+        dst[r0 + 8] = v[1];
+    }
+}
+
 // an arrival on `bar` once this thread's earlier cp.asyncs have landed (counted in the barrier's init count)
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
@@ -181,9 +208,7 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
                 const u16* q_tok = q + (i64)tok * stride_qt + (i64)h0 * stride_qh;
                 for (int i = 0; i < 4; ++i) {
                     const int row = 16 * i + grp;
-                    for (int c = 0; c < 8; ++c)
-                        cp16(smem_u32(q_s + c * PLANE + row * 128 + ((chunk ^ (row & 7)) << 4)),
-                             q_tok + (i64)row * stride_qh + c * 64 + chunk * 8, true);
+                    copy_row(q_s, row, chunk, q_tok + (i64)row * stride_qh + chunk * 8, true);
                 }
                 cp_async_arrive(q_full);
             };
@@ -199,13 +224,9 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
                     const int k = b * BK + 16 * i + grp;
                     r[i] = k < K ? idx_row[k] : -1;
                 }
-                for (int i = 0; i < 4; ++i) {
-                    const int row = 16 * i + grp;
-                    const u16* src = kv + (r[i] >= 0 ? (i64)r[i] * stride_kvn : 0) + chunk * 8;
-                    for (int c = 0; c < 8; ++c)
-                        cp16(smem_u32(stage + c * PLANE + row * 128 + ((chunk ^ (row & 7)) << 4)), src + c * 64,
+                for (int i = 0; i < 4; ++i)
+                    copy_row(stage, 16 * i + grp, chunk, kv + (r[i] >= 0 ? (i64)r[i] * stride_kvn : 0) + chunk * 8,
                              r[i] >= 0);
-                }
                 cp_async_arrive(full0 + 8 * s);
                 seen = seen || (even | odd);
                 if (!q_loaded) {
@@ -299,15 +320,7 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
                         mx[rr] = fmaxf(mx[rr], v);
                     }
                 }
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-            }
-            if (t == 0) {
-                max_s[w * BH + r0] = mx[0];
-                max_s[w * BH + r0 + 8] = mx[1];
-            }
+            quad_publish(mx, [](float a, float b) { return fmaxf(a, b); }, max_s + w * BH, r0, t);
             named_sync(BAR_MAX);
             float rescale[2];
 #pragma unroll
@@ -327,11 +340,8 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
                     const float p0 = tl_exp(sacc[4 * j + 2 * rr] - run_max[rr]);
                     const float p1 = tl_exp(sacc[4 * j + 2 * rr + 1] - run_max[rr]);
                     ps[rr] += p0 + p1;
-                    u32 pair;
-                    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(p1), "f"(p0));
-                    const int r = r0 + 8 * rr;
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(pb + r * 128 + (((4 * w + j) ^ g) << 4) + 4 * t),
-                                 "r"(pair) : "memory");
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(pb + sw128(r0 + 8 * rr, 4 * w + j) + 4 * t),
+                                 "r"(pack_bf16x2(p0, p1)) : "memory");
                 }
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) run_sum[rr] = run_sum[rr] * rescale[rr] + ps[rr];
@@ -353,15 +363,7 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
         mbar_arrive(q_empty);  // every S of this item is done: the producer may load the next q
 
         // the row sums: this lane's, its quad's, then both warpgroups' (in one order for both)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            run_sum[rr] += __shfl_xor_sync(0xffffffffu, run_sum[rr], 1);
-            run_sum[rr] += __shfl_xor_sync(0xffffffffu, run_sum[rr], 2);
-        }
-        if (t == 0) {
-            sum_s[w * BH + r0] = run_sum[0];
-            sum_s[w * BH + r0 + 8] = run_sum[1];
-        }
+        quad_publish(run_sum, [](float a, float b) { return a + b; }, sum_s + w * BH, r0, t);
         named_sync(BAR_SUM);
         float den[2];
 #pragma unroll
@@ -378,11 +380,8 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     const int r = r0 + 8 * rr, col = 256 * w + 128 * h + 8 * j + 2 * t;
-                    u32 pair;
-                    asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
-                        : "=r"(pair)
-                        : "f"(o[h][4 * j + 2 * rr + 1] / den[rr]), "f"(o[h][4 * j + 2 * rr] / den[rr]));
-                    *reinterpret_cast<u32*>(out_tok + (i64)(h0 + r) * stride_oh + col) = pair;
+                    *reinterpret_cast<u32*>(out_tok + (i64)(h0 + r) * stride_oh + col) =
+                        pack_bf16x2(o[h][4 * j + 2 * rr] / den[rr], o[h][4 * j + 2 * rr + 1] / den[rr]);
                 }
     }
 }
