@@ -3,9 +3,9 @@ skipped without NVRTC or Triton's cuobjdump, like tests/test_kernels_pdl_sass.py
 
 ptxas serializes a kernel's wgmma.mma_async (each waits for the one before: advisory C7515) when a non-wgmma
 instruction writes an accumulator register while a wgmma stage is open. The sparse attention's default build does
-that twice (its output accumulators zeroed after an item's first S is issued; a register pin of S inside P.V's
-open stage); the PIPELINED_QK build does neither, and its 32 S wgmmas a block are issued back to back. Until a GPU
-has run and timed it (scripts/pending_device_runs.sh s38), the default stays the build the H100 tested.
+that: the compiler zeroes its output accumulators after an item's first S is issued. The PIPELINED_QK build pins
+the zeroing before it, and its 32 S wgmmas a block are issued back to back. Until a GPU has run and timed it
+(scripts/pending_device_runs.sh s38), the default stays the build the H100 tested.
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@
 #define STAGES 2
 #endif
 #ifndef PIPELINED_QK
-#define PIPELINED_QK 0  // 1: no register pin before S's wgmmas (see issue_qk): ptxas keeps the wgmma pipeline
+#define PIPELINED_QK 0  // 1: the output accumulators pinned at their zeroing: ptxas keeps the wgmma pipeline
 #endif
 #ifndef MN_SWAP
 #define MN_SWAP 0  // 1: the transposed operand's LBO and SBO exchanged (a layout check for the GPU test)
@@ -252,9 +252,7 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
     auto issue_qk = [&](int s, int n) {
         mbar_wait(full0 + 8 * s, (n / STAGES) & 1);
         fence_async_smem();
-#if !PIPELINED_QK
-        keep_all(sacc);  // (inside P.V's open wgmma stage: ptxas then serializes every wgmma, C7515)
-#endif
+        keep_all(sacc);
         wgmma_fence();
         const u32 kb = kv_base + s * KV_BYTES + w * 32 * 128;
 #pragma unroll
