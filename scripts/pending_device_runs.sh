@@ -42,7 +42,9 @@ case $stage in
 s38)  # the thirty-sixth session's sparse attention on wgmma (kernels/cuda/sparse_attn_wgmma.cu): its GPU tests with
     # the Triton form's (both builds: the default and PIPELINED_QK, whose wgmmas ptxas no longer serializes; untested
     # on a GPU until this runs), then the forms at the 8k prefill's index rows and the T crossover. If the
-    # PIPELINED_QK build passes and is faster, make it the default (drop the pins, DEEPINFER_ATTN_WGMMA_PIPELINED)
+    # PIPELINED_QK build passes and is faster, make it the default (the zeroing pin; drop
+    # DEEPINFER_ATTN_WGMMA_PIPELINED). The default build's source was refactored after its last GPU run (90a1787: same
+    # math, SASS the same up to scheduling): these tests are its first run too
     step gpu_tests_s38 240 python -m pytest -q -m gpu -x tests/test_kernels_attn_wgmma.py tests/test_kernels_attn.py \
         -k "wgmma or sparse or dispatch" -s
     step bench_sparse_attn_prefill 200 python benchmarks/bench_sparse_attn_prefill.py
