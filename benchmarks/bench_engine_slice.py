@@ -32,11 +32,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import env_sets  # noqa: E402
 from bench_engine_step import pure_decode_steps  # noqa: E402
 from slice_config import slice_config  # noqa: E402
 
-from deepinfer import LLM, RequestOutputKind, SamplingParams, env  # noqa: E402
-from deepinfer.kernels.cuda import runtime as cuda_runtime  # noqa: E402
+from deepinfer import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from deepinfer.tiny import make_tensors, write_model_dir  # noqa: E402
 
 
@@ -192,7 +192,7 @@ def main() -> None:
     args = ap.parse_args()
     kind = RequestOutputKind[args.output_kind.upper()]
     if args.env_sets is not None:
-        sets = [dict(kv.split("=", 1) for kv in es.split(",") if kv) for es in args.env_sets]
+        sets = env_sets.parse(args.env_sets)
     else:
         sets = [None if f is None else {"DEEPINFER_LINEAR_BATCH_FORM": f} for f in args.linear_batch_forms]
     path = write_slice(args.layers, args.dir)
@@ -201,12 +201,8 @@ def main() -> None:
           f"greedy, {args.new} new tokens, {args.output_kind} outputs", flush=True)
     engine_ms = {}
     for i, env_set in enumerate(sets):
-        if env_set is not None:  # read by the ops at each call (at capture) and by the sampler per step
-            for key in {k for st in sets if st for k in st}:
-                os.environ.pop(key, None)
-            os.environ.update(env_set)
-            # PDL's switch is read once at import (cuda/runtime.py): follow the set (each engine captures anew)
-            cuda_runtime.PDL_ENABLED = env.pdl_enabled()
+        if env_set is not None:  # read by the ops at each call (at capture) and by the sampler per step; PDL's
+            env_sets.apply(env_set, [st for st in sets if st])  # switch too (each engine captures anew)
         label = "" if env_set is None else f"[{i}] " + (",".join(f"{k[len('DEEPINFER_'):].lower()}={v}"
                                                                    for k, v in env_set.items()) or "default") + " "
         for mode in args.async_modes:

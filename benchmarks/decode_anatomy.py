@@ -25,6 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import env_sets  # noqa: E402
 from slice_config import slice_config  # noqa: E402
 from stream_timeline import (critical_path, format_critical_path, format_timeline, kernel_table,  # noqa: E402
                              main_stream_path, profiled_kernels)
@@ -133,8 +134,6 @@ def main() -> None:
                          "variables in the environment and every other set's removed")
     args = ap.parse_args()
     from deepinfer.kernels.triton import register_cuda_kernels
-    from deepinfer import env
-    from deepinfer.kernels.cuda import runtime as cuda_runtime
     from deepinfer.tiny import make_tensors
     from v4_slice import SliceRunner
 
@@ -146,17 +145,13 @@ def main() -> None:
     torch.cuda.empty_cache()
     res = {"device": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
            "command": " ".join(sys.argv)}
-    sets = [dict(kv.split("=", 1) for kv in es.split(",") if kv) for es in args.env_sets] if args.env_sets else None
+    sets = env_sets.parse(args.env_sets) if args.env_sets else None
     if sets is None:
         sets = [{"DEEPINFER_MOE_DECODE_KERNEL": c} for c in args.moe_kernels] if args.moe_kernels else [None]
     for b in args.batches:
         for env_set in sets:
-            if env_set is not None:  # read by the ops at each call (at capture)
-                for key in {k for st in sets if st for k in st}:
-                    os.environ.pop(key, None)
-                os.environ.update(env_set)
-                # PDL's switch is read once at import (cuda/runtime.py): follow the set (graphs captured per set)
-                cuda_runtime.PDL_ENABLED = env.pdl_enabled()
+            if env_set is not None:  # read by the ops at each call (at capture); PDL too (graphs captured per set)
+                env_sets.apply(env_set, sets)
             tag = f"b{b}" + (" " + ",".join(f"{k.split('_')[1].lower()}={v}" for k, v in env_set.items())
                              if env_set else "")
             r = res[tag] = anatomy(runner, b, args.context, args.top, args.ops, args.timeline)

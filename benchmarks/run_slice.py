@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ceilings  # noqa: E402
+import env_sets  # noqa: E402
 from slice_config import decode_bytes_per_layer, flops_per_token_layer, slice_config  # noqa: E402
 
 DECODE_BATCHES = (1, 8, 32, 128)
@@ -66,22 +67,18 @@ def engine_part(cfg, args, res: dict) -> None:
             res[f"prefill_{s}"].update(graphs_ms=g, graphs_tflops=flops_tok[s] * s * n / (g * 1e-3) / 1e12)
         print("prefill", s, res[f"prefill_{s}"], flush=True)
     if args.prefill_env_sets:  # A/B of switches read at each call, in alternated rounds on this one engine
-        sets = [dict(kv.split("=", 1) for kv in es.split(",") if kv) for es in args.prefill_env_sets]
-        for s in args.prefills:
-            rounds = res.setdefault(f"prefill_{s}_env_rounds", [])
-            for _ in range(3):
-                for label, env_set in zip(args.prefill_env_sets, sets):
-                    saved = {k: os.environ.get(k) for k in env_set}
-                    os.environ.update(env_set)
-                    try:
+        sets = env_sets.parse(args.prefill_env_sets)
+        own = env_sets.saved(sets)
+        try:
+            for s in args.prefills:
+                rounds = res.setdefault(f"prefill_{s}_env_rounds", [])
+                for _ in range(3):
+                    for label, env_set in zip(args.prefill_env_sets, sets):
+                        env_sets.apply(env_set, sets)
                         rounds.append((label or "defaults", runner.prefill_ms(s, blocks_only=True)))
-                    finally:
-                        for k, v in saved.items():
-                            if v is None:
-                                os.environ.pop(k, None)
-                            else:
-                                os.environ[k] = v
-                    print("prefill", s, "blocks", *rounds[-1], flush=True)
+                        print("prefill", s, "blocks", *rounds[-1], flush=True)
+        finally:
+            env_sets.restore(own)
     if PREFILLS[-1] in args.prefills and not args.no_breakdown:
         res[f"prefill_{PREFILLS[-1]}_kernels"] = runner.prefill_kernel_breakdown(PREFILLS[-1], top=args.top)
     del runner
