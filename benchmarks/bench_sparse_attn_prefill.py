@@ -21,6 +21,7 @@ import triton.testing
 
 from deepinfer.kernels.cuda import sparse_attn_wgmma as wg
 from deepinfer.kernels.triton import sparse_attn
+from deepinfer.kernels.triton.fp8_gemm import sm_count
 
 H, D, WIN, TOPK = 64, 512, 128, 512
 
@@ -56,8 +57,11 @@ def time_pair(q, kv, sink, idx, label: str) -> str:
     out_t = torch.empty_like(q)
     out_w = torch.empty_like(q)
     tri = lambda: sparse_attn.sparse_attn_sink_triton(q, kv, sink, idx, scale, out=out_t)  # noqa: E731
-    cud = lambda: wg.sparse_attn_wgmma(q, kv, sink, idx, scale, float("-inf"), out_w, pipelined=False)  # noqa: E731
-    pip = lambda: wg.sparse_attn_wgmma(q, kv, sink, idx, scale, float("-inf"), out_w, pipelined=True)  # noqa: E731
+    sms = sm_count(q.device)
+    def cuda_form(pipelined: bool):
+        return lambda: wg.sparse_attn_wgmma(q, kv, sink, idx, scale, float("-inf"), out_w, sms, pipelined=pipelined)
+
+    cud, pip = cuda_form(False), cuda_form(True)
     tri()
     piped = pip().clone()
     same = torch.equal(piped, cud())  # the PIPELINED_QK build against the default: the same bits

@@ -52,9 +52,11 @@ def _inputs(g, T, H, N, K, hole_frac=0.3, empty_tail=False, d=512):
 
 
 def _run(wg, q, kv, sink, idx, initial_max=float("-inf"), mn_swap=0, pipelined=False):
+    from deepinfer.kernels.triton.fp8_gemm import sm_count
+
     out = torch.empty_like(q)
-    return wg.sparse_attn_wgmma(q, kv, sink, idx, q.shape[-1] ** -0.5, initial_max, out, mn_swap=mn_swap,
-                                pipelined=pipelined)
+    return wg.sparse_attn_wgmma(q, kv, sink, idx, q.shape[-1] ** -0.5, initial_max, out, sm_count(q.device),
+                                mn_swap=mn_swap, pipelined=pipelined)
 
 
 BUILDS = (False, True)  # the default build and the PIPELINED_QK one (tests/test_kernels_wgmma_pipeline.py)
@@ -172,7 +174,7 @@ def test_launcher_names_bad_input():
     assert any("head dim 512" in p for p in found) and any("idx must be int32" in p for p in found)
     with pytest.raises(ValueError, match="sparse_attn_wgmma: q"):
         wg.sparse_attn_wgmma(q, kv, torch.zeros(48), torch.zeros(4, 8, dtype=torch.int32), 1.0, 0.0,
-                             torch.zeros_like(q))
+                             torch.zeros_like(q), 132)
     good = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
     assert wg.problems(good, torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int32),
                        torch.zeros_like(good)) == []

@@ -79,8 +79,7 @@ def tiles(config: dict | None = None) -> dict:
 
 def usable(device: torch.device) -> bool:
     """A CUDA device of compute capability exactly 9.0 (wgmma is sm_90a) with NVRTC and the driver."""
-    return (device.type == "cuda" and runtime.available()
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    return runtime.sm90a_usable(device)
 
 
 def usable_weight(w: QuantLinearWeight, bn: int = DEFAULT_TILES["BN"]) -> bool:

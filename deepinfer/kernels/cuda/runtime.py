@@ -127,6 +127,12 @@ def available() -> bool:
     return True
 
 
+def sm90a_usable(device: torch.device) -> bool:
+    """A CUDA device of compute capability exactly 9.0 (the warpgroup kernels' wgmma and setmaxnreg are sm_90a)
+    with NVRTC and the driver: each such kernel's launcher's `usable`."""
+    return device.type == "cuda" and available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def _check_nvrtc(result: int, what: str) -> None:
     if result != 0:
         msg = _nvrtc().nvrtcGetErrorString(result)

@@ -2,15 +2,14 @@
 warpgroup MMA (the .cu's header has the layout, the pipeline and the math: the official kernel's, as
 `kernels/triton/sparse_attn.py`'s Triton form).
 
-`sparse_attn_wgmma(q, kv, sink, idx, scale, initial_max, out)`: q [T, H, 512] bf16, kv [N, 512] bf16, sink [H]
-fp32, idx [T, K] int32 (-1 = skip), out [T, H, 512] bf16 (dense last dim) -> out. `problems(...)` lists what
+`sparse_attn_wgmma(q, kv, sink, idx, scale, initial_max, out, sms)`: q [T, H, 512] bf16, kv [N, 512] bf16,
+sink [H] fp32, idx [T, K] int32 (-1 = skip), out [T, H, 512] bf16 (dense last dim), sms the device's SM count
+-> out. `problems(...)` lists what
 keeps inputs off the kernel (empty: it can run them); `usable(device)`: compute capability exactly 9.0 (wgmma is
 sm_90a) with NVRTC and the driver.
 Must not: import triton; allocate.
 """
 from __future__ import annotations
-
-from functools import lru_cache
 
 import torch
 
@@ -43,14 +42,9 @@ def kernel(stages: int = STAGES, mn_swap: int = 0, pipelined: bool = False) -> C
     return _KERNELS[key]
 
 
-@lru_cache(maxsize=None)
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def usable(device: torch.device) -> bool:
     """A CUDA device of compute capability exactly 9.0 (wgmma is sm_90a) with NVRTC and the driver."""
-    return device.type == "cuda" and runtime.available() and torch.cuda.get_device_capability(device) == (9, 0)
+    return runtime.sm90a_usable(device)
 
 
 def problems(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -69,11 +63,11 @@ def problems(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Te
 
 
 def sparse_attn_wgmma(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                      initial_max: float, out: torch.Tensor, mn_swap: int = 0,
+                      initial_max: float, out: torch.Tensor, sms: int, mn_swap: int = 0,
                       pipelined: bool | None = None) -> torch.Tensor:
-    """Launch into `out` and return it (ValueError naming every problem, before any launch). mn_swap: the layout
-    check's other descriptor form (tests only); pipelined: the PIPELINED_QK build (None:
-    DEEPINFER_ATTN_WGMMA_PIPELINED)."""
+    """Launch into `out` and return it (ValueError naming every problem, before any launch). sms: the device's SM
+    count (the persistent CTAs' grid; the caller's cached `fp8_gemm.sm_count`); mn_swap: the layout check's other
+    descriptor form (tests only); pipelined: the PIPELINED_QK build (None: DEEPINFER_ATTN_WGMMA_PIPELINED)."""
     found = problems(q, kv, idx, out)
     if found:
         raise ValueError("sparse_attn_wgmma: " + "; ".join(found))
@@ -83,8 +77,7 @@ def sparse_attn_wgmma(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx
     items = T * (H // HEADS_PER_CTA)  # (token, 64-head block) pairs: a persistent CTA an SM walks them
     pipelined = env.attn_wgmma_pipelined() if pipelined is None else pipelined
     kernel(STAGES, mn_swap, pipelined).launch(
-        (min(items, sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())), 1, 1),
-        (THREADS, 1, 1),
+        (min(items, sms), 1, 1), (THREADS, 1, 1),
         (q, kv, sink, idx, out, T, H, idx.shape[1], float(scale), float(initial_max),
          q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1)),
         q.device, shared=smem_bytes())

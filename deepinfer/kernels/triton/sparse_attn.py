@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from deepinfer import env
+from deepinfer.kernels.triton.fp8_gemm import sm_count
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
 from deepinfer.kernels.triton.pdl import pdl_enter
 
@@ -210,7 +211,8 @@ def sparse_attn_sink_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
         return sparse_attn_sink_triton(q, kv, sink, idx, scale, initial_max, out=out)  # (which checks out)
     from deepinfer.kernels.cuda import sparse_attn_wgmma as wg
 
-    return wg.sparse_attn_wgmma(q, kv, sink.to(torch.float32).contiguous(), idx, scale, initial_max, out)
+    return wg.sparse_attn_wgmma(q, kv, sink.to(torch.float32).contiguous(), idx, scale, initial_max, out,
+                                sm_count(q.device))
 
 
 def sparse_attn_sink_official_cuda(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
