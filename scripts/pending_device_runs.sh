@@ -28,7 +28,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -39,6 +39,13 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s39)  # the thirty-seventh session's experts kernel without a producer warp (fp4_moe_wgmma PRODUCER_WARP 0: thread 0
+    # issues the TMA, 16 warps a CTA get 128 registers and ptxas no longer serializes the 4-warpgroup tiles' wgmmas,
+    # C7511): its GPU tests (every pipeline form with PRODUCER_WARP 0), then the tiles at the 1k / 2k / 8k prefills'
+    # slot counts against the current plans. If a PRODUCER_WARP 0 row is faster, it becomes its regime's plan
+    step gpu_tests_s39 240 python -m pytest -q -m gpu -x tests/test_kernels_fp4_moe_wgmma.py -k "pw0 or op_"
+    step bench_fp4_moe_wgmma_s39 300 python benchmarks/bench_fp4_moe.py --wgmma --ts 1024,2048,8192
+    ;;
 s38)  # the thirty-sixth session's sparse attention on wgmma (kernels/cuda/sparse_attn_wgmma.cu): its GPU tests with
     # the Triton form's (both builds: the default and PIPELINED_QK, whose wgmmas ptxas no longer serializes; untested
     # on a GPU until this runs), then the forms at the 8k prefill's index rows and the T crossover. If the

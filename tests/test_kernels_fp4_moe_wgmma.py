@@ -31,10 +31,16 @@ TILE_CONFIGS = [dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=1), dict(BT=12
                 dict(BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=1)]
 TILE_CONFIGS = [dict(c, MIN_CTAS=1) for c in TILE_CONFIGS] + [
     dict(BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2), dict(BT=128, CWG=1, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=2)]
+# thread 0 as the producer (no producer warp): every pipeline form (whole stages, halves, two fragment buffers)
+PW0_CONFIGS = [dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, PRODUCER_WARP=0),
+               dict(BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2, PRODUCER_WARP=0),
+               dict(BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=1, MIN_CTAS=1, PRODUCER_WARP=0),
+               dict(BT=64, CWG=1, STAGES=2, FRAG_BUFS=2, HALVES=0, MIN_CTAS=1, PRODUCER_WARP=0)]
+TILE_CONFIGS = TILE_CONFIGS + PW0_CONFIGS
 
 
 def _tag(c: dict) -> str:
-    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}m{c['MIN_CTAS']}"
+    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}m{c['MIN_CTAS']}pw{c.get('PRODUCER_WARP', 1)}"
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -146,6 +152,11 @@ def test_tile_rules_and_shared_memory():
         wg.tiles({"STAGES": 2, "CWG": 4, "MIN_CTAS": 2})
     with pytest.raises(ValueError, match="BT 64/128"):
         wg.tiles({"BT": 256})
+    # without the producer warp a CTA is its consumer warpgroups: 2 CTAs of 4 fit the SM's thread budget
+    assert wg.threads(dict(cfg, CWG=4, PRODUCER_WARP=1)) == 544 and wg.threads(dict(cfg, CWG=4, PRODUCER_WARP=0)) == 512
+    assert wg.tiles({"STAGES": 2, "CWG": 2, "MIN_CTAS": 3, "BT": 64, "PRODUCER_WARP": 0})["MIN_CTAS"] == 3
+    with pytest.raises(ValueError, match="PRODUCER_WARP 0/1"):
+        wg.tiles({"PRODUCER_WARP": 2})
     assert "at most 128 bytes" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 256), swizzle=128)
     assert runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=128) is None
     assert "swizzle 100" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=100)
@@ -159,7 +170,7 @@ def test_plan_tiles_by_regime():
 
     from deepinfer.kernels.cuda.fp4_moe_wgmma import tiles
 
-    assert plan_wgmma(8192 * 6, 256, {"WGMMA": True}) == tiles(WGMMA_TILES) == dict(WGMMA_TILES, TRIM=1)
+    assert plan_wgmma(8192 * 6, 256, {"WGMMA": True}) == tiles(WGMMA_TILES) == dict(tiles(), **WGMMA_TILES)
     assert plan_wgmma(2048 * 6, 256, {"WGMMA": True}) == tiles(WGMMA_TILES_FEW)  # 48 slots per expert
     assert plan_wgmma(8192 * 6, 256, {"WGMMA": True, "TRIM": 0})["TRIM"] == 0
     assert plan_wgmma(8192 * 6, 256, {"WGMMA": True, "BT": 64})["BT"] == 64

@@ -16,14 +16,13 @@ from deepinfer.kernels.cuda import runtime, sparse_attn_wgmma
 from test_kernels_pdl_sass import _sass_tools
 
 
-def _advisories(defines: dict) -> list[str]:
+def _advisories(defines: dict, source: str = sparse_attn_wgmma.SOURCE) -> list[str]:
     try:
         runtime.nvrtc_version()
     except runtime.CudaRuntimeError as err:
         pytest.skip(f"no NVRTC here: {err}")
     opts = tuple(f"-D{k}={v}" for k, v in defines.items())
-    return runtime.ptxas_advisories(runtime.read_source(sparse_attn_wgmma.SOURCE), sparse_attn_wgmma.SOURCE, "sm_90a",
-                                    opts)
+    return runtime.ptxas_advisories(runtime.read_source(source), source, "sm_90a", opts)
 
 
 def test_pipelined_build_keeps_the_wgmma_pipeline():
@@ -42,3 +41,17 @@ def test_the_serialization_is_detected():
     """The default build keeps the pins (the tested kernel): ptxas's advisory names the serialization."""
     found = _advisories(sparse_attn_wgmma.defines(pipelined=False))
     assert any("C7515" in line and "serialized" in line for line in found), found
+
+
+@pytest.mark.parametrize("gated", [0, 1])
+def test_expert_gemm_without_a_producer_warp_keeps_the_wgmma_pipeline(gated):
+    """The prefill experts' 4-warpgroup tiles: with a producer warp the CTA's 17 warps put 5 on one of the SM's
+    4 schedulers, whose quarter of the register file caps a thread at 96 registers, and ptxas serializes the
+    wgmmas (C7511); with thread 0 as the producer (16 warps, 128 registers) it does not."""
+    from deepinfer.kernels.cuda import fp4_moe_wgmma
+    from deepinfer.kernels.triton.fp4_moe import WGMMA_TILES
+
+    for producer_warp, serialized in ((1, True), (0, False)):
+        defines = {**fp4_moe_wgmma.tiles(dict(WGMMA_TILES, PRODUCER_WARP=producer_warp)), "GATED": gated, "OUT_F32": 0}
+        found = _advisories(defines, fp4_moe_wgmma.SOURCE)
+        assert any("C7511" in line for line in found) == serialized, (producer_warp, found)

@@ -37,8 +37,14 @@
 // * TRIM 1: a block's real slots come first and its padding last, so its wgmmas span only the smallest N of
 //   16, 32, .., BT holding the real ones (the m64nW fragment is the m64nBT one's first W / 2 registers; the
 //   pipeline is instantiated per width, the block picks one). The same per-element sums: the same bits.
-// Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)), routing blocks), block 128 CWG + 32, dynamic shared
-// memory `fp4_moe_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
+// * PRODUCER_WARP 0: no producer warp; thread 0 (a consumer) issues the TMA loads, polling the empty barriers
+//   without blocking once a stage (it blocks only when the stage it is about to consume was never loaded). Why:
+//   the register file is split among the SM's 4 schedulers and a CTA's warps are dealt to them in turn, so 4
+//   consumer warpgroups plus one producer warp put 5 warps on one scheduler and cap a thread at 96 registers
+//   (16384 / (5 x 32), rounded down to 8), too few for the wgmma pipeline (ptxas advisory C7511 serializes it);
+//   16 warps get 128.
+// Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)), routing blocks), block 128 CWG (+ 32 with PRODUCER_WARP),
+// dynamic shared memory `fp4_moe_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
 // Requires: K % 256 == 0 (FRAG_BUFS 2) or % 128; E8M0 bytes <= 128 (the exact bf16x2 expansion's range).
 
 #include "mma_common.cuh"
@@ -70,6 +76,9 @@
 #ifndef OUT_F32
 #define OUT_F32 0
 #endif
+#ifndef PRODUCER_WARP
+#define PRODUCER_WARP 1  // 1: a producer warp issues the TMA loads; 0: consumer thread 0 does (header)
+#endif
 #ifndef TRIM
 #define TRIM 1  // 1: a routing block's wgmmas span only the smallest N (16, 32, .., BT) that holds its real slots
 #endif
@@ -79,6 +88,7 @@
 #define A_HALF (BT * 128)           // one 64-K box of activations: BT rows x 128 bytes
 #define A_STAGE (2 * A_HALF)
 #define NACC (BT / 2)               // fp32 accumulators per lane: 64 x BT / 128 threads
+#define THREADS (128 * CWG + 32 * PRODUCER_WARP)
 
 
 #if BT != 64 && BT != 128
@@ -120,7 +130,7 @@ __device__ __forceinline__ void wgmma_rs_w(float (&d)[NA], u32 a0, u32 a1, u32 a
     wgmma_rs(*reinterpret_cast<float(*)[W / 2]>(&d[0]), a0, a1, a2, a3, desc);
 }
 
-extern "C" __global__ void __launch_bounds__(128 * CWG + 32, MIN_CTAS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                       const u8* __restrict__ ws, i64 stride_wse, i64 stride_wsn,
                       void* __restrict__ out, i64 stride_om, const float* __restrict__ route_w,
@@ -151,30 +161,62 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
     if (threadIdx.x == 0) ring_init(full0, empty0, STAGES, 4 * CWG);  // empty: one arrival per consumer warp
     __syncthreads();
 
+    // the TMA loads of step `step` into its ring slot (one thread): the weight box(es), the two activation boxes
+    auto load_stage = [&](int step) {
+        const int s = step % STAGES;
+        const u32 full = full0 + 8 * s;
+        mbar_expect_tx(full, W_STAGE + A_STAGE);
+        const u32 w_dst = smem_u32(w_ring + s * W_STAGE);
+#if GATED
+        tma_load_3d(w_dst, &tmap_w, step * (KSTEP / 2), f0, expert, full);
+        tma_load_3d(w_dst + W_STAGE / 2, &tmap_w, step * (KSTEP / 2), N + f0, expert, full);
+#else
+        tma_load_3d(w_dst, &tmap_w, step * (KSTEP / 2), f0, expert, full);
+#endif
+        const u32 a_dst = smem_u32(a_ring + s * A_STAGE);
+        tma_load_2d(a_dst, &tmap_a, step * (2 * KSTEP), blk * BT, full);
+        tma_load_2d(a_dst + A_HALF, &tmap_a, step * (2 * KSTEP) + 128, blk * BT, full);
+    };
+    // the parity an empty barrier completes with once the wgmmas that read step - STAGES (same slot) are done
+    auto empty_parity = [](int step) { return ((step / STAGES) & 1) ^ 1; };
+
+#if PRODUCER_WARP
     if (warp == 4 * CWG) {
-        // ---- producer warp (lane 0): the stage's weight box(es) and the two activation boxes ----
+        // ---- producer warp (lane 0) ----
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_a) : "memory");
             for (int step = 0; step < steps; ++step) {
-                const int s = step % STAGES;
-                if (step >= STAGES) mbar_wait(empty0 + 8 * s, ((step / STAGES) & 1) ^ 1);
-                const u32 full = full0 + 8 * s;
-                mbar_expect_tx(full, W_STAGE + A_STAGE);
-                const u32 w_dst = smem_u32(w_ring + s * W_STAGE);
-#if GATED
-                tma_load_3d(w_dst, &tmap_w, step * (KSTEP / 2), f0, expert, full);
-                tma_load_3d(w_dst + W_STAGE / 2, &tmap_w, step * (KSTEP / 2), N + f0, expert, full);
-#else
-                tma_load_3d(w_dst, &tmap_w, step * (KSTEP / 2), f0, expert, full);
-#endif
-                const u32 a_dst = smem_u32(a_ring + s * A_STAGE);
-                tma_load_2d(a_dst, &tmap_a, step * (2 * KSTEP), blk * BT, full);
-                tma_load_2d(a_dst + A_HALF, &tmap_a, step * (2 * KSTEP) + 128, blk * BT, full);
+                if (step >= STAGES) mbar_wait(empty0 + 8 * (step % STAGES), empty_parity(step));
+                load_stage(step);
             }
         }
         return;
     }
+    auto produce = [&](int) {};
+#else
+    // ---- thread 0 is also the producer: the first STAGES loads now, then each step refills the slots the
+    // consumers have released (a non-blocking test of their empty barriers); it waits only when step `step`
+    // itself was never loaded (the ring ran dry) ----
+    int next_load = 0;
+    if (threadIdx.x == 0) {
+        for (; next_load < steps && next_load < STAGES; ++next_load) load_stage(next_load);
+    }
+    auto produce = [&](int step) {
+        if (threadIdx.x == 0) {
+            while (next_load < steps && next_load < step + STAGES) {
+                const u32 empty = empty0 + 8 * (next_load % STAGES);
+                if (next_load > step) {
+                    if (!mbar_test(empty, empty_parity(next_load))) break;
+                } else {
+                    mbar_wait(empty, empty_parity(next_load));
+                }
+                load_stage(next_load++);
+            }
+        }
+        __syncwarp();
+    };
+#endif
 
     // ---- consumer warpgroups ----
     const int wg = warp >> 2, wi = warp & 3;
@@ -212,6 +254,7 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
             sc0 = ws0[(step + 1) * (KSTEP / 32)];
             sc1 = ws1[(step + 1) * (KSTEP / 32)];
         }
+        produce(step);
         mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
         st.w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
         st.w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);

@@ -35,6 +35,17 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         ::"r"(bar), "r"(parity) : "memory");
 }
 
+// whether the barrier's phase of `parity` has completed, without waiting (mbarrier.test_wait)
+__device__ __forceinline__ bool mbar_test(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n\t.reg .pred P;\n\t"
+        "mbarrier.test_wait.parity.shared::cta.b64 P, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, P;\n}"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+
 // the first 1024-byte aligned address of dynamic shared memory (a 128-byte swizzled TMA box, as wgmma's
 // descriptors read it, must start 1024-byte aligned; the launchers allot 1024 bytes of slack for this)
 __device__ __forceinline__ unsigned char* align_1024(unsigned char* smem_raw) {
