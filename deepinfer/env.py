@@ -286,11 +286,3 @@ def attn_prefill_kernel() -> str:
     (kernels/triton/sparse_attn.py), "auto" (the default: kernels/triton/sparse_attn.py WGMMA_MIN_TOKENS). Else a
     ValueError naming the choices. Read at each call."""
     return _kernel_choice("DEEPINFER_ATTN_PREFILL_KERNEL", ATTN_PREFILL_KERNEL_CHOICES)
-
-
-def attn_wgmma_pipelined() -> bool:
-    """DEEPINFER_ATTN_WGMMA_PIPELINED=1 builds the sparse attention's CUDA form (kernels/cuda/sparse_attn_wgmma.cu)
-    with PIPELINED_QK 1: the same math, its S wgmmas issued back to back instead of one at a time (ptxas
-    serializes the default build's wgmmas, advisory C7515; read offline, 2026-12-07). Off until a GPU has run its
-    tests and timed it (scripts/pending_device_runs.sh s38). Read at each call."""
-    return os.environ.get("DEEPINFER_ATTN_WGMMA_PIPELINED", "0") in ("1", "true", "yes")

@@ -16,7 +16,10 @@
 # (results/*_s35*, BENCHMARKS.md); it owes v41_hc (V4.1's decode with its hc plan change, any Hopper GPU). The
 # thirty-sixth session's H100 ran s38 (the sparse attention's CUDA form: tests, timings; results/*_s36*) and s38_slice
 # in its two-process form with an earlier kernel; it owes s38_slice as it is now (the one-process A/B of the 8k
-# prefill's blocks and the engine's prefill GPU tests with the landed kernel), first. Still owed
+# prefill's blocks and the engine's prefill GPU tests with the landed kernel), first. The thirty-seventh session's
+# H200 ran s38 (both builds' tests; the PIPELINED_QK build 14% faster, now the default), s39 (the experts without a
+# producer warp: tests passed, not faster) and s38_slice with the PIPELINED_QK build as a third env set
+# (results/*_s37*, BENCHMARKS.md). Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -51,7 +54,8 @@ s38)  # the thirty-sixth session's sparse attention on wgmma (kernels/cuda/spars
     # on a GPU until this runs), then the forms at the 8k prefill's index rows and the T crossover. If the
     # PIPELINED_QK build passes and is faster, make it the default (the zeroing pin; drop
     # DEEPINFER_ATTN_WGMMA_PIPELINED). The default build's source was refactored after its last GPU run (90a1787: same
-    # math, SASS the same up to scheduling): these tests are its first run too
+    # math, SASS the same up to scheduling): these tests are its first run too. (Ran on an H200 in the thirty-seventh
+    # session: PIPELINED_QK is now the default build, pipelined=False the serialized one the bench compares)
     step gpu_tests_s38 240 python -m pytest -q -m gpu -x tests/test_kernels_attn_wgmma.py tests/test_kernels_attn.py \
         -k "wgmma or sparse or dispatch" -s
     step bench_sparse_attn_prefill 200 python benchmarks/bench_sparse_attn_prefill.py

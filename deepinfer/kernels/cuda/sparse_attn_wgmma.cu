@@ -45,8 +45,8 @@
 #define STAGES 2
 #endif
 #ifndef PIPELINED_QK
-#define PIPELINED_QK 0  // 1: the output accumulators pinned at their zeroing: ptxas keeps the wgmma pipeline
-#endif
+#define PIPELINED_QK 1  // 1: the output accumulators pinned at their zeroing, so ptxas keeps the wgmma pipeline;
+#endif                  // 0: the build ptxas serializes (C7515), kept for the detector's test and the bench
 #ifndef MN_SWAP
 #define MN_SWAP 0  // 1: the transposed operand's LBO and SBO exchanged (a layout check for the GPU test)
 #endif

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer import env
 from deepinfer.kernels.cuda import runtime
 from deepinfer.kernels.cuda.runtime import CudaKernel
 
@@ -29,12 +28,12 @@ def smem_bytes(stages: int = STAGES) -> int:
     return 65536 + stages * 65536 + 2 * 8192 + 2 * 2 * 64 * 4 + 8 * (2 + 2 * stages) + 1024
 
 
-def defines(stages: int = STAGES, mn_swap: int = 0, pipelined: bool = False) -> dict[str, int]:
+def defines(stages: int = STAGES, mn_swap: int = 0, pipelined: bool = True) -> dict[str, int]:
     """The build's compile-time constants (the .cu's STAGES, MN_SWAP, PIPELINED_QK)."""
     return {"STAGES": stages, "MN_SWAP": mn_swap, "PIPELINED_QK": int(pipelined)}
 
 
-def kernel(stages: int = STAGES, mn_swap: int = 0, pipelined: bool = False) -> CudaKernel:
+def kernel(stages: int = STAGES, mn_swap: int = 0, pipelined: bool = True) -> CudaKernel:
     key = (stages, mn_swap, pipelined)
     if key not in _KERNELS:
         _KERNELS[key] = CudaKernel(SOURCE, "sparse_attn_wgmma", _SIGNATURE, defines(stages, mn_swap, pipelined),
@@ -64,10 +63,11 @@ def problems(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Te
 
 def sparse_attn_wgmma(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
                       initial_max: float, out: torch.Tensor, sms: int, mn_swap: int = 0,
-                      pipelined: bool | None = None) -> torch.Tensor:
+                      pipelined: bool = True) -> torch.Tensor:
     """Launch into `out` and return it (ValueError naming every problem, before any launch). sms: the device's SM
     count (the persistent CTAs' grid; the caller's cached `fp8_gemm.sm_count`); mn_swap: the layout check's other
-    descriptor form (tests only); pipelined: the PIPELINED_QK build (None: DEEPINFER_ATTN_WGMMA_PIPELINED)."""
+    descriptor form (tests only); pipelined False: the build whose wgmmas ptxas serializes (PIPELINED_QK 0: the
+    same bits, ~14% slower on an H200; tests and the bench only)."""
     found = problems(q, kv, idx, out)
     if found:
         raise ValueError("sparse_attn_wgmma: " + "; ".join(found))
@@ -75,7 +75,6 @@ def sparse_attn_wgmma(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx
     if T == 0:
         return out
     items = T * (H // HEADS_PER_CTA)  # (token, 64-head block) pairs: a persistent CTA an SM walks them
-    pipelined = env.attn_wgmma_pipelined() if pipelined is None else pipelined
     kernel(STAGES, mn_swap, pipelined).launch(
         (min(items, sms), 1, 1), (THREADS, 1, 1),
         (q, kv, sink, idx, out, T, H, idx.shape[1], float(scale), float(initial_max),
