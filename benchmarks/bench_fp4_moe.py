@@ -137,18 +137,18 @@ WGMMA_VARIANTS = [  # (name, config, expand, max T)
     ("wgmma BT128 cwg4 s4 f1 h0", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0), None, 10 ** 9),
     ("wgmma BT64 cwg2 s3 f1 h1 m3", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=3), None, 10 ** 9),
     # PRODUCER_WARP 0 (thread 0 issues the TMA): 16 warps a CTA get 128 registers, the wgmma pipeline unserialized
-    # (H200, thirty-seventh session: not faster at 8k, BT 64 x 2 at 2 CTAs 2% faster at 2k; the other rows git history)
     ("wgmma BT128 cwg4 s4 f1 h0 pw0", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0,
                                             PRODUCER_WARP=0), None, 10 ** 9),
+    ("wgmma BT128 cwg2 s4 f1 h0 pw0", dict(WGMMA=True, BT=128, CWG=2, STAGES=4, FRAG_BUFS=1, HALVES=0,
+                                            PRODUCER_WARP=0), None, 10 ** 9),
+    ("wgmma BT128 cwg2 s2 f1 h0 m2 pw0", dict(WGMMA=True, BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2,
+                                               PRODUCER_WARP=0), None, 10 ** 9),
+    ("wgmma BT64 cwg4 s4 f1 h0 pw0", dict(WGMMA=True, BT=64, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0,
+                                           PRODUCER_WARP=0), None, 10 ** 9),
     ("wgmma BT64 cwg2 s3 f1 h0 m2 pw0", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2,
                                               PRODUCER_WARP=0), None, 10 ** 9),
-    # MCAST 2: CTA pairs of a routing block share its activation boxes by TMA multicast (half the L2 reads)
-    ("wgmma BT128 cwg4 s4 f1 h0 mc2", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MCAST=2),
-     None, 10 ** 9),
-    ("wgmma BT64 cwg2 s3 f1 h0 m3 mc2", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=0, MIN_CTAS=3,
-                                              MCAST=2), None, 10 ** 9),
-    ("wgmma BT64 cwg2 s3 f1 h0 m2 mc2", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2,
-                                              MCAST=2), None, 10 ** 9),
+    ("wgmma BT64 cwg2 s4 f1 h0 m2 pw0", dict(WGMMA=True, BT=64, CWG=2, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2,
+                                              PRODUCER_WARP=0), None, 10 ** 9),
 ]
 # (rows earlier sessions timed, dropped to keep this sweep within one device call: the Triton prefill plan,
 # untrimmed blocks, BT64 cwg4 h1, BT128 cwg2 s2 m2 h0/h1, BT128 cwg1 s3 h1 m2, BT64 cwg2 s4 h1 m2; git history)

@@ -31,7 +31,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s40, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -42,12 +42,6 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s40)  # the thirty-seventh session's experts kernel with CTA pairs sharing the activation boxes by TMA multicast
-    # (fp4_moe_wgmma MCAST 2; never run on a GPU before this): its GPU tests, then the tiles at the 2k / 8k prefills'
-    # slot counts. If an MCAST 2 row is faster, it becomes its regime's plan (fp4_moe.WGMMA_TILES / _FEW)
-    step gpu_tests_s40 240 python -m pytest -q -m gpu -x tests/test_kernels_fp4_moe_wgmma.py -k "mc2 or op_"
-    step bench_fp4_moe_wgmma_s40 240 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
-    ;;
 s39)  # the thirty-seventh session's experts kernel without a producer warp (fp4_moe_wgmma PRODUCER_WARP 0: thread 0
     # issues the TMA, 16 warps a CTA get 128 registers and ptxas no longer serializes the 4-warpgroup tiles' wgmmas,
     # C7511): its GPU tests (every pipeline form with PRODUCER_WARP 0), then the tiles at the 1k / 2k / 8k prefills'

@@ -36,15 +36,11 @@ PW0_CONFIGS = [dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, 
                dict(BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2, PRODUCER_WARP=0),
                dict(BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=1, MIN_CTAS=1, PRODUCER_WARP=0),
                dict(BT=64, CWG=1, STAGES=2, FRAG_BUFS=2, HALVES=0, MIN_CTAS=1, PRODUCER_WARP=0)]
-# CTA pairs sharing the activation boxes by TMA multicast (MCAST 2): both regimes' shapes
-MCAST_CONFIGS = [dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, MCAST=2),
-                 dict(BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=0, MIN_CTAS=3, MCAST=2)]
-TILE_CONFIGS = TILE_CONFIGS + PW0_CONFIGS + MCAST_CONFIGS
+TILE_CONFIGS = TILE_CONFIGS + PW0_CONFIGS
 
 
 def _tag(c: dict) -> str:
-    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}m{c['MIN_CTAS']}pw{c.get('PRODUCER_WARP', 1)}" \
-        f"mc{c.get('MCAST', 1)}"
+    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}m{c['MIN_CTAS']}pw{c.get('PRODUCER_WARP', 1)}"
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -161,11 +157,6 @@ def test_tile_rules_and_shared_memory():
     assert wg.tiles({"STAGES": 2, "CWG": 2, "MIN_CTAS": 3, "BT": 64, "PRODUCER_WARP": 0})["MIN_CTAS"] == 3
     with pytest.raises(ValueError, match="PRODUCER_WARP 0/1"):
         wg.tiles({"PRODUCER_WARP": 2})
-    assert wg.tiles({"MCAST": 2})["MCAST"] == 2
-    for bad in ({"MCAST": 3}, {"MCAST": 2, "PRODUCER_WARP": 0}, {"MCAST": 2, "HALVES": 1},
-                {"MCAST": 2, "FRAG_BUFS": 2}):
-        with pytest.raises(ValueError, match="MCAST"):
-            wg.tiles(bad)
     assert "at most 128 bytes" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 256), swizzle=128)
     assert runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=128) is None
     assert "swizzle 100" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=100)

@@ -1,6 +1,6 @@
-// Thread-block cluster helpers (sm_90): the cluster-wide barrier, loads from another CTA's shared memory
-// (distributed shared memory: fp8_linear_mma.cu's CLUSTER_SPLIT adds its split-K partials that way) and arrivals
-// on another CTA's mbarrier (fp4_moe_wgmma.cu's MCAST: a CTA pair's consumers release both CTAs' ring slots).
+// Thread-block cluster helpers (sm_90) of the kernels that add their split-K partials inside a cluster
+// (fp8_linear_mma.cu's CLUSTER_SPLIT; fp8_linear_wgmma.cu's was removed, 2026-12-05): the cluster-wide barrier
+// and loads from another CTA's shared memory (distributed shared memory).
 // (inlined once per kernel by runtime.read_source: no include guard needed)
 
 // all threads of every CTA of the cluster: memory before it is visible to the cluster after it
@@ -21,15 +21,3 @@ __device__ __forceinline__ float ld_cluster(u32 local, u32 rank) {
     return v;
 }
 
-// this CTA's rank in its cluster
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    return rank;
-}
-
-// one arrival on the mbarrier at this CTA's shared address `local` in the CTA of cluster rank `rank`
-__device__ __forceinline__ void mbar_arrive_remote(u32 local, u32 rank) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_address(local, rank))
-                 : "memory");
-}

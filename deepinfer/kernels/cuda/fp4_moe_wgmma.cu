@@ -43,18 +43,11 @@
 //   consumer warpgroups plus one producer warp put 5 warps on one scheduler and cap a thread at 96 registers
 //   (16384 / (5 x 32), rounded down to 8), too few for the wgmma pipeline (ptxas advisory C7511 serializes it);
 //   16 warps get 128.
-// * MCAST 2: the two CTAs of a cluster (2, 1, 1) are neighbouring row tiles of one routing block, which read the
-//   same activation boxes: rank r loads box r of each stage and multicasts it into both CTAs' rings, halving the
-//   activations' L2-to-SM traffic (16 row tiles read each box at V4-Flash's dims). A ring slot is refilled once
-//   both CTAs' consumers released it: each consumer warp arrives on its own and the peer's empty barrier, and
-//   the producer waits out the last STAGES releases before it exits, so no arrival targets an exited CTA.
-//   Whole-stage pipeline only (FRAG_BUFS 1, HALVES 0: every step is released), with the producer warp.
-// Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)) rounded up to MCAST, routing blocks), block 128 CWG (+ 32 with PRODUCER_WARP),
+// Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)), routing blocks), block 128 CWG (+ 32 with PRODUCER_WARP),
 // dynamic shared memory `fp4_moe_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
 // Requires: K % 256 == 0 (FRAG_BUFS 2) or % 128; E8M0 bytes <= 128 (the exact bf16x2 expansion's range).
 
 #include "mma_common.cuh"
-#include "cluster_common.cuh"
 #include "pdl_common.cuh"
 #include "tma_common.cuh"
 #include "wgmma_common.cuh"
@@ -86,9 +79,6 @@
 #ifndef PRODUCER_WARP
 #define PRODUCER_WARP 1  // 1: a producer warp issues the TMA loads; 0: consumer thread 0 does (header)
 #endif
-#ifndef MCAST
-#define MCAST 1  // 2: a cluster's two CTAs share the activation boxes by TMA multicast (header)
-#endif
 #ifndef TRIM
 #define TRIM 1  // 1: a routing block's wgmmas span only the smallest N (16, 32, .., BT) that holds its real slots
 #endif
@@ -101,9 +91,6 @@
 #define THREADS (128 * CWG + 32 * PRODUCER_WARP)
 
 
-#if MCAST != 1 && (MCAST != 2 || !PRODUCER_WARP || FRAG_BUFS != 1 || HALVES)
-#error "MCAST 1, or 2 with the producer warp and whole stages (FRAG_BUFS 1, HALVES 0)"
-#endif
 #if BT != 64 && BT != 128
 #error "BT must be 64 or 128 (256 would need 128 accumulators a lane: it spills)"
 #endif
@@ -144,9 +131,6 @@ __device__ __forceinline__ void wgmma_rs_w(float (&d)[NA], u32 a0, u32 a1, u32 a
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
-#if MCAST == 2
-__cluster_dims__(2, 1, 1)
-#endif
 fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                       const u8* __restrict__ ws, i64 stride_wse, i64 stride_wsn,
                       void* __restrict__ out, i64 stride_om, const float* __restrict__ route_w,
@@ -174,13 +158,8 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
     u64* bars = reinterpret_cast<u64*>(w_ring + STAGES * W_STAGE);
     const u32 full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
 
-    // empty: one arrival per consumer warp (of both CTAs with MCAST 2)
-    if (threadIdx.x == 0) ring_init(full0, empty0, STAGES, 4 * CWG * MCAST);
+    if (threadIdx.x == 0) ring_init(full0, empty0, STAGES, 4 * CWG);  // empty: one arrival per consumer warp
     __syncthreads();
-#if MCAST == 2
-    const u32 rank = cluster_rank(), peer = rank ^ 1u;
-    cluster_barrier();  // both CTAs' barriers are initialised before any multicast or remote arrival
-#endif
 
     // the TMA loads of step `step` into its ring slot (one thread): the weight box(es), the two activation boxes
     auto load_stage = [&](int step) {
@@ -195,12 +174,8 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
         tma_load_3d(w_dst, &tmap_w, step * (KSTEP / 2), f0, expert, full);
 #endif
         const u32 a_dst = smem_u32(a_ring + s * A_STAGE);
-#if MCAST == 2
-        tma_load_2d_multicast(a_dst + rank * A_HALF, &tmap_a, step * (2 * KSTEP) + 128 * rank, blk * BT, full, 0x3);
-#else
         tma_load_2d(a_dst, &tmap_a, step * (2 * KSTEP), blk * BT, full);
         tma_load_2d(a_dst + A_HALF, &tmap_a, step * (2 * KSTEP) + 128, blk * BT, full);
-#endif
     };
     // the parity an empty barrier completes with once the wgmmas that read step - STAGES (same slot) are done
     auto empty_parity = [](int step) { return ((step / STAGES) & 1) ^ 1; };
@@ -215,12 +190,6 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
                 if (step >= STAGES) mbar_wait(empty0 + 8 * (step % STAGES), empty_parity(step));
                 load_stage(step);
             }
-#if MCAST == 2
-            // the tail: the last STAGES steps' releases (the peer's consumers arrive here too), so this CTA
-            // outlives every arrival on its barriers
-            for (int step = max(steps, STAGES); step < steps + STAGES; ++step)
-                mbar_wait(empty0 + 8 * (step % STAGES), empty_parity(step));
-#endif
         }
         return;
     }
@@ -306,12 +275,7 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
     // the wgmmas reading stage `step` are done: its ring slot goes back to the producer (one arrival a warp)
     auto release = [&](int step) {
         __syncwarp();
-        if (lane == 0) {
-            mbar_arrive(empty0 + 8 * (step % STAGES));
-#if MCAST == 2
-            mbar_arrive_remote(empty0 + 8 * (step % STAGES), peer);
-#endif
-        }
+        if (lane == 0) mbar_arrive(empty0 + 8 * (step % STAGES));
     };
 
     // the pipeline over the block's first `width` tokens (a compile-time Width<W>)
