@@ -151,7 +151,10 @@ WGMMA_VARIANTS = [  # (name, config, expand, max T)
                                               PRODUCER_WARP=0), None, 10 ** 9),
 ]
 # (rows earlier sessions timed, dropped to keep this sweep within one device call: the Triton prefill plan,
-# untrimmed blocks, BT64 cwg4 h1, BT128 cwg2 s2 m2 h0/h1, BT128 cwg1 s3 h1 m2, BT64 cwg2 s4 h1 m2; git history)
+# untrimmed blocks, BT64 cwg4 h1, BT128 cwg2 s2 m2 h0/h1, BT128 cwg1 s3 h1 m2, BT64 cwg2 s4 h1 m2; git history.
+# The thirty-seventh session's MCAST 2 (CTA pairs sharing the activation boxes by TMA multicast, 5ce02ec) passed
+# its GPU tests and was slower at every shape on an H100: T = 8192 6.05 -> 7.19 ms, T = 2048 2.37 -> 3.10 ms;
+# removed, results/bench_fp4_moe_wgmma_mcast_h100_2026-12-07_s37.log)
 # (the seventh session's sweeps, results/fp4_moe_tma_h200_2026-12-02_s7*.log, also timed 8 stages, MT1 x 8
 # warps, WAVES 2 / 8 and three variants since removed from the kernel: each slower than the rows kept here)
 
