@@ -31,7 +31,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -42,6 +42,18 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+ncu_experts)  # what bounds the prefill experts' GEMM (neither the unserialized pipeline, s39, nor multicast
+    # activations, 5ce02ec, made it faster): Nsight Compute on the gated and the plain launch at T = 8192, the
+    # default plan and PRODUCER_WARP 0 (128 registers, no C7511)
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    for form in default pw0; do
+        cfg='{}'; [ $form = pw0 ] && cfg='{"PRODUCER_WARP": 0}'
+        step ncu_experts_$form 200 "$NCU" --kernel-name fp4_expert_gemm_wgmma --launch-skip 2 --launch-count 2 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+            --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+            python benchmarks/profile_fp4_moe_ncu.py --t 8192 --config "$cfg"
+    done
+    ;;
 s39)  # the thirty-seventh session's experts kernel without a producer warp (fp4_moe_wgmma PRODUCER_WARP 0: thread 0
     # issues the TMA, 16 warps a CTA get 128 registers and ptxas no longer serializes the 4-warpgroup tiles' wgmmas,
     # C7511): its GPU tests (every pipeline form with PRODUCER_WARP 0), then the tiles at the 1k / 2k / 8k prefills'
