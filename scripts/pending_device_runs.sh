@@ -19,7 +19,8 @@
 # prefill's blocks and the engine's prefill GPU tests with the landed kernel), first. The thirty-seventh session's
 # H200 ran s38 (both builds' tests; the PIPELINED_QK build 14% faster, now the default), s39 (the experts without a
 # producer warp: tests passed, not faster) and s38_slice with the PIPELINED_QK build as a third env set
-# (results/*_s37*, BENCHMARKS.md). Still owed
+# (results/*_s37*, BENCHMARKS.md); its H100 ran s40 (multicast experts, slower, removed), headline, v41_hc and
+# ncu_experts; it owes s41 (the CUDA attention from 8 tokens: the engine's GPU tests first). Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -31,7 +32,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -42,9 +43,18 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s41)  # WGMMA_MIN_TOKENS 64 -> 8 (kernels/triton/sparse_attn.py: the unserialized CUDA attention beat Triton from T = 8
+    # on the thirty-seventh session's H100 and from 16 on its H200): the engine's prefill / extend GPU tests with the
+    # CUDA form forced at every T (DEEPINFER_ATTN_PREFILL_KERNEL=wgmma), then the kernel tests; if they pass, set 8
+    DEEPINFER_ATTN_PREFILL_KERNEL=wgmma step gpu_tests_s41_engine 240 python -m pytest -q -m gpu \
+        tests/test_engine_fast_prefill.py tests/test_engine_fast.py
+    step gpu_tests_s41_attn 120 python -m pytest -q -m gpu tests/test_kernels_attn_wgmma.py tests/test_kernels_attn.py \
+        -k "wgmma or sparse or dispatch"
+    ;;
 ncu_experts)  # what bounds the prefill experts' GEMM (neither the unserialized pipeline, s39, nor multicast
     # activations, 5ce02ec, made it faster): Nsight Compute on the gated and the plain launch at T = 8192, the
-    # default plan and PRODUCER_WARP 0 (128 registers, no C7511)
+    # default plan and PRODUCER_WARP 0 (128 registers, no C7511). (Ran on the thirty-seventh session's H100:
+    # results/ncu_experts_*_h100_2026-12-07_s37.txt)
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
     for form in default pw0; do
         cfg='{}'; [ $form = pw0 ] && cfg='{"PRODUCER_WARP": 0}'

@@ -186,7 +186,9 @@ def sparse_attn_sink_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tenso
 # The warpgroup-MMA CUDA form (kernels/cuda/sparse_attn_wgmma.cu) takes a token's 64 heads a CTA (384 threads, ~210 KB
 # of shared memory). Measured on an H100 at K = 640 (benchmarks/bench_sparse_attn_prefill.py): T = 16 / 32 Triton's
 # 16-head programs are faster (37 / 39 us against 40 / 41), from T = 64 the CUDA form (44 against 57 us; 8k prefill
-# rows 1.36x). BENCHMARKS.md, "thirty-sixth session".
+# rows 1.36x). BENCHMARKS.md, "thirty-sixth session". The unserialized build (the default since the thirty-seventh
+# session) is faster from T = 8 (H100: 33.9 / 34.6 / 36.0 against 36.8 / 37.3 / 38.8 us at T = 8 / 16 / 32); 8 waits
+# on the engine's GPU tests with the CUDA form below 64 tokens (scripts/pending_device_runs.sh s41).
 WGMMA_MIN_TOKENS = 64
 
 
