@@ -54,13 +54,14 @@ s41)  # WGMMA_MIN_TOKENS 64 -> 8 (kernels/triton/sparse_attn.py: the unserialize
 ncu_experts)  # what bounds the prefill experts' GEMM (neither the unserialized pipeline, s39, nor multicast
     # activations, 5ce02ec, made it faster): Nsight Compute on the gated and the plain launch at T = 8192, the
     # default plan and PRODUCER_WARP 0 (128 registers, no C7511). (Ran on the thirty-seventh session's H100:
-    # results/ncu_experts_*_h100_2026-12-07_s37.txt)
+    # results/ncu_experts_*_h100_2026-12-07_s37.txt, without the stall reasons: the --metrics line was added after)
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
     for form in default pw0; do
         cfg='{}'; [ $form = pw0 ] && cfg='{"PRODUCER_WARP": 0}'
         step ncu_experts_$form 200 "$NCU" --kernel-name fp4_expert_gemm_wgmma --launch-skip 2 --launch-count 2 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
             --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+            --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
             python benchmarks/profile_fp4_moe_ncu.py --t 8192 --config "$cfg"
     done
     ;;
