@@ -56,3 +56,25 @@ def test_expert_gemm_without_a_producer_warp_keeps_the_wgmma_pipeline(gated):
         defines = {**fp4_moe_wgmma.tiles(dict(WGMMA_TILES, PRODUCER_WARP=producer_warp)), "GATED": gated, "OUT_F32": 0}
         found = _advisories(defines, fp4_moe_wgmma.SOURCE)
         assert any("C7511" in line for line in found) == serialized, (producer_warp, found)
+
+
+def test_advisories_script_lists_the_launchers_plans():
+    """scripts/wgmma_advisories.py: one plan a label, each a build the launchers pick; its verdict on the sparse
+    attention's default build is a register count and no advisory (the test above's build)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "wgmma_advisories.py"
+    spec = importlib.util.spec_from_file_location("wgmma_advisories", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    plans = script.plans()
+    labels = [label for label, _, _ in plans]
+    assert len(labels) == len(set(labels)) >= 12
+    assert {"fp4_moe_wgmma many w13", "sparse_attn_wgmma default"} <= set(labels)
+    try:
+        runtime.nvrtc_version()
+    except runtime.CudaRuntimeError as err:
+        pytest.skip(f"no NVRTC here: {err}")
+    used, advisories = script.verdict(sparse_attn_wgmma.SOURCE, sparse_attn_wgmma.defines())
+    assert "registers" in used and advisories == []
