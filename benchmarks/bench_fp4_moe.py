@@ -149,6 +149,13 @@ WGMMA_VARIANTS = [  # (name, config, expand, max T)
                                               PRODUCER_WARP=0), None, 10 ** 9),
     ("wgmma BT64 cwg2 s4 f1 h0 m2 pw0", dict(WGMMA=True, BT=64, CWG=2, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=2,
                                               PRODUCER_WARP=0), None, 10 ** 9),
+    # two fragment buffers (a warpgroup expands stage i + 1 while its stage-i wgmmas run) without ptxas's
+    # serialization (no accumulator pins in flight, thirty-seventh session; never timed unserialized before)
+    ("wgmma BT64 cwg2 s4 f2 h0", dict(WGMMA=True, BT=64, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0), None, 10 ** 9),
+    ("wgmma BT64 cwg2 s4 f2 h0 pw0", dict(WGMMA=True, BT=64, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0, PRODUCER_WARP=0),
+     None, 10 ** 9),
+    ("wgmma BT128 cwg2 s4 f2 h0 untrimmed", dict(WGMMA=True, BT=128, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0, TRIM=0),
+     None, 10 ** 9),
 ]
 # (rows earlier sessions timed, dropped to keep this sweep within one device call: the Triton prefill plan,
 # untrimmed blocks, BT64 cwg4 h1, BT128 cwg2 s2 m2 h0/h1, BT128 cwg1 s3 h1 m2, BT64 cwg2 s4 h1 m2; git history.

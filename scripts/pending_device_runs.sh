@@ -20,7 +20,8 @@
 # H200 ran s38 (both builds' tests; the PIPELINED_QK build 14% faster, now the default), s39 (the experts without a
 # producer warp: tests passed, not faster) and s38_slice with the PIPELINED_QK build as a third env set
 # (results/*_s37*, BENCHMARKS.md); its H100 ran s40 (multicast experts, slower, removed), headline, v41_hc and
-# ncu_experts; it owes s41 (the CUDA attention from 8 tokens: the engine's GPU tests first). Still owed
+# ncu_experts; it owes s41 (the CUDA attention from 8 tokens: the engine's GPU tests first) and s42 (the experts'
+# unserialized two-fragment-buffer plans, a kernel change never run on a GPU: tests first). Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -32,7 +33,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -43,6 +44,12 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s42)  # the experts' two-fragment-buffer plans without ptxas's serialization (thirty-seventh session: no accumulator
+    # pins while a wgmma group is in flight; the default plans' cubins are byte-identical): the FRAG_BUFS 2 GPU tests,
+    # then the rows at 2k / 8k against the plans. A faster row becomes its regime's plan
+    step gpu_tests_s42 240 python -m pytest -q -m gpu -x tests/test_kernels_fp4_moe_wgmma.py -k "f2 or op_"
+    step bench_fp4_moe_wgmma_s42 300 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
+    ;;
 s41)  # WGMMA_MIN_TOKENS 64 -> 8 (kernels/triton/sparse_attn.py: the unserialized CUDA attention beat Triton from T = 8
     # on the thirty-seventh session's H100 and from 16 on its H200): the engine's prefill / extend GPU tests with the
     # CUDA form forced at every T (DEEPINFER_ATTN_PREFILL_KERNEL=wgmma), then the kernel tests; if they pass, set 8

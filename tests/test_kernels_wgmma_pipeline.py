@@ -58,6 +58,18 @@ def test_expert_gemm_without_a_producer_warp_keeps_the_wgmma_pipeline(gated):
         assert any("C7511" in line for line in found) == serialized, (producer_warp, found)
 
 
+def test_two_fragment_buffers_keep_the_wgmma_pipeline():
+    """FRAG_BUFS 2 issues a stage's wgmmas while the previous stage's run: an accumulator pin there (an asm "+f" on
+    them, a non-wgmma definition inside an open stage) made ptxas serialize every wgmma (C7515). The kernel pins
+    the accumulators only where no wgmma is in flight."""
+    from deepinfer.kernels.cuda import fp4_moe_wgmma
+
+    for gated in (0, 1):
+        defines = {**fp4_moe_wgmma.tiles(dict(BT=64, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0)), "GATED": gated,
+                   "OUT_F32": 0}
+        assert _advisories(defines, fp4_moe_wgmma.SOURCE) == []
+
+
 def test_advisories_script_lists_the_launchers_plans():
     """scripts/wgmma_advisories.py: one plan a label, each a build the launchers pick; its verdict on the sparse
     attention's default build is a register count and no advisory (the test above's build)."""

@@ -29,6 +29,10 @@
 // * Activations: two 2-D TMA boxes [BT rows, 128 bytes] (logical K 0-63, 64-127) with the 128-byte swizzle,
 //   the K-major layout wgmma's descriptor reads (leading byte offset unused, stride 1024 bytes per 8 rows);
 //   16-K step s starts 32 (s & 3) bytes into box s >> 2.
+// * Accumulator pins (keep_all(acc)) only where no wgmma is in flight: with FRAG_BUFS 2 a stage's group is issued
+//   while the previous one runs, and an asm "+f" on the accumulators there is a non-wgmma definition inside an
+//   open stage, for which ptxas serializes every wgmma (C7515 at BT 64 x 2 warpgroups; read offline,
+//   scripts/wgmma_advisories.py). The wgmmas' own "+f" operands order them; the pin after the last wait stays.
 // * Pipeline: full[s] (the producer's expect_tx; the TMA completes it), empty[s] (one arrival per consumer
 //   warp once the wgmmas reading stage s are done). With FRAG_BUFS 2 a warpgroup expands stage i + 1 while
 //   stage i's 8 wgmmas run (wgmma.wait_group 1), the A registers of two stages alive. With FRAG_BUFS 1 and
@@ -264,7 +268,9 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
     // NK 16-K steps from k16 over the block's first W tokens: A fragments fr[0..NK), B in activation box k16 >> 2,
     // 32 bytes a step; one group
     auto issue = [&](auto width, auto& fr, u32 a_base, int k16, int nk) {
+#if FRAG_BUFS == 1
         keep_all(acc);
+#endif
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < nk; ++kk)
@@ -309,8 +315,8 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
             wgmma_wait<0>();
             keep_all(fr);
             release(step);
-#endif
             keep_all(acc);
+#endif
         };
         u32 fa[8][4], fb[8][4];
 #if FRAG_BUFS == 2
