@@ -37,12 +37,10 @@ def plans() -> list[tuple[str, str, dict]]:
 
 
 def verdict(source: str, defines: dict) -> tuple[str, list[str]]:
-    """ptxas's register / spill line and its performance advisories for one build."""
-    options = tuple(f"-D{k}={v}" for k, v in defines.items()) + ("--ptxas-options=-v",)
-    log = runtime.compile_with_log(runtime.read_source(source), source, "sm_90a", options)[1]
-    lines = [line.strip() for line in log.splitlines()]
-    used = next((line.split(": ", 1)[1] for line in lines if "Used" in line and "registers" in line), "?")
-    return used, [line.split(": ", 1)[1] for line in lines if "Performance Loss" in line]
+    """ptxas's register line and its performance advisories for one build, without the "ptxas info :" prefix."""
+    options = tuple(f"-D{k}={v}" for k, v in defines.items())
+    used, advisories = runtime.ptxas_report(runtime.read_source(source), source, "sm_90a", options)
+    return used.split(": ", 1)[-1], [line.split(": ", 1)[-1] for line in advisories]
 
 
 def main() -> None:

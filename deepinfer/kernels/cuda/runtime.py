@@ -158,11 +158,19 @@ def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = 
     return compile_with_log(source, name, arch, options)[0]
 
 
-def ptxas_advisories(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> list[str]:
-    """ptxas's "Potential Performance Loss" lines for the build (e.g. C7515 / C7511: wgmma.mma_async serialized,
-    each waiting for the one before): what the compiler did to the kernel's MMA pipeline, read offline."""
+def ptxas_report(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+    """ptxas's verdict on the build, read offline: its "Used N registers, ..." line ("?" if none) and its
+    "Potential Performance Loss" lines (e.g. C7515 / C7511: wgmma.mma_async serialized, each waiting for the one
+    before: what the compiler did to the kernel's MMA pipeline)."""
     log = compile_with_log(source, name, arch, (*options, "--ptxas-options=-v"))[1]
-    return [line.strip() for line in log.splitlines() if "Performance Loss" in line]
+    lines = [line.strip() for line in log.splitlines()]
+    used = next((line for line in lines if "Used" in line and "registers" in line), "?")
+    return used, [line for line in lines if "Performance Loss" in line]
+
+
+def ptxas_advisories(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> list[str]:
+    """`ptxas_report`'s advisories alone."""
+    return ptxas_report(source, name, arch, options)[1]
 
 
 def compile_with_log(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
