@@ -48,11 +48,16 @@ def test_bad_signature_and_argument_count_are_refused():
         k.launch((1, 1, 1), (32, 1, 1), (torch.zeros(1),), torch.device("cpu"))
 
 
-def test_compile_errors_carry_the_nvrtc_log():
+def need_nvrtc() -> None:
+    """Skip the calling test where NVRTC is not installed (the CPU tests that compile .cu sources offline)."""
     try:
         runtime.nvrtc_version()
     except runtime.CudaRuntimeError as err:
         pytest.skip(f"no NVRTC here: {err}")
+
+
+def test_compile_errors_carry_the_nvrtc_log():
+    need_nvrtc()
     with pytest.raises(runtime.CudaRuntimeError, match="could not compile bad.cu for sm_90:(.|\\n)*undefined"):
         runtime.compile_cubin('extern "C" __global__ void f() { undefined_thing(); }', "bad.cu", "sm_90")
 
@@ -60,10 +65,7 @@ def test_compile_errors_carry_the_nvrtc_log():
 def compile_configs(source: str, configs: list[dict], arch: str = "sm_90") -> None:
     """Compile a package .cu for `arch` under each set of -D defines (skip where NVRTC is not installed): the
     kernels' CPU tests, so a source that does not compile fails before any device time is spent."""
-    try:
-        runtime.nvrtc_version()
-    except runtime.CudaRuntimeError as err:
-        pytest.skip(f"no NVRTC here: {err}")
+    need_nvrtc()
     text = runtime.read_source(source)
     for cfg in configs:
         cubin = runtime.compile_cubin(text, source, arch, tuple(f"-D{k}={v}" for k, v in cfg.items()))

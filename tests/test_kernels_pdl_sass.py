@@ -17,6 +17,8 @@ import pytest
 
 from deepinfer.kernels.cuda import runtime
 
+from test_cuda_runtime import need_nvrtc
+
 WRITES = ("STG", "ST.", "STS", "STL", "ATOM", "RED")
 
 
@@ -48,10 +50,7 @@ def _sass_tools():
 
 def sass_ops(source_text: str, name: str, defines: dict) -> list[str]:
     """The opcodes (with modifiers) of the compiled kernel in address order."""
-    try:
-        runtime.nvrtc_version()
-    except runtime.CudaRuntimeError as err:
-        pytest.skip(f"no NVRTC here: {err}")
+    need_nvrtc()
     tools = _sass_tools()
     cubin = runtime.compile_cubin(source_text, name, "sm_90a", tuple(f"-D{k}={v}" for k, v in defines.items()))
     return [op for _, op, _ in tools.instructions(tools.cuobjdump(cubin, "-sass"))]

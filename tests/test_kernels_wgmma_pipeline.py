@@ -14,14 +14,12 @@ import pytest
 
 from deepinfer.kernels.cuda import runtime, sparse_attn_wgmma
 
+from test_cuda_runtime import need_nvrtc
 from test_kernels_pdl_sass import _sass_tools
 
 
 def _advisories(defines: dict, source: str = sparse_attn_wgmma.SOURCE) -> list[str]:
-    try:
-        runtime.nvrtc_version()
-    except runtime.CudaRuntimeError as err:
-        pytest.skip(f"no NVRTC here: {err}")
+    need_nvrtc()
     opts = tuple(f"-D{k}={v}" for k, v in defines.items())
     return runtime.ptxas_advisories(runtime.read_source(source), source, "sm_90a", opts)
 
@@ -84,9 +82,6 @@ def test_advisories_script_lists_the_launchers_plans():
     labels = [label for label, _, _ in plans]
     assert len(labels) == len(set(labels)) >= 12
     assert {"fp4_moe_wgmma many w13", "sparse_attn_wgmma default"} <= set(labels)
-    try:
-        runtime.nvrtc_version()
-    except runtime.CudaRuntimeError as err:
-        pytest.skip(f"no NVRTC here: {err}")
+    need_nvrtc()
     used, advisories = script.verdict(sparse_attn_wgmma.SOURCE, sparse_attn_wgmma.defines())
     assert "registers" in used and advisories == []
