@@ -102,7 +102,7 @@ fp4_expert_gemm_tma(const __grid_constant__ TensorMap tmap_w, const __grid_const
         mbar_init(scale_bar, 1);
         // make the initialised barriers visible to the async proxy (the TMA engine) before any copy uses them
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        fence_async_smem();
     }
     __syncthreads();
 

@@ -98,7 +98,6 @@ __device__ __forceinline__ float tl_exp(float x) {
 }
 
 __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // 16 bytes global -> shared, zero-filled when !valid (src must still be a mapped address)
 __device__ __forceinline__ void cp16(u32 dst, const void* src, bool valid) {

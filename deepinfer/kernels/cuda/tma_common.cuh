@@ -46,6 +46,10 @@ __device__ __forceinline__ bool mbar_test(u32 bar, u32 parity) {
     return done != 0;
 }
 
+// shared-memory writes of the generic proxy (st.shared, cp.async, mbarrier init) made visible to the async proxy
+// (TMA, wgmma) that reads them next
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // the first 1024-byte aligned address of dynamic shared memory (a 128-byte swizzled TMA box, as wgmma's
 // descriptors read it, must start 1024-byte aligned; the launchers allot 1024 bytes of slack for this)
 __device__ __forceinline__ unsigned char* align_1024(unsigned char* smem_raw) {
@@ -62,7 +66,7 @@ __device__ __forceinline__ void ring_init(u32 full0, u32 empty0, int stages, u32
         mbar_init(empty0 + 8 * s, consumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_async_smem();
 }
 
 __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
