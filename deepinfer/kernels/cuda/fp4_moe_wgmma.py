@@ -10,8 +10,8 @@
   rows a . W^T; gated True (R = 2N, gate rows then up rows): out bf16 [n_slots, N] = route_w[slot] *
   silu(gate) * up with the official bf16 roundings and `limit` clamps.
 config: BT (slots per routing block: 64 or 128), CWG (consumer warpgroups of 64 weight rows), STAGES,
-FRAG_BUFS, HALVES, MIN_CTAS, TRIM, PRODUCER_WARP (compile-time; `DEFAULT_TILES`; the .cu's header says what each does). The
-weights' tensor maps are kept (`runtime.cached_tensor_map`); the activation buffer is a fresh tensor per
+FRAG_BUFS, HALVES, MIN_CTAS, TRIM, PRODUCER_WARP (compile-time; `DEFAULT_TILES`; the .cu's header says what
+each does). The weights' tensor maps are kept (`runtime.cached_tensor_map`); the activation buffer is a fresh tensor per
 call in eager use, so its map is encoded per call (one driver call, ~us).
 Needs compute capability 9.0 exactly (wgmma is sm_90a): `usable(device)`.
 Must not: import triton; know about routing (the caller passes sorted slots and blocks).
@@ -26,8 +26,9 @@ from deepinfer.kernels.cuda.runtime import CudaKernel
 SOURCE = "fp4_moe_wgmma.cu"
 SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 multiply
 KSTEP = 128  # K per ring stage
-DEFAULT_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, TRIM=1, PRODUCER_WARP=1)  # fp4_moe.plan_wgmma picks
-# per regime; TRIM 1: a routing block's wgmmas span only the smallest N (16 .. BT) holding its real slots
+# the tiles when no plan names them (fp4_moe.plan_wgmma picks per regime); TRIM 1: a routing block's wgmmas span
+# only the smallest N (16 .. BT) holding its real slots
+DEFAULT_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, TRIM=1, PRODUCER_WARP=1)
 _SIGNATURE = "mmpllplpppiiif"  # tensor maps, pointers (p), int64 strides (l), int32 (i), the float limit (f)
 _KERNELS: dict[tuple, CudaKernel] = {}
 
@@ -46,7 +47,8 @@ def tiles(config: dict | None = None) -> dict:
     # BT 256 (128 accumulators a lane) spills: a CTA of 288 threads gets 168 registers a thread
     if cfg["BT"] not in (64, 128) or cfg["CWG"] not in (1, 2, 4) or cfg["STAGES"] < 2 \
             or cfg["FRAG_BUFS"] not in (1, 2) or cfg["HALVES"] not in (0, 1) or (cfg["HALVES"] and cfg["FRAG_BUFS"] != 1) \
-            or cfg["MIN_CTAS"] not in (1, 2, 3) or cfg["TRIM"] not in (0, 1) or cfg["PRODUCER_WARP"] not in (0, 1):
+            or cfg["MIN_CTAS"] not in (1, 2, 3) or cfg["TRIM"] not in (0, 1) \
+            or cfg["PRODUCER_WARP"] not in (0, 1):
         raise ValueError(f"fp4_moe_wgmma tiles: BT 64/128, CWG 1/2/4, STAGES >= 2, FRAG_BUFS 1/2, HALVES 0/1 (only "
                          f"with FRAG_BUFS 1), MIN_CTAS 1..3, TRIM 0/1, PRODUCER_WARP 0/1, got {cfg}")
     if threads(cfg) * cfg["MIN_CTAS"] > 896:  # fewer than 72 registers a thread: ptxas refuses
