@@ -187,9 +187,10 @@ def sparse_attn_sink_triton(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tenso
 # of shared memory). Measured on an H100 at K = 640 (benchmarks/bench_sparse_attn_prefill.py): T = 16 / 32 Triton's
 # 16-head programs are faster (37 / 39 us against 40 / 41), from T = 64 the CUDA form (44 against 57 us; 8k prefill
 # rows 1.36x). BENCHMARKS.md, "thirty-sixth session". The unserialized build (the default since the thirty-seventh
-# session) is faster from T = 8 (H100: 33.9 / 34.6 / 36.0 against 36.8 / 37.3 / 38.8 us at T = 8 / 16 / 32); 8 waits
-# on the engine's GPU tests with the CUDA form below 64 tokens (scripts/pending_device_runs.sh s41).
-WGMMA_MIN_TOKENS = 64
+# session) is faster from T = 8 (H100: 33.9 / 34.6 / 36.0 against 36.8 / 37.3 / 38.8 us at T = 8 / 16 / 32; H200
+# from 16, by 4%), and the engine's prefill / extend GPU tests pass with it at every T (thirty-eighth session, H100,
+# DEEPINFER_ATTN_PREFILL_KERNEL=wgmma): it runs from 8 tokens.
+WGMMA_MIN_TOKENS = 8
 
 
 def _wgmma_form(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> bool:
