@@ -137,14 +137,6 @@ WGMMA_VARIANTS = [  # (name, config, expand, max T)
     ("wgmma BT128 cwg4 s4 f1 h0", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1), None,
      10 ** 9),
     ("wgmma BT64 cwg2 s3 f1 h1 m3", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=3), None, 10 ** 9),
-    # persistent CTAs (thirty-eighth session): the ring runs on across a CTA's tiles, so the next tile's first
-    # stages load while the consumers finish the last one's wgmmas and store it (the plans' tiles otherwise)
-    ("wgmma BT128 cwg4 s4 f1 h0 persist", dict(WGMMA=True, BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0,
-                                               MIN_CTAS=1, PERSISTENT=1), None, 10 ** 9),
-    ("wgmma BT64 cwg2 s3 f1 h1 m3 persist", dict(WGMMA=True, BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=3,
-                                                 PERSISTENT=1), None, 10 ** 9),
-    ("wgmma BT128 cwg2 s4 f1 h0 persist", dict(WGMMA=True, BT=128, CWG=2, STAGES=4, FRAG_BUFS=1, HALVES=0,
-                                               MIN_CTAS=1, PERSISTENT=1), None, 10 ** 9),
 ]
 # (rows earlier sessions timed, dropped to keep this sweep within one device call: the Triton prefill plan,
 # untrimmed blocks, BT64 cwg4 h1, BT128 cwg2 s2 m2 h0/h1, BT128 cwg1 s3 h1 m2, BT64 cwg2 s4 h1 m2, and the
@@ -152,6 +144,12 @@ WGMMA_VARIANTS = [  # (name, config, expand, max T)
 # without ptxas's serialization (thirty-eighth session, H100: T = 8192 8.80 ms at BT64 x 2 warpgroups, 7.65 at
 # BT128 x 2 untrimmed, against the plan's 6.11;
 # results/bench_fp4_moe_wgmma_f2_persistent_static_h100_2026-12-07_s38.log); git history.
+# The thirty-eighth session's persistent CTAs (PERSISTENT 1, d1226fb: a grid of an SM's CTAs taking tiles from a
+# counter, the ring running on across a CTA's tiles) passed its GPU tests bit for bit and was slower at every
+# shape on an H100: T = 8192 6.06 -> 7.36 ms (6.60 with a static deal of the tiles), T = 2048 2.25 -> 2.37 ms
+# (BT 64, 3 CTAs an SM); the tile loop's extra live state spills at the 96-register cap into the stage loop
+# (253 -> 272 instructions, 2 local loads a stage). Removed by git revert
+# (results/bench_fp4_moe_wgmma_persistent_dynamic_h100_2026-12-07_s38.log).
 # The thirty-seventh session's MCAST 2 (CTA pairs sharing the activation boxes by TMA multicast, 5ce02ec) passed
 # its GPU tests and was slower at every shape on an H100: T = 8192 6.05 -> 7.19 ms, T = 2048 2.37 -> 3.10 ms;
 # removed, results/bench_fp4_moe_wgmma_mcast_h100_2026-12-07_s37.log)

@@ -21,7 +21,10 @@
 # producer warp: tests passed, not faster) and s38_slice with the PIPELINED_QK build as a third env set
 # (results/*_s37*, BENCHMARKS.md); its H100 ran s40 (multicast experts, slower, removed), headline, v41_hc and
 # ncu_experts; it owes s41 (the CUDA attention from 8 tokens: the engine's GPU tests first) and s42 (the experts'
-# unserialized two-fragment-buffer plans, a kernel change never run on a GPU: tests first). Still owed
+# unserialized two-fragment-buffer plans, a kernel change never run on a GPU: tests first). The thirty-eighth
+# session's H100 ran s41 (passed: the CUDA attention now runs from 8 tokens), s42 (tests passed, the two-buffer
+# plans slower) and its own s43 (persistent experts CTAs: tests passed, slower, removed with the stage;
+# results/*_s38*); ncu_experts' stall reasons are still owed. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -33,7 +36,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s43, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -44,22 +47,17 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s43)  # the thirty-eighth session's persistent experts (fp4_moe_wgmma PERSISTENT 1: CTAs loop over the tiles, the ring
-    # running on across them, so the next tile's loads overlap the last one's epilogue; never run on a GPU) with
-    # s42's two-fragment-buffer plans: their GPU tests, then the rows at 2k / 8k against the plans. A faster row
-    # becomes its regime's plan (fp4_moe.WGMMA_TILES / _FEW)
-    step gpu_tests_s43 300 python -m pytest -q -m gpu -x tests/test_kernels_fp4_moe_wgmma.py -k "persist or op_"
-    step bench_fp4_moe_wgmma_s43 300 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
-    ;;
 s42)  # the experts' two-fragment-buffer plans without ptxas's serialization (thirty-seventh session: no accumulator
     # pins while a wgmma group is in flight; the default plans' cubins are byte-identical): the FRAG_BUFS 2 GPU tests,
-    # then the rows at 2k / 8k against the plans. A faster row becomes its regime's plan
+    # then the rows at 2k / 8k against the plans. A faster row becomes its regime's plan. (Ran on the thirty-eighth
+    # session's H100: passed, slower; its bench rows are gone from WGMMA_VARIANTS)
     step gpu_tests_s42 240 python -m pytest -q -m gpu -x tests/test_kernels_fp4_moe_wgmma.py -k "f2 or op_"
     step bench_fp4_moe_wgmma_s42 300 python benchmarks/bench_fp4_moe.py --wgmma --ts 2048,8192
     ;;
 s41)  # WGMMA_MIN_TOKENS 64 -> 8 (kernels/triton/sparse_attn.py: the unserialized CUDA attention beat Triton from T = 8
     # on the thirty-seventh session's H100 and from 16 on its H200): the engine's prefill / extend GPU tests with the
     # CUDA form forced at every T (DEEPINFER_ATTN_PREFILL_KERNEL=wgmma), then the kernel tests; if they pass, set 8
+    # (ran on the thirty-eighth session's H100: passed, set)
     DEEPINFER_ATTN_PREFILL_KERNEL=wgmma step gpu_tests_s41_engine 240 python -m pytest -q -m gpu \
         tests/test_engine_fast_prefill.py tests/test_engine_fast.py
     step gpu_tests_s41_attn 120 python -m pytest -q -m gpu tests/test_kernels_attn_wgmma.py tests/test_kernels_attn.py \
@@ -70,9 +68,8 @@ ncu_experts)  # what bounds the prefill experts' GEMM (neither the unserialized 
     # default plan and PRODUCER_WARP 0 (128 registers, no C7511). (Ran on the thirty-seventh session's H100:
     # results/ncu_experts_*_h100_2026-12-07_s37.txt, without the stall reasons: the --metrics line was added after)
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-    # (thirty-eighth session: default and PERSISTENT 1, the persistent CTAs 21% slower at T = 8192, to see why)
-    for form in ${NCU_FORMS:-default persist}; do
-        cfg='{}'; [ $form = pw0 ] && cfg='{"PRODUCER_WARP": 0}'; [ $form = persist ] && cfg='{"PERSISTENT": 1}'
+    for form in ${NCU_FORMS:-default pw0}; do
+        cfg='{}'; [ $form = pw0 ] && cfg='{"PRODUCER_WARP": 0}'
         step ncu_experts_$form 200 "$NCU" --kernel-name fp4_expert_gemm_wgmma --launch-skip 2 --launch-count 2 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
             --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \

@@ -37,17 +37,10 @@ PW0_CONFIGS = [dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, 
                dict(BT=128, CWG=2, STAGES=2, FRAG_BUFS=1, HALVES=1, MIN_CTAS=1, PRODUCER_WARP=0),
                dict(BT=64, CWG=1, STAGES=2, FRAG_BUFS=2, HALVES=0, MIN_CTAS=1, PRODUCER_WARP=0)]
 TILE_CONFIGS = TILE_CONFIGS + PW0_CONFIGS
-# persistent CTAs (a grid of CTAS CTAs looping over the tiles, the ring running on across them): every pipeline
-# form; 2 or 3 CTAs so that each takes many tiles (unused routing blocks among them)
-PERSISTENT_CONFIGS = [dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, PERSISTENT=1, CTAS=3),
-                      dict(BT=64, CWG=2, STAGES=3, FRAG_BUFS=1, HALVES=1, MIN_CTAS=3, PERSISTENT=1, CTAS=2),
-                      dict(BT=64, CWG=2, STAGES=4, FRAG_BUFS=2, HALVES=0, MIN_CTAS=1, PERSISTENT=1, CTAS=3)]
-TILE_CONFIGS = TILE_CONFIGS + PERSISTENT_CONFIGS
 
 
 def _tag(c: dict) -> str:
-    tag = f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}m{c['MIN_CTAS']}pw{c.get('PRODUCER_WARP', 1)}"
-    return tag + (f"persist{c.get('CTAS', 0)}" if c.get("PERSISTENT") else "")
+    return f"BT{c['BT']}wg{c['CWG']}s{c['STAGES']}f{c['FRAG_BUFS']}h{c['HALVES']}m{c['MIN_CTAS']}pw{c.get('PRODUCER_WARP', 1)}"
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -164,14 +157,6 @@ def test_tile_rules_and_shared_memory():
     assert wg.tiles({"STAGES": 2, "CWG": 2, "MIN_CTAS": 3, "BT": 64, "PRODUCER_WARP": 0})["MIN_CTAS"] == 3
     with pytest.raises(ValueError, match="PRODUCER_WARP 0/1"):
         wg.tiles({"PRODUCER_WARP": 2})
-    with pytest.raises(ValueError, match=r"PERSISTENT 0/1 \(only with PRODUCER_WARP 1\)"):
-        wg.tiles({"PERSISTENT": 1, "PRODUCER_WARP": 0})
-    # a CTA per (row tile, routing block); persistent: CTAS (or MIN_CTAS an SM), at most one a tile
-    dev = torch.device("cpu")
-    assert wg.grid(dict(cfg, GATED=True), 2048, 40, dev) == (2048 // (wg.rows_per_cta(cfg) // 2), 40, 1)
-    assert wg.grid(dict(cfg, GATED=False), 4096, 40, dev) == (4096 // wg.rows_per_cta(cfg), 40, 1)
-    assert wg.grid(wg.tiles({"PERSISTENT": 1, "CTAS": 7}), 4096, 40, dev) == (7, 1, 1)
-    assert wg.grid(wg.tiles({"PERSISTENT": 1, "CTAS": 700}), 256, 3, dev) == (3, 1, 1)
     assert "at most 128 bytes" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 256), swizzle=128)
     assert runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=128) is None
     assert "swizzle 100" in runtime.check_tensor_map((256, 512), (512, 1), 0x1000, (128, 128), swizzle=100)
@@ -345,42 +330,6 @@ def test_trimmed_blocks_match_untrimmed_bit_for_bit(cfg):
         assert not torch.isnan(outs[0].float()).any() and torch.equal(outs[0], outs[1]), (cfg, gated)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", PERSISTENT_CONFIGS + [dict(PERSISTENT_CONFIGS[0], CTAS=0)], ids=_tag)
-def test_persistent_ctas_match_a_cta_per_tile_bit_for_bit(cfg):
-    """PERSISTENT 1 (CTAs looping over the tiles, the ring's slots and barrier phases running on across a CTA's
-    tiles, the next tile's loads under the last one's epilogue) gives the one-CTA-a-tile kernel's bits, plain
-    and gated, trimmed blocks of every width and unused routing blocks among the tiles: the same per-element sums."""
-    from deepinfer.kernels.cuda.fp4_moe_wgmma import expert_gemm, tiles
-    from deepinfer.kernels.triton.act_quant import act_quant_gather
-    from deepinfer.kernels.triton.fp4_moe import align_by_expert
-
-    dev = _cuda()
-    gen = torch.Generator().manual_seed(35)
-    bt = cfg["BT"]
-    counts = [1, 9, 16, 17, 33, 0, 64, 65, 100, bt, bt + 1, 2 * bt - 1, 40, 0, 3]  # slots per expert (two unused)
-    e, d, inter = len(counts), 512, 320  # I = 320: the gated launch's last row tile runs past N
-    expert = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)])
-    expert = expert[torch.randperm(expert.numel(), generator=gen)]
-    n = expert.numel()
-    w = torch.randint(0, 256, (e, 2 * inter, d // 2), dtype=torch.uint8, generator=gen).to(dev)
-    s = torch.randint(110, 126, (e, 2 * inter, d // 32), dtype=torch.uint8, generator=gen).to(dev)
-    x = torch.randn(n, d, generator=gen).to(BF16).to(dev)
-    route_w = torch.rand(n, generator=gen).to(dev)
-    sorted_slots, block_expert = align_by_expert(expert.view(-1, 1).to(dev), e, bt)
-    assert bool((block_expert < 0).any())  # unused blocks among the tiles
-    ag = act_quant_gather(x, 128, sorted_slots, block_expert, n, 1, bt, quant=False)
-    for gated, shape, dtype in ((False, (n, 2 * inter), torch.float32), (True, (n, inter), BF16)):
-        outs = []
-        for persistent in (1, 0):
-            out = torch.full(shape, float("nan"), device=dev, dtype=dtype)
-            expert_gemm(ag, w, s, out, route_w, sorted_slots, block_expert, n, gated, 7.0,
-                        tiles(dict(cfg, PERSISTENT=persistent)))
-            outs.append(out)
-        print(f"persistent {_tag(cfg)} gated={gated}: {int((outs[0] != outs[1]).sum())} of {outs[0].numel()} differ")
-        assert not torch.isnan(outs[0].float()).any() and torch.equal(outs[0], outs[1]), (cfg, gated)
-
-
 @pytest.fixture(scope="module")
 def flash_bank():
     from test_kernels_gemm import _random_bank
@@ -415,14 +364,13 @@ def test_op_small_bank_act_block_32_and_graph_replay():
     dev = _cuda()
     bank = _random_bank(32, 512, 256, 32, dev)
     assert wgmma_form_usable(bank, dev)
-    for config in ({"WGMMA": True}, {"WGMMA": True, "PERSISTENT": 1}):
-        for t in (1, 40, 300):
-            x, ids, weights = _inputs(t, dev, e=32, d=512)
-            want = fp4_moe_torch(x, ids, weights, bank, 10.0)
-            got = fp4_moe(x, ids, weights, bank, 10.0, config=config)
-            assert _rel(got, want) <= 1e-3, (config, t, _rel(got, want))
-            assert_replay_is_eager(lambda: fp4_moe(x, ids, weights, bank, 10.0, config=config),
-                                   f"fp4_moe {config} T={t}")
+    for t in (1, 40, 300):
+        x, ids, weights = _inputs(t, dev, e=32, d=512)
+        want = fp4_moe_torch(x, ids, weights, bank, 10.0)
+        got = fp4_moe(x, ids, weights, bank, 10.0, config={"WGMMA": True})
+        assert _rel(got, want) <= 1e-3, (t, _rel(got, want))
+        assert_replay_is_eager(lambda: fp4_moe(x, ids, weights, bank, 10.0, config={"WGMMA": True}),
+                               f"fp4_moe wgmma T={t}")
 
 
 @pytest.mark.gpu

@@ -47,18 +47,7 @@
 //   consumer warpgroups plus one producer warp put 5 warps on one scheduler and cap a thread at 96 registers
 //   (16384 / (5 x 32), rounded down to 8), too few for the wgmma pipeline (ptxas advisory C7511 serializes it);
 //   16 warps get 128.
-// * PERSISTENT 1: a grid of fewer CTAs than tiles, each CTA's producer taking the next tile from a global counter
-//   (`tile_counter`, zero at launch: tiles in the one-tile grid's order, row tile fastest, so a routing block's
-//   tiles still run together; taken as a CTA frees up, as the hardware deals a one-tile grid's CTAs: trimmed
-//   blocks cost 16..BT tokens' work, and a static deal of ~60 tiles a CTA left some CTAs 8% late). The producer
-//   writes the tile into `stage_tile` of the ring slot of the tile's first stage before that stage's arrival
-//   (-1 and a bare arrival: no tiles left), the consumers read it once that stage is full. The ring and its
-//   barriers' phases run on across a CTA's tiles (a step count global to the CTA), so the producer loads the
-//   next tile's first stages while the consumers finish the last one's wgmmas and store its outputs: the ring's
-//   fill and the epilogue leave the critical path, which a CTA per tile pays ~78 times an SM at T = 8192 (one
-//   198 KB CTA an SM: nothing overlaps them). Needs the producer warp.
-// Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)), routing blocks) with PERSISTENT 0, else (CTAs, 1) with
-// n_blocks the routing blocks and tile_counter a zeroed int; block 128 CWG (+ 32 with PRODUCER_WARP),
+// Launch: grid (ceil(N / (GATED ? ROWS / 2 : ROWS)), routing blocks), block 128 CWG (+ 32 with PRODUCER_WARP),
 // dynamic shared memory `fp4_moe_wgmma.smem_bytes` (1024 bytes of it slack for the swizzle's alignment).
 // Requires: K % 256 == 0 (FRAG_BUFS 2) or % 128; E8M0 bytes <= 128 (the exact bf16x2 expansion's range).
 
@@ -94,9 +83,6 @@
 #ifndef PRODUCER_WARP
 #define PRODUCER_WARP 1  // 1: a producer warp issues the TMA loads; 0: consumer thread 0 does (header)
 #endif
-#ifndef PERSISTENT
-#define PERSISTENT 0  // 1: CTAs loop over tiles, the ring running on across them (header)
-#endif
 #ifndef TRIM
 #define TRIM 1  // 1: a routing block's wgmmas span only the smallest N (16, 32, .., BT) that holds its real slots
 #endif
@@ -111,9 +97,6 @@
 
 #if BT != 64 && BT != 128
 #error "BT must be 64 or 128 (256 would need 128 accumulators a lane: it spills)"
-#endif
-#if PERSISTENT && !PRODUCER_WARP
-#error "PERSISTENT needs the producer warp (thread 0's loads stop at its own tile's end)"
 #endif
 
 
@@ -156,34 +139,21 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
                       const u8* __restrict__ ws, i64 stride_wse, i64 stride_wsn,
                       void* __restrict__ out, i64 stride_om, const float* __restrict__ route_w,
                       const int* __restrict__ sorted_slots, const int* __restrict__ block_expert,
-                      int* __restrict__ tile_counter, int n_slots, int N, int K, int n_blocks, float limit) {
+                      int n_slots, int N, int K, float limit) {
     pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
-#if GATED
-    const int tile_rows = ROWS / 2;  // output features a tile (gate row f0 + i, up row N + f0 + i)
-    const int w_rows = 2 * N;
-#else
-    const int tile_rows = ROWS;
-    const int w_rows = N;
-#endif
-    // tile = routing block x tiles_x + row tile: row tiles fastest, so a block's tiles run together and share
-    // its activations in L2, and the next block (often the same expert) its weights
-    const int tiles_x = (N + tile_rows - 1) / tile_rows;
-#if PERSISTENT
-    const int n_tiles = tiles_x * n_blocks;
-#else
-    const int first_tile = blockIdx.y * tiles_x + blockIdx.x;
-    if (block_expert[blockIdx.y] < 0) return;  // the whole CTA: no barrier has been touched yet
-#endif
-    int blk = 0, expert = 0, f0 = 0;  // the current tile's routing block, its expert, its first output feature
-    auto enter_tile = [&](int tile) {
-        blk = tile / tiles_x;
-        f0 = (tile - blk * tiles_x) * tile_rows;
-        expert = block_expert[blk];
-        return expert >= 0;  // unused routing blocks (-1): no work, for the producer and the consumers alike
-    };
+    const int blk = blockIdx.y;  // row tiles on x (launched first): a block's tiles run together and share its
+    const int expert = block_expert[blk];  // activations in L2, and the next block (often the same expert) its weights
+    if (expert < 0) return;  // the whole CTA: no barrier has been touched yet
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int steps = K / KSTEP;
+#if GATED
+    const int f0 = blockIdx.x * (ROWS / 2);  // the CTA's first output feature (gate row f0, up row N + f0)
+    const int w_rows = 2 * N;
+#else
+    const int f0 = blockIdx.x * ROWS;
+    const int w_rows = N;
+#endif
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = align_1024(smem_raw);  // the swizzled boxes need 1024-byte alignment
@@ -191,20 +161,13 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
     unsigned char* w_ring = smem + STAGES * A_STAGE;  // [STAGES][ROWS][64]
     u64* bars = reinterpret_cast<u64*>(w_ring + STAGES * W_STAGE);
     const u32 full0 = smem_u32(&bars[0]), empty0 = smem_u32(&bars[STAGES]);
-#if PERSISTENT
-    int* stage_tile = reinterpret_cast<int*>(bars + 2 * STAGES);  // [STAGES]: the tile a slot's stage begins
-#endif
 
     if (threadIdx.x == 0) ring_init(full0, empty0, STAGES, 4 * CWG);  // empty: one arrival per consumer warp
     __syncthreads();
 
-    // The ring's slots and barrier phases follow a step count global to the CTA (g0 + step: PERSISTENT runs on
-    // across tiles; otherwise g0 stays 0)
-    int g0 = 0;
-    // the TMA loads of the tile's step `step` into its ring slot (one thread): the weight box(es), the two
-    // activation boxes
+    // the TMA loads of step `step` into its ring slot (one thread): the weight box(es), the two activation boxes
     auto load_stage = [&](int step) {
-        const int s = (g0 + step) % STAGES;
+        const int s = step % STAGES;
         const u32 full = full0 + 8 * s;
         mbar_expect_tx(full, W_STAGE + A_STAGE);
         const u32 w_dst = smem_u32(w_ring + s * W_STAGE);
@@ -218,9 +181,8 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
         tma_load_2d(a_dst, &tmap_a, step * (2 * KSTEP), blk * BT, full);
         tma_load_2d(a_dst + A_HALF, &tmap_a, step * (2 * KSTEP) + 128, blk * BT, full);
     };
-    // the parity an empty barrier completes with once the wgmmas that read global step gs - STAGES (same slot)
-    // are done
-    auto empty_parity = [](int gs) { return ((gs / STAGES) & 1) ^ 1; };
+    // the parity an empty barrier completes with once the wgmmas that read step - STAGES (same slot) are done
+    auto empty_parity = [](int step) { return ((step / STAGES) & 1) ^ 1; };
 
 #if PRODUCER_WARP
     if (warp == 4 * CWG) {
@@ -228,39 +190,18 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
         if (lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_w) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"(&tmap_a) : "memory");
-#if PERSISTENT
-            for (;;) {
-                int tile = atomicAdd(tile_counter, 1);
-                while (tile < n_tiles && !enter_tile(tile)) tile = atomicAdd(tile_counter, 1);
-                if (g0 >= STAGES) mbar_wait(empty0 + 8 * (g0 % STAGES), empty_parity(g0));
-                stage_tile[g0 % STAGES] = tile < n_tiles ? tile : -1;  // before the stage's arrival releases it
-                if (tile >= n_tiles) {
-                    mbar_arrive(full0 + 8 * (g0 % STAGES));  // no tiles left: the bare arrival completes the phase
-                    break;
-                }
-                for (int step = 0; step < steps; ++step) {
-                    const int gs = g0 + step;
-                    if (step > 0 && gs >= STAGES) mbar_wait(empty0 + 8 * (gs % STAGES), empty_parity(gs));
-                    load_stage(step);
-                }
-                g0 += steps;
-            }
-#else
-            enter_tile(first_tile);
             for (int step = 0; step < steps; ++step) {
                 if (step >= STAGES) mbar_wait(empty0 + 8 * (step % STAGES), empty_parity(step));
                 load_stage(step);
             }
-#endif
         }
         return;
     }
     auto produce = [&](int) {};
 #else
-    // ---- thread 0 is also the producer (one tile: PERSISTENT needs the producer warp): the first STAGES loads
-    // now, then each step refills the slots the consumers have released (a non-blocking test of their empty
-    // barriers); it waits only when step `step` itself was never loaded (the ring ran dry) ----
-    enter_tile(first_tile);
+    // ---- thread 0 is also the producer: the first STAGES loads now, then each step refills the slots the
+    // consumers have released (a non-blocking test of their empty barriers); it waits only when step `step`
+    // itself was never loaded (the ring ran dry) ----
     int next_load = 0;
     if (threadIdx.x == 0) {
         for (; next_load < steps && next_load < STAGES; ++next_load) load_stage(next_load);
@@ -287,14 +228,20 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
 #if GATED
     const int lr0 = wg * 32 + wi * 8 + g;  // the gate row of feature f0 + lr0 in the stage's tile
     const int lr1 = ROWS / 2 + lr0;        // its up row
+    const int gr0 = f0 + lr0, gr1 = N + f0 + lr0;
 #else
     const int lr0 = wg * 64 + wi * 16 + g, lr1 = lr0 + 8;
+    const int gr0 = f0 + lr0, gr1 = f0 + lr1;
 #endif
-    int gr0 = 0, gr1 = 0;  // the lane's two weight rows in the bank (the tile's)
-    const u8* ws0 = ws;  // the lane's scale bytes of them: K/32 block 4 step + t
-    const u8* ws1 = ws;
-    u32 sc0 = 0, sc1 = 0;
+    // the lane's scale bytes: row, K/32 block 4 step + t (rows past the bank read its last row: their
+    // weights are the TMA's zero fill, so any finite multiplier gives 0)
+    const u8* ws0 = ws + (i64)expert * stride_wse + (i64)min(gr0, w_rows - 1) * stride_wsn + t;
+    const u8* ws1 = ws + (i64)expert * stride_wse + (i64)min(gr1, w_rows - 1) * stride_wsn + t;
+    u32 sc0 = ws0[0], sc1 = ws1[0];
+
     float acc[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
     // stage `step` arrived: its weight words of the lane's two rows and their bf16x2 2^(S-1) multipliers; the
     // next stage's scale bytes are loaded now, a stage ahead of their use
@@ -303,7 +250,7 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
         u32 m0, m1, a_base;
     };
     auto take = [&](int step) {
-        const int s = (g0 + step) % STAGES;
+        const int s = step % STAGES;
         Stage st;
         st.m0 = (sc0 + 126u) * 0x00800080u;
         st.m1 = (sc1 + 126u) * 0x00800080u;
@@ -312,7 +259,7 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
             sc1 = ws1[(step + 1) * (KSTEP / 32)];
         }
         produce(step);
-        mbar_wait(full0 + 8 * s, ((g0 + step) / STAGES) & 1);
+        mbar_wait(full0 + 8 * s, (step / STAGES) & 1);
         st.w0 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr0 * (KSTEP / 2) + 16 * t);
         st.w1 = *reinterpret_cast<const uint4*>(w_ring + s * W_STAGE + lr1 * (KSTEP / 2) + 16 * t);
         st.a_base = smem_u32(a_ring + s * A_STAGE);
@@ -331,11 +278,10 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
                                                 desc_sw128(a_base + ((k16 + kk) >> 2) * A_HALF + ((k16 + kk) & 3) * 32));
         wgmma_commit();
     };
-    // the wgmmas reading the tile's stage `step` are done: its ring slot goes back to the producer (one arrival a
-    // warp)
+    // the wgmmas reading stage `step` are done: its ring slot goes back to the producer (one arrival a warp)
     auto release = [&](int step) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * ((g0 + step) % STAGES));
+        if (lane == 0) mbar_arrive(empty0 + 8 * (step % STAGES));
     };
 
     // the pipeline over the block's first `width` tokens (a compile-time Width<W>)
@@ -383,61 +329,28 @@ fp4_expert_gemm_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_con
 #endif
 #endif
     };
-
-#if PERSISTENT
-    for (;;) {
-        // the tile the producer put in the slot of its first stage (-1: none left); the slot is not released
-        // before every consumer warp has read it (after this stage's wgmmas)
-        mbar_wait(full0 + 8 * (g0 % STAGES), (g0 / STAGES) & 1);
-        const int tile = stage_tile[g0 % STAGES];
-        if (tile < 0) break;
-        enter_tile(tile);
-#else
-    {  // one tile, straight-line code (a loop here, even of one trip, costs ptxas's FRAG_BUFS 2 pipeline: C7512)
-        enter_tile(first_tile);
-#endif
-#if GATED
-        gr0 = f0 + lr0;
-        gr1 = N + f0 + lr0;
-#else
-        gr0 = f0 + lr0;
-        gr1 = f0 + lr1;
-#endif
-        // rows past the bank read its last row's scales: their weights are the TMA's zero fill, so any finite
-        // multiplier gives 0
-        ws0 = ws + (i64)expert * stride_wse + (i64)min(gr0, w_rows - 1) * stride_wsn + t;
-        ws1 = ws + (i64)expert * stride_wse + (i64)min(gr1, w_rows - 1) * stride_wsn + t;
-        sc0 = ws0[0];
-        sc1 = ws1[0];
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 #if TRIM
-        // the block's real slots come first and its padding (slot n_slots) last (`align_by_expert`): the wgmmas
-        // span the smallest N that holds the real ones (a block's uniform choice; the epilogue skips padding slots)
-        const int* bslots = sorted_slots + blk * BT;
-        int width = BT;
-        while (width > 16 && bslots[width / 2] >= n_slots) width /= 2;
-        if (width == BT) {
-            run(Width<BT>{});
-        } else if (width == BT / 2) {
-            run(Width<BT / 2>{});
-        } else if (width == BT / 4) {
-            run(Width<BT / 4>{});
-#if BT == 128
-        } else if (width == 16) {
-            run(Width<16>{});
-#endif
-        }
-#else
+    // the block's real slots come first and its padding (slot n_slots) last (`align_by_expert`): the wgmmas span
+    // the smallest N that holds the real ones (a block's uniform choice; the epilogue skips padding slots)
+    const int* bslots = sorted_slots + blk * BT;
+    int width = BT;
+    while (width > 16 && bslots[width / 2] >= n_slots) width /= 2;
+    if (width == BT) {
         run(Width<BT>{});
+    } else if (width == BT / 2) {
+        run(Width<BT / 2>{});
+    } else if (width == BT / 4) {
+        run(Width<BT / 4>{});
+#if BT == 128
+    } else if (width == 16) {
+        run(Width<16>{});
 #endif
-        wgmma_wait<0>();
-        keep_all(acc);
-#if PERSISTENT && (FRAG_BUFS == 2 || HALVES)
-        release(steps - 1);  // the last stage's slot (the pipelined forms release a stage one step late)
-#endif
-        store_tile<BT, GATED, OUT_F32>(acc, out, stride_om, route_w, sorted_slots + blk * BT, n_slots, N, gr0, gr1, t,
-                                       limit);
-        g0 += steps;
     }
+#else
+    run(Width<BT>{});
+#endif
+    wgmma_wait<0>();
+    keep_all(acc);
+
+    store_tile<BT, GATED, OUT_F32>(acc, out, stride_om, route_w, sorted_slots + blk * BT, n_slots, N, gr0, gr1, t, limit);
 }

@@ -10,16 +10,13 @@
   rows a . W^T; gated True (R = 2N, gate rows then up rows): out bf16 [n_slots, N] = route_w[slot] *
   silu(gate) * up with the official bf16 roundings and `limit` clamps.
 config: BT (slots per routing block: 64 or 128), CWG (consumer warpgroups of 64 weight rows), STAGES,
-FRAG_BUFS, HALVES, MIN_CTAS, TRIM, PRODUCER_WARP, PERSISTENT (compile-time; `DEFAULT_TILES`; the .cu's header
-says what each does); CTAS, at run time, the persistent grid's CTAs (0: MIN_CTAS on every SM; fewer make each
-CTA take more tiles, as the tests do to run the ring on across tiles). The weights' tensor maps are kept (`runtime.cached_tensor_map`); the activation buffer is a fresh tensor per
+FRAG_BUFS, HALVES, MIN_CTAS, TRIM, PRODUCER_WARP (compile-time; `DEFAULT_TILES`; the .cu's header says what
+each does). The weights' tensor maps are kept (`runtime.cached_tensor_map`); the activation buffer is a fresh tensor per
 call in eager use, so its map is encoded per call (one driver call, ~us).
 Needs compute capability 9.0 exactly (wgmma is sm_90a): `usable(device)`.
 Must not: import triton; know about routing (the caller passes sorted slots and blocks).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -31,9 +28,8 @@ SCALE_MAX = 128  # E8M0 bytes up to this: E2M1 x 2^(S-127) exact by one bf16x2 m
 KSTEP = 128  # K per ring stage
 # the tiles when no plan names them (fp4_moe.plan_wgmma picks per regime); TRIM 1: a routing block's wgmmas span
 # only the smallest N (16 .. BT) holding its real slots
-DEFAULT_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, TRIM=1, PRODUCER_WARP=1,
-                     PERSISTENT=0)
-_SIGNATURE = "mmpllplppppiiiif"  # tensor maps, pointers (p), int64 strides (l), int32 (i), the float limit (f)
+DEFAULT_TILES = dict(BT=128, CWG=4, STAGES=4, FRAG_BUFS=1, HALVES=0, MIN_CTAS=1, TRIM=1, PRODUCER_WARP=1)
+_SIGNATURE = "mmpllplpppiiif"  # tensor maps, pointers (p), int64 strides (l), int32 (i), the float limit (f)
 _KERNELS: dict[tuple, CudaKernel] = {}
 
 
@@ -46,17 +42,15 @@ def kernel(cfg: dict, gated: bool, out_f32: bool) -> CudaKernel:
 
 
 def tiles(config: dict | None = None) -> dict:
-    cfg = dict(DEFAULT_TILES, CTAS=0)
-    cfg.update({k: int(v) for k, v in (config or {}).items() if k in cfg})
+    cfg = dict(DEFAULT_TILES)
+    cfg.update({k: int(v) for k, v in (config or {}).items() if k in DEFAULT_TILES})
     # BT 256 (128 accumulators a lane) spills: a CTA of 288 threads gets 168 registers a thread
     if cfg["BT"] not in (64, 128) or cfg["CWG"] not in (1, 2, 4) or cfg["STAGES"] < 2 \
             or cfg["FRAG_BUFS"] not in (1, 2) or cfg["HALVES"] not in (0, 1) or (cfg["HALVES"] and cfg["FRAG_BUFS"] != 1) \
             or cfg["MIN_CTAS"] not in (1, 2, 3) or cfg["TRIM"] not in (0, 1) \
-            or cfg["PRODUCER_WARP"] not in (0, 1) or cfg["PERSISTENT"] not in (0, 1) or cfg["CTAS"] < 0 \
-            or (cfg["PERSISTENT"] and not cfg["PRODUCER_WARP"]):
+            or cfg["PRODUCER_WARP"] not in (0, 1):
         raise ValueError(f"fp4_moe_wgmma tiles: BT 64/128, CWG 1/2/4, STAGES >= 2, FRAG_BUFS 1/2, HALVES 0/1 (only "
-                         f"with FRAG_BUFS 1), MIN_CTAS 1..3, TRIM 0/1, PRODUCER_WARP 0/1, PERSISTENT 0/1 (only with "
-                         f"PRODUCER_WARP 1), CTAS >= 0, got {cfg}")
+                         f"with FRAG_BUFS 1), MIN_CTAS 1..3, TRIM 0/1, PRODUCER_WARP 0/1, got {cfg}")
     if threads(cfg) * cfg["MIN_CTAS"] > 896:  # fewer than 72 registers a thread: ptxas refuses
         raise ValueError(f"fp4_moe_wgmma tiles {cfg}: {cfg['MIN_CTAS']} CTAs of {threads(cfg)} threads "
                          f"leave too few registers (at most 896 threads an SM)")
@@ -77,9 +71,9 @@ def rows_per_cta(cfg: dict) -> int:
 
 def smem_bytes(cfg: dict) -> int:
     """Dynamic shared memory of one CTA: the activation ring (two BT x 128-byte boxes per stage), the weight
-    ring, the mbarriers (PERSISTENT: and each slot's tile), and 1024 bytes of slack to align the swizzled boxes."""
+    ring, the mbarriers, and 1024 bytes of slack to align the swizzled boxes."""
     per_stage = 2 * cfg["BT"] * 128 + rows_per_cta(cfg) * KSTEP // 2
-    return cfg["STAGES"] * (per_stage + 16 + 4 * cfg.get("PERSISTENT", 0)) + 1024
+    return cfg["STAGES"] * per_stage + 16 * cfg["STAGES"] + 1024
 
 
 def check_k(k: int, cfg: dict) -> str | None:
@@ -88,22 +82,6 @@ def check_k(k: int, cfg: dict) -> str | None:
     if k <= 0 or k % step:
         return f"K={k} must be a positive multiple of {step} (128-K stages, FRAG_BUFS={cfg['FRAG_BUFS']} at a time)"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def grid(cfg: dict, n_out: int, n_blocks: int, device: torch.device) -> tuple[int, int, int]:
-    """A CTA per (row tile, routing block), row tiles on x; PERSISTENT: (CTAS or MIN_CTAS an SM, at most one a
-    tile) CTAs on x, taking the tiles in that order from a counter."""
-    box_rows = rows_per_cta(cfg) // 2 if cfg.get("GATED") else rows_per_cta(cfg)
-    tiles_x = -(-n_out // box_rows)
-    if not cfg["PERSISTENT"]:
-        return (tiles_x, n_blocks, 1)
-    ctas = cfg["CTAS"] or cfg["MIN_CTAS"] * _sm_count(device.index if device.index is not None else 0)
-    return (max(1, min(ctas, tiles_x * n_blocks)), 1, 1)
 
 
 def usable(device: torch.device) -> bool:
@@ -173,11 +151,10 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: to
     # the activations as bytes [P, 2K]: boxes of BT rows x 128 bytes (64 bf16), 128-byte swizzle
     tmap_a = runtime.encode_tensor_map(a.view(torch.uint8), (bt, 128), swizzle=128)
     # row tiles fastest: a routing block's tiles run at once (its activations read once from HBM, then L2)
-    # PERSISTENT: the CTAs' tile counter, zero at launch (a fresh one: under CUDA graphs a memset node)
-    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if cfg["PERSISTENT"] else block_expert
+    grid = (-(-n_out // box_rows), block_expert.numel(), 1)
     kernel(cfg, gated, out.dtype == torch.float32).launch(
-        grid(dict(cfg, GATED=gated), n_out, block_expert.numel(), a.device), (threads(cfg), 1, 1),
+        grid, (threads(cfg), 1, 1),
         (tmap_w, tmap_a, w_scale, w_scale.stride(0), w_scale.stride(1), out, out.stride(0), route_w,
-         sorted_slots, block_expert, counter, n_slots, n_out, k, block_expert.numel(), float(limit)),
+         sorted_slots, block_expert, n_slots, n_out, k, float(limit)),
         a.device, shared=smem_bytes(cfg))
     return out
