@@ -62,7 +62,9 @@ def main() -> None:
 
 def pre_plans(ts) -> None:
     """hc_pre_fused (a decode step's first sublayer; V4.1's every sublayer through hc_pre_deferred_fused, the same
-    kernels) and hc_head_fused (the model head) under mix_plan's T <= 16 plan and shallower pipelines."""
+    kernels) and hc_head_fused (the model head) under mix_plan's T <= 16 plan and shallower pipelines; above 16
+    tokens (a prefill's) under the collapse kernel's warp counts. hc_head_fused's collapse has no Sinkhorn
+    programs, so hc_pre_fused - hc_head_fused at a prefill size is about what the Sinkhorn half costs."""
     from deepinfer.kernels.triton import norm_hc
     from test_kernels_hc_post_pre import _inputs
 
@@ -78,7 +80,10 @@ def pre_plans(ts) -> None:
                                                                     1e-6, c),)}
         for name, op in ops.items():
             ref = op(0, None)
-            for plan in (None, dict(num_stages=2), dict(num_stages=1)):
+            # prefill sizes: the Sinkhorn-collapse kernel's warps (one program per token and half: grid (T, 2))
+            plans = (None, dict(num_stages=2), dict(num_stages=1)) if T <= 16 else \
+                (None, dict(COLLAPSE_WARPS=2), dict(COLLAPSE_WARPS=8), dict(COLLAPSE_WARPS=16))
+            for plan in plans:
                 got = op(0, plan)
                 same = all(torch.equal(a, b) for a, b in zip(got, ref))
                 us = graph_replay_ms(lambda: [op(i % COPIES, plan) for i in range(CALLS)]) / CALLS * 1e3

@@ -79,18 +79,22 @@ def check_act_quant_gather(device: str = "cpu") -> None:
     assert int((block_expert < 0).sum()) > 0  # the bound leaves unused blocks: they must be skipped
     # K = 256: programs of 256 columns and 4 slots; 2048: 1024 columns, one slot; 2304 (V4.1-Flash's I): 9
     # programs of 256 columns across a row, 4 slots each
-    for k, block, quant in ((256, 128, True), (256, 32, True), (256, 128, False), (2048, 128, True),
-                            (2304, 32, True)):
+    # (elems, num_warps): program sizes other than the default's (2048 at K 256: 8 slots; 128: one 128-column
+    # group of one slot a program, at any K)
+    for k, block, quant, elems, warps in ((256, 128, True, None, None), (256, 32, True, None, None),
+                                          (256, 128, False, None, None), (2048, 128, True, None, None),
+                                          (2304, 32, True, None, None), (256, 128, True, 2048, 8),
+                                          (2304, 32, True, 128, 1), (2048, 128, True, 4096, 8)):
         x = (torch.randn(t, k, generator=gen) * 3).to(BF16)
         got = act_quant_gather(x.to(device), block, sorted_slots.to(device), block_expert.to(device), t * topk, topk,
-                               bt, quant=quant).cpu()
+                               bt, quant=quant, elems=elems, num_warps=warps).cpu()
         deq = formats.act_quant_dequant(x.float(), block).to(BF16) if quant else x
         order = wgmma_k_order(torch.arange(k))
         for p, slot in enumerate(sorted_slots.tolist()):
             if block_expert[p // bt] < 0:
                 continue  # unused blocks: not written
             row = deq[slot // topk, order] if slot < t * topk else torch.zeros(k, dtype=BF16)
-            assert torch.equal(got[p], row), (k, block, quant, p, slot)
+            assert torch.equal(got[p], row), (k, block, quant, elems, p, slot)
 
 
 def test_act_quant_gather_matches_act_quant_and_the_order():
@@ -103,6 +107,16 @@ def test_act_quant_gather_matches_act_quant_and_the_order():
     done = run_interpreted(GPU_ROUNDINGS + "\nfrom test_kernels_fp4_moe_wgmma import check_act_quant_gather as c\n"
                            "c()\nprint('ok')\n")
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_act_quant_gather_rejects_a_bad_program_size():
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.act_quant import act_quant_gather
+
+    x, slots, blocks = torch.zeros(4, 256, dtype=BF16), torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for elems in (100, 64):
+        with pytest.raises(ValueError, match=f"elems {elems} must be a power of two >= 128"):
+            act_quant_gather(x, 128, slots, blocks, 4, 1, 8, elems=elems)
 
 
 def test_launcher_rejects_bad_inputs_before_launching():

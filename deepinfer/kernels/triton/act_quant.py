@@ -189,12 +189,17 @@ def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slo
     tl.store(out_ptr + dest, y)
 
 
+GATHER_ELEMS, GATHER_WARPS = 1024, 4  # a gather program's values (ROWS slots x COLS columns) and warps
+
+
 def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
-                     n_slots: int, row_div: int, bt: int, quant: bool = True) -> torch.Tensor:
+                     n_slots: int, row_div: int, bt: int, quant: bool = True, elems: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
     """The wgmma expert GEMM's activation operand: bf16 [len(sorted_slots), K], row p = act_quant's exact q * s
     of x[sorted_slots[p] // row_div] (zeros for padding slots >= n_slots; rows of unused blocks unwritten),
     columns in `wgmma_k_order` within each 128. x [M, K] bf16/fp32 with K % 128 == 0 and block | 128.
-    quant False: x's values as they are (the kernel tests' exact operands)."""
+    quant False: x's values as they are (the kernel tests' exact operands). elems / num_warps: a program's
+    values (a power of two >= 128) and warps (default GATHER_ELEMS / GATHER_WARPS; the same bits at any)."""
     if x.dim() != 2 or x.shape[1] % WGMMA_K_GROUP or WGMMA_K_GROUP % block:
         raise ValueError(f"act_quant_gather: x must be [M, K] with K a multiple of {WGMMA_K_GROUP} and block "
                          f"{block} dividing it, got {tuple(x.shape)}")
@@ -206,13 +211,17 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     out = torch.empty((sorted_slots.numel(), k), dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0:
         return out
-    cols = next(c for c in (1024, 512, 256, WGMMA_K_GROUP) if k % c == 0)  # 1024: 16-byte loads and stores
-    rows = 1  # slots a program: up to 1024 // cols, a power of two dividing bt (the programs stay in one block)
-    while rows * 2 * cols <= 1024 and bt % (rows * 2) == 0:
+    elems = elems or GATHER_ELEMS
+    if elems < WGMMA_K_GROUP or elems & (elems - 1):
+        raise ValueError(f"act_quant_gather: elems {elems} must be a power of two >= {WGMMA_K_GROUP}")
+    # 1024 columns: 16-byte loads and stores (fewer where K is not a multiple; never more than elems)
+    cols = next(c for c in (1024, 512, 256, WGMMA_K_GROUP) if k % c == 0 and c <= elems)
+    rows = 1  # slots a program: up to elems // cols, a power of two dividing bt (the programs stay in one block)
+    while rows * 2 * cols <= elems and bt % (rows * 2) == 0:
         rows *= 2
     _act_quant_gather_kernel[(sorted_slots.numel() // rows, k // cols)](
         x, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), ROW_DIV=row_div, BT=bt,
-        BLOCK=block, COLS=cols, QUANT=quant, ROWS=rows)
+        BLOCK=block, COLS=cols, QUANT=quant, ROWS=rows, num_warps=num_warps or GATHER_WARPS)
     return out
 
 
