@@ -206,18 +206,32 @@ def route_first_enabled() -> bool:
     return os.environ.get("DEEPINFER_ROUTE_FIRST", "1") not in ("0", "false", "no")
 
 
-def hc_post_mix_plan() -> dict:
-    """DEEPINFER_HC_POST_MIX="num_stages:1;num_warps:2": launch-plan keys of `norm_hc.hc_post_pre_fused`'s
-    post-mix kernel at decode on top of its POST_MIX_PLAN (A/B runs of the plan; integers; read at each call,
-    so a graph keeps what its capture saw); unset: {}."""
-    value = os.environ.get("DEEPINFER_HC_POST_MIX", "")
+def _int_plan(name: str, keys: tuple[str, ...] | None = None) -> dict:
+    """A launch plan from variable `name` = "key:int;key:int" (unset or empty: {}); `keys`: the ones allowed."""
+    value = os.environ.get(name, "")
     out = {}
     for item in filter(None, value.split(";")):
         key, _, number = item.partition(":")
         if not key or not number.isdigit():
-            raise ValueError(f"DEEPINFER_HC_POST_MIX must be key:int items separated by ';', got {value!r}")
+            raise ValueError(f"{name} must be key:int items separated by ';', got {value!r}")
+        if keys is not None and key not in keys:
+            raise ValueError(f"{name}: unknown key {key!r} in {value!r}; known: {', '.join(keys)}")
         out[key] = int(number)
     return out
+
+
+def hc_post_mix_plan() -> dict:
+    """DEEPINFER_HC_POST_MIX="num_stages:1;num_warps:2": launch-plan keys of `norm_hc.hc_post_pre_fused`'s
+    post-mix kernel at decode on top of its POST_MIX_PLAN (A/B runs of the plan; integers; read at each call,
+    so a graph keeps what its capture saw); unset: {}."""
+    return _int_plan("DEEPINFER_HC_POST_MIX")
+
+
+def gather_plan() -> dict:
+    """DEEPINFER_GATHER_PLAN="elems:4096;warps:8": the program size and warps of `act_quant.act_quant_gather`
+    (the prefill experts' operand gathers) instead of its GATHER_ELEMS / GATHER_WARPS (A/B runs; the same bits
+    at any; read at each call); unset: {}."""
+    return _int_plan("DEEPINFER_GATHER_PLAN", ("elems", "warps"))
 
 
 def moe_mma_waves() -> int | None:

@@ -36,7 +36,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -47,6 +47,16 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s44)  # the thirty-eighth session's prefill gathers and hc collapse: act_quant_gather's program sizes at the 8k
+    # prefill's two shapes against the copy rate (its 8 calls took 2.5 ms of the H200's 8k prefill, ~3x their
+    # bytes at the copy rate), hc_pre / hc_head at 2k / 8k under the collapse's warps, then the slice's 8k
+    # prefill blocks with the gathers' larger programs in alternated rounds (DEEPINFER_GATHER_PLAN). A faster
+    # plan becomes act_quant.GATHER_ELEMS / GATHER_WARPS
+    step bench_act_quant_gather 120 python benchmarks/bench_act_quant_gather.py
+    step bench_hc_pre_prefill 150 python benchmarks/bench_hc_post_pre.py --pre --ts 2048 8192
+    step run_slice_prefill_gather 240 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 \
+        --top 12 --prefill-env-sets "" "DEEPINFER_GATHER_PLAN=elems:4096;warps:8" "DEEPINFER_GATHER_PLAN=elems:8192;warps:8"
+    ;;
 s42)  # the experts' two-fragment-buffer plans without ptxas's serialization (thirty-seventh session: no accumulator
     # pins while a wgmma group is in flight; the default plans' cubins are byte-identical): the FRAG_BUFS 2 GPU tests,
     # then the rows at 2k / 8k against the plans. A faster row becomes its regime's plan. (Ran on the thirty-eighth

@@ -109,14 +109,27 @@ def test_act_quant_gather_matches_act_quant_and_the_order():
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
-def test_act_quant_gather_rejects_a_bad_program_size():
+def test_act_quant_gather_rejects_a_bad_program_size(monkeypatch):
+    """A bad program size, given or from DEEPINFER_GATHER_PLAN (the A/B switch), is refused before a launch."""
     pytest.importorskip("triton")
+    from deepinfer import env
     from deepinfer.kernels.triton.act_quant import act_quant_gather
 
     x, slots, blocks = torch.zeros(4, 256, dtype=BF16), torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     for elems in (100, 64):
         with pytest.raises(ValueError, match=f"elems {elems} must be a power of two >= 128"):
             act_quant_gather(x, 128, slots, blocks, 4, 1, 8, elems=elems)
+    monkeypatch.setenv("DEEPINFER_GATHER_PLAN", "elems:4096;warps:8")
+    assert env.gather_plan() == {"elems": 4096, "warps": 8}
+    monkeypatch.setenv("DEEPINFER_GATHER_PLAN", "elems:96")
+    with pytest.raises(ValueError, match="elems 96 must be a power of two"):
+        act_quant_gather(x, 128, slots, blocks, 4, 1, 8)
+    monkeypatch.setenv("DEEPINFER_GATHER_PLAN", "rows:2")
+    with pytest.raises(ValueError, match="DEEPINFER_GATHER_PLAN: unknown key 'rows'"):
+        env.gather_plan()
+    monkeypatch.setenv("DEEPINFER_GATHER_PLAN", "elems=4096")
+    with pytest.raises(ValueError, match="DEEPINFER_GATHER_PLAN must be key:int items"):
+        env.gather_plan()
 
 
 def test_launcher_rejects_bad_inputs_before_launching():

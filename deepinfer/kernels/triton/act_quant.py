@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
 
@@ -199,7 +200,8 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     of x[sorted_slots[p] // row_div] (zeros for padding slots >= n_slots; rows of unused blocks unwritten),
     columns in `wgmma_k_order` within each 128. x [M, K] bf16/fp32 with K % 128 == 0 and block | 128.
     quant False: x's values as they are (the kernel tests' exact operands). elems / num_warps: a program's
-    values (a power of two >= 128) and warps (default GATHER_ELEMS / GATHER_WARPS; the same bits at any)."""
+    values (a power of two >= 128) and warps (default DEEPINFER_GATHER_PLAN's, else GATHER_ELEMS /
+    GATHER_WARPS; the same bits at any)."""
     if x.dim() != 2 or x.shape[1] % WGMMA_K_GROUP or WGMMA_K_GROUP % block:
         raise ValueError(f"act_quant_gather: x must be [M, K] with K a multiple of {WGMMA_K_GROUP} and block "
                          f"{block} dividing it, got {tuple(x.shape)}")
@@ -211,7 +213,9 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
     out = torch.empty((sorted_slots.numel(), k), dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0:
         return out
-    elems = elems or GATHER_ELEMS
+    plan = env.gather_plan()
+    elems = elems or plan.get("elems", GATHER_ELEMS)
+    num_warps = num_warps or plan.get("warps", GATHER_WARPS)
     if elems < WGMMA_K_GROUP or elems & (elems - 1):
         raise ValueError(f"act_quant_gather: elems {elems} must be a power of two >= {WGMMA_K_GROUP}")
     # 1024 columns: 16-byte loads and stores (fewer where K is not a multiple; never more than elems)
@@ -221,7 +225,7 @@ def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, bl
         rows *= 2
     _act_quant_gather_kernel[(sorted_slots.numel() // rows, k // cols)](
         x, out, sorted_slots, block_expert, n_slots, x.stride(0), out.stride(0), ROW_DIV=row_div, BT=bt,
-        BLOCK=block, COLS=cols, QUANT=quant, ROWS=rows, num_warps=num_warps or GATHER_WARPS)
+        BLOCK=block, COLS=cols, QUANT=quant, ROWS=rows, num_warps=num_warps)
     return out
 
 
