@@ -80,11 +80,12 @@ def check_act_quant_gather(device: str = "cpu") -> None:
     # K = 256: programs of 256 columns and 4 slots; 2048: 1024 columns, one slot; 2304 (V4.1-Flash's I): 9
     # programs of 256 columns across a row, 4 slots each
     # (elems, num_warps): program sizes other than the default's (2048 at K 256: 8 slots; 128: one 128-column
-    # group of one slot a program, at any K)
+    # group of one slot a program, at any K; 1024 at K 2048: one slot of 1024 columns)
     for k, block, quant, elems, warps in ((256, 128, True, None, None), (256, 32, True, None, None),
                                           (256, 128, False, None, None), (2048, 128, True, None, None),
                                           (2304, 32, True, None, None), (256, 128, True, 2048, 8),
-                                          (2304, 32, True, 128, 1), (2048, 128, True, 4096, 8)):
+                                          (2304, 32, True, 128, 1), (2048, 128, True, 4096, 8),
+                                          (2048, 128, True, 1024, 4)):
         x = (torch.randn(t, k, generator=gen) * 3).to(BF16)
         got = act_quant_gather(x.to(device), block, sorted_slots.to(device), block_expert.to(device), t * topk, topk,
                                bt, quant=quant, elems=elems, num_warps=warps).cpu()

@@ -190,7 +190,11 @@ def _act_quant_gather_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_slo
     tl.store(out_ptr + dest, y)
 
 
-GATHER_ELEMS, GATHER_WARPS = 1024, 4  # a gather program's values (ROWS slots x COLS columns) and warps
+GATHER_ELEMS, GATHER_WARPS = 8192, 8  # a gather program's values (ROWS slots x COLS columns) and warps: H100
+# 2026-12-07 (benchmarks/bench_act_quant_gather.py, the 8k prefill's shapes, the same bits): x [8192, 4096] at
+# top-6 398.6 -> 274.9 us (50% -> 73% of the copy rate), h [49152, 2048] 213.6 -> 174.8 us (73% -> 89%) against
+# 1024 values and 4 warps (one slot of 1024 columns a program, the rule before); 4096 x 4 within 1%, 16384 no
+# better. The slice's 8k prefill blocks, 3 alternated rounds: 55.7 -> 54.2 ms (results/run_slice_prefill_gather_*)
 
 
 def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
