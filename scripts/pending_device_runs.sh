@@ -24,7 +24,8 @@
 # unserialized two-fragment-buffer plans, a kernel change never run on a GPU: tests first). The thirty-eighth
 # session's H100 ran s41 (passed: the CUDA attention now runs from 8 tokens), s42 (tests passed, the two-buffer
 # plans slower) and its own s43 (persistent experts CTAs: tests passed, slower, removed with the stage;
-# results/*_s38*); ncu_experts' stall reasons are still owed. Still owed
+# results/*_s38*), then s44 (the gathers: now 8192 values a program), ncu_experts' stall reasons (default plan)
+# and the headline (results/*_s38*). Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -47,7 +48,7 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s44)  # the thirty-eighth session's prefill gathers and hc collapse: act_quant_gather's program sizes at the 8k
+s44)  # (ran on the thirty-eighth session's H100: 8192 x 8 made the default) the prefill gathers and hc collapse: act_quant_gather's program sizes at the 8k
     # prefill's two shapes against the copy rate (its 8 calls took 2.5 ms of the H200's 8k prefill, ~3x their
     # bytes at the copy rate), hc_pre / hc_head at 2k / 8k under the collapse's warps, then the slice's 8k
     # prefill blocks with the gathers' larger programs in alternated rounds (DEEPINFER_GATHER_PLAN). A faster
