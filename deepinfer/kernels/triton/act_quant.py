@@ -194,7 +194,8 @@ GATHER_ELEMS, GATHER_WARPS = 8192, 8  # a gather program's values (ROWS slots x 
 # 2026-12-07 (benchmarks/bench_act_quant_gather.py, the 8k prefill's shapes, the same bits): x [8192, 4096] at
 # top-6 398.6 -> 274.9 us (50% -> 73% of the copy rate), h [49152, 2048] 213.6 -> 174.8 us (73% -> 89%) against
 # 1024 values and 4 warps (one slot of 1024 columns a program, the rule before); 4096 x 4 within 1%, 16384 no
-# better. The slice's 8k prefill blocks, 3 alternated rounds: 55.7 -> 54.2 ms (results/run_slice_prefill_gather_*)
+# better. One 8k prefill's 8 gathers (profiler): 2,516 -> 1,808 us. (The slice's blocks in alternated rounds
+# spread by 1.4-6 ms on these H100s, more than the gain: results/run_slice_prefill_gather_*_s38.log)
 
 
 def act_quant_gather(x: torch.Tensor, block: int, sorted_slots: torch.Tensor, block_expert: torch.Tensor,
