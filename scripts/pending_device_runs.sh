@@ -37,7 +37,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -48,6 +48,21 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s45)  # the indexer's head sum within a thread's quad (`indexer.head_sum` as keys x q^T: the heads on the MMA's N; the
+    # sm_90 build's hot loop 1071 -> 671 instructions, 104 -> 8 shuffles). Written in the thirty-eighth session as
+    # 0e5727f and reverted (8c3c599) because no device time was left to run it. Before the call, here:
+    #   mkdir old_tree && git archive HEAD deepinfer benchmarks/bench_attn_kernels.py benchmarks/timing.py \
+    #       benchmarks/ceilings.py | tar -x -C old_tree && git cherry-pick -n 0e5727f
+    # Then: its GPU tests (the paged decode kernel's rows bit-identical to the pair kernel's, the twin's bound), the
+    # ops against the tree before (old_tree/), the engine's paths over it. If they pass and it is faster, commit it
+    step gpu_tests_s45 200 python -m pytest -q -m gpu tests/test_kernels_indexer_scores.py tests/test_kernels_indexer_paged.py
+    step bench_indexer_s45 120 python benchmarks/bench_attn_kernels.py --indexer --indexer-paged
+    if [ -d old_tree ]; then
+        (cd old_tree && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks step bench_indexer_s45_before 120 \
+            python benchmarks/bench_attn_kernels.py --indexer --indexer-paged)
+    fi
+    step gpu_tests_s45_engine 240 python -m pytest -q -m gpu tests/test_engine_fast_decode.py tests/test_engine_fast_prefill.py
+    ;;
 s44)  # (ran on the thirty-eighth session's H100: 8192 x 8 made the default) the prefill gathers and hc collapse: act_quant_gather's program sizes at the 8k
     # prefill's two shapes against the copy rate (its 8 calls took 2.5 ms of the H200's 8k prefill, ~3x their
     # bytes at the copy rate), hc_pre / hc_head at 2k / 8k under the collapse's warps, then the slice's 8k
