@@ -25,7 +25,8 @@
 # session's H100 ran s41 (passed: the CUDA attention now runs from 8 tokens), s42 (tests passed, the two-buffer
 # plans slower) and its own s43 (persistent experts CTAs: tests passed, slower, removed with the stage;
 # results/*_s38*), then s44 (the gathers: now 8192 values a program), ncu_experts' stall reasons (default plan)
-# and the headline (results/*_s38*). Still owed
+# and the headline (results/*_s38*); it owes s45 (the indexer's head sum, written and reverted: no device time
+# left), first. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
