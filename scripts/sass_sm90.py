@@ -180,6 +180,19 @@ def _case_indexer(has_vis=True):
                          "stride_ke", "stride_ot"}, num_warps=4, num_stages=3)
 
 
+def _case_indexer_paged():
+    """`indexer_scores_paged_bf16`'s kernel (the batched decode's scores from the packed FP4 key cache) at V4's
+    shapes: one program a sequence's 64 entries, the same `head_sum` as the pair kernel (68-byte rows)."""
+    from deepinfer.kernels.triton.indexer import _indexer_scores_paged_kernel
+    params = dict(q_ptr="*bf16", w_ptr="*bf16", store_ptr="*u8", rows_ptr="*i64", hidden_ptr="*u8", out_ptr="*bf16",
+                  NH="i32", E="i32", stride_qb="i32", stride_qh="i32", stride_wb="i32", stride_rb="i32",
+                  stride_hb="i32", stride_ob="i32", STRIDE_S=68, D=128, NB=4, HALF=16, BLOCK_H=64, BLOCK_E=64,
+                  INTERPRET=False, PDL=True)
+    return compile_sm90(_indexer_scores_paged_kernel, params,
+                        {"q_ptr", "w_ptr", "store_ptr", "rows_ptr", "hidden_ptr", "out_ptr", "E", "stride_qb",
+                         "stride_qh", "stride_wb", "stride_rb", "stride_hb", "stride_ob"}, num_warps=4)
+
+
 def _case_hc_collapse(sp, warps, head=False, deferred=False):
     """`_hc_sinkhorn_collapse_kernel` at D = 4096 with SP split partials and the collapse's warps (decode:
     128-256 splits, prefill: 4; 16 warps): a token's collapse program and its Sinkhorn program."""
@@ -231,6 +244,7 @@ CASES = {
     "hc_collapse_prefill": lambda: _case_hc_collapse(4, 16),
     "hc_collapse_head": lambda: _case_hc_collapse(4, 16, head=True),
     "indexer_pair": _case_indexer,
+    "indexer_paged": _case_indexer_paged,
     "gather_256_rows1": lambda: _case_gather(256, 1),
     "gather_256_rows4": lambda: _case_gather(256, 4),
     "gemv_m1_n256": lambda: _case_gemv(1, 256),
