@@ -77,13 +77,13 @@ def check_act_quant_gather(device: str = "cpu") -> None:
     ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(t)])
     sorted_slots, block_expert = align_by_expert(ids, e, bt)
     assert int((block_expert < 0).sum()) > 0  # the bound leaves unused blocks: they must be skipped
-    # K = 256: programs of 256 columns and 4 slots; 2048: 1024 columns, one slot; 2304 (V4.1-Flash's I): 9
-    # programs of 256 columns across a row, 4 slots each
-    # (elems, num_warps): program sizes other than the default's (2048 at K 256: 8 slots; 128: one 128-column
-    # group of one slot a program, at any K; 1024 at K 2048: one slot of 1024 columns)
+    # The default (8192 values a program, here bt = 8 slots at most): K = 256 programs of 256 columns and 8 slots;
+    # 2048: 1024 columns, 8 slots; 2304 (V4.1-Flash's I): 9 programs of 256 columns across a row, 8 slots each.
+    # (elems, num_warps), other program sizes: 512 at K 256: 2 slots; 128: one 128-column group of one slot a
+    # program, at any K; 4096 at K 2048: 4 slots of 1024 columns; 1024: one slot (the rule before 2026-12-07)
     for k, block, quant, elems, warps in ((256, 128, True, None, None), (256, 32, True, None, None),
                                           (256, 128, False, None, None), (2048, 128, True, None, None),
-                                          (2304, 32, True, None, None), (256, 128, True, 2048, 8),
+                                          (2304, 32, True, None, None), (256, 128, True, 512, 2),
                                           (2304, 32, True, 128, 1), (2048, 128, True, 4096, 8),
                                           (2048, 128, True, 1024, 4)):
         x = (torch.randn(t, k, generator=gen) * 3).to(BF16)
