@@ -45,14 +45,14 @@ def main() -> None:
     n_slots = t * K_TOP
     cases = {"x (w13)": (torch.randn(t, D, device=dev).to(torch.bfloat16), K_TOP),
              "h (w2)": (torch.randn(n_slots, I, device=dev).to(torch.bfloat16), 1)}
+    used = (block_expert >= 0).repeat_interleave(BT)  # the rows a call writes (used routing blocks)
+    real_rows = int(used.sum())
     for name, (x, row_div) in cases.items():
-        real_rows = int((block_expert >= 0).sum()) * BT  # the rows the call writes (used routing blocks)
         moved = real_rows * x.shape[1] * 2 + x.numel() * 2
         ref = act_quant_gather(x, 128, sorted_slots, block_expert, n_slots, row_div, BT)
         for elems, warps in PLANS:
             out = act_quant_gather(x, 128, sorted_slots, block_expert, n_slots, row_div, BT, elems=elems,
                                    num_warps=warps)
-            used = (block_expert >= 0).repeat_interleave(BT)
             same = torch.equal(out[used], ref[used])
             ms = graph_replay_ms(lambda: act_quant_gather(x, 128, sorted_slots, block_expert, n_slots, row_div, BT,
                                                           elems=elems, num_warps=warps))
