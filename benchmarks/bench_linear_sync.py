@@ -1,7 +1,7 @@
 """fp8_linear at decode rows (M = 1..8): the Triton bf16 form against the mma.sync CUDA kernel
 (kernels/cuda/fp8_linear_mma.cu) and its tiles, on the V4-Flash layer's projection shapes (128x128 blocks).
 
-    PYTHONPATH=$PWD python benchmarks/bench_linear_sync.py [--ms 1,4,8] [--variants 'split sum,cluster sum']
+    PYTHONPATH=$PWD python benchmarks/bench_linear_sync.py [--ms 1,4,8] [--variants 'split sum,cluster sum,serial sum']
 
 Each row: CUDA-graph replay of one call per weight copy, over enough copies (>= 4x the L2 in all) that the
 weights come from HBM as in a decode step; time per call, the weight bytes (E4M3 + scales) over it (GB/s),
@@ -32,9 +32,13 @@ VARIANTS = (("triton bf16", "bf16", None), ("sync MT2 w4 s2", "sync", None), ("s
             ("sync MT4 w4 s2", "sync", {"MT": 4}), ("sync MT2 w4 s2 split/2", "sync", "half"),
             # the default tiles with the split-K partials summed by a separate kernel / by the cluster (2026-12-05;
             # the op's default is `fp8_gemm.use_cluster`'s rule)
-            ("sync split sum", "sync", {"CLUSTER": False}), ("sync cluster sum", "sync", {"CLUSTER": True}),
+            ("sync split sum", "sync", {"CLUSTER": False, "SERIAL": False}),
+            ("sync cluster sum", "sync", {"CLUSTER": True}),
+            # ... and by the tile's last split CTA (serial split-K, 2026-12-07: the default beyond the cluster's 4)
+            ("sync serial sum", "sync", {"CLUSTER": False, "SERIAL": True}),
             # the batched-decode form (17..256 rows: --ms 32,128; its cluster form was removed, 2026-12-05)
-            ("wgmma", "wgmma", None))
+            ("wgmma", "wgmma", None),
+            ("wgmma split sum", "wgmma", {"SERIAL": False}), ("wgmma serial sum", "wgmma", {"SERIAL": True}))
 
 
 def weights(n: int, k: int, copies: int, dev) -> list[QuantLinearWeight]:

@@ -176,6 +176,14 @@ def linear_cluster_split() -> bool:
     return os.environ.get("DEEPINFER_LINEAR_CLUSTER_SPLIT", "1") not in ("0", "false", "no")
 
 
+def linear_serial_split() -> bool:
+    """DEEPINFER_LINEAR_SERIAL_SPLIT=0 makes the mma.sync decode form of op fp8_linear (and wo_a's grouped form
+    on it) add the split-K partials that no cluster adds (more than 4 splits: `fp8_gemm.use_cluster`) in
+    fp8_gemm._split_sum_kernel, a second launch, instead of in the tile's last split CTA (serial split-K:
+    kernels/cuda/fp8_linear_mma.cu SERIAL_SPLIT; the same bits)."""
+    return os.environ.get("DEEPINFER_LINEAR_SERIAL_SPLIT", "1") not in ("0", "false", "no")
+
+
 def fused_greedy_enabled() -> bool:
     """DEEPINFER_FUSED_GREEDY=0 makes the sampler take its general path (log_softmax, argmax, gather, rank)
     for all-greedy steps too, instead of op greedy_sample (sampling/sampler.py; for A/B runs); default on."""

@@ -17,7 +17,9 @@ GPU (`-m gpu`, fresh random inputs, outputs poisoned with NaN: every element mus
   32 / 32: rel_err <= 3e-4 (fp8_linear's "bf16" form bound, tests/test_kernels_fp8_linear.py) and >= 99% of
   the outputs within 1 bf16 ulp (only fp32 summation order differs);
 * CUDA-graph replay == eager bit for bit (split and unsplit plans);
-* the cluster split (the split CTAs add their partials in the kernel) == the separate ordered sum, bit for bit.
+* the cluster split (the split CTAs add their partials in the kernel) == the separate ordered sum, bit for bit;
+* the serial split (the tile's last split CTA adds the partials) == the separate ordered sum, bit for bit, with
+  its counters left zero, under repeated graph replays too.
 """
 from __future__ import annotations
 
@@ -100,6 +102,17 @@ def test_launcher_rejects_bad_inputs_before_launching():
         fp8_linear_partials(x, w, out, cluster_split=3)
     with pytest.raises(ValueError, match="K per split 128 must be a multiple of 128 x STAGES 2"):
         fp8_linear_partials(x, w, out, cluster_split=4)
+    part, counters = torch.zeros(2, 3, n), torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"fin \(the serial split's output\) needs fp32 partials"):
+        fp8_linear_partials(x, w, out, fin=out, counters=counters)
+    with pytest.raises(ValueError, match="fin must be bf16"):
+        fp8_linear_partials(x, w, part, fin=out.float(), counters=counters)
+    with pytest.raises(ValueError, match="counters must be contiguous int32 with >= 1 entries"):
+        fp8_linear_partials(x, w, part, fin=out, counters=counters.long())
+    with pytest.raises(ValueError, match="counters must be contiguous int32 with >= 1 entries on cpu, got None"):
+        fp8_linear_partials(x, w, part, fin=out)
+    with pytest.raises(ValueError, match="counters without fin"):
+        fp8_linear_partials(x, w, part, counters=counters)
 
 
 def test_launcher_refuses_scales_outside_the_exact_expansion():
@@ -182,13 +195,35 @@ def test_cluster_rule(monkeypatch):
     assert use_cluster(16, {"CLUSTER": True}, fits())  # an explicit config still asks for it
 
 
+def test_serial_split_counters_rule(monkeypatch):
+    """fp8_gemm.serial_counters: none for one split or when turned off (config SERIAL False, the env switch);
+    else the weight's int32 zeros, made once (16 row tiles x the weight's row tiles, or more) and handed out
+    again, never replaced; none when a launch needs more tiles than they have."""
+    from deepinfer.kernels.triton.fp8_gemm import serial_counters
+
+    w = _weight(torch.zeros(1000, 512, dtype=torch.uint8), torch.ones(8, 4), 128, 128)
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("DEEPINFER_LINEAR_SERIAL_SPLIT", raising=False)
+    assert serial_counters(w, 1, 8, 128, None, cpu) is None and w._split_counters is None
+    assert serial_counters(w, 16, 8, 128, {"SERIAL": False}, cpu) is None and w._split_counters is None
+    c = serial_counters(w, 16, 8, 128, None, cpu)
+    assert c is not None and c.dtype == torch.int32 and c.numel() == 16 * 8 and not c.any()
+    assert serial_counters(w, 2, 16 * 8, 128, None, cpu) is c  # the same tensor: a graph keeps its address
+    assert serial_counters(w, 2, 16 * 8 + 1, 128, None, cpu) is None and w._split_counters is c  # too few
+    monkeypatch.setenv("DEEPINFER_LINEAR_SERIAL_SPLIT", "0")
+    assert serial_counters(w, 16, 8, 128, None, cpu) is None
+    assert serial_counters(w, 16, 8, 128, {"SERIAL": True}, cpu) is c  # an explicit config still asks for it
+
+
 def test_source_compiles_for_sm90_where_nvrtc_is_installed():
     from deepinfer.kernels.cuda.fp8_linear_mma import SOURCE
     from test_cuda_runtime import compile_configs
 
     compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": split_out} for cfg in TILE_CONFIGS for split_out in (0, 1)]
                     + [{**cfg, "SPLIT_OUT": 0, "CLUSTER_SPLIT": s} for cfg in TILE_CONFIGS[:2] for s in (2, 16)]
-                    + [{**TILE_CONFIGS[1], "SPLIT_OUT": so, "RAW_ACT": 1, "GROUP_ROWS": 1024} for so in (0, 1)])
+                    + [{**TILE_CONFIGS[1], "SPLIT_OUT": so, "RAW_ACT": 1, "GROUP_ROWS": 1024} for so in (0, 1)]
+                    + [{**cfg, "SPLIT_OUT": 1, "SERIAL_SPLIT": 1} for cfg in TILE_CONFIGS[:2]]
+                    + [{**TILE_CONFIGS[1], "SPLIT_OUT": 1, "SERIAL_SPLIT": 1, "RAW_ACT": 1, "GROUP_ROWS": 1024}])
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -313,7 +348,7 @@ def test_cluster_split_is_the_separate_sum_bit_for_bit(cfg):
                 if (k // split) % (128 * cfg["STAGES"]):
                     continue
                 config = {**cfg, "SPLIT_K": split}
-                want = fp8_linear(x, w, {**config, "CLUSTER": False}, mma="sync")
+                want = fp8_linear(x, w, {**config, "CLUSTER": False, "SERIAL": False}, mma="sync")
                 out = torch.full((m, n), float("nan"), dtype=BF16, device=dev)
                 got = fp8_linear_partials(x, w, out, cfg, cluster_split=split)
                 same = int((got.view(torch.int16) == want.view(torch.int16)).sum())
@@ -323,6 +358,58 @@ def test_cluster_split_is_the_separate_sum_bit_for_bit(cfg):
         top = max(s for s in (2, 4, 8, 16) if (k // s) % (128 * cfg["STAGES"]) == 0)  # whole pipeline rounds
         assert_replay_is_eager(lambda: fp8_linear(x, w, {**cfg, "SPLIT_K": top, "CLUSTER": True}, mma="sync"),
                                f"fp8_linear sync cluster S={top} block={block}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(MT=1, WARPS=8, STAGES=2), dict(MT=2, WARPS=4, STAGES=2)], ids=_cfg_id)
+def test_serial_split_is_the_separate_sum_bit_for_bit(cfg):
+    """The tile's last split CTA adding the partials (SERIAL_SPLIT, through the op's dispatch) gives the bits
+    of the separate fixed-order sum for splits 2..16, 1..13 rows and 17 (three row groups: three counters per
+    weight-row tile), N not a multiple of the tile's rows; every output written (poisoned with NaN); the
+    counters are zero again after each launch; three graph replays in a row == eager."""
+    from deepinfer.kernels.cuda.fp8_linear_mma import fp8_linear_partials, tile_count, tiles
+    from deepinfer.kernels.triton.fp8_gemm import fp8_linear
+    from test_kernels_gemm import assert_replay_is_eager
+
+    dev = _cuda()
+    for block, n, k in ((128, 1000, 4096), (32, 520, 2048)):
+        w = _random_fp8_weight(n, k, block, block, dev)
+        for m in (1, 3, 8, 13, 17):
+            x = _activation(m, k, dev)
+            for split in (2, 4, 8, 16):
+                if (k // split) % (128 * cfg["STAGES"]):
+                    continue
+                config = {**cfg, "SPLIT_K": split, "CLUSTER": False}
+                want = fp8_linear(x, w, {**config, "SERIAL": False}, mma="sync")
+                out = torch.full((m, n), float("nan"), dtype=BF16, device=dev)
+                got = fp8_linear(x, w, {**config, "SERIAL": True}, mma="sync", out=out)
+                same = int((got.view(torch.int16) == want.view(torch.int16)).sum())
+                print(f"serial {_cfg_id(cfg)} block={block} N={n} M={m} S={split}: {same} of {m * n} outputs the same bits")
+                assert got is out and same == m * n, (cfg, block, m, split, same)
+                assert w._split_counters is not None and not bool(w._split_counters.any()), "counters not reset"
+        # straight through the launcher with counters of exactly the launch's tiles
+        x = _activation(9, k, dev)
+        full = {**tiles(cfg), "SPLIT_K": 2}
+        counters = torch.zeros(tile_count(9, n, full), dtype=torch.int32, device=dev)
+        part = torch.empty(2, 9, n, device=dev)
+        fin = torch.full((9, n), float("nan"), dtype=BF16, device=dev)
+        got = fp8_linear_partials(x, w, part, full, fin=fin, counters=counters)
+        want = fp8_linear(x, w, {**full, "CLUSTER": False, "SERIAL": False}, mma="sync")
+        assert got is fin and torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert not bool(counters.any())
+        x = _activation(5, k, dev)
+        top = max(s for s in (2, 4, 8, 16) if (k // s) % (128 * cfg["STAGES"]) == 0)
+
+        def run():
+            return fp8_linear(x, w, {**cfg, "SPLIT_K": top, "CLUSTER": False, "SERIAL": True}, mma="sync")
+        assert_replay_is_eager(run, f"fp8_linear sync serial S={top} block={block}")
+        graph, captured = torch.cuda.CUDAGraph(), None
+        with torch.cuda.graph(graph):
+            captured = run()
+        for _ in range(3):  # a replay whose counters were not put back would leave tiles unwritten
+            captured.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(captured, run()), "replay after replay"
 
 
 @pytest.mark.gpu

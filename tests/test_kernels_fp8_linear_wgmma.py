@@ -16,6 +16,8 @@ GPU (`-m gpu`, fresh random inputs, outputs poisoned with NaN: every element mus
 * the op (fp8_linear(mma="wgmma"): act_quant_wgmma, the kernel, the ordered split sum) against the torch twin
   at V4-Flash decode shapes, M 17 .. 256, blocks 128 and 32: rel_err <= 3e-4 and >= 99% of the outputs within
   1 bf16 ulp (only fp32 summation order differs: fp8_linear's "bf16" form bounds);
+* the serial split (the tile's last split CTA adds the partials) == the separate ordered sum bit for bit, N
+  not a multiple of 4 (the scalar tail), its counters put back, repeated graph replays;
 * CUDA-graph replay == eager bit for bit; the default picks it for 17..256 rows and
   DEEPINFER_LINEAR_BATCH_FORM=swap / bf16 the Triton forms.
 """
@@ -193,7 +195,9 @@ def test_source_compiles_for_sm90a_where_nvrtc_is_installed():
     from test_cuda_runtime import compile_configs
 
     compile_configs(SOURCE, [{**cfg, "SPLIT_OUT": so} for cfg in TILE_CONFIGS for so in (0, 1)]
-                    + [{**cfg, "SPLIT_OUT": so, "GROUP_ROWS": 1024} for cfg in TILE_CONFIGS[:4] for so in (0, 1)],
+                    + [{**cfg, "SPLIT_OUT": so, "GROUP_ROWS": 1024} for cfg in TILE_CONFIGS[:4] for so in (0, 1)]
+                    + [{**cfg, "SPLIT_OUT": 1, "SERIAL_SPLIT": 1} for cfg in TILE_CONFIGS[:4]]
+                    + [{**TILE_CONFIGS[0], "SPLIT_OUT": 1, "SERIAL_SPLIT": 1, "GROUP_ROWS": 1024}],
                     arch="sm_90a")
 
 
@@ -294,6 +298,45 @@ def test_op_matches_twin_v4_flash_decode_shapes(n, k, block):
                   f"max {int(ulps.max())} ulps")
             assert got is out and bool(torch.isfinite(got).all()), (m, config, "unwritten or non-finite outputs")
             assert rel <= 3e-4 and within >= 0.99, (m, config, rel, within)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TILE_CONFIGS[:4], ids=_tag)
+def test_serial_split_is_the_separate_sum_bit_for_bit(cfg):
+    """SERIAL_SPLIT through the op: the bits of fp32 partials + _split_sum_kernel for splits 2..16, M within
+    one token tile and across two, N = 1030 (a partial row tile and a 4-output chunk cut by N); every output
+    written (poisoned with NaN); the weight's counters zero after each launch; three replays in a row."""
+    from deepinfer.kernels.triton.fp8_gemm import fp8_linear
+    from test_kernels_gemm import assert_replay_is_eager
+
+    dev = _cuda()
+    for block, n, k in ((128, 1030, 4096), (32, 520, 2048)):
+        w = _random_fp8_weight(n, k, block, dev)
+        for m in (17, cfg["BT"] + 3):
+            x = _activation(m, k, dev)
+            for split in (2, 4, 8, 16):
+                if k // split < 2 * 128:
+                    continue
+                config = {**cfg, "SPLIT_K": split}
+                want = fp8_linear(x, w, {**config, "SERIAL": False}, mma="wgmma")
+                out = torch.full((m, n), float("nan"), dtype=BF16, device=dev)
+                got = fp8_linear(x, w, {**config, "SERIAL": True}, mma="wgmma", out=out)
+                same = int((got.view(torch.int16) == want.view(torch.int16)).sum())
+                print(f"serial {_tag(cfg)} block={block} N={n} M={m} S={split}: {same} of {m * n} outputs the same bits")
+                assert got is out and same == m * n, (cfg, block, m, split, same)
+                assert not bool(w._split_counters.any()), "counters not put back"
+        x = _activation(40, k, dev)
+
+        def run():
+            return fp8_linear(x, w, {**cfg, "SPLIT_K": 4, "SERIAL": True}, mma="wgmma")
+        assert_replay_is_eager(run, f"fp8_linear wgmma serial block={block}")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        for _ in range(3):
+            captured.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(captured, run()), "replay after replay"
 
 
 @pytest.mark.gpu

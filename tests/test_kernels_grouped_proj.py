@@ -151,7 +151,8 @@ def test_sync_launcher_rejects_bad_grouped_inputs():
 @pytest.mark.parametrize("block", [128, 32])
 def test_sync_form_against_the_twin(block):
     """The decode form (mma.sync, raw bf16 o, one group per CTA): within one bf16 rounding of the float64
-    value for 1..8 tokens, split sums separate and by cluster the same bits, every output written, groups of
+    value for 1..8 tokens, split sums separate, by cluster and by the last split CTA the same bits, every output
+    written, the serial split's counters put back, groups of
     1024 (V4-Flash) and 512 rows, o a strided view."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -164,13 +165,16 @@ def test_sync_form_against_the_twin(block):
         for T in (1, 3, 8):
             big = torch.randn(T, G, d + 64, generator=g).to(BF16).to(dev)
             for o in (big[:, :, :d].contiguous(), big[:, :, :d]):  # the view: copied by the op
-                sep = gp.grouped_proj_fp8(o, w, {"CLUSTER": False}, form="sync")
+                sep = gp.grouped_proj_fp8(o, w, {"CLUSTER": False, "SERIAL": False}, form="sync")
                 clu = gp.grouped_proj_fp8(o, w, {"CLUSTER": True}, form="sync")
+                ser = gp.grouped_proj_fp8(o, w, {"CLUSTER": False, "SERIAL": True}, form="sync")
                 assert sep.shape == (T, G, R) and bool(torch.isfinite(sep).all())
                 _within_one_rounding(sep, o, w)
                 assert torch.equal(sep, clu), (G, R, T, int((sep != clu).sum()))
+                assert torch.equal(sep, ser), (G, R, T, int((sep != ser).sum()))
+                assert not bool(w._split_counters.any()), "the serial split's counters not put back"
                 assert torch.equal(gp.grouped_proj_fp8(o, w), sep)  # auto takes it at decode
-        print(f"sync form block {block} G={G} R={R} d={d}: within one rounding, cluster == separate sum")
+        print(f"sync form block {block} G={G} R={R} d={d}: within one rounding, cluster == serial == separate sum")
 
 
 @pytest.mark.gpu
@@ -178,7 +182,8 @@ def test_sync_form_against_the_twin(block):
 def test_wgmma_form_against_the_twin(block):
     """The batched-decode form (fp8_linear's wgmma kernel with GROUP_ROWS, o's bf16 reordered once): within one
     bf16 rounding of the float64 value for 9..256 tokens (one and two token tiles, split K and not), groups of
-    1024 (V4-Flash) and 512 rows, o a strided view; "auto" takes it there; graph replay == eager."""
+    1024 (V4-Flash) and 512 rows, o a strided view; "auto" takes it there; the serial split the separate
+    sum's bits; graph replay == eager."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
@@ -200,6 +205,10 @@ def test_wgmma_form_against_the_twin(block):
                 assert torch.equal(gp.grouped_proj_fp8(o, w), got)  # auto takes it for 9..256 tokens
             for split in (1, 2):  # the plan's own split and a forced one: both within one rounding
                 _within_one_rounding(gp.grouped_proj_fp8(o, w, {"SPLIT_K": split}, form="wgmma"), o, w)
+            # the tile's last split CTA adding the partials: the separate sum's bits
+            sep = gp.grouped_proj_fp8(o, w, {"SPLIT_K": 4, "SERIAL": False}, form="wgmma")
+            ser = gp.grouped_proj_fp8(o, w, {"SPLIT_K": 4, "SERIAL": True}, form="wgmma")
+            assert torch.equal(sep, ser) and not bool(w._split_counters.any()), (G, R, T, int((sep != ser).sum()))
         print(f"wgmma form block {block} G={G} R={R} d={d}: within one rounding at 9..256 tokens")
         o = torch.randn(40, G, d, generator=g).to(BF16).to(dev)
         assert_replay_is_eager(lambda: gp.grouped_proj_fp8(o, w, form="wgmma"), f"grouped wgmma G={G} block={block}")

@@ -50,6 +50,14 @@
 // S - 1 (the order of _split_sum_kernel: the same bits), and writes bf16; a second barrier keeps every
 // CTA's shared memory alive until the last read of it. S = 16 is a non-portable cluster size: the launcher
 // allows it on the function (cuFuncSetAttribute) before the first launch.
+// Split-K finished by the tile's last CTA (SERIAL_SPLIT 1, with SPLIT_OUT 1): the fix-up of CUTLASS's serial
+// split-K / stream-K, where a cluster does not pay (S > 4 on the H100, above). Every split CTA stores its fp32
+// partial to out[z] as in the plain split form, fences, and counts itself in counters[tile] (one atomic add
+// by thread 0); the CTA that counts S adds the tile's S partials in the fixed order z = 0, 1, ..., S - 1 from
+// L2 (ld.global.cg: the other CTAs' stores, not L1 lines) and writes bf16 fin[m, n]: the bits of
+// _split_sum_kernel without its launch. It also puts the tile's counter back to 0 for the next launch (no CTA
+// of this launch touches it after the S-th add; the next kernel in the stream waits for this grid's end). The
+// launcher keeps the counters, zeroed once, per weight (fp8_gemm.split_counters).
 // Requires (the launcher checks): k_split % (128 STAGES) == 0; block and act_block in (32, 128) (a step's
 // 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
 
@@ -72,6 +80,9 @@
 #ifndef CLUSTER_SPLIT
 #define CLUSTER_SPLIT 0
 #endif
+#ifndef SERIAL_SPLIT
+#define SERIAL_SPLIT 0  // 1: the tile's last split CTA adds the fp32 partials into bf16 fin (see above)
+#endif
 #ifndef RAW_ACT
 #define RAW_ACT 0  // 1: x enters the MMA as the bf16 it is (no act_quant: the grouped output LoRA's bf16 einsum)
 #endif
@@ -88,6 +99,7 @@ static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
 static_assert(GROUP_ROWS % (16 * MT * WARPS) == 0, "GROUP_ROWS: whole CTA tiles of weight rows per group");
 static_assert(CLUSTER_SPLIT == 0 || (!SPLIT_OUT && CLUSTER_SPLIT >= 2 && CLUSTER_SPLIT <= 16
               && TILE_CELLS % CLUSTER_SPLIT == 0), "CLUSTER_SPLIT: 2..16 dividing the tile, bf16 out only");
+static_assert(!SERIAL_SPLIT || (SPLIT_OUT && !CLUSTER_SPLIT), "SERIAL_SPLIT: the fp32 partials' form only");
 
 
 struct Stage {
@@ -172,7 +184,8 @@ __cluster_dims__(1, 1, CLUSTER_SPLIT)
 #endif
 fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
                const u8* __restrict__ w, i64 stride_wn, const float* __restrict__ ws, i64 stride_wsn,
-               void* __restrict__ out, i64 stride_os, i64 stride_om, int N, int k_split, int block, int act_block) {
+               void* __restrict__ out, i64 stride_os, i64 stride_om, int N, int k_split, int block, int act_block,
+               u16* __restrict__ fin, i64 stride_fm, int* __restrict__ counters) {
     __shared__ uint4 xs[CHUNK_STEPS * 128];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -313,5 +326,34 @@ fp8_linear_mma(const u16* __restrict__ x, i64 stride_xm, int M,
 #endif
         }
     }
+#if SERIAL_SPLIT
+    __shared__ int last;  // this CTA is the tile's S-th to finish
+    __threadfence();      // this thread's partial stores are visible to every SM before the count below
+    __syncthreads();      // ... for all of the CTA's threads
+    if (threadIdx.x == 0) {
+        int* c = counters + blockIdx.x * gridDim.y + blockIdx.y;
+        last = atomicAdd(c, 1) == (int)gridDim.z - 1;
+        if (last) *c = 0;  // every split has counted: back to 0 for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // the other splits' partials, counted before our add, are read after it
+    const int tokens = min(TOKENS, M - m0);
+    for (int i = threadIdx.x; i < tokens * TILE_ROWS; i += 32 * WARPS) {
+        const int tok = m0 + i / TILE_ROWS, r = blockIdx.y * TILE_ROWS + i % TILE_ROWS;
+        if (r >= N) continue;
+        const float* p = (const float*)out + (i64)tok * stride_om + r;
+        const int S = (int)gridDim.z;
+        float part[16];  // every split's load in flight at once (S <= 16, the launcher's MAX_SPLIT), then the adds
+#pragma unroll
+        for (int z = 0; z < 16; ++z) part[z] = z < S ? __ldcg(p + (i64)z * stride_os) : 0.f;
+        float sum = part[0];
+#pragma unroll
+        for (int z = 1; z < 16; ++z) if (z < S) sum += part[z];
+        u16 v;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(sum));
+        fin[(i64)tok * stride_fm + r] = v;
+    }
+#endif
 #endif
 }

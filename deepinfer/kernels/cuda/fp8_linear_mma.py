@@ -5,7 +5,9 @@ official act_quant per w.act_block is fused into the kernel), w a `QuantLinearWe
 pow2 block scales, block 128 or 32). `out` says the form: bf16 [M, N] -> the finished output (one launch:
 S = 1, or S = `cluster_split` > 1 splits of K that a thread-block cluster adds up inside the kernel, in the
 fixed order of the separate sum: the same bits); fp32 [S, M, N] -> S partial sums over K / S each (split-K:
-the caller adds them in a fixed order, e.g. fp8_gemm._split_sum_kernel; this module does not import triton).
+the caller adds them in a fixed order, e.g. fp8_gemm._split_sum_kernel; this module does not import triton),
+or, given `fin` (bf16 [M, N]) and `counters` (int32, zero, one per tile), the tile's last split CTA adds them
+in that order into fin inside the same launch (serial split-K: no second kernel; the .cu's SERIAL_SPLIT).
 `plan(m, n, k, sms, config)`: tiles (MT, WARPS, STAGES: `DEFAULT_TILES`) and the split count SPLIT_K.
 The op wrapper (allocation, plan, the ordered split sum) is fp8_gemm.fp8_linear(..., mma="sync").
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.cuda import runtime
+from deepinfer.kernels.cuda import runtime, serial_split
 from deepinfer.kernels.cuda.runtime import CudaKernel
 from deepinfer.kernels.quant_weights import E4M3_EXPANSION_EXP_MAX, QuantLinearWeight, check_e4m3_expansion
 
@@ -36,20 +38,21 @@ SCALE_EXP_MAX = E4M3_EXPANSION_EXP_MAX  # fp32 exponent field of the largest exa
 DEFAULT_TILES = dict(MT=1, WARPS=8, STAGES=2)  # H200 2026-12-02 (benchmarks/bench_linear_sync.py, HBM-cold
 # weights): the V4-Flash layer's seven decode projections 62.3 us at M=1 (MT2 w4 s2 66.1, MT1 w4 s2 66.4, MT4 w4
 # s2 69.2, MT2 w4 s4 75.5; the Triton bf16 form 75.8), 65.2 at M=8 (Triton 77.0)
-_SIGNATURE = "pliplplplliiii"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
-#                                k_split, block, act_block (p pointer, l int64, i int32)
+_SIGNATURE = "pliplplplliiiiplp"  # x, stride_xm, M, w, stride_wn, ws, stride_wsn, out, stride_os, stride_om, N,
+#                                   k_split, block, act_block, fin, stride_fm, counters (p pointer, l int64, i int32)
 MAX_CLUSTER_SPLIT = 16  # the largest (non-portable) thread-block cluster of sm_90
 _KERNELS: dict[tuple[int, ...], CudaKernel] = {}
 
 
 def kernel(mt: int, warps: int, stages: int, split_out: bool, cluster_split: int = 0,
-           group_rows: int = 0) -> CudaKernel:
-    """The kernel for these tiles: fp32 partials out (split_out), bf16 out from one CTA per tile
-    (cluster_split 0), or bf16 out from a cluster of `cluster_split` split CTAs per tile; group_rows > 0: the
-    grouped output LoRA form (raw bf16 x of the rows' group, no act_quant)."""
-    key = (mt, warps, stages, int(split_out), cluster_split, group_rows)
+           group_rows: int = 0, serial: bool = False) -> CudaKernel:
+    """The kernel for these tiles: fp32 partials out (split_out; serial: also their ordered sum by each tile's
+    last split CTA), bf16 out from one CTA per tile (cluster_split 0), or bf16 out from a cluster of
+    `cluster_split` split CTAs per tile; group_rows > 0: the grouped output LoRA form (raw bf16 x of the rows'
+    group, no act_quant)."""
+    key = (mt, warps, stages, int(split_out), cluster_split, group_rows, int(serial))
     if key not in _KERNELS:
-        defines = dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out))
+        defines = dict(MT=mt, WARPS=warps, STAGES=stages, SPLIT_OUT=int(split_out), SERIAL_SPLIT=int(serial))
         if group_rows:
             defines.update(RAW_ACT=1, GROUP_ROWS=group_rows)
         if cluster_split:
@@ -67,6 +70,11 @@ def cluster_fits(m: int, n: int, cfg: dict, device: torch.device, group_rows: in
     k = kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], False, split, group_rows)
     grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
     return k.max_active_clusters(grid, (32 * cfg["WARPS"], 1, 1), device) > 0
+
+
+def tile_count(m: int, n: int, cfg: dict) -> int:
+    """Output tiles of a launch (8 rows of x x rows_per_cta weight rows): the serial split's counters."""
+    return -(-m // TOKENS) * -(-n // rows_per_cta(cfg))
 
 
 def tiles(config: dict | None = None) -> dict:
@@ -116,10 +124,13 @@ def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
 
 def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, config: dict | None = None,
                         scale_max_exp: int | None = None, cluster_split: int = 1,
-                        group_rows: int = 0) -> torch.Tensor:
+                        group_rows: int = 0, fin: torch.Tensor | None = None,
+                        counters: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel into `out` (bf16 [M, N]: S = cluster_split, added up inside the kernel when > 1;
     fp32 [S, M, N]: S partials) and return it. group_rows R > 0: the grouped output LoRA, x = o bf16 [M, G, K]
-    (each token's G groups contiguous) against w [G R, K], its bf16 values as they are (no act_quant)."""
+    (each token's G groups contiguous) against w [G R, K], its bf16 values as they are (no act_quant).
+    fin (with fp32 partials out, S > 1): bf16 [M, N] that each tile's last split CTA fills with the ordered sum
+    of the partials, counting in `counters` (int32, >= `tile_count` entries, all zero; left zero); returns fin."""
     cfg = tiles(config)
     problems = []
     data, scale = w.data, w.scale
@@ -160,6 +171,7 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
         if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(-1) != 1:
             problems.append(f"out must be bf16 [{m}, {n}] or fp32 [S, {m}, {n}] (partials) with unit column stride, "
                             f"got {out.dtype} {tuple(out.shape)}")
+    problems += serial_split.problems(out, split, fin, counters, tile_count(m, n, cfg))
     why = check_shapes(k, split, cfg)
     if why:
         problems.append(why)
@@ -173,12 +185,13 @@ def fp8_linear_partials(x: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
     if x.device.type != "cuda":
         raise ValueError(f"fp8_linear_partials: CUDA tensors only, got {x.device}")
     if m == 0 or n == 0:
-        return out
+        return out if fin is None else fin
     grid = (-(-m // TOKENS), -(-n // rows_per_cta(cfg)), split)
     cluster = split if out.dim() == 2 and split > 1 else 0
-    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3, cluster, group_rows).launch(
+    kernel(cfg["MT"], cfg["WARPS"], cfg["STAGES"], out.dim() == 3, cluster, group_rows, fin is not None).launch(
         grid, (32 * cfg["WARPS"], 1, 1),
         (x, x.stride(0), m, data, data.stride(0), scale, scale.stride(0), out,
-         out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block),
+         out.stride(0) if out.dim() == 3 else 0, out.stride(-2), n, k // split, w.block, w.act_block,
+         0 if fin is None else fin, 0 if fin is None else fin.stride(0), 0 if counters is None else counters),
         x.device)
-    return out
+    return out if fin is None else fin

@@ -12,6 +12,9 @@
 //   bit-identical but slower at 6 of the layer's 7 shapes on the H200 (per layer: M=32 79.5 -> 92.2 us, M=128
 //   104.2 -> 125.2): its CTAs fill an SM each, so a cluster waits for S free SMs of one GPC. Removed
 //   2026-12-05; in git history before that day's removal commit.)
+// SERIAL_SPLIT 1 (with SPLIT_OUT 1): the tile's last split CTA also adds the S partials, in the fixed order
+// z = 0, 1, ..., S - 1 from L2, into bf16 fin[m, n] (counted in counters[tile], put back to 0 by that CTA):
+// fp8_linear_mma.cu's serial split-K, the bits of `_split_sum_kernel` without its launch.
 // Math: both operands are exact in bf16 (4 significant bits x a power of two), so the tensor cores' products
 // are exact and their sums fp32: fp8_gemm's "bf16" / "swap" forms and the mma.sync kernel (fp8_linear_mma.cu),
 // up to fp32 summation order (the torch twin `quant_weights.fp8_linear_torch`).
@@ -70,6 +73,9 @@
 #ifndef SPLIT_OUT
 #define SPLIT_OUT 0
 #endif
+#ifndef SERIAL_SPLIT
+#define SERIAL_SPLIT 0  // 1: the tile's last split CTA adds the fp32 partials into bf16 fin (see above)
+#endif
 #ifndef GROUP_ROWS
 #define GROUP_ROWS 0  // > 0: weight rows [g GROUP_ROWS, (g + 1) GROUP_ROWS) multiply a's group g of K columns
 #endif
@@ -93,6 +99,7 @@
 #define A_STAGE (2 * A_HALF)
 #define NACC (BT / 2)           // fp32 accumulators per lane: 64 x BT / 128 threads
 static_assert(GROUP_ROWS % ROWS == 0, "GROUP_ROWS: whole CTA tiles of weight rows per group");
+static_assert(!SERIAL_SPLIT || SPLIT_OUT, "SERIAL_SPLIT: the fp32 partials' form only");
 __device__ __forceinline__ u32 bf16_bits(float x) { return __float_as_uint(bf16_round(x)) >> 16; }  // RNE
 #if SPLIT_OUT
 typedef float OutT;  // the fp32 partial
@@ -137,7 +144,8 @@ __device__ __forceinline__ void expand_chunk(u32 (&fr)[2 * NQ][4], const uint4& 
 extern "C" __global__ void __launch_bounds__(128 * CWG + 32, 1)
 fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant__ TensorMap tmap_a,
                  const float* __restrict__ ws, i64 stride_wsn, int block,
-                 void* __restrict__ out, i64 stride_os, i64 stride_om, int M, int N, int k_split) {
+                 void* __restrict__ out, i64 stride_os, i64 stride_om, int M, int N, int k_split,
+                 u16* __restrict__ fin, i64 stride_fm, int* __restrict__ counters) {
     pdl_enter();  // before any access to memory an earlier kernel writes (pdl_common.cuh)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -322,4 +330,50 @@ fp8_linear_wgmma(const __grid_constant__ TensorMap tmap_w, const __grid_constant
             for (int i = 0; i < PER_CHUNK && row + i < N; ++i) dst[i] = src[i];
         }
     }
+#if SERIAL_SPLIT
+    // the consumer threads only (the producer warp has exited): named barrier 1, as above
+    __shared__ int last;  // this CTA is the tile's S-th to finish
+    __threadfence();      // this thread's partial stores are visible to every SM before the count below
+    asm volatile("bar.sync 1, %0;" ::"n"(128 * CWG) : "memory");
+    if (threadIdx.x == 0) {
+        int* c = counters + blockIdx.x * gridDim.y + blockIdx.y;
+        last = atomicAdd(c, 1) == (int)gridDim.z - 1;
+        if (last) *c = 0;  // every split has counted: back to 0 for the next launch
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(128 * CWG) : "memory");
+    if (!last) return;
+    __threadfence();  // the other splits' partials, counted before our add, are read after it
+    const int S = (int)gridDim.z;
+    const int tokens = min(BT, M - tok0);
+    for (int c = threadIdx.x; c < tokens * CHUNKS; c += 128 * CWG) {  // 4 outputs of one token a thread
+        const int tok = tok0 + c / CHUNKS, row = row0 + (c % CHUNKS) * 4;
+        if (row >= N) continue;
+        const float* p = static_cast<const float*>(out) + (i64)tok * stride_om + row;
+        u16* dst = fin + (i64)tok * stride_fm + row;
+        if (row + 4 <= N && ((reinterpret_cast<unsigned long long>(p) | (unsigned long long)stride_os * 4) & 15) == 0) {
+            float4 part[16];  // every split's load in flight at once (S <= 16, the launcher's MAX_SPLIT)
+#pragma unroll
+            for (int z = 0; z < 16; ++z) part[z] = z < S ? __ldcg(reinterpret_cast<const float4*>(p + (i64)z * stride_os))
+                                                         : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 sum = part[0];
+#pragma unroll
+            for (int z = 1; z < 16; ++z) {
+                if (z < S) {
+                    sum.x += part[z].x;
+                    sum.y += part[z].y;
+                    sum.z += part[z].z;
+                    sum.w += part[z].w;
+                }
+            }
+            const u16 v[4] = {(u16)bf16_bits(sum.x), (u16)bf16_bits(sum.y), (u16)bf16_bits(sum.z), (u16)bf16_bits(sum.w)};
+            for (int i = 0; i < 4; ++i) dst[i] = v[i];
+        } else {
+            for (int i = 0; i < 4 && row + i < N; ++i) {
+                float sum = __ldcg(p + i);
+                for (int z = 1; z < S; ++z) sum += __ldcg(p + i + (i64)z * stride_os);
+                dst[i] = (u16)bf16_bits(sum);
+            }
+        }
+    }
+#endif
 }

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels.cuda import runtime
+from deepinfer.kernels.cuda import runtime, serial_split
 from deepinfer.kernels.cuda.runtime import CudaKernel
 from deepinfer.kernels.quant_weights import QuantLinearWeight, check_e4m3_expansion, e4m3_expansion_exact
 
@@ -26,13 +26,17 @@ KSTEP = 128  # K per ring stage
 MAX_SPLIT = 16
 SMEM_BUDGET = 200 * 1024  # of an SM's 227 KB: one CTA an SM, as deep a ring as fits
 DEFAULT_TILES = dict(BT=128, CWG=2, STAGES=4, HALVES=0)
-_SIGNATURE = "mmpliplliii"  # tensor maps, ws, stride_wsn, block, out, stride_os, stride_om, M, N, k_split
+_SIGNATURE = "mmpliplliiiplp"  # tensor maps, ws, stride_wsn, block, out, stride_os, stride_om, M, N, k_split,
+#                                 fin, stride_fm, counters (the serial split's; 0 otherwise)
 _KERNELS: dict[tuple, CudaKernel] = {}
 
 
-def kernel(cfg: dict, split_out: bool, group_rows: int = 0) -> CudaKernel:
-    """The kernel for plan `cfg`: fp32 partials out (split_out) or bf16 out; group_rows > 0: the grouped form."""
+def kernel(cfg: dict, split_out: bool, group_rows: int = 0, serial: bool = False) -> CudaKernel:
+    """The kernel for plan `cfg`: fp32 partials out (split_out; serial: also their ordered sum by each tile's
+    last split CTA) or bf16 out; group_rows > 0: the grouped form."""
     key = tuple((k, cfg[k]) for k in DEFAULT_TILES) + (("SPLIT_OUT", int(split_out)),)
+    if serial:
+        key += (("SERIAL_SPLIT", 1),)
     if cfg.get("DIAG"):  # a diagnostic build (the .cu's DIAG: not the GEMM), for benchmarks only
         key += (("DIAG", int(cfg["DIAG"])),)
     if group_rows:
@@ -40,6 +44,11 @@ def kernel(cfg: dict, split_out: bool, group_rows: int = 0) -> CudaKernel:
     if key not in _KERNELS:
         _KERNELS[key] = CudaKernel(SOURCE, "fp8_linear_wgmma", _SIGNATURE, dict(key), arch_suffix="a", pdl=True)
     return _KERNELS[key]
+
+
+def tile_count(m: int, n: int, cfg: dict) -> int:
+    """Output tiles of a launch (BT tokens x rows_per_cta weight rows): the serial split's counters."""
+    return -(-m // cfg["BT"]) * -(-n // rows_per_cta(cfg))
 
 
 def rows_per_cta(cfg: dict) -> int:
@@ -179,12 +188,16 @@ def input_problems(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, gro
 
 
 def fp8_linear_partials(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor, cfg: dict,
-                        scale_max_exp: int | None = None, group_rows: int = 0) -> torch.Tensor:
+                        scale_max_exp: int | None = None, group_rows: int = 0, fin: torch.Tensor | None = None,
+                        counters: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel with plan `cfg` into `out` (bf16 [M, N] when cfg's SPLIT_K is 1, else fp32
     [SPLIT_K, M, N]) and return it. group_rows R > 0: the grouped form (module docstring); R must be a
-    multiple of the plan's weight rows per CTA."""
+    multiple of the plan's weight rows per CTA. fin (with fp32 partials): bf16 [M, N] that each tile's last
+    split CTA fills with the ordered sum of the partials, counting in `counters` (int32, >= `tile_count`
+    entries, all zero; left zero); returns fin."""
     problems = input_problems(a, w, out, group_rows)
     split = cfg["SPLIT_K"]
+    problems += serial_split.problems(out, split, fin, counters, tile_count(out.shape[-2], out.shape[-1], cfg))
     if group_rows and group_rows % rows_per_cta(cfg):
         problems.append(f"group_rows {group_rows} must be a multiple of the plan's {rows_per_cta(cfg)} weight rows "
                         f"per CTA (CWG {cfg['CWG']})")
@@ -200,15 +213,16 @@ def fp8_linear_partials(a: torch.Tensor, w: QuantLinearWeight, out: torch.Tensor
     m = a.shape[0]
     n, k = w.out_features, w.in_features
     if m == 0 or n == 0:
-        return out
+        return out if fin is None else fin
     bt, rows = cfg["BT"], rows_per_cta(cfg)
     tmap_w = runtime.cached_tensor_map(w.data.view(torch.uint8), (rows, KSTEP), swizzle=128)
     # the activations as bytes [M, 2K] ([M, 2GK] grouped): boxes of BT rows x 128 bytes (64 bf16), 128-byte swizzle
     tmap_a = runtime.encode_tensor_map(a.view(torch.uint8), (bt, 128), swizzle=128)
     grid = (-(-m // bt), -(-n // rows), split)
-    kernel(cfg, split > 1, group_rows).launch(
+    kernel(cfg, split > 1, group_rows, fin is not None).launch(
         grid, (128 * cfg["CWG"] + 32, 1, 1),
         (tmap_w, tmap_a, w.scale, w.scale.stride(0), w.block, out, out.stride(0) if out.dim() == 3 else 0,
-         out.stride(-2), m, n, k // split),
+         out.stride(-2), m, n, k // split, 0 if fin is None else fin, 0 if fin is None else fin.stride(0),
+         0 if counters is None else counters),
         a.device, shared=smem_bytes(cfg))
-    return out
+    return out if fin is None else fin

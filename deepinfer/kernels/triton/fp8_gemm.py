@@ -342,7 +342,40 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     split = cfg["SPLIT_K"]
     if use_cluster(split, config, lambda: sync.cluster_fits(m, n, cfg, x.device)):
         return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
+    counters = serial_counters(w, split, sync.tile_count(m, n, cfg), sync.rows_per_cta(cfg), config, x.device)
+    if counters is not None:  # the tile's last split CTA adds the partials: one launch
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        return sync.fp8_linear_partials(x, w, part, cfg, fin=out, counters=counters)
     return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out)
+
+
+SERIAL_COUNTER_ROW_TILES = 16  # a weight's counters cover launches of up to 16 x 8 = 128 rows of x
+
+
+def serial_counters(w: QuantLinearWeight, split: int, tiles: int, rows_per_cta: int, config: dict | None,
+                    device: torch.device) -> torch.Tensor | None:
+    """The counters of the mma.sync kernel's serial split-K for this launch (`tiles` output tiles, `split` > 1
+    splits; kernels/cuda/fp8_linear_mma.cu SERIAL_SPLIT), or None: the partials are added by
+    `_split_sum_kernel` instead (the same bits). None when: one split; turned off (config SERIAL False or
+    DEEPINFER_LINEAR_SERIAL_SPLIT=0); or the weight has no counters yet and a CUDA graph is being captured (an
+    allocation there would belong to the graph's pool), or too few for this launch. They are int32 zeros kept on
+    the weight, made at its first split launch for 16 row tiles of x by its rows' tiles (`rows_per_cta`) and
+    never replaced (a captured graph keeps their address); the kernel leaves them zero. One weight's launches
+    must not run concurrently on two streams (each layer's projection runs once a step)."""
+    from deepinfer import env
+
+    wanted = (config or {}).get("SERIAL")
+    if split <= 1 or wanted is False or not (wanted or env.linear_serial_split()):
+        return None
+    counters = w._split_counters
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        size = max(tiles, SERIAL_COUNTER_ROW_TILES * cdiv(w.out_features, rows_per_cta))
+        counters = w._split_counters = torch.zeros(size, dtype=torch.int32, device=device)
+    if counters.numel() < tiles or counters.device != device:
+        return None
+    return counters
 
 
 CLUSTER_MAX_SPLIT = 4  # the most split CTAs a tile adds up as one cluster by default (`use_cluster`)
@@ -402,7 +435,13 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     m, k = x.shape
     cfg = wg.plan(m, w.out_features, k, sm_count(x.device), config)
     a = act_quant_wgmma(x, w.act_block)
-    return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), cfg["SPLIT_K"], out)
+    split = cfg["SPLIT_K"]
+    counters = serial_counters(w, split, wg.tile_count(m, w.out_features, cfg), wg.rows_per_cta(cfg), config,
+                               x.device)
+    if counters is not None:  # the tile's last split CTA adds the partials: no _split_sum_kernel launch
+        part = torch.empty((split, m, w.out_features), dtype=torch.float32, device=x.device)
+        return wg.fp8_linear_partials(a, w, part, cfg, fin=out, counters=counters)
+    return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), split, out)
 
 
 def _prefill_linear_form() -> str:

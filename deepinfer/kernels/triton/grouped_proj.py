@@ -209,7 +209,7 @@ def _grouped_proj_wgmma(o: torch.Tensor, w: QuantLinearWeight, R: int, config: d
     CTA, split-K partials added by fp8_gemm's ordered sum."""
     from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
     from deepinfer.kernels.triton.act_quant import act_quant_wgmma
-    from deepinfer.kernels.triton.fp8_gemm import _partials_then_sum, sm_count
+    from deepinfer.kernels.triton.fp8_gemm import _partials_then_sum, serial_counters, sm_count
 
     T, G, d = o.shape
     out = torch.empty(T, G, R, dtype=BF16, device=o.device)
@@ -217,6 +217,12 @@ def _grouped_proj_wgmma(o: torch.Tensor, w: QuantLinearWeight, R: int, config: d
         return out
     a = act_quant_wgmma(o.reshape(T, G * d), w.act_block, quant=False)  # o's values, the operand's column order
     cfg = wg.plan(T, G * R, d, sm_count(o.device), config)
+    split = cfg["SPLIT_K"]
+    counters = serial_counters(w, split, wg.tile_count(T, G * R, cfg), wg.rows_per_cta(cfg), config, o.device)
+    if counters is not None:  # the tile's last split CTA adds the partials: one launch
+        part = torch.empty((split, T, G * R), dtype=torch.float32, device=o.device)
+        wg.fp8_linear_partials(a, w, part, cfg, group_rows=R, fin=out.view(T, G * R), counters=counters)
+        return out
     _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg, group_rows=R), cfg["SPLIT_K"],
                        out.view(T, G * R))
     return out
@@ -226,7 +232,7 @@ def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: di
     """The mma.sync form: one launch when its plan does not split K or the split CTAs add up as a cluster
     (fp8_gemm's `use_cluster` rule), else fp32 partials and fp8_gemm's ordered sum."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
-    from deepinfer.kernels.triton.fp8_gemm import _partials_then_sum, sm_count, use_cluster
+    from deepinfer.kernels.triton.fp8_gemm import _partials_then_sum, serial_counters, sm_count, use_cluster
 
     T, G, d = o.shape
     if o.stride(2) != 1 or o.stride(1) != d or o.stride(0) % 8:
@@ -237,6 +243,11 @@ def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: di
     split = cfg["SPLIT_K"]
     if use_cluster(split, config, lambda: sync.cluster_fits(T, G * R, cfg, o.device, group_rows=R)):
         sync.fp8_linear_partials(o, w, flat, cfg, cluster_split=split, group_rows=R)
+        return out
+    counters = serial_counters(w, split, sync.tile_count(T, G * R, cfg), sync.rows_per_cta(cfg), config, o.device)
+    if counters is not None:  # the tile's last split CTA adds the partials: one launch
+        part = torch.empty((split, T, G * R), dtype=torch.float32, device=o.device)
+        sync.fp8_linear_partials(o, w, part, cfg, group_rows=R, fin=flat, counters=counters)
         return out
     _partials_then_sum(lambda dest: sync.fp8_linear_partials(o, w, dest, cfg, group_rows=R), split, flat)
     return out
