@@ -7,6 +7,7 @@ columns per program, 0 = none; the default is `split_plan`; H=8 is a rank of 8-w
 name (what the attention must read at least), against the copy rate measured in the same run.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode_attn.py     # writes $OUT/decode_attn.json
+    PYTHONPATH=$PWD python benchmarks/bench_decode_attn.py --combine   # the split combine's heads per program
 """
 from __future__ import annotations
 
@@ -53,7 +54,28 @@ def case(B: int, k_sel: int, g: torch.Generator, H: int):
     return before, paged, nbytes
 
 
+def combine_rows() -> None:
+    """The default split plan's attention + combine at small batches with the combine's heads per program
+    forced to 8 / 4 / 2 (`sparse_attn_paged.combine_heads`; the same bits whatever the count)."""
+    import deepinfer.kernels.triton.sparse_attn_paged as sap
+
+    chosen = sap.combine_heads
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for B in (1, 4, 8, 16, 32):
+        _, paged, _ = case(B, 512, g, 64)
+        cells = []
+        for bh in (8, 4, 2, None):
+            sap.combine_heads = chosen if bh is None else (lambda T, H, bh=bh: bh)
+            cells.append(f"{'default ' + str(chosen(B, 64)) if bh is None else bh}: "
+                         f"{graph_replay_ms(paged) * 1e3:6.1f} us")
+        sap.combine_heads = chosen
+        print(f"H=64 B={B:3d} K={WIN + 512}: attention + combine, heads per combine program " + ", ".join(cells))
+
+
 def main() -> None:
+    if "--combine" in sys.argv[1:]:
+        combine_rows()
+        return
     ceiling = ceilings.copy_bandwidth_gbs()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, lines = [], [f"copy ceiling {ceiling:.0f} GB/s"]

@@ -90,6 +90,14 @@ def test_window_only_layer():
     assert torch.equal(got, _pool_reference(q, ring, ring.new_zeros(0, ring.shape[-1]), layout, sink, idx, 0.1))
 
 
+def test_combine_heads_rule():
+    from deepinfer.kernels.triton.sparse_attn_paged import combine_heads
+
+    assert combine_heads(1, 64) == 2 and combine_heads(8, 64) == 2  # 32 / 256 programs
+    assert combine_heads(16, 64) == 4 and combine_heads(32, 64) == 8  # 256 programs each
+    assert combine_heads(1, 8) == 2  # few heads: the fewest a program
+
+
 def test_split_plan_rules():
     pytest.importorskip("triton")
     from deepinfer.kernels.triton.sparse_attn_paged import SPLIT_MAX_T, split_plan
@@ -162,6 +170,15 @@ for name, d, rope, T, H, win, k_sel in cases:
             assert errs[-1] <= 2e-3, (name, T, label, chunk, errs[-1])
         print(f"  {label}: vs the twin {errs[0]:.2e} (64 columns per split), {errs[1]:.2e} (default plan: "
               f"(heads, columns) = {split_plan(T, rows.shape[1], H)}, 0 columns = no split)")
+    # the combine's heads per program (`combine_heads`) move no bit: each head's merge is its own
+    import deepinfer.kernels.triton.sparse_attn_paged as sap
+    chosen = sap.combine_heads
+    outs = []
+    for bh in (2, 4, 8):
+        sap.combine_heads = lambda T, H, bh=bh: bh
+        outs.append(sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, initial_max, chunk=64))
+    sap.combine_heads = chosen
+    assert all(torch.equal(o, outs[0]) for o in outs), (name, T, "combine heads per program moved bits")
     if rope:  # the inverse RoPE of the output in the epilogue (op sparse_attn_sink_paged_rope) == the kernel's
         # output rotated back by rope32 with the same table, unsplit and split (the combine's epilogue)
         from deepinfer.kernels import official

@@ -288,13 +288,16 @@ class PagedLaunch:
             torch.empty(T, S, H, **f32) if split else out, torch.empty(T, S, H, **f32) if split else out,
             torch.empty(T, S, H, d, **f32) if split else out)
 
-    def combine(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> None:
-        """Merge the split states into out (nothing without a split)."""
+    def combine(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int,
+                heads: int | None = None) -> None:
+        """Merge the split states into out (nothing without a split); `heads` per program (default
+        `combine_heads`: every head's merge is its own, so any count gives the same bits)."""
         if self.split:
-            H, d = out.shape[1], out.shape[2]
-            _combine_splits_kernel[(cdiv(H, COMBINE_HEADS), out.shape[0])](
+            T, H, d = out.shape
+            bh = heads or combine_heads(T, H)
+            _combine_splits_kernel[(cdiv(H, bh), T)](
                 self.part_acc, self.part_max, self.part_sum, self.sink, out, cos, sin, H, self.grid[2], out.stride(0),
-                out.stride(1), D=d, BLOCK_H=COMBINE_HEADS, ROPE_HALF=half, num_warps=4)
+                out.stride(1), D=d, BLOCK_H=bh, ROPE_HALF=half, num_warps=4)
 
 
 def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
@@ -317,7 +320,20 @@ def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch
     return sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, rope_table=table)
 
 
-COMBINE_HEADS = 8  # heads per combine program: [8, 512] fp32 over 4 warps
+COMBINE_HEADS = (8, 4, 2)  # heads per combine program, the most first: [<= 8, 512] fp32 over 4 warps
+COMBINE_MIN_PROGRAMS = 256  # ~2 a SM
+
+
+def combine_heads(T: int, H: int) -> int:
+    """Heads per combine program: the most of COMBINE_HEADS that still gives COMBINE_MIN_PROGRAMS programs,
+    else the fewest. A program reads its heads' S fp32 states from L2 (S x heads x d x 4 bytes: 160 KB at
+    b1's 10 splits of 8 heads x 512), so at b1's T = 1 the 8 programs of 8 heads each left their SMs' L2 read
+    rate the bound (4-4.5 us a layer on the H100's b1 critical path, 2026-12-07 timeline); 32 programs of 2
+    heads read 40 KB each."""
+    for bh in COMBINE_HEADS:
+        if T * cdiv(H, bh) >= COMBINE_MIN_PROGRAMS:
+            return bh
+    return COMBINE_HEADS[-1]
 
 
 REGISTRATIONS = {"sparse_attn_sink_paged": sparse_attn_sink_paged_triton,
