@@ -193,6 +193,14 @@ def _case_indexer_paged():
                          "stride_qh", "stride_wb", "stride_rb", "stride_hb", "stride_ob"}, num_warps=4)
 
 
+def _case_stable_topk(kp):
+    """`stable_topk`'s kernel (selection passes, then the sort of the KP-padded picks) at V4's k = 512 / 1024."""
+    from deepinfer.kernels.triton.topk_positions import BLOCK, _stable_topk_kernel
+    params = dict(s_ptr="*bf16", out_ptr="*i64", E="i32", k="i32", stride_s="i32", stride_o="i32", BLOCK=BLOCK,
+                  KP=kp, PDL=True)
+    return compile_sm90(_stable_topk_kernel, params, {"s_ptr", "out_ptr", "stride_s", "stride_o"}, num_warps=4)
+
+
 def _case_hc_collapse(sp, warps, head=False, deferred=False):
     """`_hc_sinkhorn_collapse_kernel` at D = 4096 with SP split partials and the collapse's warps (decode:
     128-256 splits, prefill: 4; 16 warps): a token's collapse program and its Sinkhorn program."""
@@ -245,6 +253,9 @@ CASES = {
     "hc_collapse_head": lambda: _case_hc_collapse(4, 16, head=True),
     "indexer_pair": _case_indexer,
     "indexer_paged": _case_indexer_paged,
+    "stable_topk_512": lambda: _case_stable_topk(512),
+    "stable_topk_1024": lambda: _case_stable_topk(1024),
+    "stable_topk_4096": lambda: _case_stable_topk(4096),
     "gather_256_rows1": lambda: _case_gather(256, 1),
     "gather_256_rows4": lambda: _case_gather(256, 4),
     "gemv_m1_n256": lambda: _case_gemv(1, 256),

@@ -1,6 +1,8 @@
 """Op "topk_positions" (kernels/triton/topk_positions.py: a row's stable top-k in position order by two histogram
 passes and a compaction, no sort) against its twin (`torch_ops.topk_positions` = `stable_topk(...).sort()`),
-bit for bit: under the interpreter on the CPU and on the GPU (`-m gpu`, fresh random rows).
+and op "stable_topk" (the same selection, then the k picks sorted by value descending, ties by position)
+against `torch_ops.stable_topk` (a stable sort of the whole row), index for index: under the interpreter on
+the CPU and on the GPU (`-m gpu`, fresh random rows).
 
 The rows are built to break a wrong selection: heavy exact ties at and around the threshold (relu zeros,
 a few repeated values), -0.0 beside +0.0 (torch orders them equal), -inf (hidden entries), NaN (torch sorts
@@ -35,18 +37,22 @@ def rows(r: int, e: int, seed: int, device: str = "cpu") -> torch.Tensor:
 
 
 def _check(device: str) -> None:
-    from deepinfer.kernels.triton.topk_positions import topk_positions
+    from deepinfer.kernels.triton.topk_positions import stable_topk, topk_positions
 
     for i, (r, e, k) in enumerate(CASES):
         s = rows(r, e, 80 + i, device)
         got, want = topk_positions(s, k), torch_ops.topk_positions(s.cpu(), k)
         assert got.dtype == torch.int64 and torch.equal(got.cpu(), want), (r, e, k)
+        got, want = stable_topk(s, k), torch_ops.stable_topk(s.cpu(), k)
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), want), ("stable_topk", r, e, k)
     same = torch.full((2, 40), 0.5, dtype=torch.bfloat16, device=device)  # every value tied: the first k positions
     assert torch.equal(topk_positions(same, 9).cpu(), torch.arange(9).expand(2, 9))
+    assert torch.equal(stable_topk(same, 9).cpu(), torch.arange(9).expand(2, 9))
     for shape, k in (((3, 0), 5), ((0, 7), 3), ((2, 5), 0)):  # no entries yet, no rows, k = 0: empty, as the twin
         empty = torch.zeros(shape, dtype=torch.bfloat16, device=device)
-        got, want = topk_positions(empty, k), torch_ops.topk_positions(empty.cpu(), k)
-        assert got.shape == want.shape and got.dtype == torch.int64, (shape, k, got.shape, want.shape)
+        for op, twin in ((topk_positions, torch_ops.topk_positions), (stable_topk, torch_ops.stable_topk)):
+            got, want = op(empty, k), twin(empty.cpu(), k)
+            assert got.shape == want.shape and got.dtype == torch.int64, (shape, k, got.shape, want.shape)
 
 
 def test_twin_is_the_stable_top_k_in_position_order():
@@ -54,15 +60,25 @@ def test_twin_is_the_stable_top_k_in_position_order():
     assert torch_ops.topk_positions(s, 4).tolist() == [[0, 1, 2, 4]]  # 2.0, 2.0, then the first two 0.5 ties
 
 
+def test_twin_stable_topk_orders_by_value_then_position():
+    s = torch.tensor([[0.5, 2.0, 0.5, -1.0, 2.0, 0.5, float("nan"), -0.0, 0.0]]).bfloat16()
+    assert torch_ops.stable_topk(s, 6).tolist() == [[6, 1, 4, 0, 2, 5]]  # NaN first, ties by position
+    assert torch_ops.stable_topk(s, 9).tolist()[0][-3:] == [7, 8, 3]  # -0.0 and +0.0 equal: by position
+
+
 def test_off_device_rows_and_other_dtypes_take_the_twin():
     pytest.importorskip("triton")
-    from deepinfer.kernels.triton.topk_positions import topk_positions
+    from deepinfer.kernels.triton.topk_positions import stable_topk, topk_positions
 
     s = rows(3, 100, 1)
     assert torch.equal(topk_positions(s, 10), torch_ops.topk_positions(s, 10))
     assert torch.equal(topk_positions(s.float(), 10), torch_ops.topk_positions(s.float(), 10))
+    assert torch.equal(stable_topk(s, 10), torch_ops.stable_topk(s, 10))
+    assert torch.equal(stable_topk(s.float(), 10), torch_ops.stable_topk(s.float(), 10))
     with pytest.raises(ValueError, match="k must be >= 0"):
         topk_positions(s, -1)
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        stable_topk(s, -1)
 
 
 def test_topk_positions_under_the_interpreter():
@@ -79,9 +95,14 @@ def test_topk_positions_on_the_gpu():
 
     _check("cuda")
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    from deepinfer.kernels.triton.topk_positions import stable_topk
+
     for i, (r, e) in enumerate([(1, 1024), (8, 4096), (64, 1024), (1, 65536), (4, 65536)]):
         s = rows(r, e, seed + i, "cuda")
         for k in (1, 512, e):
             assert torch.equal(topk_positions(s, k).cpu(), torch_ops.topk_positions(s.cpu(), k)), (seed, r, e, k)
+            if k <= 4096:  # the sort of the picks holds up to a few thousand keys in one program's registers
+                assert torch.equal(stable_topk(s, k).cpu(), torch_ops.stable_topk(s, k).cpu()), (seed, r, e, k)
     s = rows(6, 3000, seed, "cuda").view(2, 3, 3000)
     assert torch.equal(topk_positions(s, 512).cpu(), torch_ops.topk_positions(s.cpu(), 512))
+    assert torch.equal(stable_topk(s, 512).cpu(), torch_ops.stable_topk(s, 512).cpu())  # the CUDA sort's order

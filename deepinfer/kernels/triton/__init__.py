@@ -21,7 +21,8 @@ KERNEL_MODULES: tuple[str, ...] = (
     "norm_hc",    # rms_norm, rms_norm_bf16, head_rms_norm, hc_pre_fused, hc_post, hc_post_fused
     "rope",       # rope32, rope_table32
     "indexer",    # indexer_scores_bf16, indexer_scores_paged_bf16 (decode: straight from the packed key cache)
-    "topk_positions",  # topk_positions: a row's stable top-k in position order by histogram selection, no sort
+    "topk_positions",  # topk_positions, stable_topk: a row's stable top-k by histogram selection (in position
+    #                    order; in value order by one sort of the k picks), no sort of the whole row
     "compress_pool",  # compress_pool: the compressor's gated softmax pooling
     "compress_decode",  # compress_decode_step: a decode token through one compressor (scatter..RMSNorm), 1 launch
     "kv_pack",    # kv_encode, kv_decode: the FP8 KV layouts' codec, and the FP4 index keys' (fp4_quant's kernels)

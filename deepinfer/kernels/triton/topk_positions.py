@@ -1,5 +1,7 @@
 """Op `topk_positions(scores [R, E], k) -> int64 [R, min(k, E)]`: each row's stable top-k in position order,
-the CUDA twin of `torch_ops.topk_positions` (= `stable_topk(scores, k).sort().values`).
+the CUDA twin of `torch_ops.topk_positions` (= `stable_topk(scores, k).sort().values`); and op
+`stable_topk(scores, k)`: the same picks in score order (descending, ties toward the lower position), the CUDA
+twin of `torch_ops.stable_topk` (a stable sort of the whole row, then its first k).
 
 Why: V4.1 attends its compressed picks in position order (`V41Attention._select`, the decode path's
 `_select`) and keeps candidate blocks as a mask, so it never needs the picks in score order. The twin sorts
@@ -13,6 +15,12 @@ sorts were ~117 us of a 1.9 ms V4.1-Flash slice step (H100, 2026-12-06). A selec
   to it: the stable sort's tie rule (ties toward the lower position) gives exactly these.
 One program per row streams the row three times in BLOCK chunks (any E; at decode the row is a few KB, L2).
 Only bf16 rows run here (the indexer's scores); other dtypes go to the twin.
+`stable_topk` (V4's index rows, which its attention walks in score order, so the order is in the output's
+last bits) runs the same three passes, then reads its k picks back and orders them by one bitonic sort of
+64-bit keys (the 16-bit value key above the position's complement: larger values first, equal values by
+the lower position first), the order torch's stable descending sort gives them. At decode this replaces a
+radix sort of the whole row and its key and index kernels (2026-12-07: ~3-5 us of each indexer layer's
+b1 critical path on the H100, the thirty-fourth session's timeline).
 Must not: reorder ties differently from `torch_ops.stable_topk` (the index order is visible in attention's
 last bits), import the model.
 """
@@ -55,12 +63,9 @@ def _kth_bin(hist, k, bins):
     return b, above
 
 
-@fast_launch
 @triton.jit
-def _topk_positions_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    src = s_ptr + row * stride_s
+def _select_in_position_order(src, dst, E, k, BLOCK: tl.constexpr):
+    """Row src's k largest keys (ties toward the lower position) -> their positions at dst[0:k], ascending."""
     bins = tl.arange(0, 256)
     hist = tl.zeros((256,), tl.int32)
     for start in range(0, E, BLOCK):  # pass 1: the high bytes
@@ -89,9 +94,44 @@ def _topk_positions_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.c
         keep = (inside & (key > threshold)) | ((eq == 1) & (tie_rank < ties))
         kept = keep.to(tl.int32)
         slot = taken + tl.cumsum(kept, axis=0) - kept
-        tl.store(out_ptr + row * stride_o + slot, offs.to(tl.int64), mask=keep)
+        tl.store(dst + slot, offs.to(tl.int64), mask=keep)
         taken += tl.sum(kept, axis=0)
         seen += tl.sum(eq, axis=0)
+
+
+@fast_launch
+@triton.jit
+def _topk_positions_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    _select_in_position_order(s_ptr + row * stride_s, out_ptr + row * stride_o, E, k, BLOCK)
+
+
+POSITION_MASK = 0x7FFFFFFF  # a position's complement in the sort key's low 32 bits (positions < 2^31)
+STABLE_TOPK_MAX_K = 4096  # the picks' sort holds its keys in one program's registers; larger k: the twin
+# (DEEPINFER_STABLE_TOPK=torch: the twin always, for A/B runs)
+
+
+@fast_launch
+@triton.jit
+def _stable_topk_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.constexpr, KP: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """`_select_in_position_order`, then the k picks read back (this program wrote them: the barrier makes
+    its threads' stores visible to each other) and sorted by (value key descending, position ascending)."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    src = s_ptr + row * stride_s
+    dst = out_ptr + row * stride_o
+    _select_in_position_order(src, dst, E, k, BLOCK)
+    tl.debug_barrier()
+    i = tl.arange(0, KP)
+    valid = i < k
+    pos = tl.load(dst + i, mask=valid, other=0)
+    key = _order_keys(tl.load(src + pos, mask=valid, other=0.0)).to(tl.int64)
+    packed = tl.where(valid, (key << 32) | (0x7FFFFFFF - pos), -1)  # -1: below every pick
+    packed = tl.sort(packed, descending=True)
+    tl.debug_barrier()  # every thread has read its picks before any is overwritten
+    tl.store(dst + i, 0x7FFFFFFF - (packed & 0xFFFFFFFF), mask=valid)
 
 
 def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -114,4 +154,28 @@ def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out.view(*scores.shape[:-1], k)
 
 
-REGISTRATIONS = {"topk_positions": topk_positions}
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., E] -> int64 [..., min(k, E)]: the positions of each row's k largest in descending order
+    of value, equal values toward the lower position (NaN largest, -0.0 == +0.0): `torch_ops.stable_topk`'s
+    indices. bf16 CUDA rows run the kernel, the rest the twin."""
+    if k < 0:
+        raise ValueError(f"stable_topk: k must be >= 0, got {k}")
+    on_device = scores.is_cuda or _interpreting()
+    if (scores.dtype != torch.bfloat16 or not on_device or scores.dim() == 0 or scores.shape[-1] > POSITION_MASK
+            or min(k, scores.shape[-1]) > STABLE_TOPK_MAX_K
+            or os.environ.get("DEEPINFER_STABLE_TOPK", "kernel") == "torch"):
+        return torch_ops.stable_topk(scores, k)
+    E = scores.shape[-1]
+    k = min(k, E)
+    if k == 0 or scores.numel() == 0:
+        return torch.empty((*scores.shape[:-1], k), dtype=torch.int64, device=scores.device)
+    rows = scores.reshape(-1, E)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], k), dtype=torch.int64, device=scores.device)
+    _stable_topk_kernel[(rows.shape[0],)](rows, out, E, k, rows.stride(0), out.stride(0), BLOCK=BLOCK,
+                                          KP=max(2, triton.next_power_of_2(k)), num_warps=4)
+    return out.view(*scores.shape[:-1], k)
+
+
+REGISTRATIONS = {"topk_positions": topk_positions, "stable_topk": stable_topk}
