@@ -38,7 +38,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s46, s46b, s46_engine, s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s46, s46b, s46c, s46_engine, s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -54,14 +54,20 @@ s46)  # serial split-K in the decode linear (kernels/cuda/fp8_linear_mma.cu SERI
     # tests (bit-identical to the separate sum, counters put back, replays), the seven decode shapes' three sums,
     # the b1 / b8 / b32 steps with it and without (DEEPINFER_LINEAR_SERIAL_SPLIT=0), the engine's decode tests
     step gpu_tests_s46 300 python -m pytest -q -m gpu tests/test_kernels_fp8_linear_mma.py tests/test_kernels_grouped_proj.py \
-        tests/test_kernels_fp8_linear_wgmma.py -k "serial or cluster or graph or sync_form or wgmma_form or twin_v4"
+        tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_topk_positions.py \
+        -k "serial or cluster or graph or sync_form or wgmma_form or twin_v4 or gpu"
     step bench_linear_sync_s46 150 python benchmarks/bench_linear_sync.py --ms 1,8 --variants "sync split sum,sync cluster sum,sync serial sum"
     step bench_decode_attn_combine_s46 90 python benchmarks/bench_decode_attn.py --combine
     step bench_linear_wgmma_s46 150 python benchmarks/bench_linear_sync.py --ms 32,128 --variants "wgmma split sum,wgmma serial sum"
     ;;
-s46b)  # the steps with the serial split and without, alternated (and the combine's heads: both sides have them)
+s46b)  # the steps with the serial split and without, with stable_topk's kernel and without (the indexer layers'
+    # torch sort), alternated (the combine's heads: every set has them)
     step decode_anatomy_s46 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
-        --env-sets "" DEEPINFER_LINEAR_SERIAL_SPLIT=0 ""
+        --env-sets "" DEEPINFER_LINEAR_SERIAL_SPLIT=0 DEEPINFER_STABLE_TOPK=torch ""
+    ;;
+s46c)  # the 8k prefill with stable_topk's kernel and with the torch sort (its index rows: 8192 rows of the scores)
+    step run_slice_prefill_topk 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 \
+        --top 12 --prefill-env-sets "" DEEPINFER_STABLE_TOPK=torch
     ;;
 s46_engine)  # the engine's decode paths over the serial split
     step gpu_tests_s46_engine 400 python -m pytest -q -m gpu tests/test_engine_fast_decode.py tests/test_engine_fast.py \
