@@ -102,15 +102,33 @@ def _sparse_attn_paged_kernel(
         finish_heads(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh)
 
 
+@triton.jit
+def _split_state(part_acc_ptr, part_max_ptr, part_sum_ptr, t, S, s, H, heads, hmask, dims, big, D: tl.constexpr):
+    """Split s's state of the heads (nothing past S): (its weight exp(m_s - M), acc [heads, D], sum)."""
+    live = hmask & (s < S)
+    row = (t * S + s) * H + heads
+    w = tl.exp(tl.load(part_max_ptr + row, mask=live, other=-1e30) - big)
+    acc = tl.load(part_acc_ptr + row[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+    return w, acc, tl.load(part_sum_ptr + row, mask=live, other=0.0)
+
+
+@triton.jit
+def _add_split(acc, total, w, a, n, inside):
+    """acc += a w, total += n w for a split inside the row (past S: unchanged, not + 0.0, which makes -0.0 +0.0)."""
+    return tl.where(inside, acc + a * w[:, None], acc), tl.where(inside, total + n * w, total)
+
+
 @fast_launch
 @triton.jit
 def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, H, S,
                            stride_ot, stride_oh, D: tl.constexpr, BLOCK_H: tl.constexpr, ROPE_HALF: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Merge a row's S split states: M = the largest running max, every state rescaled by exp(m_s - M) and
     summed in split order, the sink in the denominator (exp(sink - M), as `finish_heads`). Split states start
     from a finite max (the launcher's max(initial_max, -1e30)), so a split whose columns are all -1 holds
-    m_s = -1e30, sum 0, acc 0 and adds exactly nothing."""
+    m_s = -1e30, sum 0, acc 0 and adds exactly nothing. UNROLL splits' loads are issued together, then added
+    in split order (a split past S leaves the sums as they are, not + 0.0, which would turn -0.0 into +0.0):
+    one split a trip left each trip a wait on L2 (the sm_90 build: 4-10 loads, then their FMAs)."""
     pdl_enter(PDL)
     t = tl.program_id(1).to(tl.int64)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -121,11 +139,22 @@ def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sink_ptr, o
         big = tl.maximum(big, tl.load(part_max_ptr + (t * S + s) * H + heads, mask=hmask, other=-1e30))
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
-    for s in range(S):
-        row = (t * S + s) * H + heads
-        w = tl.exp(tl.load(part_max_ptr + row, mask=hmask, other=-1e30) - big)
-        acc += tl.load(part_acc_ptr + row[:, None] * D + dims[None, :], mask=hmask[:, None], other=0.0) * w[:, None]
-        total += tl.load(part_sum_ptr + row, mask=hmask, other=0.0) * w
+    for s0 in range(0, S, UNROLL):  # UNROLL 1, 2 or 4 (the launcher's), spelled out: Triton has no tensor lists
+        w0, a0, n0 = _split_state(part_acc_ptr, part_max_ptr, part_sum_ptr, t, S, s0, H, heads, hmask, dims, big, D)
+        if UNROLL >= 2:
+            w1, a1, n1 = _split_state(part_acc_ptr, part_max_ptr, part_sum_ptr, t, S, s0 + 1, H, heads, hmask, dims,
+                                      big, D)
+        if UNROLL == 4:
+            w2, a2, n2 = _split_state(part_acc_ptr, part_max_ptr, part_sum_ptr, t, S, s0 + 2, H, heads, hmask, dims,
+                                      big, D)
+            w3, a3, n3 = _split_state(part_acc_ptr, part_max_ptr, part_sum_ptr, t, S, s0 + 3, H, heads, hmask, dims,
+                                      big, D)
+        acc, total = _add_split(acc, total, w0, a0, n0, s0 < S)
+        if UNROLL >= 2:
+            acc, total = _add_split(acc, total, w1, a1, n1, s0 + 1 < S)
+        if UNROLL == 4:
+            acc, total = _add_split(acc, total, w2, a2, n2, s0 + 2 < S)
+            acc, total = _add_split(acc, total, w3, a3, n3, s0 + 3 < S)
     if ROPE_HALF > 0:
         finish_heads_rope(acc, big, total, sink_ptr, out_ptr, t, heads, hmask, dims, stride_ot, stride_oh, cos_ptr,
                           sin_ptr, D, BLOCK_H, ROPE_HALF)
@@ -297,7 +326,7 @@ class PagedLaunch:
             bh = heads or combine_heads(T, H)
             _combine_splits_kernel[(cdiv(H, bh), T)](
                 self.part_acc, self.part_max, self.part_sum, self.sink, out, cos, sin, H, self.grid[2], out.stride(0),
-                out.stride(1), D=d, BLOCK_H=bh, ROPE_HALF=half, num_warps=4)
+                out.stride(1), D=d, BLOCK_H=bh, ROPE_HALF=half, UNROLL=min(4, max(1, COMBINE_LOADS // bh)), num_warps=4)
 
 
 def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
@@ -322,14 +351,15 @@ def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch
 
 COMBINE_HEADS = (8, 4, 2)  # heads per combine program, the most first: [<= 8, 512] fp32 over 4 warps
 COMBINE_MIN_PROGRAMS = 256  # ~2 a SM
+COMBINE_LOADS = 8  # heads x splits a combine program loads at once (UNROLL = this / heads: 4 splits of 2 heads)
 
 
 def combine_heads(T: int, H: int) -> int:
     """Heads per combine program: the most of COMBINE_HEADS that still gives COMBINE_MIN_PROGRAMS programs,
     else the fewest. A program reads its heads' S fp32 states from L2 (S x heads x d x 4 bytes: 160 KB at
-    b1's 10 splits of 8 heads x 512), so at b1's T = 1 the 8 programs of 8 heads each left their SMs' L2 read
-    rate the bound (4-4.5 us a layer on the H100's b1 critical path, 2026-12-07 timeline); 32 programs of 2
-    heads read 40 KB each."""
+    b1's 10 splits of 8 heads x 512) one split after the other, each a wait on L2: at b1's T = 1 the 8
+    programs of 8 heads each took 4-4.5 us a layer of the H100's b1 critical path (the thirty-fourth session's
+    timeline). With 2 heads, 32 programs read 40 KB each, 4 splits' loads at once (COMBINE_LOADS)."""
     for bh in COMBINE_HEADS:
         if T * cdiv(H, bh) >= COMBINE_MIN_PROGRAMS:
             return bh
