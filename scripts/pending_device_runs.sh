@@ -54,8 +54,9 @@ s46)  # serial split-K in the decode linear (kernels/cuda/fp8_linear_mma.cu SERI
     # tests (bit-identical to the separate sum, counters put back, replays), the seven decode shapes' three sums,
     # the b1 / b8 / b32 steps with it and without (DEEPINFER_LINEAR_SERIAL_SPLIT=0), the engine's decode tests
     step gpu_tests_s46 300 python -m pytest -q -m gpu tests/test_kernels_fp8_linear_mma.py tests/test_kernels_grouped_proj.py \
-        tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_topk_positions.py \
-        -k "serial or cluster or graph or sync_form or wgmma_form or twin_v4 or gpu"
+        tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_topk_positions.py tests/test_kernels_compress_decode.py \
+        tests/test_kernels_attn_paged.py tests/test_kernels_attn_paged_mixed.py \
+        -k "serial or cluster or graph or sync_form or wgmma_form or twin_v4 or gpu or cuda"
     step bench_linear_sync_s46 150 python benchmarks/bench_linear_sync.py --ms 1,8 --variants "sync split sum,sync cluster sum,sync serial sum"
     step bench_decode_attn_combine_s46 90 python benchmarks/bench_decode_attn.py --combine
     step bench_linear_wgmma_s46 150 python benchmarks/bench_linear_sync.py --ms 32,128 --variants "wgmma split sum,wgmma serial sum"

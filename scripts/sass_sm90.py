@@ -201,6 +201,21 @@ def _case_stable_topk(kp):
     return compile_sm90(_stable_topk_kernel, params, {"s_ptr", "out_ptr", "stride_s", "stride_o"}, num_warps=4)
 
 
+def _case_compress_decode(r, w, overlap, block_c, warps):
+    """`_compress_decode_kernel` (one decode row through a compressor) at V4's main compressor (w 512): ratio
+    4 with overlap (8 state rows) and ratio 128 (128), the pooling pass's channels BLOCK_C."""
+    from deepinfer.kernels.triton.compress_decode import _compress_decode_kernel
+    c = 2 if overlap else 1
+    params = dict(kv_ptr="*fp32", gate_ptr="*fp32", ape_ptr="*fp32", skv_ptr="*fp32", ssc_ptr="*fp32",
+                  slot_ptr="*i64", pos_ptr="*i64", done_ptr="*u8", nw_ptr="*bf16", out_ptr="*bf16", eps="fp32",
+                  stride_kv="i32", stride_gate="i32", stride_s="i32", stride_r="i32", stride_slot="i32",
+                  stride_pos="i32", stride_done="i32", R=r, W=w, OVERLAP=overlap, BLOCK_R=c * r, BLOCK_C=block_c,
+                  BLOCK_S=min(1024, c * w), BLOCK_W=w, PDL=True)
+    return compile_sm90(_compress_decode_kernel, params, {"kv_ptr", "gate_ptr", "ape_ptr", "skv_ptr", "ssc_ptr",
+                                                          "out_ptr", "stride_kv", "stride_gate", "stride_s",
+                                                          "stride_r"}, num_warps=warps, num_stages=1)
+
+
 def _case_hc_collapse(sp, warps, head=False, deferred=False):
     """`_hc_sinkhorn_collapse_kernel` at D = 4096 with SP split partials and the collapse's warps (decode:
     128-256 splits, prefill: 4; 16 warps): a token's collapse program and its Sinkhorn program."""
@@ -253,6 +268,9 @@ CASES = {
     "hc_collapse_head": lambda: _case_hc_collapse(4, 16, head=True),
     "indexer_pair": _case_indexer,
     "indexer_paged": _case_indexer_paged,
+    "compress_decode_r4": lambda: _case_compress_decode(4, 512, True, 512, 8),
+    "compress_decode_r4_c128": lambda: _case_compress_decode(4, 512, True, 128, 4),
+    "compress_decode_r128": lambda: _case_compress_decode(128, 512, False, 64, 8),
     "stable_topk_512": lambda: _case_stable_topk(512),
     "stable_topk_1024": lambda: _case_stable_topk(1024),
     "stable_topk_4096": lambda: _case_stable_topk(4096),

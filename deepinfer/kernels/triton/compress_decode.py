@@ -118,6 +118,9 @@ def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_pt
         tl.store(out_ptr + b * W + wc, tl.zeros([BLOCK_W], tl.float32).to(tl.bfloat16), mask=wm)
 
 
+DECODE_TILE = 4096  # state elements of a complete row's pooling pass that one pass takes (8 warps)
+
+
 def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state_kv: torch.Tensor,
                          state_score: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                          complete: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -149,14 +152,17 @@ def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     kv, gate = (t.to(F32) if t.stride(1) == 1 else t.to(F32).contiguous() for t in (kv, gate))
     ape = ape.to(F32).contiguous()
     block_r = next_power_of_2(c * r)
-    block_c = min(next_power_of_2(w), max(16, min(128, 8192 // block_r)))  # compress_pool's tile
+    # compress_pool's tile, or the whole row where its [rows, w] fits one pass (DECODE_TILE elements: ratio 4
+    # with overlap, 8 rows x 512): the pass's loads then go out at once instead of w / 128 passes in a row, each
+    # a wait on L2 (sm_90 at 8 warps: 80 registers, no loop, no spill; scripts/sass_sm90.py compress_decode_r4)
+    block_c = min(next_power_of_2(w), max(16, min(128, 8192 // block_r), DECODE_TILE // block_r))
     _compress_decode_kernel[(B,)](
         kv, gate, ape, state_kv, state_score, slots, positions, complete.view(torch.uint8),
         norm_weight.contiguous(), out, float(eps), kv.stride(0), gate.stride(0), state_kv.stride(0),
         state_kv.stride(1), slots.stride(0), positions.stride(0), complete.stride(0), R=r, W=w,
         OVERLAP=bool(overlap), BLOCK_R=block_r, BLOCK_C=block_c,
         BLOCK_S=min(1024, next_power_of_2(cw)), BLOCK_W=next_power_of_2(w),
-        num_warps=8 if block_r >= 64 else 4)
+        num_warps=8 if block_r >= 64 or block_r * block_c >= DECODE_TILE else 4)
     return out
 
 
