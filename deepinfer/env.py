@@ -177,11 +177,14 @@ def linear_cluster_split() -> bool:
 
 
 def linear_serial_split() -> bool:
-    """DEEPINFER_LINEAR_SERIAL_SPLIT=0 makes the mma.sync decode form of op fp8_linear (and wo_a's grouped form
-    on it) add the split-K partials that no cluster adds (more than 4 splits: `fp8_gemm.use_cluster`) in
-    fp8_gemm._split_sum_kernel, a second launch, instead of in the tile's last split CTA (serial split-K:
-    kernels/cuda/fp8_linear_mma.cu SERIAL_SPLIT; the same bits)."""
-    return os.environ.get("DEEPINFER_LINEAR_SERIAL_SPLIT", "1") not in ("0", "false", "no")
+    """DEEPINFER_LINEAR_SERIAL_SPLIT=1 makes the mma.sync decode form of op fp8_linear (and wo_a's grouped form
+    on it) at one row of x add the split-K partials that no cluster adds (more than 4 splits:
+    `fp8_gemm.use_cluster`) in the tile's last split CTA (serial split-K: kernels/cuda/fp8_linear_mma.cu
+    SERIAL_SPLIT; the same bits; the rule: `fp8_gemm.serial_counters`) instead of in fp8_gemm._split_sum_kernel,
+    a second launch. Off by default: the H100 (2026-12-07) could not tell it apart from the separate sum at
+    b1 (back-to-back steps 1.035 -> 1.053 ms, replays with a sync 1.066 -> 1.044, the seven projections alone
+    61.5 -> 61.9 us: single draws whose noise is ~2%)."""
+    return os.environ.get("DEEPINFER_LINEAR_SERIAL_SPLIT", "0") not in ("0", "false", "no")
 
 
 def fused_greedy_enabled() -> bool:

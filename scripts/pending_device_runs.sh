@@ -52,7 +52,8 @@ case $stage in
 s46)  # serial split-K in the decode linear (kernels/cuda/fp8_linear_mma.cu SERIAL_SPLIT: the tile's last split CTA
     # adds the fp32 partials in order, no _split_sum_kernel launch; 5 a layer on the b1 critical path): its GPU
     # tests (bit-identical to the separate sum, counters put back, replays), the seven decode shapes' three sums,
-    # the b1 / b8 / b32 steps with it and without (DEEPINFER_LINEAR_SERIAL_SPLIT=0), the engine's decode tests
+    # the combine's heads, the wgmma form's sums. (Ran on the thirty-ninth session's H100, with s46b's b1 / b32
+    # steps and s46_engine's first two files: passed; serial slower from 8 rows, a tie at 1: made opt-in)
     step gpu_tests_s46 300 python -m pytest -q -m gpu tests/test_kernels_fp8_linear_mma.py tests/test_kernels_grouped_proj.py \
         tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_topk_positions.py tests/test_kernels_compress_decode.py \
         tests/test_kernels_attn_paged.py tests/test_kernels_attn_paged_mixed.py \
@@ -64,7 +65,7 @@ s46)  # serial split-K in the decode linear (kernels/cuda/fp8_linear_mma.cu SERI
 s46b)  # the steps with the serial split and without, with stable_topk's kernel and without (the indexer layers'
     # torch sort), alternated (the combine's heads: every set has them)
     step decode_anatomy_s46 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
-        --env-sets "" DEEPINFER_LINEAR_SERIAL_SPLIT=0 DEEPINFER_STABLE_TOPK=torch ""
+        --env-sets "" DEEPINFER_LINEAR_SERIAL_SPLIT=1 DEEPINFER_STABLE_TOPK=torch "" DEEPINFER_LINEAR_SERIAL_SPLIT=1
     ;;
 s46c)  # the 8k prefill with stable_topk's kernel and with the torch sort (its index rows: 8192 rows of the scores)
     step run_slice_prefill_topk 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 \

@@ -196,22 +196,27 @@ def test_cluster_rule(monkeypatch):
 
 
 def test_serial_split_counters_rule(monkeypatch):
-    """fp8_gemm.serial_counters: none for one split or when turned off (config SERIAL False, the env switch);
-    else the weight's int32 zeros, made once (16 row tiles x the weight's row tiles, or more) and handed out
-    again, never replaced; none when a launch needs more tiles than they have."""
-    from deepinfer.kernels.triton.fp8_gemm import serial_counters
+    """fp8_gemm.serial_counters: none for one split, off the callers' default rule (by_default False) or when
+    turned off (config SERIAL False, the env switch); else the weight's int32 zeros, made once (16 row tiles x
+    the weight's row tiles, or more) and handed out again, never replaced; none when a launch needs more tiles
+    than they have. The rule itself: the mma.sync form at SERIAL_MAX_ROWS rows (1)."""
+    from deepinfer.kernels.triton.fp8_gemm import SERIAL_MAX_ROWS, serial_counters
 
+    assert SERIAL_MAX_ROWS == 1
     w = _weight(torch.zeros(1000, 512, dtype=torch.uint8), torch.ones(8, 4), 128, 128)
     cpu = torch.device("cpu")
     monkeypatch.delenv("DEEPINFER_LINEAR_SERIAL_SPLIT", raising=False)
-    assert serial_counters(w, 1, 8, 128, None, cpu) is None and w._split_counters is None
-    assert serial_counters(w, 16, 8, 128, {"SERIAL": False}, cpu) is None and w._split_counters is None
-    c = serial_counters(w, 16, 8, 128, None, cpu)
+    assert serial_counters(w, 16, 8, 128, None, cpu, by_default=True) is None  # off unless the switch is on
+    monkeypatch.setenv("DEEPINFER_LINEAR_SERIAL_SPLIT", "1")
+    assert serial_counters(w, 1, 8, 128, None, cpu, by_default=True) is None and w._split_counters is None
+    assert serial_counters(w, 16, 8, 128, {"SERIAL": False}, cpu, by_default=True) is None
+    assert serial_counters(w, 16, 8, 128, None, cpu) is None and w._split_counters is None  # not the rule's
+    c = serial_counters(w, 16, 8, 128, None, cpu, by_default=True)
     assert c is not None and c.dtype == torch.int32 and c.numel() == 16 * 8 and not c.any()
-    assert serial_counters(w, 2, 16 * 8, 128, None, cpu) is c  # the same tensor: a graph keeps its address
-    assert serial_counters(w, 2, 16 * 8 + 1, 128, None, cpu) is None and w._split_counters is c  # too few
+    assert serial_counters(w, 2, 16 * 8, 128, None, cpu, by_default=True) is c  # the same tensor: a graph keeps it
+    assert serial_counters(w, 2, 16 * 8 + 1, 128, {"SERIAL": True}, cpu) is None and w._split_counters is c  # too few
     monkeypatch.setenv("DEEPINFER_LINEAR_SERIAL_SPLIT", "0")
-    assert serial_counters(w, 16, 8, 128, None, cpu) is None
+    assert serial_counters(w, 16, 8, 128, None, cpu, by_default=True) is None
     assert serial_counters(w, 16, 8, 128, {"SERIAL": True}, cpu) is c  # an explicit config still asks for it
 
 

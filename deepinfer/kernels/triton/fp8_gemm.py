@@ -342,7 +342,8 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     split = cfg["SPLIT_K"]
     if use_cluster(split, config, lambda: sync.cluster_fits(m, n, cfg, x.device)):
         return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
-    counters = serial_counters(w, split, sync.tile_count(m, n, cfg), sync.rows_per_cta(cfg), config, x.device)
+    counters = serial_counters(w, split, sync.tile_count(m, n, cfg), sync.rows_per_cta(cfg), config, x.device,
+                               by_default=m <= SERIAL_MAX_ROWS)
     if counters is not None:  # the tile's last split CTA adds the partials: one launch
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         return sync.fp8_linear_partials(x, w, part, cfg, fin=out, counters=counters)
@@ -352,20 +353,27 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
 SERIAL_COUNTER_ROW_TILES = 16  # a weight's counters cover launches of up to 16 x 8 = 128 rows of x
 
 
+SERIAL_MAX_ROWS = 1  # rows of x up to which the mma.sync form's split partials are added serially by default
+
+
 def serial_counters(w: QuantLinearWeight, split: int, tiles: int, rows_per_cta: int, config: dict | None,
-                    device: torch.device) -> torch.Tensor | None:
-    """The counters of the mma.sync kernel's serial split-K for this launch (`tiles` output tiles, `split` > 1
-    splits; kernels/cuda/fp8_linear_mma.cu SERIAL_SPLIT), or None: the partials are added by
-    `_split_sum_kernel` instead (the same bits). None when: one split; turned off (config SERIAL False or
-    DEEPINFER_LINEAR_SERIAL_SPLIT=0); or the weight has no counters yet and a CUDA graph is being captured (an
-    allocation there would belong to the graph's pool), or too few for this launch. They are int32 zeros kept on
-    the weight, made at its first split launch for 16 row tiles of x by its rows' tiles (`rows_per_cta`) and
-    never replaced (a captured graph keeps their address); the kernel leaves them zero. One weight's launches
-    must not run concurrently on two streams (each layer's projection runs once a step)."""
+                    device: torch.device, by_default: bool = False) -> torch.Tensor | None:
+    """The counters of a CUDA decode linear's serial split-K for this launch (`tiles` output tiles, `split` > 1
+    splits; SERIAL_SPLIT in kernels/cuda/fp8_linear_mma.cu and fp8_linear_wgmma.cu), or None: the partials are
+    added by `_split_sum_kernel` instead (the same bits). Taken where config SERIAL is True, or where the
+    caller's rule says so (`by_default`) and DEEPINFER_LINEAR_SERIAL_SPLIT=1 (off by default: `env`). The rule,
+    from the H100 (2026-12-07, thirty-ninth session): the mma.sync form at 1 row of x (SERIAL_MAX_ROWS: the b1
+    step neither faster nor slower within its noise), not at 8 rows (the seven projections 67.3 -> 77.8 us: the
+    last CTA adds 8 rows' partials alone) nor in the wgmma form (b32 / b128: 85.2 -> 97.5 / 103.8 -> 151.1 us;
+    its tiles are 32-128 rows). None also when the weight has no counters yet and a CUDA graph is being
+    captured (an allocation there would belong to the graph's pool), or too few for this launch. They are int32
+    zeros kept on the weight, made at its first serial launch for 16 row tiles of x by its rows' tiles
+    (`rows_per_cta`) and never replaced (a captured graph keeps their address); the kernel leaves them zero.
+    One weight's launches must not run concurrently on two streams (each layer's projection runs once a step)."""
     from deepinfer import env
 
     wanted = (config or {}).get("SERIAL")
-    if split <= 1 or wanted is False or not (wanted or env.linear_serial_split()):
+    if split <= 1 or wanted is False or not (wanted or (by_default and env.linear_serial_split())):
         return None
     counters = w._split_counters
     if counters is None:

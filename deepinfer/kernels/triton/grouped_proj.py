@@ -232,7 +232,8 @@ def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: di
     """The mma.sync form: one launch when its plan does not split K or the split CTAs add up as a cluster
     (fp8_gemm's `use_cluster` rule), else fp32 partials and fp8_gemm's ordered sum."""
     from deepinfer.kernels.cuda import fp8_linear_mma as sync
-    from deepinfer.kernels.triton.fp8_gemm import _partials_then_sum, serial_counters, sm_count, use_cluster
+    from deepinfer.kernels.triton.fp8_gemm import (SERIAL_MAX_ROWS, _partials_then_sum, serial_counters, sm_count,
+                                                   use_cluster)
 
     T, G, d = o.shape
     if o.stride(2) != 1 or o.stride(1) != d or o.stride(0) % 8:
@@ -244,7 +245,8 @@ def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: di
     if use_cluster(split, config, lambda: sync.cluster_fits(T, G * R, cfg, o.device, group_rows=R)):
         sync.fp8_linear_partials(o, w, flat, cfg, cluster_split=split, group_rows=R)
         return out
-    counters = serial_counters(w, split, sync.tile_count(T, G * R, cfg), sync.rows_per_cta(cfg), config, o.device)
+    counters = serial_counters(w, split, sync.tile_count(T, G * R, cfg), sync.rows_per_cta(cfg), config, o.device,
+                               by_default=T <= SERIAL_MAX_ROWS)
     if counters is not None:  # the tile's last split CTA adds the partials: one launch
         part = torch.empty((split, T, G * R), dtype=torch.float32, device=o.device)
         sync.fp8_linear_partials(o, w, part, cfg, group_rows=R, fin=flat, counters=counters)
