@@ -384,14 +384,8 @@ def test_serial_split_is_the_separate_sum_bit_for_bit(cfg):
             for split in (2, 4, 8, 16):
                 if (k // split) % (128 * cfg["STAGES"]):
                     continue
-                config = {**cfg, "SPLIT_K": split, "CLUSTER": False}
-                want = fp8_linear(x, w, {**config, "SERIAL": False}, mma="sync")
-                out = torch.full((m, n), float("nan"), dtype=BF16, device=dev)
-                got = fp8_linear(x, w, {**config, "SERIAL": True}, mma="sync", out=out)
-                same = int((got.view(torch.int16) == want.view(torch.int16)).sum())
-                print(f"serial {_cfg_id(cfg)} block={block} N={n} M={m} S={split}: {same} of {m * n} outputs the same bits")
-                assert got is out and same == m * n, (cfg, block, m, split, same)
-                assert w._split_counters is not None and not bool(w._split_counters.any()), "counters not reset"
+                assert_serial_is_separate(x, w, {**cfg, "SPLIT_K": split, "CLUSTER": False}, "sync",
+                                          f"{_cfg_id(cfg)} block={block} N={n} M={m} S={split}")
         # straight through the launcher with counters of exactly the launch's tiles
         x = _activation(9, k, dev)
         full = {**tiles(cfg), "SPLIT_K": 2}
@@ -408,13 +402,33 @@ def test_serial_split_is_the_separate_sum_bit_for_bit(cfg):
         def run():
             return fp8_linear(x, w, {**cfg, "SPLIT_K": top, "CLUSTER": False, "SERIAL": True}, mma="sync")
         assert_replay_is_eager(run, f"fp8_linear sync serial S={top} block={block}")
-        graph, captured = torch.cuda.CUDAGraph(), None
-        with torch.cuda.graph(graph):
-            captured = run()
-        for _ in range(3):  # a replay whose counters were not put back would leave tiles unwritten
-            captured.fill_(float("nan"))
-            graph.replay()
-            assert torch.equal(captured, run()), "replay after replay"
+        assert_replays_repeat(run)
+
+
+def assert_serial_is_separate(x: torch.Tensor, w: QuantLinearWeight, config: dict, mma: str, label: str) -> None:
+    """fp8_linear with the serial split (config SERIAL True) == with the separate ordered sum, bit for bit, every
+    output written (poisoned with NaN), the weight's counters zero again (shared with the wgmma form's tests)."""
+    from deepinfer.kernels.triton.fp8_gemm import fp8_linear
+
+    want = fp8_linear(x, w, {**config, "SERIAL": False}, mma=mma)
+    out = torch.full(want.shape, float("nan"), dtype=BF16, device=x.device)
+    got = fp8_linear(x, w, {**config, "SERIAL": True}, mma=mma, out=out)
+    same = int((got.view(torch.int16) == want.view(torch.int16)).sum())
+    print(f"serial {mma} {label}: {same} of {want.numel()} outputs the same bits")
+    assert got is out and same == want.numel(), (label, same)
+    assert w._split_counters is not None and not bool(w._split_counters.any()), (label, "counters not put back")
+
+
+def assert_replays_repeat(run) -> None:
+    """`run()` captured once and replayed three times in a row (output poisoned before each): every replay ==
+    an eager run (a replay whose serial-split counters were not put back would leave tiles unwritten)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(captured, run()), "replay after replay"
 
 
 @pytest.mark.gpu

@@ -28,7 +28,8 @@ import torch
 
 from deepinfer import formats
 from deepinfer.kernels.quant_weights import QuantLinearWeight, fp8_linear_torch
-from test_kernels_fp8_linear_mma import _activation, _one_hot_weight, _ordered, _rel, _weight
+from test_kernels_fp8_linear_mma import (_activation, _one_hot_weight, _ordered, _rel, _weight,
+                                         assert_replays_repeat, assert_serial_is_separate)
 from test_kernels_fp8_linear_mma import _random_fp8_weight as _random_weight
 
 BF16 = torch.bfloat16
@@ -317,26 +318,14 @@ def test_serial_split_is_the_separate_sum_bit_for_bit(cfg):
             for split in (2, 4, 8, 16):
                 if k // split < 2 * 128:
                     continue
-                config = {**cfg, "SPLIT_K": split}
-                want = fp8_linear(x, w, {**config, "SERIAL": False}, mma="wgmma")
-                out = torch.full((m, n), float("nan"), dtype=BF16, device=dev)
-                got = fp8_linear(x, w, {**config, "SERIAL": True}, mma="wgmma", out=out)
-                same = int((got.view(torch.int16) == want.view(torch.int16)).sum())
-                print(f"serial {_tag(cfg)} block={block} N={n} M={m} S={split}: {same} of {m * n} outputs the same bits")
-                assert got is out and same == m * n, (cfg, block, m, split, same)
-                assert not bool(w._split_counters.any()), "counters not put back"
+                assert_serial_is_separate(x, w, {**cfg, "SPLIT_K": split}, "wgmma",
+                                          f"{_tag(cfg)} block={block} N={n} M={m} S={split}")
         x = _activation(40, k, dev)
 
         def run():
             return fp8_linear(x, w, {**cfg, "SPLIT_K": 4, "SERIAL": True}, mma="wgmma")
         assert_replay_is_eager(run, f"fp8_linear wgmma serial block={block}")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run()
-        for _ in range(3):
-            captured.fill_(float("nan"))
-            graph.replay()
-            assert torch.equal(captured, run()), "replay after replay"
+        assert_replays_repeat(run)
 
 
 @pytest.mark.gpu
