@@ -29,7 +29,7 @@
 # left), first. The thirty-ninth session's H100 (3 calls after an hour of refused starts) ran s46 (serial split-K:
 # passed, made opt-in; the combine's heads and stable_topk's kernel: kept) with part of s46b and s46_engine
 # (results/*_s39*). Owed, in order: s45 (re-apply 0e5727f as its comment says), s46c (the 8k prefill with the
-# stable_topk kernel, now the default there too, against the torch sort: not yet timed at prefill sizes), the
+# stable_topk kernel against the torch sort, its default there: the kernel is not yet timed at prefill sizes), the
 # rest of s46_engine (tests/test_engine_fast_v41_decode.py), then the H200 runs below. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
@@ -71,9 +71,11 @@ s46b)  # the steps with the serial split and without, with stable_topk's kernel 
     step decode_anatomy_s46 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
         --env-sets "" DEEPINFER_LINEAR_SERIAL_SPLIT=1 DEEPINFER_STABLE_TOPK=torch "" DEEPINFER_LINEAR_SERIAL_SPLIT=1
     ;;
-s46c)  # the 8k prefill with stable_topk's kernel and with the torch sort (its index rows: 8192 rows of the scores)
+s46c)  # the 8k prefill with stable_topk's kernel (DEEPINFER_STABLE_TOPK=kernel; by default only decode-sized calls
+    # of <= 256 rows take it) and with the torch sort (the default there: 8192 rows of the scores a call). If the
+    # kernel is faster, raise topk_positions.STABLE_TOPK_MAX_ROWS
     step run_slice_prefill_topk 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 \
-        --top 12 --prefill-env-sets "" DEEPINFER_STABLE_TOPK=torch
+        --top 12 --prefill-env-sets "" DEEPINFER_STABLE_TOPK=kernel
     ;;
 s46_engine)  # the engine's decode paths over the serial split
     step gpu_tests_s46_engine 400 python -m pytest -q -m gpu tests/test_engine_fast_decode.py tests/test_engine_fast.py \

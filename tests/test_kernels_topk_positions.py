@@ -81,6 +81,23 @@ def test_off_device_rows_and_other_dtypes_take_the_twin():
         stable_topk(s, -1)
 
 
+def test_stable_topk_kernel_rule(monkeypatch):
+    """Which stable_topk calls take the kernel: decode-sized row counts (up to STABLE_TOPK_MAX_ROWS) by default,
+    every count with DEEPINFER_STABLE_TOPK=kernel, none with =torch; never k past STABLE_TOPK_MAX_K."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.triton.topk_positions import (STABLE_TOPK_MAX_K, STABLE_TOPK_MAX_ROWS,
+                                                         _use_stable_topk_kernel)
+
+    monkeypatch.delenv("DEEPINFER_STABLE_TOPK", raising=False)
+    assert _use_stable_topk_kernel(1, 512) and _use_stable_topk_kernel(STABLE_TOPK_MAX_ROWS, 512)
+    assert not _use_stable_topk_kernel(STABLE_TOPK_MAX_ROWS + 1, 512)  # a prefill: the twin's sort
+    assert not _use_stable_topk_kernel(1, STABLE_TOPK_MAX_K + 1)
+    monkeypatch.setenv("DEEPINFER_STABLE_TOPK", "kernel")
+    assert _use_stable_topk_kernel(8192, 512) and not _use_stable_topk_kernel(1, STABLE_TOPK_MAX_K + 1)
+    monkeypatch.setenv("DEEPINFER_STABLE_TOPK", "torch")
+    assert not _use_stable_topk_kernel(1, 512)
+
+
 def test_topk_positions_under_the_interpreter():
     assert_ran_ok(run_check("test_kernels_topk_positions", "_check('cpu')"))
 

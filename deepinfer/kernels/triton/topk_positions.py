@@ -109,7 +109,16 @@ def _topk_positions_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.c
 
 POSITION_MASK = 0x7FFFFFFF  # a position's complement in the sort key's low 32 bits (positions < 2^31)
 STABLE_TOPK_MAX_K = 4096  # the picks' sort holds its keys in one program's registers; larger k: the twin
-# (DEEPINFER_STABLE_TOPK=torch: the twin always, for A/B runs)
+STABLE_TOPK_MAX_ROWS = 256  # decode-sized calls (one row a sequence: timed at b1 / b32 on the H100); a prefill's
+# thousands of rows keep the twin's sort until the kernel is timed there (pending_device_runs.sh s46c).
+# DEEPINFER_STABLE_TOPK=torch: the twin always; =kernel: the kernel at any row count (A/B runs)
+
+
+def _use_stable_topk_kernel(rows: int, k: int) -> bool:
+    mode = os.environ.get("DEEPINFER_STABLE_TOPK", "auto")
+    if mode == "torch" or k > STABLE_TOPK_MAX_K:
+        return False
+    return mode == "kernel" or rows <= STABLE_TOPK_MAX_ROWS
 
 
 @fast_launch
@@ -157,13 +166,13 @@ def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [..., E] -> int64 [..., min(k, E)]: the positions of each row's k largest in descending order
     of value, equal values toward the lower position (NaN largest, -0.0 == +0.0): `torch_ops.stable_topk`'s
-    indices. bf16 CUDA rows run the kernel, the rest the twin."""
+    indices. bf16 CUDA rows run the kernel (up to STABLE_TOPK_MAX_ROWS rows a call unless
+    DEEPINFER_STABLE_TOPK says otherwise), the rest the twin."""
     if k < 0:
         raise ValueError(f"stable_topk: k must be >= 0, got {k}")
     on_device = scores.is_cuda or _interpreting()
     if (scores.dtype != torch.bfloat16 or not on_device or scores.dim() == 0 or scores.shape[-1] > POSITION_MASK
-            or min(k, scores.shape[-1]) > STABLE_TOPK_MAX_K
-            or os.environ.get("DEEPINFER_STABLE_TOPK", "kernel") == "torch"):
+            or not _use_stable_topk_kernel(scores.numel() // max(1, scores.shape[-1]), min(k, scores.shape[-1]))):
         return torch_ops.stable_topk(scores, k)
     E = scores.shape[-1]
     k = min(k, E)
