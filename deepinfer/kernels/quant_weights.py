@@ -48,7 +48,7 @@ class QuantLinearWeight:
     act_block: int
     _dequantised: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _scale_exponent_max: int | None = field(default=None, init=False, repr=False, compare=False)
-    # the serial split-K's per-tile counters of the decode linear (fp8_gemm.split_counters): made once, never
+    # the serial split-K's per-tile counters of the decode linear (fp8_gemm.serial_counters): made once, never
     # replaced, since a captured CUDA graph keeps their address
     _split_counters: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 

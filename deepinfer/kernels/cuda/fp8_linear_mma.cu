@@ -57,7 +57,7 @@
 // L2 (ld.global.cg: the other CTAs' stores, not L1 lines) and writes bf16 fin[m, n]: the bits of
 // _split_sum_kernel without its launch. It also puts the tile's counter back to 0 for the next launch (no CTA
 // of this launch touches it after the S-th add; the next kernel in the stream waits for this grid's end). The
-// launcher keeps the counters, zeroed once, per weight (fp8_gemm.split_counters).
+// launcher keeps the counters, zeroed once, per weight (fp8_gemm.serial_counters).
 // Requires (the launcher checks): k_split % (128 STAGES) == 0; block and act_block in (32, 128) (a step's
 // 32 K per lane is whole act groups and one weight block); rows of x and W 16-byte aligned.
 

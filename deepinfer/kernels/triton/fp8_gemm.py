@@ -344,15 +344,11 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
         return sync.fp8_linear_partials(x, w, out, cfg, cluster_split=split)  # the partials added in the kernel
     counters = serial_counters(w, split, sync.tile_count(m, n, cfg), sync.rows_per_cta(cfg), config, x.device,
                                by_default=m <= SERIAL_MAX_ROWS)
-    if counters is not None:  # the tile's last split CTA adds the partials: one launch
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        return sync.fp8_linear_partials(x, w, part, cfg, fin=out, counters=counters)
-    return _partials_then_sum(lambda dest: sync.fp8_linear_partials(x, w, dest, cfg), split, out)
+    return _partials_then_sum(lambda dest, **serial: sync.fp8_linear_partials(x, w, dest, cfg, **serial), split,
+                              out, counters)
 
 
 SERIAL_COUNTER_ROW_TILES = 16  # a weight's counters cover launches of up to 16 x 8 = 128 rows of x
-
-
 SERIAL_MAX_ROWS = 1  # rows of x up to which the mma.sync form's split partials are added serially by default
 
 
@@ -408,13 +404,18 @@ def use_cluster(split: int, config: dict | None, fits) -> bool:
     return fits()
 
 
-def _partials_then_sum(launch, split: int, out: torch.Tensor) -> torch.Tensor:
+def _partials_then_sum(launch, split: int, out: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`launch(dest)` straight into out (bf16 [M, N]) when split is 1, else into fp32 partials [split, M, N]
-    that `_split_sum_kernel` adds in a fixed order into out (the CUDA forms' split-K, like the Triton ones')."""
+    that `_split_sum_kernel` adds in a fixed order into out (the CUDA forms' split-K, like the Triton ones');
+    with `counters` (`serial_counters`) `launch(partials, fin=out, counters=counters)` adds them itself, in
+    the tile's last split CTA (serial split-K: the same bits, one launch)."""
     if split == 1:
         return launch(out)
     m, n = out.shape
     part = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    if counters is not None:
+        launch(part, fin=out, counters=counters)
+        return out
     launch(part)
     block = 1024
     _split_sum_kernel[(cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
@@ -446,10 +447,8 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     split = cfg["SPLIT_K"]
     counters = serial_counters(w, split, wg.tile_count(m, w.out_features, cfg), wg.rows_per_cta(cfg), config,
                                x.device)
-    if counters is not None:  # the tile's last split CTA adds the partials: no _split_sum_kernel launch
-        part = torch.empty((split, m, w.out_features), dtype=torch.float32, device=x.device)
-        return wg.fp8_linear_partials(a, w, part, cfg, fin=out, counters=counters)
-    return _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg), split, out)
+    return _partials_then_sum(lambda dest, **serial: wg.fp8_linear_partials(a, w, dest, cfg, **serial), split,
+                              out, counters)
 
 
 def _prefill_linear_form() -> str:

@@ -219,12 +219,8 @@ def _grouped_proj_wgmma(o: torch.Tensor, w: QuantLinearWeight, R: int, config: d
     cfg = wg.plan(T, G * R, d, sm_count(o.device), config)
     split = cfg["SPLIT_K"]
     counters = serial_counters(w, split, wg.tile_count(T, G * R, cfg), wg.rows_per_cta(cfg), config, o.device)
-    if counters is not None:  # the tile's last split CTA adds the partials: one launch
-        part = torch.empty((split, T, G * R), dtype=torch.float32, device=o.device)
-        wg.fp8_linear_partials(a, w, part, cfg, group_rows=R, fin=out.view(T, G * R), counters=counters)
-        return out
-    _partials_then_sum(lambda dest: wg.fp8_linear_partials(a, w, dest, cfg, group_rows=R), cfg["SPLIT_K"],
-                       out.view(T, G * R))
+    _partials_then_sum(lambda dest, **serial: wg.fp8_linear_partials(a, w, dest, cfg, group_rows=R, **serial),
+                       split, out.view(T, G * R), counters)
     return out
 
 
@@ -247,11 +243,8 @@ def _grouped_proj_sync(o: torch.Tensor, w: QuantLinearWeight, R: int, config: di
         return out
     counters = serial_counters(w, split, sync.tile_count(T, G * R, cfg), sync.rows_per_cta(cfg), config, o.device,
                                by_default=T <= SERIAL_MAX_ROWS)
-    if counters is not None:  # the tile's last split CTA adds the partials: one launch
-        part = torch.empty((split, T, G * R), dtype=torch.float32, device=o.device)
-        sync.fp8_linear_partials(o, w, part, cfg, group_rows=R, fin=flat, counters=counters)
-        return out
-    _partials_then_sum(lambda dest: sync.fp8_linear_partials(o, w, dest, cfg, group_rows=R), split, flat)
+    _partials_then_sum(lambda dest, **serial: sync.fp8_linear_partials(o, w, dest, cfg, group_rows=R, **serial),
+                       split, flat, counters)
     return out
 
 

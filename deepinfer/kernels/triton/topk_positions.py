@@ -143,48 +143,52 @@ def _stable_topk_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.cons
     tl.store(dst + i, 0x7FFFFFFF - (packed & 0xFFFFFFFF), mask=valid)
 
 
-def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [..., E] -> int64 [..., min(k, E)]: the positions of each row's k largest (ties toward the lower
-    position, NaN largest) in ascending order. bf16 CUDA rows run the kernel, the rest the twin."""
+def _per_row(op: str, scores: torch.Tensor, k: int, kernel_takes, launch) -> torch.Tensor | None:
+    """Both ops' shared launcher: scores [..., E] -> int64 [..., min(k, E)] by `launch(rows, out, E, k)` (one
+    program a row), or None where the twin must answer: not bf16, not on CUDA (or the interpreter), a 0-d
+    tensor, or `kernel_takes(rows, min(k, E))` says no."""
     if k < 0:
-        raise ValueError(f"topk_positions: k must be >= 0, got {k}")
+        raise ValueError(f"{op}: k must be >= 0, got {k}")
     on_device = scores.is_cuda or _interpreting()
     if scores.dtype != torch.bfloat16 or not on_device or scores.dim() == 0:
-        return torch_ops.topk_positions(scores, k)
+        return None
     E = scores.shape[-1]
     k = min(k, E)
+    if not kernel_takes(scores.numel() // max(1, E), k):
+        return None
     if k == 0 or scores.numel() == 0:  # no entries yet (a sequence shorter than its ratio) or no rows
         return torch.empty((*scores.shape[:-1], k), dtype=torch.int64, device=scores.device)
     rows = scores.reshape(-1, E)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], k), dtype=torch.int64, device=scores.device)
-    _topk_positions_kernel[(rows.shape[0],)](rows, out, E, k, rows.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    launch(rows, out, E, k)
     return out.view(*scores.shape[:-1], k)
+
+
+def topk_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., E] -> int64 [..., min(k, E)]: the positions of each row's k largest (ties toward the lower
+    position, NaN largest) in ascending order. bf16 CUDA rows run the kernel, the rest the twin."""
+    def launch(rows, out, E, k):
+        _topk_positions_kernel[(rows.shape[0],)](rows, out, E, k, rows.stride(0), out.stride(0), BLOCK=BLOCK,
+                                                 num_warps=4)
+
+    got = _per_row("topk_positions", scores, k, lambda rows, k: True, launch)
+    return torch_ops.topk_positions(scores, k) if got is None else got
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [..., E] -> int64 [..., min(k, E)]: the positions of each row's k largest in descending order
     of value, equal values toward the lower position (NaN largest, -0.0 == +0.0): `torch_ops.stable_topk`'s
     indices. bf16 CUDA rows run the kernel (up to STABLE_TOPK_MAX_ROWS rows a call unless
-    DEEPINFER_STABLE_TOPK says otherwise), the rest the twin."""
-    if k < 0:
-        raise ValueError(f"stable_topk: k must be >= 0, got {k}")
-    on_device = scores.is_cuda or _interpreting()
-    if (scores.dtype != torch.bfloat16 or not on_device or scores.dim() == 0 or scores.shape[-1] > POSITION_MASK
-            or not _use_stable_topk_kernel(scores.numel() // max(1, scores.shape[-1]), min(k, scores.shape[-1]))):
-        return torch_ops.stable_topk(scores, k)
-    E = scores.shape[-1]
-    k = min(k, E)
-    if k == 0 or scores.numel() == 0:
-        return torch.empty((*scores.shape[:-1], k), dtype=torch.int64, device=scores.device)
-    rows = scores.reshape(-1, E)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], k), dtype=torch.int64, device=scores.device)
-    _stable_topk_kernel[(rows.shape[0],)](rows, out, E, k, rows.stride(0), out.stride(0), BLOCK=BLOCK,
-                                          KP=max(2, triton.next_power_of_2(k)), num_warps=4)
-    return out.view(*scores.shape[:-1], k)
+    DEEPINFER_STABLE_TOPK says otherwise; E < 2^31), the rest the twin."""
+    def launch(rows, out, E, k):
+        _stable_topk_kernel[(rows.shape[0],)](rows, out, E, k, rows.stride(0), out.stride(0), BLOCK=BLOCK,
+                                              KP=max(2, triton.next_power_of_2(k)), num_warps=4)
+
+    got = _per_row("stable_topk", scores, k, lambda rows, kk: scores.shape[-1] <= POSITION_MASK
+                   and _use_stable_topk_kernel(rows, kk), launch)
+    return torch_ops.stable_topk(scores, k) if got is None else got
 
 
 REGISTRATIONS = {"topk_positions": topk_positions, "stable_topk": stable_topk}
