@@ -157,6 +157,19 @@ def attn_fusions_enabled() -> bool:
     return os.environ.get("DEEPINFER_ATTN_FUSIONS", "1") not in ("0", "false", "no")
 
 
+def attn_qnorm_in_kernel() -> bool:
+    """DEEPINFER_ATTN_QNORM=kernel runs the decode query's per-head norm and RoPE on the paged attention
+    kernel's q load (`sparse_attn_sink_paged_rope`'s q_norm_eps: one launch off the decode step's main chain)
+    instead of as `head_rms_norm_rope`'s own launch before it ("launch", the default). Written in the fortieth
+    session (2026-12-07) with no device lent: the interpreter's tests pass and the sm_90 build does not spill,
+    but it has not run on a GPU, so it is opt-in until device stage s47a tests and times it.
+    DEEPINFER_ATTN_FUSIONS=0 runs it apart either way."""
+    v = os.environ.get("DEEPINFER_ATTN_QNORM", "launch").strip().lower()
+    if v not in ("kernel", "launch"):
+        raise ValueError(f"DEEPINFER_ATTN_QNORM={v!r}: want kernel or launch")
+    return v == "kernel"
+
+
 def indexer_lanes_enabled() -> bool:
     """DEEPINFER_INDEXER_LANES=0 keeps a decode step's indexer layers' side work as one chain on one side stream
     instead of splitting it over three (the indexer's weights and the main compressor; the index-key

@@ -193,6 +193,22 @@ def _case_indexer_paged():
                          "stride_qh", "stride_wb", "stride_rb", "stride_hb", "stride_ob"}, num_warps=4)
 
 
+def _case_attn_paged(split, qnorm):
+    """`_sparse_attn_paged_kernel` (the batched decode's sparse attention from the packed FP8 caches) at V4's
+    shapes: 16 heads of 512, a 64-channel rope tail, E8M0 per 64; split (b1's flash-decoding) or not, with the
+    query's head norm and RoPE on its load (QNORM) or not."""
+    from deepinfer.kernels.triton.sparse_attn_paged import _sparse_attn_paged_kernel
+    ptrs = dict(q_ptr="*bf16", ring_ptr="*u8", comp_ptr="*u8", ring16_ptr="*i16", comp16_ptr="*i16", sink_ptr="*fp32",
+                idx_ptr="*i64", out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32",
+                cos_ptr="*fp32", sin_ptr="*fp32")
+    params = dict(ptrs, H="i32", K="i32", n_ring="i32", scale="fp32", initial_max="fp32", chunk="i32",
+                  qnorm_eps="fp32", stride_qt="i32", stride_qh="i32", stride_it="i32", stride_ot="i32",
+                  stride_oh="i32", BPT=584, QDIM=448, SBLOCK=64, D=512, BLOCK_H=16, BLOCK_K=64, SPLIT=split,
+                  INTERPRET=False, ROPE_HALF=32, QNORM=qnorm, PDL=True)
+    return compile_sm90(_sparse_attn_paged_kernel, params,
+                        set(ptrs) | {"stride_qt", "stride_qh", "stride_ot", "stride_oh"}, num_warps=8, num_stages=1)
+
+
 def _case_stable_topk(kp):
     """`stable_topk`'s kernel (selection passes, then the sort of the KP-padded picks) at V4's k = 512 / 1024."""
     from deepinfer.kernels.triton.topk_positions import BLOCK, _stable_topk_kernel
@@ -268,6 +284,9 @@ CASES = {
     "hc_collapse_head": lambda: _case_hc_collapse(4, 16, head=True),
     "indexer_pair": _case_indexer,
     "indexer_paged": _case_indexer_paged,
+    "attn_paged_split": lambda: _case_attn_paged(True, False),
+    "attn_paged_split_qnorm": lambda: _case_attn_paged(True, True),
+    "attn_paged_qnorm": lambda: _case_attn_paged(False, True),
     "compress_decode_r4": lambda: _case_compress_decode(4, 512, True, 512, 8),
     "compress_decode_r4_c128": lambda: _case_compress_decode(4, 512, True, 128, 4),
     "compress_decode_r128": lambda: _case_compress_decode(128, 512, False, 64, 8),

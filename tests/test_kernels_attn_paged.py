@@ -208,6 +208,52 @@ for name, d, rope, T, H, win, k_sel in cases:
                                                       scale), pos.cpu(), freqs.cpu(), True)
         print(f"  with the inverse RoPE: vs the twin {rel(fused, twin):.2e}")
         assert rel(fused, twin) <= 1e-2, (name, T)
+        # the raw query normed per head and rotated on the kernel's q load (q_norm_eps) == head_rms_norm_rope's
+        # launch, then the kernel: the same arithmetic; on the GPU the sum of squares runs over another tile
+        # layout, so a row's bf16 mean may round the other way now and then (norm_hc.head_rms_norm's note)
+        from deepinfer.kernels import official_fused
+        from deepinfer.kernels.triton.attn_norm_rope import head_rms_norm_rope
+        eps = 1e-6
+        raw = (q.float() * 5.0).bfloat16()  # a projection's scale: the norm must move it
+        normed = head_rms_norm_rope(raw, eps, pos, freqs, table)
+        for chunk in (0, 64):
+            want = sparse_attn_sink_paged_triton(normed, ring, comp, layout, sink, idx, scale, initial_max,
+                                                 chunk=chunk, rope_table=table)
+            got_n = sparse_attn_sink_paged_triton(raw, ring, comp, layout, sink, idx, scale, initial_max,
+                                                  chunk=chunk, rope_table=table, q_norm_eps=eps)
+            differ = (got_n != want).float().mean().item()
+            print(f"  q normed and rotated in the kernel, chunk {chunk}: vs head_rms_norm_rope's launch rel_err "
+                  f"{rel(got_n, want):.2e} ({100 * differ:.3f}% of elements differ)")
+            assert torch.equal(got_n, want) if device == "cpu" else rel(got_n, want) <= 1e-3, (name, T, chunk)
+            assert differ <= 0.01, (name, T, chunk)
+        launched = sparse_attn_sink_paged_rope(raw, ring, comp, layout, sink, idx, scale, pos, freqs, None,
+                                               q_norm_eps=eps)  # the default: head_rms_norm_rope's own launch
+        assert torch.equal(launched, sparse_attn_sink_paged_triton(normed, ring, comp, layout, sink, idx, scale,
+                                                                   rope_table=table))
+        os.environ["DEEPINFER_ATTN_QNORM"] = "kernel"
+        op_n = sparse_attn_sink_paged_rope(raw, ring, comp, layout, sink, idx, scale, pos, freqs, None, q_norm_eps=eps)
+        assert torch.equal(op_n, sparse_attn_sink_paged_triton(raw, ring, comp, layout, sink, idx, scale,
+                                                               rope_table=table, q_norm_eps=eps))
+        os.environ["DEEPINFER_ATTN_FUSIONS"] = "0"  # the norm, the attention, the inverse RoPE: three launches
+        off_n = sparse_attn_sink_paged_rope(raw, ring, comp, layout, sink, idx, scale, pos, freqs, None, q_norm_eps=eps)
+        del os.environ["DEEPINFER_ATTN_FUSIONS"]
+        del os.environ["DEEPINFER_ATTN_QNORM"]
+        if device == "cpu":  # (off: head_rms_norm's own kernel and rope32: another tile on the GPU)
+            assert torch.equal(off_n, sparse_attn_sink_paged_rope(head_rms_norm_rope(raw, eps, pos, freqs, table),
+                                                                  ring, comp, layout, sink, idx, scale, pos, freqs,
+                                                                  None))
+        else:
+            assert rel(off_n, op_n) <= 1e-3, (name, T)
+        twin_n = official_fused.sparse_attn_sink_paged_rope(raw.cpu(), ring.cpu(), comp.cpu(), layout, sink.cpu(),
+                                                            idx.cpu(), scale, pos.cpu(), freqs.cpu(), None,
+                                                            q_norm_eps=eps)
+        print(f"  q normed in the kernel: vs the twin {rel(op_n, twin_n):.2e}")
+        assert rel(op_n, twin_n) <= 1e-2, (name, T)
+        try:
+            sparse_attn_sink_paged_triton(raw, ring, comp, layout, sink, idx, scale, q_norm_eps=eps)
+            raise AssertionError("q_norm_eps without a rope_table ran")
+        except ValueError as e:
+            assert "q_norm_eps needs the rope_table" in str(e), e
     # caches the kernel does not decode (bf16 values) go through gather + the pool kernel: its bits
     got_bf16 = sparse_attn_sink_paged_triton(q, layout.load(ring), layout.load(comp), None, sink, idx, scale,
                                              initial_max)
@@ -256,3 +302,16 @@ def test_split_env_choice(monkeypatch):
     monkeypatch.setenv("DEEPINFER_DECODE_ATTN_SPLIT", "never")
     with pytest.raises(ValueError, match="DEEPINFER_DECODE_ATTN_SPLIT='never'"):
         env.decode_attn_split()
+
+
+def test_qnorm_env_choice(monkeypatch):
+    from deepinfer import env
+
+    assert not env.attn_qnorm_in_kernel()  # opt-in until a GPU has timed it (device stage s47a)
+    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "Kernel")
+    assert env.attn_qnorm_in_kernel()
+    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "launch")
+    assert not env.attn_qnorm_in_kernel()
+    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "fused")
+    with pytest.raises(ValueError, match="DEEPINFER_ATTN_QNORM='fused'"):
+        env.attn_qnorm_in_kernel()

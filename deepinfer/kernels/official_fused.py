@@ -357,9 +357,13 @@ def head_rms_norm_rope(q: torch.Tensor, eps: float, positions: torch.Tensor, fre
 
 def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
                                 sink: torch.Tensor, idx: torch.Tensor, scale: float, positions: torch.Tensor,
-                                freqs: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+                                freqs: torch.Tensor, table: torch.Tensor | None,
+                                q_norm_eps: float | None = None) -> torch.Tensor:
     """`sparse_attn_sink_paged`, then the inverse RoPE of each head's last 2 * len(freqs) output channels at
-    `positions` (`table`: this device's `rope_table32` of them, or None): the decode attention's output."""
+    `positions` (`table`: this device's `rope_table32` of them, or None): the decode attention's output.
+    q_norm_eps: q is the raw query projection, `head_rms_norm_rope` at `positions` first."""
+    if q_norm_eps is not None:
+        q = head_rms_norm_rope(q, q_norm_eps, positions, freqs, table)
     o = sparse_attn_sink_paged(q, ring, comp, layout, sink, idx, scale)
     return official.rope32(o, positions, freqs, True, table=table, inplace=True)
 

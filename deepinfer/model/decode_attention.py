@@ -186,15 +186,16 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
         else:
             with on_side(branches[0]):
                 idx, comp = select()
-        q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)
-        q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table)  # per-head norm, then RoPE
+        q = qlinear(qr, p["wq_b.weight"]).view(B, attn.H, attn.hd)  # normed per head and rotated in the attention
     layout = lc.layouts["window"]  # fast numerics stores the packed layouts (model/cache.py: cache_layouts)
     if comp is not None and layout != lc.layouts["compressed"]:
         raise ValueError(f"decode attention reads the ring and the compressed cache as one layout; got "
                          f"{layout.name} and {lc.layouts['compressed'].name}")
-    # the attention, then the inverse RoPE of its output (in the kernel's epilogue on cuda)
+    # q's per-head norm and RoPE, the attention, then the inverse RoPE of its output: on cuda one kernel (the
+    # norm and RoPE on its q load, the inverse RoPE in its epilogue), `head_rms_norm_rope` and `rope32` apart
+    # being two launches more on the step's main chain
     o = k("sparse_attn_sink_paged_rope")(q, lc.ring, comp, layout, p["attn_sink"], idx, attn.hd**-0.5, pos,
-                                         attn.inv_freq, table)
+                                         attn.inv_freq, table, q_norm_eps=attn.eps)
     G = attn.G
     z = out_lora(k, o.reshape(B, G, -1), p["wo_a.weight"])  # the official bf16 einsum's math, wo_a kept FP8
     out = qlinear(z.flatten(1), p["wo_b.weight"])

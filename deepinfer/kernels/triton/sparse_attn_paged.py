@@ -29,6 +29,7 @@ import triton.language as tl
 from deepinfer import env
 from deepinfer.kernels.official_fused import paged_rows
 from deepinfer.kernels.triton.kv_pack import e8m0_value, kv_decode
+from deepinfer.kernels.triton import norm_hc
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
 from deepinfer.kernels.triton.pdl import pdl_enter
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
@@ -67,24 +68,49 @@ def _paged_block(ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, idx_ptr, t, stride_
     return kv, valid
 
 
+@triton.jit
+def _norm_rope_heads(q, t, dims, cos_ptr, sin_ptr, eps, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                     HALF: tl.constexpr):
+    """q [BLOCK_H, D] bf16 raw heads of token t -> the per-head RMSNorm (`norm_hc.head_rms_factor`: the bf16
+    torch ops' roundings), then the RoPE of the last 2 HALF channels by the token's cos / sin (fp32, rounded
+    to bf16): `attn_norm_rope._head_rms_norm_rope_kernel`'s arithmetic on the same values, so the same bits
+    but where the fp32 sum of squares, summed over this tile's layout instead of that kernel's, rounds to
+    another bf16 mean (`norm_hc.head_rms_norm`'s note). The pass-through pairs are kept as normed, not
+    rotated by cos 1 / sin 0 (which could turn a -0.0 into +0.0)."""
+    x = q.to(tl.float32)
+    normed = (x * norm_hc.head_rms_factor(x, D, eps)[:, None]).to(tl.bfloat16)
+    re, im = tl.split(tl.reshape(normed.to(tl.float32), (BLOCK_H, D // 2, 2)))
+    NOPE: tl.constexpr = D - 2 * HALF
+    pair = tl.arange(0, D // 2) - NOPE // 2  # the rope pair's index, negative for pass-through pairs
+    is_rope = pair >= 0
+    c = tl.load(cos_ptr + t * HALF + pair, mask=is_rope, other=1.0)[None, :]
+    sn = tl.load(sin_ptr + t * HALF + pair, mask=is_rope, other=0.0)[None, :]
+    rot = tl.reshape(tl.join(re * c - im * sn, re * sn + im * c), (BLOCK_H, D)).to(tl.bfloat16)
+    return tl.where((dims >= NOPE)[None, :], rot, normed)
+
+
 @fast_launch
 @triton.jit
 def _sparse_attn_paged_kernel(
     q_ptr, ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, sink_ptr, idx_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, cos_ptr, sin_ptr,
-    H, K, n_ring, scale, initial_max, chunk,
+    H, K, n_ring, scale, initial_max, chunk, qnorm_eps,
     stride_qt, stride_qh, stride_it, stride_ot, stride_oh,
     BPT: tl.constexpr, QDIM: tl.constexpr, SBLOCK: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    ROPE_HALF: tl.constexpr, PDL: tl.constexpr = False,
+    ROPE_HALF: tl.constexpr, QNORM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program axis 2 = split s takes index columns [s * chunk, (s + 1) * chunk) in order. SPLIT False (one
     split): the sink, bf16 out (ROPE_HALF > 0: then the inverse RoPE of each head's last 2 ROPE_HALF
     channels, `finish_heads_rope`). SPLIT True: writes its online-softmax state (running max, sum, the
-    unnormalised fp32 acc) for `_combine_splits_kernel`."""
+    unnormalised fp32 acc) for `_combine_splits_kernel`. QNORM (with ROPE_HALF > 0): q is the raw query
+    projection; each head's RMSNorm (eps qnorm_eps) and the RoPE of its tail at token t come first
+    (`_norm_rope_heads`: `head_rms_norm_rope`'s arithmetic), in every program that reads the heads."""
     pdl_enter(PDL)
     t, heads, hmask, dims, q, run_max, run_sum, acc = head_block(q_ptr, H, stride_qt, stride_qh, initial_max, D,
                                                                   BLOCK_H)
+    if QNORM:
+        q = _norm_rope_heads(q, t, dims, cos_ptr, sin_ptr, qnorm_eps, D, BLOCK_H, ROPE_HALF)
     lo = tl.program_id(2) * chunk  # without a split: one program, chunk = K rounded up to whole blocks
     for start in range(0, chunk, BLOCK_K):  # the last split may walk masked blocks past K
         kv, valid = _paged_block(ring_ptr, comp_ptr, ring16_ptr, comp16_ptr, idx_ptr, t, stride_it, lo + start, K,
@@ -221,7 +247,8 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
                                   sink: torch.Tensor, idx: torch.Tensor, scale: float,
                                   initial_max: float = float("-inf"), block_h: int | None = None,
                                   num_warps: int = 8, num_stages: int = 1,
-                                  chunk: int | None = None, rope_table: torch.Tensor | None = None) -> torch.Tensor:
+                                  chunk: int | None = None, rope_table: torch.Tensor | None = None,
+                                  q_norm_eps: float | None = None) -> torch.Tensor:
     """Same contract as `official_fused.sparse_attn_sink_paged` (q [T, H, d] bf16, ring [slots, window, w],
     comp [rows, w] or None, idx [T, K] of ring-then-compressed rows, -1 = skip) -> [T, H, d] bf16.
     block_h / num_warps / num_stages / chunk (index columns per split, 0 = none; default `split_plan`):
@@ -232,7 +259,9 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     the 227 KB a block may have; one stage takes 147 KB.
     rope_table: `rope.rope_table32`'s fp32 [2, T, half] of the tokens' positions: then each head's last
     2 * half output channels are rotated back (the inverse RoPE) in the kernel's epilogue
-    (`sparse_attn_sink_paged_rope`)."""
+    (`sparse_attn_sink_paged_rope`). q_norm_eps (with rope_table): q is the raw query projection, and each
+    head's RMSNorm and the RoPE of its tail by the same table run on the kernel's q load (`_norm_rope_heads`):
+    `head_rms_norm_rope`'s launch taken off the decode step's main chain."""
     if q.dim() != 3 or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_attn_sink_paged: want q [T, H, d] and idx [T, K], got {tuple(q.shape)}, "
                          f"{tuple(idx.shape)}")
@@ -243,9 +272,9 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
         stored = paged_rows(ring, comp, idx)
         kv = stored if layout is None else kv_decode(layout, stored)
         pool_idx = torch.arange(T * K, device=idx.device, dtype=torch.int32).view(T, -1)
-        if rope_table is not None:
-            raise ValueError(f"sparse_attn_sink_paged: rope_table needs a layout the kernel decodes, got "
-                             f"{getattr(layout, 'name', layout)} (sparse_attn_sink_paged_rope rotates after)")
+        if rope_table is not None or q_norm_eps is not None:
+            raise ValueError(f"sparse_attn_sink_paged: rope_table and q_norm_eps need a layout the kernel decodes, "
+                             f"got {getattr(layout, 'name', layout)} (sparse_attn_sink_paged_rope runs them apart)")
         return sparse_attn_sink_triton(q, kv.reshape(-1, d), sink, torch.where(idx >= 0, pool_idx, -1), scale,
                                        initial_max)
     _check_stores(ring, comp, layout)
@@ -255,6 +284,9 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
                                    or not rope_table.is_contiguous() or 2 * half > d or half & (half - 1)):
         raise ValueError(f"sparse_attn_sink_paged: rope_table {rope_table.dtype} {tuple(rope_table.shape)} is not "
                          f"rope_table32's fp32 [2, {T}, half] (a power of two <= d/2 = {d // 2})")
+    if q_norm_eps is not None and not half:
+        raise ValueError("sparse_attn_sink_paged: q_norm_eps needs the rope_table of the tokens' positions (the "
+                         "query's RoPE after its norm)")
     cos, sin = (rope_table[0], rope_table[1]) if half else (sink, sink)  # (never read without ROPE_HALF)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     plan = PagedLaunch.make("sparse_attn_sink_paged", q, idx, sink, out, chunk, block_h, initial_max)
@@ -264,9 +296,10 @@ def sparse_attn_sink_paged_triton(q: torch.Tensor, ring: torch.Tensor, comp: tor
     _sparse_attn_paged_kernel[plan.grid](
         plan.q, ring, comp, ring.view(torch.int16), comp.view(torch.int16), plan.sink, plan.idx, out,
         plan.part_acc, plan.part_max, plan.part_sum, cos, sin, H, K, ring.numel() // layout.bytes_per_token,
-        float(scale), plan.initial_max, plan.chunk, plan.q.stride(0), plan.q.stride(1), K, out.stride(0),
-        out.stride(1), BPT=layout.bytes_per_token, QDIM=layout.quant_dim, SBLOCK=layout.block, D=d, BLOCK_H=plan.bh,
-        BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=plan.split, INTERPRET=_interpreting(), ROPE_HALF=half, num_warps=num_warps,
+        float(scale), plan.initial_max, plan.chunk, 0.0 if q_norm_eps is None else float(q_norm_eps),
+        plan.q.stride(0), plan.q.stride(1), K, out.stride(0), out.stride(1), BPT=layout.bytes_per_token,
+        QDIM=layout.quant_dim, SBLOCK=layout.block, D=d, BLOCK_H=plan.bh, BLOCK_K=SPARSE_ATTN_BLOCK, SPLIT=plan.split,
+        INTERPRET=_interpreting(), ROPE_HALF=half, QNORM=q_norm_eps is not None, num_warps=num_warps,
         num_stages=num_stages)
     plan.combine(out, cos, sin, half)
     return out
@@ -331,22 +364,30 @@ class PagedLaunch:
 
 def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None, layout,
                                 sink: torch.Tensor, idx: torch.Tensor, scale: float, positions: torch.Tensor,
-                                freqs: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+                                freqs: torch.Tensor, table: torch.Tensor | None,
+                                q_norm_eps: float | None = None) -> torch.Tensor:
     """Op "sparse_attn_sink_paged_rope" (twin: `official_fused.sparse_attn_sink_paged_rope`): the decode
     attention's output with the inverse RoPE of each head's tail at `positions` applied in the kernel's
     epilogue (the unsplit kernel's or the split combine's): one launch less on the decode step's main chain.
-    `table`: `rope.rope_table32(positions, freqs)` or None (built here)."""
-    from deepinfer.kernels.triton import rope
+    q_norm_eps: q is the raw query projection, normed per head and rotated at `positions` on the kernel's
+    q load (`head_rms_norm_rope` first, in its own launch, where the fusions are off or the layout is not
+    the kernel's): one launch less again. `table`: `rope.rope_table32(positions, freqs)` or None (built here)."""
+    from deepinfer.kernels.triton import attn_norm_rope, rope
 
     if table is None:
         table = rope.rope_table32(positions, freqs)
     if table.shape[-1] != freqs.shape[0]:
         raise ValueError(f"sparse_attn_sink_paged_rope: table {tuple(table.shape)} is not for {freqs.shape[0]} "
                          f"frequencies")
-    if not env.attn_fusions_enabled() or not _fused(layout, q.shape[-1]):  # the attention, then rope32
+    fused = env.attn_fusions_enabled() and _fused(layout, q.shape[-1])
+    if q_norm_eps is not None and not (fused and q.dtype == torch.bfloat16 and env.attn_qnorm_in_kernel()):
+        q = attn_norm_rope.head_rms_norm_rope(q, q_norm_eps, positions, freqs, table)
+        q_norm_eps = None
+    if not fused:  # the attention, then rope32
         o = sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale)
         return rope.rope32(o, positions, freqs, True, table=table, inplace=True)
-    return sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, rope_table=table)
+    return sparse_attn_sink_paged_triton(q, ring, comp, layout, sink, idx, scale, rope_table=table,
+                                         q_norm_eps=q_norm_eps)
 
 
 COMBINE_HEADS = (8, 4, 2)  # heads per combine program, the most first: [<= 8, 512] fp32 over 4 warps
