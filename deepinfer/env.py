@@ -158,11 +158,13 @@ def attn_fusions_enabled() -> bool:
 
 
 def attn_qnorm_in_kernel() -> bool:
-    """DEEPINFER_ATTN_QNORM=kernel runs the decode query's per-head norm and RoPE on the paged attention
-    kernel's q load (`sparse_attn_sink_paged_rope`'s q_norm_eps: one launch off the decode step's main chain)
-    instead of as `head_rms_norm_rope`'s own launch before it ("launch", the default). Written in the fortieth
-    session (2026-12-07) with no device lent: the interpreter's tests pass and the sm_90 build does not spill,
-    but it has not run on a GPU, so it is opt-in until device stage s47a tests and times it.
+    """DEEPINFER_ATTN_QNORM=kernel runs V4's per-head query norm and RoPE inside the attention kernels instead of
+    as `head_rms_norm_rope`'s own launch before them ("launch", the default): at decode on the paged Triton
+    kernel's q load (`sparse_attn_sink_paged_rope`'s q_norm_eps: one launch off the step's main chain), at
+    prefill in the CUDA wgmma kernel's shared memory (op `sparse_attn_sink_qnorm`: no full write and re-read of
+    q, ~370 us a layer of an 8k prefill on an H100). Written in the fortieth session (2026-12-07) with no device
+    lent: the interpreter's tests pass (decode), the sm_90 builds compile without spills or a serialized wgmma
+    pipeline, but neither has run on a GPU, so it is opt-in until device stages s47a-c test and time it.
     DEEPINFER_ATTN_FUSIONS=0 runs it apart either way."""
     v = os.environ.get("DEEPINFER_ATTN_QNORM", "launch").strip().lower()
     if v not in ("kernel", "launch"):

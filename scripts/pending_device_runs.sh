@@ -42,7 +42,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s47a, s47b, s46, s46b, s46c, s46_engine, s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s47a, s47b, s47c, s46, s46b, s46c, s46_engine, s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -54,28 +54,32 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 
 case $stage in
 s47a)  # the fortieth session's (no device lent): s45 (the indexer's head sum; re-apply 0e5727f in the working tree
-    # first, old_tree/ = HEAD before it, as s45 says) and the decode query's head norm and RoPE on the paged
-    # attention's q load (sparse_attn_paged.py QNORM, opt-in: DEEPINFER_ATTN_QNORM=kernel; the default "launch" is
-    # head_rms_norm_rope's own launch). If the tests pass and "kernel" is faster, make it env.attn_qnorm_in_kernel's
-    # default
-    step gpu_tests_s47a 240 python -m pytest -q -m gpu tests/test_kernels_indexer_scores.py \
-        tests/test_kernels_indexer_paged.py tests/test_kernels_attn_paged.py
+    # first, old_tree/ = HEAD before it, as s45 says) and the query's per-head norm and RoPE moved into the
+    # attention kernels, opt-in with DEEPINFER_ATTN_QNORM=kernel (default "launch": head_rms_norm_rope's own
+    # launch): decode on the paged Triton kernel's q load (sparse_attn_paged.py QNORM), prefill in the wgmma
+    # kernel's shared memory (sparse_attn_wgmma.cu QNORM). Tests first, then the A/Bs (s47b has the engine's)
+    step gpu_tests_s47a 300 python -m pytest -q -m gpu tests/test_kernels_indexer_scores.py \
+        tests/test_kernels_indexer_paged.py tests/test_kernels_attn_paged.py tests/test_kernels_attn_wgmma.py
     step bench_indexer_s45 100 python benchmarks/bench_attn_kernels.py --indexer --indexer-paged
     if [ -d old_tree ]; then
         (cd old_tree && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks step bench_indexer_s45_before 100 \
             python benchmarks/bench_attn_kernels.py --indexer --indexer-paged)
     fi
-    step decode_anatomy_s47 200 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 --top 12 \
+    step decode_anatomy_s47 180 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 --top 12 \
         --env-sets "" DEEPINFER_ATTN_QNORM=kernel "" DEEPINFER_ATTN_QNORM=kernel
     ;;
-s47b)  # the engine's paths over s47a's changes (decode with the query norm in the attention kernel, prefill,
-    # V4.1's decode), the serial split's tests after e5dff6a's refactor, then s46c (the 8k prefill's top-k:
-    # stable_topk's kernel against the torch sort)
+s47b)  # the engine's paths over s47a's changes with the norm in the kernels and without (decode, prefill,
+    # V4.1's decode), the serial split's tests after e5dff6a's refactor, then the 8k prefill with
+    # DEEPINFER_ATTN_QNORM=kernel against the default (if faster and the tests pass: make "kernel" the default)
     DEEPINFER_ATTN_QNORM=kernel step gpu_tests_s47b_qnorm 200 python -m pytest -q -m gpu \
-        tests/test_engine_fast_decode.py
-    step gpu_tests_s47b 330 python -m pytest -q -m gpu tests/test_engine_fast_decode.py \
+        tests/test_engine_fast_decode.py tests/test_engine_fast_prefill.py
+    step gpu_tests_s47b 300 python -m pytest -q -m gpu tests/test_engine_fast_decode.py \
         tests/test_engine_fast_prefill.py tests/test_engine_fast_v41_decode.py tests/test_kernels_fp8_linear_mma.py \
         tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_grouped_proj.py
+    ;;
+s47c)  # the 8k prefill with the queries normed in the attention kernel and without, alternated (one process)
+    step run_slice_prefill_qnorm 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 \
+        --top 12 --prefill-env-sets "" DEEPINFER_ATTN_QNORM=kernel "" DEEPINFER_ATTN_QNORM=kernel
     ;;
 s46)  # serial split-K in the decode linear (kernels/cuda/fp8_linear_mma.cu SERIAL_SPLIT: the tile's last split CTA
     # adds the fp32 partials in order, no _split_sum_kernel launch; 5 a layer on the b1 critical path): its GPU

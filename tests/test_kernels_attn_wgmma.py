@@ -165,6 +165,85 @@ def test_dispatch_switch(monkeypatch):
     assert len(calls) == 2
 
 
+def _rope_inputs(g, T):
+    """Positions of T tokens, V4's query RoPE frequencies (32 pairs) and their rope_table32 [2, T, 32]."""
+    from deepinfer.kernels.triton import rope
+
+    pos = torch.randint(0, 60_000, (T,), generator=g, device="cuda")
+    freqs = official.rope_freqs32(64, 65536, 160000.0, 16.0, 32, 1).cuda()
+    return pos, freqs, rope.rope_table32(pos, freqs)
+
+
+@gpu
+@pytest.mark.parametrize("T,H,K", [(128, 64, 640), (300, 128, 192), (9, 64, 64)])
+def test_wgmma_qnorm_is_the_separate_norm_then_the_kernel(T, H, K):
+    """QNORM: the raw queries normed and rotated in shared memory == `head_rms_norm_rope`'s launch, then the
+    kernel, except where a row's sum of squares (summed in another order) rounds its bf16 mean the other way:
+    at most 1% of the outputs differ, rel_err <= 1e-3. Against the twin (op sparse_attn_sink_qnorm's, float32
+    torch ops) at the attention's bound. A projection-sized scale (x 5) so the norm moves every value."""
+    wg = _wgmma()
+    from deepinfer.kernels import official_fused
+    from deepinfer.kernels.triton import attn_norm_rope
+    from deepinfer.kernels.triton.fp8_gemm import sm_count
+
+    g = torch.Generator(device="cuda").manual_seed(T + K)
+    q, kv, sink, idx = _inputs(g, T, H, 3000, K)
+    raw = (q.float() * 5).bfloat16()
+    pos, freqs, table = _rope_inputs(g, T)
+    eps, scale = 1e-6, 512**-0.5
+    want = _run(wg, attn_norm_rope.head_rms_norm_rope(raw, eps, pos, freqs, table), kv, sink, idx)
+    got = wg.sparse_attn_wgmma(raw, kv, sink, idx, scale, float("-inf"), torch.empty_like(raw), sm_count(raw.device),
+                               q_norm=(eps, table))
+    differ = (got != want).float().mean().item()
+    twin = official_fused.sparse_attn_sink_qnorm(raw, kv, sink, idx, scale, eps, pos, freqs, None)
+    print(f"qnorm T={T} H={H} K={K}: vs the separate norm rel_err {rel_err(got, want):.2e} ({100 * differ:.3f}% of "
+          f"elements differ), vs the twin {rel_err(got, twin):.2e}")
+    assert rel_err(got, want) <= 1e-3 and differ <= 0.01
+    assert rel_err(got, twin) <= BF16_BOUND
+
+
+@gpu
+def test_qnorm_op_dispatch(monkeypatch):
+    """Op sparse_attn_sink_qnorm: DEEPINFER_ATTN_QNORM=kernel takes the QNORM build (one launch), the default
+    `head_rms_norm_rope`'s launch then the plain kernel; both the same within the note above."""
+    wg = _wgmma()
+    from deepinfer.kernels.triton import sparse_attn
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, kv, sink, idx = _inputs(g, 64, 64, 900, 192)
+    pos, freqs, table = _rope_inputs(g, 64)
+    calls = []
+    real = wg.sparse_attn_wgmma
+    monkeypatch.setattr(wg, "sparse_attn_wgmma", lambda *a, **k: calls.append(k.get("q_norm")) or real(*a, **k))
+    apart = sparse_attn.sparse_attn_sink_qnorm(q, kv, sink, idx, 0.05, 1e-6, pos, freqs, table)
+    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "kernel")
+    fused = sparse_attn.sparse_attn_sink_qnorm(q, kv, sink, idx, 0.05, 1e-6, pos, freqs, None)
+    assert calls[0] is None and calls[1] is not None, calls
+    assert rel_err(fused, apart) <= 1e-3 and (fused != apart).float().mean().item() <= 0.01
+
+
+def test_qnorm_twin_is_the_norm_then_the_attention():
+    """The CPU twin of op sparse_attn_sink_qnorm is `head_rms_norm_rope`, then the official attention: the ops
+    the prefill ran one by one (bit for bit)."""
+    from deepinfer.kernels import official_fused
+
+    g = torch.Generator().manual_seed(4)
+    T, H, d = 6, 4, 128
+    q = (torch.randn(T, H, d, generator=g) * 3).bfloat16()
+    kv = torch.randn(40, d, generator=g).bfloat16()
+    sink = torch.randn(H, generator=g)
+    idx = torch.randint(-1, 40, (T, 70), generator=g)
+    idx[:, 0] = 0
+    pos = torch.randint(0, 5000, (T,), generator=g)
+    freqs = official.rope_freqs32(32, 65536, 160000.0, 16.0, 32, 1)
+    got = official_fused.sparse_attn_sink_qnorm(q, kv, sink, idx, 0.1, 1e-6, pos, freqs, None)
+    qn = official_fused.head_rms_norm_rope(q, 1e-6, pos, freqs, None)
+    assert torch.equal(got, official.sparse_attn_sink_official(qn, kv, sink, idx, 0.1))
+    buf = torch.empty_like(q)
+    assert official_fused.sparse_attn_sink_qnorm(q, kv, sink, idx, 0.1, 1e-6, pos, freqs, None, out=buf) is buf
+    assert torch.equal(buf, got)
+
+
 def test_launcher_names_bad_input():
     from deepinfer.kernels.cuda import sparse_attn_wgmma as wg
 
@@ -178,6 +257,10 @@ def test_launcher_names_bad_input():
     good = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
     assert wg.problems(good, torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int32),
                        torch.zeros_like(good)) == []
+    with pytest.raises(ValueError, match="q_norm's table must be rope_table32's"):  # named before any launch
+        wg.sparse_attn_wgmma(good, torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(64),
+                             torch.zeros(4, 8, dtype=torch.int32), 1.0, 0.0, torch.zeros_like(good), 132,
+                             q_norm=(1e-6, torch.zeros(2, 4, 16)))
 
 
 def test_env_switch_is_checked(monkeypatch):

@@ -36,6 +36,18 @@ def test_pipelined_build_keeps_the_wgmma_pipeline():
     assert not [line for line in between if line.startswith("WARPGROUP.DEPBAR")], "a wait inside S's wgmmas"
 
 
+def test_qnorm_build_keeps_the_wgmma_pipeline_without_spills():
+    """The build that norms and rotates the raw queries in shared memory (QNORM, op sparse_attn_sink_qnorm): its
+    pass runs beside the pinned output accumulators; ptxas keeps the pipeline and spills nothing."""
+    need_nvrtc()
+    opts = tuple(f"-D{k}={v}" for k, v in sparse_attn_wgmma.defines(qnorm=True).items())
+    src = runtime.read_source(sparse_attn_wgmma.SOURCE)
+    assert _advisories(sparse_attn_wgmma.defines(qnorm=True)) == []
+    log = runtime.compile_with_log(src, sparse_attn_wgmma.SOURCE, "sm_90a", (*opts, "--ptxas-options=-v"))[1]
+    spills = [line for line in log.splitlines() if "spill" in line]
+    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
+
+
 def test_the_serialization_is_detected():
     """The serialized build (PIPELINED_QK 0): ptxas's advisory names the serialization."""
     found = _advisories(sparse_attn_wgmma.defines(pipelined=False))

@@ -17,7 +17,8 @@ shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention.
 and compressed cache: gather, the layout's decode, `official.sparse_attn_sink_official`),
 `qkv_norm_rope_store` (after the attention's stacked wq_a | wkv projection at decode: the q LoRA's RMSNorm, and
 the KV's RMSNorm, RoPE and packed store into the window ring), `head_rms_norm_rope` (the per-head q norm,
-then RoPE), `sparse_attn_sink_paged_rope` (that attention, then the inverse RoPE of its output),
+then RoPE), `sparse_attn_sink_paged_rope` (that attention, then the inverse RoPE of its output; optionally the
+per-head q norm first), `sparse_attn_sink_qnorm` (the prefill's: the per-head q norm, then the pool attention),
 `indexer_q_rotate` (the indexer query's RoPE, Hadamard and FP4 fake quantisation) and `index_key_rotate_store`
 (a new index key's RoPE, Hadamard and packed store): exactly the ops the attention paths ran one by one.
 Must not: hold state or import the model or the reference oracle; change a rounding point of the
@@ -34,7 +35,8 @@ __all__ = ["hc_pre_fused", "hc_pre_deferred_fused", "hc_head_fused", "hc_post_fu
            "moe_gate_sqrtsoftplus",
            "moe_gate_hash_sqrtsoftplus", "moe_route", "fp4_fake_quant",
            "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
-           "sparse_attn_sink_paged_rope", "sparse_attn_sink_paged_mixed", "indexer_q_rotate", "index_key_rotate_store",
+           "sparse_attn_sink_paged_rope", "sparse_attn_sink_paged_mixed", "sparse_attn_sink_qnorm", "indexer_q_rotate",
+           "index_key_rotate_store",
            "hc_post_pre_fused"]
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -366,6 +368,16 @@ def sparse_attn_sink_paged_rope(q: torch.Tensor, ring: torch.Tensor, comp: torch
         q = head_rms_norm_rope(q, q_norm_eps, positions, freqs, table)
     o = sparse_attn_sink_paged(q, ring, comp, layout, sink, idx, scale)
     return official.rope32(o, positions, freqs, True, table=table, inplace=True)
+
+
+def sparse_attn_sink_qnorm(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                           eps: float, positions: torch.Tensor, freqs: torch.Tensor, table: torch.Tensor | None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """V4's prefill / extend attention over the raw query projection q [T, H, d]: `head_rms_norm_rope` at
+    `positions`, then the official sparse attention over the pool kv (`official.sparse_attn_sink_official`, running
+    max from -inf; out as there)."""
+    qn = head_rms_norm_rope(q, eps, positions, freqs, table)
+    return official.sparse_attn_sink_official(qn, kv, sink, idx, scale, out=out)
 
 
 def indexer_q_rotate(q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,

@@ -155,7 +155,8 @@ class AttnPre:
     compressors' projections. Every op's shapes depend on the token count only, so the extend graphs
     (model/extend_graphs.py) capture it per token bucket; `attention_core` reads it for the step's rows."""
 
-    q: torch.Tensor  # [T, H, hd] normed, rotated queries
+    q: torch.Tensor  # [T, H, hd] normed, rotated queries (norm_q=False: the raw projection, which the attention
+    #                   norms and rotates: op sparse_attn_sink_qnorm, `attention_core`'s q_rope)
     kv_stored: torch.Tensor  # [T, bytes] the new rows in the window layout (kv itself without a layout)
     kv: torch.Tensor  # [T, hd] their decoded values: what the oracle attends to and caches
     q_idx: torch.Tensor | None  # [T, nh, ihd] the indexer's queries (indexer layers)
@@ -180,10 +181,11 @@ def step_tables(attn, ctx: ForwardContext, cache: V4Cache) -> tuple[ExtendRows, 
 
 
 def attention_pre(attn, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, layouts: dict | None,
-                  indexer: bool = True, q_out: torch.Tensor | None = None) -> AttnPre:
+                  indexer: bool = True, q_out: torch.Tensor | None = None, norm_q: bool = True) -> AttnPre:
     """x [T, D] bf16 (normed input of the flat batch), its positions and RoPE table, the cache's packed
     layouts (`V4Cache.layouts`) -> AttnPre. indexer=False skips the indexer's queries (a step whose
-    sequences see no compressed entry yet reads none); q_out: a [T, H, hd] bf16 buffer for the queries."""
+    sequences see no compressed entry yet reads none); q_out: a [T, H, hd] bf16 buffer for the queries;
+    norm_q=False: the queries stay the raw wq_b projection (`attention_core` with q_rope norms them)."""
     cfg, p = attn.cfg, attn.p
 
     def k(name: str):
@@ -200,7 +202,10 @@ def attention_pre(attn, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor,
     q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
     qr = rms(q_lora, p["q_norm.weight"])
     q = qlinear(qr, p["wq_b.weight"]).view(T, attn.H, attn.hd)
-    q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table, out=q_out)  # per-head norm, RoPE: one kernel
+    if norm_q:
+        q = k("head_rms_norm_rope")(q, attn.eps, pos, attn.inv_freq, table, out=q_out)  # per-head norm, RoPE: one kernel
+    elif q_out is not None:
+        raise ValueError("attention_pre: q_out is the normed queries' buffer; norm_q=False keeps the projection's")
     # RoPE in place: the normed rows are this op's fresh output (only the rope channels move)
     kv = rope32(rms(kv_lin, p["kv_norm.weight"]), pos, attn.inv_freq, table=table, inplace=True)  # [T, hd]
     kv_stored = kv if layouts is None else k("kv_encode")(layouts["window"], kv)
@@ -222,9 +227,12 @@ def attention_pre(attn, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor,
 
 
 def attention_core(attn, pre: AttnPre, ctx: ForwardContext, cache: V4Cache, rows: ExtendRows,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None,
+                   q_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The step's cache reads and writes and the sparse attention: pre's rows -> o [T, H, hd] bf16 (before
-    the inverse RoPE), into `out` when given (the extend graphs' static buffer)."""
+    the inverse RoPE), into `out` when given (the extend graphs' static buffer). q_rope (positions, RoPE
+    table): pre.q is the raw projection (`attention_pre`'s norm_q=False); the attention op norms and rotates it
+    first (op sparse_attn_sink_qnorm: on CUDA inside the prefill kernel with DEEPINFER_ATTN_QNORM=kernel)."""
     cfg, p, r = attn.cfg, attn.p, attn.ratio
     lc = cache.layers[attn.layer]
     T = pre.q.shape[0]
@@ -255,6 +263,10 @@ def attention_core(attn, pre: AttnPre, ctx: ForwardContext, cache: V4Cache, rows
             pool.append(lc.decode("compressed", stored, attn.kdev))
     if idx is None:
         idx = _index_rows(rows, comp_cols, comp_width)
+    if q_rope is not None:
+        return kernels.get("sparse_attn_sink_qnorm", attn.kdev)(pre.q, torch.cat(pool), p["attn_sink"], idx,
+                                                                attn.hd**-0.5, attn.eps, q_rope[0], attn.inv_freq,
+                                                                q_rope[1], out=out)
     return kernels.get("sparse_attn_sink_official", attn.kdev)(pre.q, torch.cat(pool), p["attn_sink"], idx,
                                                                attn.hd**-0.5, out=out)
 
@@ -276,5 +288,8 @@ def extend_attention(attn, x: torch.Tensor, ctx: ForwardContext, cache: V4Cache)
     """x [T, D] bf16 (normed input of the flat batch) -> [T, D] bf16."""
     rows, pos, table = step_tables(attn, ctx, cache)
     indexer = bool(attn.ratio) and any(rows.ratios[attn.ratio].n_ent)
-    pre = attention_pre(attn, x, pos, table, cache.layers[attn.layer].layouts, indexer)
-    return attention_post(attn, attention_core(attn, pre, ctx, cache, rows), pos, table)
+    # the queries' per-head norm and RoPE go with the attention (one op: on CUDA, with DEEPINFER_ATTN_QNORM=kernel,
+    # inside the prefill kernel instead of a full write and re-read of q; the extend graphs keep them in
+    # attention_pre, their captured part)
+    pre = attention_pre(attn, x, pos, table, cache.layers[attn.layer].layouts, indexer, norm_q=False)
+    return attention_post(attn, attention_core(attn, pre, ctx, cache, rows, q_rope=(pos, table)), pos, table)

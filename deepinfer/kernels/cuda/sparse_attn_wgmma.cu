@@ -35,6 +35,16 @@
 //   overlaps the previous block's S, softmax and P.V.
 // Launch: grid min(items, SMs), 384 threads, dynamic shared memory `sparse_attn_wgmma.smem_bytes` (one CTA an SM).
 // Requires (the launcher checks): H % 64 == 0, d == 512, 16-byte aligned q / kv rows, idx int32 with unit stride.
+//
+// QNORM 1: q is the raw query projection. Once an item's q rows have landed, the consumers norm them in shared
+// memory before its first S: each head's RMSNorm and the RoPE of its last 2 ROPE_HALF dims at the token (`qcos` /
+// `qsin`: rope_table32's rows [T, ROPE_HALF]), the arithmetic of `attn_norm_rope._head_rms_norm_rope_kernel` (the
+// separate launch it replaces, a full read and write of q): sq = bf16(x x) per value, their fp32 sum, mean =
+// bf16(sum / 512), v = bf16(mean + eps), r = bf16(rsqrt.approx.ftz(v)), y = bf16(x r); the tail's pairs (re, im)
+// -> bf16(fma(re, c, -(im s))), bf16(fma(im, c, re s)), as Triton builds `re * c - im * s` / `re * s + im * c`
+// there (its sm_90 PTX). The fp32 sum's order is this kernel's (4 lanes a row, 128 dims each in order, then
+// (l0 + l1) + (l2 + l3)), not Triton's tile reduction, so a row's bf16 mean may round the other way now and
+// then (norm_hc.head_rms_norm's note); everything after it is the same arithmetic.
 
 #include "mma_common.cuh"
 #include "pdl_common.cuh"
@@ -50,6 +60,10 @@
 #ifndef MN_SWAP
 #define MN_SWAP 0  // 1: the transposed operand's LBO and SBO exchanged (a layout check for the GPU test)
 #endif
+#ifndef QNORM
+#define QNORM 0  // 1: the raw q rows normed and rotated in shared memory first (see above)
+#endif
+#define ROPE_HALF 32  // the query's rope pairs (V4: 64 rope dims of 512, the last plane)
 #define HD 512                 // head dim
 #define BH 64                  // heads a CTA
 #define BK 64                  // indices a block (the official kernel's)
@@ -62,6 +76,7 @@
 #define BAR_MAX 1  // named barriers of the 256 consumer threads (0 is __syncthreads)
 #define BAR_P 2
 #define BAR_SUM 3
+#define BAR_QN 4
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // d (+)= A (shared: 64 rows x 16 bf16, K-major, swizzled) @ B (shared: 32 rows x 16 bf16, K-major); scale_d 0:
@@ -157,11 +172,77 @@ __device__ __forceinline__ int next_block(const int* __restrict__ idx_row, int K
     return nb;
 }
 
+#if QNORM
+__device__ __forceinline__ float bf16_rn(float x) {  // cvt.rn to bf16 and back: Triton's .to(tl.bfloat16)
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return __uint_as_float((u32)h << 16);
+}
+
+// the 8 bf16 of a 16-byte chunk as fp32
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+}
+
+// The consumers' pass over the item's q rows (QNORM, above): 256 threads, 4 a row (head), each 2 planes = 128 dims
+// of it, read twice from shared memory (the sum of squares, then the normed values written back), so no
+// register holds more than a chunk beside the pinned accumulators.
+__device__ __forceinline__ void norm_rope_q(unsigned char* q_s, int ctid, const float* __restrict__ cos_row,
+                                            const float* __restrict__ sin_row, float eps) {
+    const int row = ctid >> 2, part = ctid & 3;
+    float ss = 0.f;
+#pragma unroll
+    for (int pl = 0; pl < 2; ++pl)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            float f[8];
+            unpack8(*reinterpret_cast<const uint4*>(q_s + (2 * part + pl) * PLANE + sw128(row, c)), f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) ss += bf16_rn(f[i] * f[i]);
+        }
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    const float mean = bf16_rn(ss * (1.0f / HD));
+    const float v = bf16_rn(mean + eps);
+    float r;
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    r = bf16_rn(r);
+#pragma unroll
+    for (int pl = 0; pl < 2; ++pl) {
+        const int plane = 2 * part + pl;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            uint4* chunk = reinterpret_cast<uint4*>(q_s + plane * PLANE + sw128(row, c));
+            float f[8];
+            unpack8(*chunk, f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[i] = bf16_rn(f[i] * r);
+            if (plane * 64 + 8 * c >= HD - 2 * ROPE_HALF) {  // the rope tail: pairs (2i, 2i + 1) of its dims
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int pair = (plane * 64 + 8 * c - (HD - 2 * ROPE_HALF)) / 2 + j;
+                    const float cs = cos_row[pair], sn = sin_row[pair], re = f[2 * j], im = f[2 * j + 1];
+                    f[2 * j] = bf16_rn(fmaf(re, cs, -(im * sn)));
+                    f[2 * j + 1] = bf16_rn(fmaf(im, cs, re * sn));
+                }
+            }
+            *chunk = make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                                pack_bf16x2(f[6], f[7]));
+        }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(384, 1)
 sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const float* __restrict__ sink,
                   const int* __restrict__ idx, u16* __restrict__ out, int T, int H, int K, float scale,
                   float initial_max, i64 stride_qt, i64 stride_qh, i64 stride_kvn, i64 stride_it, i64 stride_ot,
-                  i64 stride_oh) {
+                  i64 stride_oh, const float* __restrict__ qcos, const float* __restrict__ qsin, float qnorm_eps) {
     const int hblocks = H / BH, items = T * hblocks;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nb = (K + BK - 1) / BK;
@@ -293,6 +374,11 @@ sparse_attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const f
         int b = next_block(idx_row, K, nb, 0, seen, lane, even, odd);
         const int first = n;
         mbar_wait(q_full, item_no & 1);
+#if QNORM
+        norm_rope_q(q_s, threadIdx.x, qcos + (i64)tok * ROPE_HALF, qsin + (i64)tok * ROPE_HALF, qnorm_eps);
+        fence_async_smem();  // the normed rows, visible to the wgmmas (the async proxy) that read them
+        named_sync(BAR_QN);  // every row is done before either warpgroup's S reads all 64
+#endif
         if (b < nb) issue_qk(n % STAGES, n);
         for (; b < nb; ++n) {
             const int s = n % STAGES;

@@ -231,7 +231,39 @@ def sparse_attn_sink_official_v41_cuda(q: torch.Tensor, kv: torch.Tensor, sink: 
     return sparse_attn_sink_cuda(q, kv, sink, idx, scale, initial_max=-1e30, out=out)
 
 
+def sparse_attn_sink_qnorm(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                           eps: float, positions: torch.Tensor, freqs: torch.Tensor, table: torch.Tensor | None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Op "sparse_attn_sink_qnorm" (twin: `official_fused.sparse_attn_sink_qnorm`): V4's prefill attention over the
+    raw query projection. On the CUDA form with DEEPINFER_ATTN_QNORM=kernel, one launch: the kernel norms each
+    item's q rows in shared memory before its first S (the .cu's QNORM), so the 8k prefill's full write and
+    re-read of q by `head_rms_norm_rope` (~370 us a layer on an H100) goes. Otherwise `head_rms_norm_rope`'s
+    launch, then the attention, as before."""
+    from deepinfer.kernels.triton import attn_norm_rope, rope
+
+    if table is None:
+        table = rope.rope_table32(positions, freqs)
+    fused = (env.attn_qnorm_in_kernel() and env.attn_fusions_enabled() and q.is_cuda and q.dtype == torch.bfloat16
+             and q.dim() == 3 and tuple(positions.shape) == (q.shape[0],) and table.dtype == torch.float32
+             and table.is_contiguous() and tuple(table.shape) == (2, q.shape[0], freqs.shape[0]))
+    if fused:
+        from deepinfer.kernels.cuda import sparse_attn_wgmma as wg
+
+        fused = freqs.shape[0] == wg.ROPE_HALF
+    if fused:
+        _check(q, kv, sink, idx)
+        dest = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        idx32 = idx.to(torch.int32).contiguous()
+        fused = dest.shape == q.shape and dest.dtype == q.dtype and _wgmma_form(q, kv, idx32, dest)
+    if not fused:
+        qn = attn_norm_rope.head_rms_norm_rope(q, eps, positions, freqs, table)
+        return sparse_attn_sink_cuda(qn, kv, sink, idx, scale, out=out)
+    return wg.sparse_attn_wgmma(q, kv, sink.to(torch.float32).contiguous(), idx32, scale, float("-inf"), dest,
+                                sm_count(q.device), q_norm=(float(eps), table))
+
+
 REGISTRATIONS = {
+    "sparse_attn_sink_qnorm": sparse_attn_sink_qnorm,
     "sparse_attn_sink_official": sparse_attn_sink_official_cuda,
     "sparse_attn_sink_official_v41": sparse_attn_sink_official_v41_cuda,
 }
