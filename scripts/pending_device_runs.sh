@@ -28,9 +28,12 @@
 # and the headline (results/*_s38*); it owes s45 (the indexer's head sum, written and reverted: no device time
 # left), first. The thirty-ninth session's H100 (3 calls after an hour of refused starts) ran s46 (serial split-K:
 # passed, made opt-in; the combine's heads and stable_topk's kernel: kept) with part of s46b and s46_engine
-# (results/*_s39*). Owed, in order: s45 (re-apply 0e5727f as its comment says), s46c (the 8k prefill with the
-# stable_topk kernel against the torch sort, its default there: the kernel is not yet timed at prefill sizes), the
-# rest of s46_engine (tests/test_engine_fast_v41_decode.py), then the H200 runs below. Still owed
+# (results/*_s39*). The fortieth session had no device (loans paused): it wrote the query's norm in the attention
+# kernels (opt-in DEEPINFER_ATTN_QNORM=kernel). Owed, in order: s47a (with s45 re-applied first, as s45's comment
+# says: its tests and timing ride along), s47b (the engine's tests with and without the norm in the kernels,
+# V4.1's decode, the serial split's after e5dff6a), s47c (the 8k prefill A/B), s46c (the 8k prefill with the
+# stable_topk kernel against the torch sort, its default there: the kernel is not yet timed at prefill sizes),
+# then the H200 runs below. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
