@@ -172,6 +172,18 @@ def attn_qnorm_in_kernel() -> bool:
     return v == "kernel"
 
 
+def compress_store_fused() -> bool:
+    """DEEPINFER_COMPRESS_STORE=fused makes the decode step's KV compressors one launch through to the cache
+    (op `compress_decode_store`: the entries' RoPE and packed store in the compressor kernel's epilogue)
+    instead of three ("apart", the default: compress_decode_step, rope32, kv_encode_into). Written in the
+    fortieth session (2026-12-07) without a device: bit-identical to the three under Triton's interpreter, not
+    yet run on a GPU, so opt-in until device stage s47b times it."""
+    v = os.environ.get("DEEPINFER_COMPRESS_STORE", "apart").strip().lower()
+    if v not in ("fused", "apart"):
+        raise ValueError(f"DEEPINFER_COMPRESS_STORE={v!r}: want fused or apart")
+    return v == "fused"
+
+
 def indexer_lanes_enabled() -> bool:
     """DEEPINFER_INDEXER_LANES=0 keeps a decode step's indexer layers' side work as one chain on one side stream
     instead of splitting it over three (the indexer's weights and the main compressor; the index-key

@@ -217,16 +217,20 @@ def _case_stable_topk(kp):
     return compile_sm90(_stable_topk_kernel, params, {"s_ptr", "out_ptr", "stride_s", "stride_o"}, num_warps=4)
 
 
-def _case_compress_decode(r, w, overlap, block_c, warps):
+def _case_compress_decode(r, w, overlap, block_c, warps, store=False):
     """`_compress_decode_kernel` (one decode row through a compressor) at V4's main compressor (w 512): ratio
-    4 with overlap (8 state rows) and ratio 128 (128), the pooling pass's channels BLOCK_C."""
+    4 with overlap (8 state rows) and ratio 128 (128), the pooling pass's channels BLOCK_C; store: the STORE
+    form (the entry's RoPE and packed bytes into the cache: V4's layout, 448 E4M3 channels in 7 blocks of 64, a
+    64-channel bf16 tail, 584 bytes a row)."""
     from deepinfer.kernels.triton.compress_decode import _compress_decode_kernel
     c = 2 if overlap else 1
     params = dict(kv_ptr="*fp32", gate_ptr="*fp32", ape_ptr="*fp32", skv_ptr="*fp32", ssc_ptr="*fp32",
                   slot_ptr="*i64", pos_ptr="*i64", done_ptr="*u8", nw_ptr="*bf16", out_ptr="*bf16", eps="fp32",
                   stride_kv="i32", stride_gate="i32", stride_s="i32", stride_r="i32", stride_slot="i32",
-                  stride_pos="i32", stride_done="i32", R=r, W=w, OVERLAP=overlap, BLOCK_R=c * r, BLOCK_C=block_c,
-                  BLOCK_S=min(1024, c * w), BLOCK_W=w, PDL=True)
+                  stride_pos="i32", stride_done="i32", cos_ptr="*fp32", sin_ptr="*fp32", rows_ptr="*i64",
+                  out8_ptr="*u8", out16_ptr="*i16", BPT="i32", R=r, W=w, OVERLAP=overlap, BLOCK_R=c * r,
+                  BLOCK_C=block_c, BLOCK_S=min(1024, c * w), BLOCK_W=w, STORE=store, QDIM=448 if store else 0,
+                  SBLOCK=64 if store else 1, NB=7 if store else 1, HALF=32 if store else 1, PAD=0, PDL=True)
     return compile_sm90(_compress_decode_kernel, params, {"kv_ptr", "gate_ptr", "ape_ptr", "skv_ptr", "ssc_ptr",
                                                           "out_ptr", "stride_kv", "stride_gate", "stride_s",
                                                           "stride_r"}, num_warps=warps, num_stages=1)
@@ -290,6 +294,8 @@ CASES = {
     "compress_decode_r4": lambda: _case_compress_decode(4, 512, True, 512, 8),
     "compress_decode_r4_c128": lambda: _case_compress_decode(4, 512, True, 128, 4),
     "compress_decode_r128": lambda: _case_compress_decode(128, 512, False, 64, 8),
+    "compress_decode_r4_store": lambda: _case_compress_decode(4, 512, True, 512, 8, store=True),
+    "compress_decode_r128_store": lambda: _case_compress_decode(128, 512, False, 64, 8, store=True),
     "stable_topk_512": lambda: _case_stable_topk(512),
     "stable_topk_1024": lambda: _case_stable_topk(1024),
     "stable_topk_4096": lambda: _case_stable_topk(4096),

@@ -190,6 +190,110 @@ print("ok")
 '''
 
 
+def store_case(case, w: int, rope: int = 64, seed: int = 0):
+    """compress_decode_store's extra inputs for a make_case case: V4's packed layout at head dim w (E4M3 per 64
+    + the raw bf16 rope tail), a cache of random bytes, distinct cache rows for the real rows (padding: one
+    scratch row), the blocks' first positions and their RoPE frequencies."""
+    from types import SimpleNamespace
+
+    from deepinfer.cache.layouts import get_layout
+    from deepinfer.kernels import official
+
+    layout = get_layout("v4_fp8_ds_mla", SimpleNamespace(head_dim=w, rope_head_dim=rope, index_head_dim=64))
+    dev = case["kv"].device
+    B = case["kv"].shape[0]
+    g = torch.Generator().manual_seed(seed)
+    store = torch.randint(0, 256, (B + 6, layout.bytes_per_token), generator=g, dtype=torch.uint8).to(dev)
+    rows = torch.randperm(B + 5, generator=g)[:B].to(dev)
+    r = case["ape"].shape[0]
+    block_pos = (case["pos"] // r) * r
+    freqs = official.rope_freqs32(rope, 65536, 160000.0, 16.0, 32, 1).to(dev)
+    return layout, store, rows, block_pos, freqs
+
+
+def run_store(op, case, extra, table=None):
+    """op (compress_decode_store) on copies of the case's states and cache -> (cache bytes, state_kv, state_score)."""
+    layout, store, rows, block_pos, freqs = extra
+    skv, ssc, st = case["state_kv"].clone(), case["state_score"].clone(), store.clone()
+    op(case["kv"], case["gate"], case["ape"], skv, ssc, case["slots"], case["pos"], case["complete"], case["norm_w"],
+       EPS, case["overlap"], block_pos, freqs, table, layout, st, rows)
+    return st, skv, ssc
+
+
+def test_store_twin_is_the_three_ops():
+    """compress_decode_store's twin: the step, rope32 of the entries at their blocks' first positions, their bytes
+    into the cache rows where complete: the ops the decode step ran one by one; other rows keep their bytes."""
+    from deepinfer.kernels import official
+
+    for r, w, overlap in [(4, 128, True), (8, 256, False)]:
+        case = make_case(7, r, w, overlap, seed=r + w, n_pad=2)
+        extra = store_case(case, w)
+        layout, store, rows, block_pos, freqs = extra
+        got, skv, ssc = run_store(official_fused.compress_decode_store, case, extra)
+        entries, okv, osc = run_op(official_fused.compress_decode_step, case)
+        want = store.clone()
+        official_fused.kv_encode_into(layout, official.rope32(entries, block_pos, freqs), want, rows,
+                                      case["complete"])
+        assert torch.equal(got, want) and torch.equal(skv, okv) and torch.equal(ssc, osc)
+        untouched = torch.ones(store.shape[0], dtype=torch.bool)
+        untouched[rows[case["complete"]]] = False
+        assert torch.equal(got[untouched], store[untouched])
+        assert not torch.equal(got[~untouched], store[~untouched])
+    assert kernels.get("compress_decode_store", "cpu") is official_fused.compress_decode_store
+
+
+_STORE_CHECK = '''
+import os
+import torch
+
+import test_kernels_compress_decode as t
+from deepinfer.kernels.triton.compress_decode import _store_fits, compress_decode_store as kern
+from deepinfer.kernels.triton.rope import rope_table32
+
+for r, w, overlap in [(4, 128, True), (8, 256, False), (128, 128, False)]:
+    for B, n_pad in [(1, 0), (6, 0), (8, 3)]:
+        case = t.make_case(B, r, w, overlap, seed=B * 7 + r + w, n_pad=n_pad)
+        extra = t.store_case(case, w, seed=B)
+        assert _store_fits(extra[0], w, extra[4].shape[0])  # the fused form runs below, not its fallback
+        os.environ["DEEPINFER_COMPRESS_STORE"] = "apart"
+        want, okv, osc = t.run_store(kern, case, extra)
+        os.environ["DEEPINFER_COMPRESS_STORE"] = "fused"
+        got, skv, ssc = t.run_store(kern, case, extra)
+        table = rope_table32(extra[3], extra[4])
+        got_t, _, _ = t.run_store(kern, case, extra, table=table)
+        assert torch.equal(skv, okv) and torch.equal(ssc, osc), (r, w, overlap, B)
+        assert torch.equal(got, want), (r, w, overlap, B, (got != want).nonzero()[:8].tolist())
+        assert torch.equal(got_t, got), (r, w, B)
+        print(f"r={r} w={w} overlap={overlap} B={B} pad={n_pad}: cache bytes and states bit for bit "
+              f"({int(case['complete'].sum())} rows stored)")
+print("ok")
+'''
+
+
+def test_store_fused_is_the_three_launches_under_the_interpreter():
+    """DEEPINFER_COMPRESS_STORE=fused (one launch: the RoPE and the packed store in the compressor kernel's
+    epilogue) == the three Triton launches (compress_decode_step, rope32, kv_encode_into): the cache's bytes and
+    the states bit for bit (the epilogue repeats their arithmetic on the same bf16 entries), ratios 4 with
+    overlap and 8 / 128 without, scale blocks 1 and 3, batch padding."""
+    pytest.importorskip("triton")
+    from interpreted import GPU_ROUNDINGS
+
+    res = run_interpreted(GPU_ROUNDINGS + _STORE_CHECK, timeout=600)
+    print(res.stdout[-3000:])
+    assert_ran_ok(res)
+
+
+def test_store_env_choice(monkeypatch):
+    from deepinfer import env
+
+    assert not env.compress_store_fused()  # opt-in until a GPU has timed it (device stage s47b)
+    monkeypatch.setenv("DEEPINFER_COMPRESS_STORE", "Fused")
+    assert env.compress_store_fused()
+    monkeypatch.setenv("DEEPINFER_COMPRESS_STORE", "one")
+    with pytest.raises(ValueError, match="DEEPINFER_COMPRESS_STORE='one'"):
+        env.compress_store_fused()
+
+
 def test_triton_kernel_is_the_twin_under_the_interpreter():
     """A fresh process (the flag is read at import), with the interpreter's bf16 rounding fixed."""
     pytest.importorskip("triton")
@@ -267,3 +371,48 @@ def test_triton_kernel_matches_the_twin_on_gpu(r, w, overlap, B):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(gout, got) and torch.equal(gkv, skv) and torch.equal(gsc, ssc), seed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,w,overlap", [(4, 512, True), (128, 512, False)])  # V4-Flash's two KV compressors
+@pytest.mark.parametrize("B", [1, 8, 128])
+def test_store_fused_matches_the_three_launches_on_gpu(r, w, overlap, B, monkeypatch):
+    """DEEPINFER_COMPRESS_STORE=fused against the three launches at V4-Flash's sizes, fresh inputs: the same
+    cache bytes and states (the same arithmetic on the same bf16 entries), eager and replayed from a graph."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from deepinfer.kernels.triton.compress_decode import compress_decode_store as kern
+    from deepinfer.kernels.triton.rope import rope_table32
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    case = make_case(B, r, w, overlap, seed=seed, device="cuda", n_pad=B // 8, dim=4096)
+    extra = store_case(case, w, seed=seed)
+    table = rope_table32(extra[3], extra[4])
+    monkeypatch.setenv("DEEPINFER_COMPRESS_STORE", "apart")
+    want, okv, osc = run_store(kern, case, extra, table)
+    monkeypatch.setenv("DEEPINFER_COMPRESS_STORE", "fused")
+    got, skv, ssc = run_store(kern, case, extra, table)
+    torch.cuda.synchronize()
+    differ = (got != want).any(dim=1).sum().item()
+    print(f"r={r} w={w} B={B} seed={seed}: {differ} cache rows differ; states equal "
+          f"{torch.equal(skv, okv) and torch.equal(ssc, osc)}")
+    assert torch.equal(skv, okv) and torch.equal(ssc, osc) and torch.equal(got, want), seed
+    layout, store, rows, block_pos, freqs = extra
+    gkv, gsc, gst = case["state_kv"].clone(), case["state_score"].clone(), store.clone()
+    args = (case["kv"], case["gate"], case["ape"], gkv, gsc, case["slots"], case["pos"], case["complete"],
+            case["norm_w"], EPS, overlap, block_pos, freqs, table, layout, gst, rows)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kern(*args)  # warm-up (compiles) on the copies, refreshed below
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kern(*args)
+    gkv.copy_(case["state_kv"])
+    gsc.copy_(case["state_score"])
+    gst.copy_(store)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gst, got) and torch.equal(gkv, skv) and torch.equal(gsc, ssc), seed
+

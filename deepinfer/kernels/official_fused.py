@@ -12,7 +12,8 @@ the experts from the token-id table, their sqrt-softplus scores renormalised and
 gate's logits GEMM and then either gate: the MoE layers' routing as one op, which CUDA runs in one launch
 at decode), `fp4_fake_quant` (`formats.fp4_fake_quant` as a registry op),
 `compress_decode_step` (one decode token per row through a compressor: state scatter, block pooling, overlap
-shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops `decode_attention._compress_step` ran),
+shift, bf16 round, RMSNorm, bf16 round: exactly the torch ops the decode step's compressors ran before it),
+`compress_decode_store` (that step, the entries' RoPE and their packed store: the KV compressor's whole decode),
 `sparse_attn_sink_paged` (the official sparse attention over rows read straight from the stored window ring
 and compressed cache: gather, the layout's decode, `official.sparse_attn_sink_official`),
 `qkv_norm_rope_store` (after the attention's stacked wq_a | wkv projection at decode: the q LoRA's RMSNorm, and
@@ -34,7 +35,7 @@ from deepinfer.kernels import official, torch_ops
 __all__ = ["hc_pre_fused", "hc_pre_deferred_fused", "hc_head_fused", "hc_post_fused", "kv_encode", "kv_encode_into", "kv_decode", "kv_decode_rows",
            "moe_gate_sqrtsoftplus",
            "moe_gate_hash_sqrtsoftplus", "moe_route", "fp4_fake_quant",
-           "compress_decode_step", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
+           "compress_decode_step", "compress_decode_store", "sparse_attn_sink_paged", "qkv_norm_rope_store", "head_rms_norm_rope",
            "sparse_attn_sink_paged_rope", "sparse_attn_sink_paged_mixed", "sparse_attn_sink_qnorm", "indexer_q_rotate",
            "index_key_rotate_store",
            "hc_post_pre_fused"]
@@ -274,6 +275,20 @@ def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     pooled = torch_ops.compress_pool(kv_p, sc_p, False).to(BF16).to(F32)  # [B, w]
     entries = torch_ops.rms_norm(pooled, norm_weight, eps).to(BF16)
     return torch.where(complete.unsqueeze(1), entries, 0)
+
+
+def compress_decode_store(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state_kv: torch.Tensor,
+                          state_score: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                          complete: torch.Tensor, norm_weight: torch.Tensor, eps: float, overlap: bool,
+                          block_pos: torch.Tensor, freqs: torch.Tensor, table: torch.Tensor | None, layout,
+                          store: torch.Tensor, rows: torch.Tensor) -> None:
+    """The attention's KV compressor at decode, through to its cache: `compress_decode_step`, the RoPE of each
+    entry's last 2 * len(freqs) channels at its block's first position `block_pos` (`table`: this device's
+    `rope_table32` of them, or None), and the entry's layout bytes into store[rows] where `complete`
+    (`kv_encode_into`): exactly the three ops the decode step ran."""
+    entries = compress_decode_step(kv, gate, ape, state_kv, state_score, slots, positions, complete, norm_weight,
+                                   eps, overlap)
+    kv_encode_into(layout, official.rope32(entries, block_pos, freqs, table=table), store, rows, complete)
 
 
 def paged_rows(ring: torch.Tensor, comp: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:

@@ -32,23 +32,15 @@ import torch
 
 from deepinfer import env, kernels
 from deepinfer.model.attention import V4Attention
-from deepinfer.model.cache import CompressorState, LayerCache, V4Cache
+from deepinfer.model.cache import LayerCache, V4Cache
 from deepinfer.model.compressor import project
-from deepinfer.model.decode_metadata import DecodeRows, RatioRows
+from deepinfer.model.decode_metadata import DecodeRows
 from deepinfer.model.out_lora import out_lora
 from deepinfer.model.side_stream import forked, mark, on_side, wait_mark
 from deepinfer.model.step_memo import rope_table, step_memo
 from deepinfer.model.stacked import pair
 
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-def _store(attn: V4Attention, lc: LayerCache, role: str, x: torch.Tensor, store: torch.Tensor, rows: torch.Tensor,
-           keep: torch.Tensor | None = None) -> None:
-    """store[rows] = the layout's bytes of x, where keep (None: every row), through the registry's
-    `kv_encode_into`: on cuda one Triton kernel encodes and writes the cache rows (the torch codec is ~25
-    kernels, and the gather / select / scatter 3 more); the layout's own codec elsewhere: the same bytes."""
-    kernels.get("kv_encode_into", attn.kdev)(lc.layouts[role], x, store, rows, keep)
 
 
 def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: DecodeRows, which: str = "both") -> None:
@@ -65,30 +57,16 @@ def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: De
     # token completes; the index keys are Hadamard-rotated before theirs (one op on cuda)
     table = rope_table(attn, rows, rr.block_pos, of=("blocks", attn.ratio))
     for p, state, store, rotate, role in jobs:
-        entries = _compress_step(attn, p, state, x, rows, rr)
+        kv, gate = project(kernels.get("linear_f32", attn.kdev), x, p)  # the official fp32 matmul, one stacked GEMM
+        step = (kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions, rr.complete,
+                p["norm.weight"], attn.eps, state.overlap)  # ape[p % r] is added inside the ops
         if rotate:
+            entries = kernels.get("compress_decode_step", attn.kdev)(*step)
             kernels.get("index_key_rotate_store", attn.kdev)(entries, rr.block_pos, attn.inv_freq, table,
                                                              lc.layouts[role], store, rr.new_row, rr.complete)
-        else:
-            entries = kernels.get("rope32", attn.kdev)(entries, rr.block_pos, attn.inv_freq, table=table)
-            _store(attn, lc, role, entries, store, rr.new_row, rr.complete)
-
-
-def _compress_step(attn: V4Attention, p: dict, state: CompressorState, x: torch.Tensor, rows: DecodeRows,
-                   rr: RatioRows) -> torch.Tensor:
-    """Scatter the token's projections into its state slot, pool the current block of every row that completes
-    it -> entries [B, w] before RoPE (0 where the block is not complete); shift the overlap state of completed
-    rows.
-    `compress_decode_step`: one Triton kernel on cuda for everything between the two projection GEMMs and
-    the RoPE (scatter, gather, pooling, shift, bf16 round, RMSNorm, bf16 round); on the CPU the torch ops
-    this function ran before (bit-identical)."""
-    def k(name: str):
-        return kernels.get(name, attn.kdev)
-
-    lin = k("linear_f32")  # the official fp32 matmul of the bf16 x and weights
-    kv, gate = project(lin, x, p)  # [B, c*w] each (one stacked GEMM); ape[p % r] is added inside the op
-    return k("compress_decode_step")(kv, gate, p["ape"], state.kv, state.score, rows.state_slots, rows.positions,
-                                     rr.complete, p["norm.weight"], attn.eps, state.overlap)  # [B, w] bf16
+        else:  # the step, the entries' RoPE and their packed store (one launch on cuda when fused)
+            kernels.get("compress_decode_store", attn.kdev)(*step, rr.block_pos, attn.inv_freq, table,
+                                                            lc.layouts[role], store, rr.new_row)
 
 
 def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache) -> torch.Tensor:

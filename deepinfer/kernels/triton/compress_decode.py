@@ -11,6 +11,10 @@ round, RMSNorm, bf16 round). One program per batch row:
    bf16 row as `norm_hc.rms_norm` computes it (fp32, sum(x^2) / w), bf16 into `out`;
 3. elsewhere writes 0 (the entry is not stored: its pooling is skipped, so an incomplete row reads none of
    its state; ratio 128 reads 512 KB per complete row).
+`compress_decode_store` (op of the same name, DEEPINFER_COMPRESS_STORE=fused): the same kernel's STORE form, the
+attention's KV compressor through to its cache: step 2's normed entry rotated (its RoPE tail) and its packed
+layout bytes written to the cache row where complete, what `rope32` and `kv_encode_into` did in two more
+launches (the same arithmetic: bit for bit under the interpreter).
 Deterministic (no atomics; every sum within one program). The token's row is substituted in registers, so a
 row's result does not depend on the order in which programs sharing a slot (batch padding) write it.
 Hazards inside a program (the shift overwrites rows the pooling read; `out` is re-read by other threads)
@@ -24,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels import official_fused
+from deepinfer.kernels.triton.kv_pack import FP8_AMAX_FLOOR, FP8_MAX, _fp8_geometry, _supported
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
 
@@ -35,10 +41,17 @@ F32, BF16 = torch.float32, torch.bfloat16
 @triton.jit
 def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_ptr, pos_ptr, done_ptr, nw_ptr,
                             out_ptr, eps, stride_kv, stride_gate, stride_s, stride_r, stride_slot, stride_pos,
-                            stride_done,
+                            stride_done, cos_ptr, sin_ptr, rows_ptr, out8_ptr, out16_ptr, BPT,
                             R: tl.constexpr, W: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+                            STORE: tl.constexpr = False, QDIM: tl.constexpr = 0, SBLOCK: tl.constexpr = 1,
+                            NB: tl.constexpr = 1, HALF: tl.constexpr = 1, PAD: tl.constexpr = 0,
                             PDL: tl.constexpr = False):
+    """One program a batch row (the module's steps 1-3). STORE (`compress_decode_store`): the normed entry is not
+    written to `out` (a scratch row for the pooled values then); it is rotated (RoPE of its last 2 HALF channels
+    by the row's cos / sin, `rope._rope_kernel`'s arithmetic) and its layout bytes go to cache row rows[b]
+    (`kv_pack._encode_kernel`'s: E4M3 of the first QDIM channels per SBLOCK with E8M0 scales, the rotated tail
+    raw bf16, zero pad), only where complete: what rope32 and kv_encode_into did after this kernel."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + b * stride_slot).to(tl.int64)
@@ -112,10 +125,49 @@ def _compress_decode_kernel(kv_ptr, gate_ptr, ape_ptr, skv_ptr, ssc_ptr, slot_pt
         x = tl.load(out_ptr + b * W + wc, mask=wm, other=0.0).to(tl.float32)
         rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / W + eps)
         y = tl.load(nw_ptr + wc, mask=wm, other=0.0).to(tl.float32) * (x * rs)
-        tl.debug_barrier()
-        tl.store(out_ptr + b * W + wc, y.to(tl.bfloat16), mask=wm)
-    else:
+        if STORE:
+            _rope_encode_store(y.to(tl.bfloat16).to(tl.float32), b, cos_ptr, sin_ptr, rows_ptr, out8_ptr,
+                               out16_ptr, BPT, W, QDIM, SBLOCK, NB, HALF, PAD)
+        else:
+            tl.debug_barrier()
+            tl.store(out_ptr + b * W + wc, y.to(tl.bfloat16), mask=wm)
+    elif not STORE:
         tl.store(out_ptr + b * W + wc, tl.zeros([BLOCK_W], tl.float32).to(tl.bfloat16), mask=wm)
+
+
+@triton.jit
+def _rope_encode_store(e, b, cos_ptr, sin_ptr, rows_ptr, out8_ptr, out16_ptr, BPT, W: tl.constexpr,
+                       QDIM: tl.constexpr, SBLOCK: tl.constexpr, NB: tl.constexpr, HALF: tl.constexpr,
+                       PAD: tl.constexpr):
+    """Entry e [W] (fp32 of its bf16 values, W a power of two = QDIM + 2 HALF) of row b: its tail rotated and its
+    layout bytes written to cache row rows[b] (see `_compress_decode_kernel`'s STORE)."""
+    NOPE: tl.constexpr = W - 2 * HALF
+    re, im = tl.split(tl.reshape(e, (W // 2, 2)))
+    pair = tl.arange(0, W // 2) - NOPE // 2  # the rope pair's index, negative for pass-through pairs
+    is_rope = pair >= 0
+    c = tl.load(cos_ptr + b * HALF + pair, mask=is_rope, other=1.0)
+    s = tl.load(sin_ptr + b * HALF + pair, mask=is_rope, other=0.0)
+    rot = tl.reshape(tl.join(re * c - im * s, re * s + im * c), (W // SBLOCK, SBLOCK))
+    x = tl.reshape(e, (W // SBLOCK, SBLOCK))  # the quantised channels keep the entry's values
+    nb = tl.arange(0, W // SBLOCK)
+    j = tl.arange(0, SBLOCK)
+    ch = nb[:, None] * SBLOCK + j[None, :]
+    bmask = nb < NB
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), FP8_AMAX_FLOOR)
+    prod = amax * (1.0 / FP8_MAX)
+    bits = prod.to(tl.int32, bitcast=True)
+    ex = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    sc = (ex << 23).to(tl.float32, bitcast=True)
+    q = tl.minimum(tl.maximum(x / sc[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    base = tl.load(rows_ptr + b).to(tl.int64) * BPT
+    tl.store(out8_ptr + base + ch, q.to(tl.uint8, bitcast=True), mask=bmask[:, None] & (j[None, :] < SBLOCK))
+    tail = ch >= QDIM
+    tl.store(out16_ptr + (base + QDIM) // 2 + (ch - QDIM), rot.to(tl.bfloat16).to(tl.int16, bitcast=True),
+             mask=tail)
+    tl.store(out8_ptr + base + QDIM + 4 * HALF + nb, ex.to(tl.uint8), mask=bmask)
+    if PAD > 0:
+        p = tl.arange(0, 8)
+        tl.store(out8_ptr + base + QDIM + 4 * HALF + NB + p, tl.zeros((8,), tl.uint8), mask=p < PAD)
 
 
 DECODE_TILE = 4096  # state elements of a complete row's pooling pass that one pass takes (8 warps)
@@ -129,6 +181,60 @@ def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     if state_kv.dtype != F32 or state_score.dtype != F32 or kv.dtype == torch.float64 or gate.dtype == torch.float64:
         return official_fused.compress_decode_step(kv, gate, ape, state_kv, state_score, slots, positions,
                                                    complete, norm_weight, eps, overlap)
+    return _launch(kv, gate, ape, state_kv, state_score, slots, positions, complete, norm_weight, eps, overlap)
+
+
+def _store_fits(layout, w: int, half: int) -> bool:
+    """The STORE form covers this layout: the FP8 codec with a raw tail that is exactly the rope channels, whole
+    scale blocks before it, and a power-of-two entry (the kernel's [W] vector is the whole entry)."""
+    return (_supported(layout) and layout.dim == w and layout.raw_dim == 2 * half and w & (w - 1) == 0
+            and layout.quant_dim % layout.block == 0 and layout.quant_dim + layout.raw_dim == w
+            and w % layout.block == 0 and half & (half - 1) == 0)
+
+
+def compress_decode_store(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, state_kv: torch.Tensor,
+                          state_score: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                          complete: torch.Tensor, norm_weight: torch.Tensor, eps: float, overlap: bool,
+                          block_pos: torch.Tensor, freqs: torch.Tensor, table: torch.Tensor | None, layout,
+                          store: torch.Tensor, rows: torch.Tensor) -> None:
+    """See `official_fused.compress_decode_store` (`table`: `rope.rope_table32(block_pos, freqs)` or None). With
+    DEEPINFER_COMPRESS_STORE=fused one launch (the kernel's STORE form: the entries' RoPE and packed store in
+    its epilogue, where `rope32` and `kv_encode_into` were two launches more on the side chain a ratio layer's
+    attention waits for); the three launches otherwise (the default until a GPU has timed it)."""
+    from deepinfer.kernels.triton import kv_pack, rope
+
+    half = freqs.shape[0]
+    c = 2 if overlap else 1
+    w = kv.shape[1] // c if kv.dim() == 2 else -1
+    fused = (env.compress_store_fused() and state_kv.dtype == F32 and state_score.dtype == F32
+             and kv.dtype != torch.float64 and gate.dtype != torch.float64 and _store_fits(layout, w, half))
+    if table is None:
+        table = rope.rope_table32(block_pos, freqs)
+    if not fused:
+        entries = compress_decode_step(kv, gate, ape, state_kv, state_score, slots, positions, complete,
+                                       norm_weight, eps, overlap)
+        kv_pack.kv_encode_into(layout, rope.rope32(entries, block_pos, freqs, table=table), store, rows, complete)
+        return
+    B = kv.shape[0]
+    official_fused._check_encode_into(layout, torch.empty(B, w, device="meta"), store, rows, complete)
+    if tuple(table.shape) != (2, B, half) or table.dtype != F32 or not table.is_contiguous():
+        raise ValueError(f"compress_decode_store: table {table.dtype} {tuple(table.shape)} is not rope_table32's "
+                         f"fp32 [2, {B}, {half}]")
+    if not store.is_contiguous():
+        raise ValueError("compress_decode_store: the cache rows are written in place and must be contiguous")
+    geo = _fp8_geometry(layout)
+    bpt = layout.bytes_per_token
+    pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
+    _launch(kv, gate, ape, state_kv, state_score, slots, positions, complete, norm_weight, eps, overlap,
+            store=dict(cos_ptr=table[0], sin_ptr=table[1], rows_ptr=rows.contiguous(), out8_ptr=store,
+                       out16_ptr=store.view(torch.int16), BPT=bpt, STORE=True, QDIM=geo["QDIM"],
+                       SBLOCK=geo["BLOCK"], NB=geo["NB"], HALF=half, PAD=pad))
+
+
+def _launch(kv, gate, ape, state_kv, state_score, slots, positions, complete, norm_weight, eps, overlap,
+            store: dict | None = None) -> torch.Tensor:
+    """Both ops' checks and launch: -> the entries [B, w] bf16 (with `store`, the STORE form's keywords: a
+    scratch row of the pooled values only)."""
     c = 2 if overlap else 1
     B, cw = kv.shape if kv.dim() == 2 else (-1, -1)
     r = state_kv.shape[1] // c if state_kv.dim() == 3 else -1
@@ -156,14 +262,15 @@ def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor
     # with overlap, 8 rows x 512): the pass's loads then go out at once instead of w / 128 passes in a row, each
     # a wait on L2 (sm_90 at 8 warps: 80 registers, no loop, no spill; scripts/sass_sm90.py compress_decode_r4)
     block_c = min(next_power_of_2(w), max(16, min(128, 8192 // block_r), DECODE_TILE // block_r))
+    extra = store or dict(cos_ptr=ape, sin_ptr=ape, rows_ptr=slots, out8_ptr=out, out16_ptr=out, BPT=0)  # (unread)
     _compress_decode_kernel[(B,)](
         kv, gate, ape, state_kv, state_score, slots, positions, complete.view(torch.uint8),
         norm_weight.contiguous(), out, float(eps), kv.stride(0), gate.stride(0), state_kv.stride(0),
         state_kv.stride(1), slots.stride(0), positions.stride(0), complete.stride(0), R=r, W=w,
         OVERLAP=bool(overlap), BLOCK_R=block_r, BLOCK_C=block_c,
         BLOCK_S=min(1024, next_power_of_2(cw)), BLOCK_W=next_power_of_2(w),
-        num_warps=8 if block_r >= 64 or block_r * block_c >= DECODE_TILE else 4)
+        num_warps=8 if block_r >= 64 or block_r * block_c >= DECODE_TILE else 4, **extra)
     return out
 
 
-REGISTRATIONS = {"compress_decode_step": compress_decode_step}
+REGISTRATIONS = {"compress_decode_step": compress_decode_step, "compress_decode_store": compress_decode_store}
