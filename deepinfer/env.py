@@ -184,6 +184,18 @@ def compress_store_fused() -> bool:
     return v == "fused"
 
 
+def topk_rows_fused() -> bool:
+    """DEEPINFER_TOPK_ROWS=fused makes an indexer layer's decode selection one launch (op `stable_topk_rows`: the
+    stable top-k kernel maps its sorted picks to the attention's index rows itself) instead of two ("apart", the
+    default: stable_topk, decode_select_rows). Written in the fortieth session (2026-12-07) without a device:
+    the same integers as the two under Triton's interpreter, not yet run on a GPU, so opt-in until device stage
+    s47a times it."""
+    v = os.environ.get("DEEPINFER_TOPK_ROWS", "apart").strip().lower()
+    if v not in ("fused", "apart"):
+        raise ValueError(f"DEEPINFER_TOPK_ROWS={v!r}: want fused or apart")
+    return v == "fused"
+
+
 def indexer_lanes_enabled() -> bool:
     """DEEPINFER_INDEXER_LANES=0 keeps a decode step's indexer layers' side work as one chain on one side stream
     instead of splitting it over three (the indexer's weights and the main compressor; the index-key

@@ -61,25 +61,27 @@ s47a)  # the fortieth session's (no device lent): s45 (the indexer's head sum; r
     # in the attention kernels (DEEPINFER_ATTN_QNORM=kernel; default "launch": head_rms_norm_rope's own launch):
     # decode on the paged Triton kernel's q load (sparse_attn_paged.py QNORM), prefill in the wgmma kernel's
     # shared memory (sparse_attn_wgmma.cu QNORM); the KV compressors' RoPE and packed store in the compressor
-    # kernel's epilogue (DEEPINFER_COMPRESS_STORE=fused, compress_decode.py STORE). Tests first, then the A/Bs
+    # kernel's epilogue (DEEPINFER_COMPRESS_STORE=fused, compress_decode.py STORE); an indexer layer's top-k and
+    # its index rows in one kernel (DEEPINFER_TOPK_ROWS=fused, topk_positions.py). Tests first, then the A/Bs
     # (s47b has the engine's); make the faster ones the defaults
     step gpu_tests_s47a 300 python -m pytest -q -m gpu tests/test_kernels_indexer_scores.py \
         tests/test_kernels_indexer_paged.py tests/test_kernels_attn_paged.py tests/test_kernels_attn_wgmma.py \
-        tests/test_kernels_compress_decode.py
+        tests/test_kernels_compress_decode.py tests/test_kernels_topk_positions.py
     step bench_indexer_s45 100 python benchmarks/bench_attn_kernels.py --indexer --indexer-paged
     if [ -d old_tree ]; then
         (cd old_tree && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks step bench_indexer_s45_before 100 \
             python benchmarks/bench_attn_kernels.py --indexer --indexer-paged)
     fi
     step decode_anatomy_s47 200 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 --top 12 \
-        --env-sets "" DEEPINFER_ATTN_QNORM=kernel DEEPINFER_COMPRESS_STORE=fused \
-        DEEPINFER_ATTN_QNORM=kernel,DEEPINFER_COMPRESS_STORE=fused "" DEEPINFER_ATTN_QNORM=kernel,DEEPINFER_COMPRESS_STORE=fused
+        --env-sets "" DEEPINFER_ATTN_QNORM=kernel DEEPINFER_COMPRESS_STORE=fused DEEPINFER_TOPK_ROWS=fused \
+        DEEPINFER_ATTN_QNORM=kernel,DEEPINFER_COMPRESS_STORE=fused,DEEPINFER_TOPK_ROWS=fused "" \
+        DEEPINFER_ATTN_QNORM=kernel,DEEPINFER_COMPRESS_STORE=fused,DEEPINFER_TOPK_ROWS=fused
     ;;
 s47b)  # the engine's paths over s47a's changes with the norm in the kernels and without (decode, prefill,
     # V4.1's decode), the serial split's tests after e5dff6a's refactor, then the 8k prefill with
     # DEEPINFER_ATTN_QNORM=kernel against the default (if faster and the tests pass: make "kernel" the default)
-    DEEPINFER_ATTN_QNORM=kernel DEEPINFER_COMPRESS_STORE=fused step gpu_tests_s47b_fused 200 python -m pytest -q \
-        -m gpu tests/test_engine_fast_decode.py tests/test_engine_fast_prefill.py
+    DEEPINFER_ATTN_QNORM=kernel DEEPINFER_COMPRESS_STORE=fused DEEPINFER_TOPK_ROWS=fused step gpu_tests_s47b_fused \
+        200 python -m pytest -q -m gpu tests/test_engine_fast_decode.py tests/test_engine_fast_prefill.py
     step gpu_tests_s47b 300 python -m pytest -q -m gpu tests/test_engine_fast_decode.py \
         tests/test_engine_fast_prefill.py tests/test_engine_fast_v41_decode.py tests/test_kernels_fp8_linear_mma.py \
         tests/test_kernels_fp8_linear_wgmma.py tests/test_kernels_grouped_proj.py

@@ -193,6 +193,17 @@ def _case_indexer_paged():
                          "stride_qh", "stride_wb", "stride_rb", "stride_hb", "stride_ob"}, num_warps=4)
 
 
+def _case_stable_topk_rows(kp, wp=128):
+    """`stable_topk_rows`' kernel: `_stable_topk_kernel`'s selection and sort, the picks mapped to the attention's
+    index rows and the window's copied (V4: k 512, a 128-row window)."""
+    from deepinfer.kernels.triton.topk_positions import BLOCK, _stable_topk_rows_kernel
+    ptrs = dict(s_ptr="*bf16", win_ptr="*i64", vis_ptr="*i64", entry_ptr="*i64", out_ptr="*i64")
+    params = dict(ptrs, E="i32", k="i32", W="i32", n_ring="i32", stride_s="i32", stride_w="i32", stride_e="i32",
+                  stride_o="i32", BLOCK=BLOCK, KP=kp, WP=wp, PDL=True)
+    return compile_sm90(_stable_topk_rows_kernel, params, set(ptrs) | {"stride_s", "stride_w", "stride_e", "stride_o"},
+                        num_warps=4)
+
+
 def _case_attn_paged(split, qnorm):
     """`_sparse_attn_paged_kernel` (the batched decode's sparse attention from the packed FP8 caches) at V4's
     shapes: 16 heads of 512, a 64-channel rope tail, E8M0 per 64; split (b1's flash-decoding) or not, with the
@@ -297,6 +308,7 @@ CASES = {
     "compress_decode_r4_store": lambda: _case_compress_decode(4, 512, True, 512, 8, store=True),
     "compress_decode_r128_store": lambda: _case_compress_decode(128, 512, False, 64, 8, store=True),
     "stable_topk_512": lambda: _case_stable_topk(512),
+    "stable_topk_rows_512": lambda: _case_stable_topk_rows(512),
     "stable_topk_1024": lambda: _case_stable_topk(1024),
     "stable_topk_4096": lambda: _case_stable_topk(4096),
     "gather_256_rows1": lambda: _case_gather(256, 1),

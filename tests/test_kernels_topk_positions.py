@@ -55,6 +55,72 @@ def _check(device: str) -> None:
             assert got.shape == want.shape and got.dtype == torch.int64, (shape, k, got.shape, want.shape)
 
 
+def _check_rows(device: str) -> None:
+    """stable_topk_rows with DEEPINFER_TOPK_ROWS=fused (one kernel) == the two launches (stable_topk, then
+    decode_select_rows) == the twin, integers equal: ties, NaN, -inf; picks below, at and past visible (a row
+    that sees no entry, one that sees all); k past E; windows of 7 and 128 rows."""
+    import os
+
+    from deepinfer import kernels
+    from deepinfer.kernels.decode_rows import stable_topk_rows_torch
+    from deepinfer.kernels.triton.topk_positions import stable_topk_rows
+
+    g = torch.Generator().manual_seed(5)
+    for i, (r, e, k, w) in enumerate([(3, 1023, 512, 128), (4, 64, 65, 7), (2, 300, 17, 128), (1, 2500, 512, 16)]):
+        s = rows(r, e, 90 + i, device)
+        window = torch.randint(-1, 5000, (r, w), generator=g).to(device)
+        entry = torch.randint(0, 9000, (r, e), generator=g).to(device)
+        visible = torch.randint(0, e + 1, (r,), generator=g)
+        visible[0] = 0
+        visible[-1] = e
+        visible = visible.to(device)
+        want = stable_topk_rows_torch(s.cpu(), k, window.cpu(), visible.cpu(), entry.cpu(), 4096)
+        apart = stable_topk_rows(s, k, window, visible, entry, 4096)  # the default: two launches
+        os.environ["DEEPINFER_TOPK_ROWS"] = "fused"
+        saved = dict(kernels._REGISTRY)
+
+        def apart_op(*a, **kw):
+            raise AssertionError("the fused form took the two launches")
+        kernels.register("decode_select_rows", apart_op, device="cuda")
+        try:
+            fused = stable_topk_rows(s, k, window, visible, entry, 4096)
+        finally:
+            del os.environ["DEEPINFER_TOPK_ROWS"]
+            kernels._REGISTRY.clear()
+            kernels._REGISTRY.update(saved)
+        assert apart.dtype == fused.dtype == torch.int64, (r, e, k)
+        assert torch.equal(apart.cpu(), want) and torch.equal(fused.cpu(), want), (r, e, k, w)
+        assert r == 1 or torch.all(fused[0, w:] == -1)
+
+
+def test_stable_topk_rows_twin_is_the_two_ops():
+    from deepinfer import kernels
+    from deepinfer.kernels.decode_rows import decode_select_rows_torch, stable_topk_rows_torch
+
+    s = rows(3, 200, 4)
+    window = torch.randint(-1, 500, (3, 16))
+    entry = torch.randint(0, 900, (3, 200))
+    visible = torch.tensor([0, 57, 200])
+    want = decode_select_rows_torch(window, torch_ops.stable_topk(s, 64), visible, entry, 128)
+    assert torch.equal(stable_topk_rows_torch(s, 64, window, visible, entry, 128), want)
+    assert kernels.get("stable_topk_rows", "cpu") is stable_topk_rows_torch
+
+
+def test_stable_topk_rows_under_the_interpreter():
+    assert_ran_ok(run_check("test_kernels_topk_positions", "_check_rows('cpu')"))
+
+
+def test_topk_rows_env_choice(monkeypatch):
+    from deepinfer import env
+
+    assert not env.topk_rows_fused()  # opt-in until a GPU has timed it (device stage s47a)
+    monkeypatch.setenv("DEEPINFER_TOPK_ROWS", "FUSED")
+    assert env.topk_rows_fused()
+    monkeypatch.setenv("DEEPINFER_TOPK_ROWS", "kernel")
+    with pytest.raises(ValueError, match="DEEPINFER_TOPK_ROWS='kernel'"):
+        env.topk_rows_fused()
+
+
 def test_twin_is_the_stable_top_k_in_position_order():
     s = torch.tensor([[0.5, 2.0, 0.5, -1.0, 2.0, 0.5]]).bfloat16()
     assert torch_ops.topk_positions(s, 4).tolist() == [[0, 1, 2, 4]]  # 2.0, 2.0, then the first two 0.5 ties
@@ -120,6 +186,7 @@ def test_topk_positions_on_the_gpu():
             assert torch.equal(topk_positions(s, k).cpu(), torch_ops.topk_positions(s.cpu(), k)), (seed, r, e, k)
             if k <= 4096:  # the sort of the picks holds up to a few thousand keys in one program's registers
                 assert torch.equal(stable_topk(s, k).cpu(), torch_ops.stable_topk(s, k).cpu()), (seed, r, e, k)
+    _check_rows("cuda")
     s = rows(6, 3000, seed, "cuda").view(2, 3, 3000)
     assert torch.equal(topk_positions(s, 512).cpu(), torch_ops.topk_positions(s.cpu(), 512))
     assert torch.equal(stable_topk(s, 512).cpu(), torch_ops.stable_topk(s, 512).cpu())  # the CUDA sort's order

@@ -67,3 +67,4 @@ from deepinfer.kernels import decode_rows  # noqa: E402
 
 register("decode_rows", decode_rows.decode_rows_torch)
 register("decode_select_rows", decode_rows.decode_select_rows_torch)
+register("stable_topk_rows", decode_rows.stable_topk_rows_torch)

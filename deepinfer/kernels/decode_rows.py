@@ -13,7 +13,9 @@ E = max_context // r), every index int64:
   per block); visible = (p + 1) // r entries the query may see, hidden = j >= visible; complete: this token
   completes entry p // r, new_row its flat row, block_pos = r * (p // r) its first position.
 Also op "decode_select_rows" (`decode_select_rows_torch`): an indexer layer's attention index rows from its
-top-k picks, the tail of the decode step's selection (six small torch kernels on cuda before 2026-12-05).
+top-k picks, the tail of the decode step's selection (six small torch kernels on cuda before 2026-12-05); and
+op "stable_topk_rows" (`stable_topk_rows_torch`): the stable top-k of the scores, then those rows (one kernel
+on cuda with DEEPINFER_TOPK_ROWS=fused).
 Must not: know about layers, caches or sequences (plain index arithmetic on the buffer).
 """
 from __future__ import annotations
@@ -54,3 +56,14 @@ def decode_select_rows_torch(window_rows: torch.Tensor, top: torch.Tensor, visib
     hid = top >= visible.unsqueeze(1)
     chosen = entry_rows.gather(1, torch.where(hid, 0, top))
     return torch.cat([window_rows, torch.where(hid, -1, chosen + n_ring)], dim=1)
+
+
+def stable_topk_rows_torch(scores: torch.Tensor, k: int, window_rows: torch.Tensor, visible: torch.Tensor,
+                           entry_rows: torch.Tensor, n_ring: int) -> torch.Tensor:
+    """An indexer layer's attention index rows at decode from its scores [B, E]: the stable top-k
+    (`torch_ops.stable_topk`, min(k, E) picks in descending score order, ties to the lower entry), then
+    `decode_select_rows_torch` of them: exactly the two ops the decode step ran."""
+    from deepinfer.kernels import torch_ops
+
+    return decode_select_rows_torch(window_rows, torch_ops.stable_topk(scores, k), visible, entry_rows, n_ring)
+

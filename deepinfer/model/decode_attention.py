@@ -112,8 +112,9 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
         cache rows (-1 past the visible entries: the official sel = where(hid, -1, top))."""
         scores = k("indexer_scores_paged_bf16")(q_idx, w_idx, lc.index_keys, rr.entry_rows, rr.hidden,
                                                 lc.layouts["index"])
-        top = k("stable_topk")(scores, min(cfg.index_topk, E))  # [B, K], every pick in [0, E)
-        return k("decode_select_rows")(rows.window_rows, top, rr.visible, rr.entry_rows, n_ring)
+        # the stable top-k (every pick in [0, E)), then its rows (one launch on cuda with DEEPINFER_TOPK_ROWS=fused)
+        return k("stable_topk_rows")(scores, min(cfg.index_topk, E), rows.window_rows, rr.visible, rr.entry_rows,
+                                     n_ring)
 
     def select() -> tuple[torch.Tensor, torch.Tensor | None]:
         """Advance the compressors and pick the rows to attend: (index rows, compressed cache or None)."""

@@ -143,6 +143,37 @@ def _stable_topk_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.cons
     tl.store(dst + i, 0x7FFFFFFF - (packed & 0xFFFFFFFF), mask=valid)
 
 
+@fast_launch
+@triton.jit
+def _stable_topk_rows_kernel(s_ptr, win_ptr, vis_ptr, entry_ptr, out_ptr, E, k, W, n_ring, stride_s, stride_w,
+                             stride_e, stride_o, BLOCK: tl.constexpr, KP: tl.constexpr, WP: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """`_stable_topk_kernel` whose sorted picks become the attention's index rows in place
+    (`decode_rows._select_rows_kernel`'s mapping): out[b] = the row's W window rows, then per pick top (in
+    stable descending order) entry_rows[b, top] + n_ring, or -1 at or past visible[b]. The picks are selected
+    into the row's tail out[b, W:] (scratch until the mapped rows overwrite them)."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    src = s_ptr + row * stride_s
+    out = out_ptr + row * stride_o
+    dst = out + W
+    _select_in_position_order(src, dst, E, k, BLOCK)
+    tl.debug_barrier()
+    i = tl.arange(0, KP)
+    valid = i < k
+    pos = tl.load(dst + i, mask=valid, other=0)
+    key = _order_keys(tl.load(src + pos, mask=valid, other=0.0)).to(tl.int64)
+    packed = tl.where(valid, (key << 32) | (0x7FFFFFFF - pos), -1)  # -1: below every pick
+    top = 0x7FFFFFFF - (tl.sort(packed, descending=True) & 0xFFFFFFFF)
+    hid = top >= tl.load(vis_ptr + row)
+    chosen = tl.load(entry_ptr + row * stride_e + tl.where(hid, 0, top), mask=valid, other=0)
+    tl.debug_barrier()  # every thread has read its picks before any is overwritten
+    tl.store(dst + i, tl.where(hid, -1, chosen + n_ring), mask=valid)
+    j = tl.arange(0, WP)
+    ok = j < W
+    tl.store(out + j, tl.load(win_ptr + row * stride_w + j, mask=ok, other=0), mask=ok)
+
+
 def _per_row(op: str, scores: torch.Tensor, k: int, kernel_takes, launch) -> torch.Tensor | None:
     """Both ops' shared launcher: scores [..., E] -> int64 [..., min(k, E)] by `launch(rows, out, E, k)` (one
     program a row), or None where the twin must answer: not bf16, not on CUDA (or the interpreter), a 0-d
@@ -191,4 +222,40 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch_ops.stable_topk(scores, k) if got is None else got
 
 
-REGISTRATIONS = {"topk_positions": topk_positions, "stable_topk": stable_topk}
+def stable_topk_rows(scores: torch.Tensor, k: int, window_rows: torch.Tensor, visible: torch.Tensor,
+                     entry_rows: torch.Tensor, n_ring: int) -> torch.Tensor:
+    """Same contract as `kernels.decode_rows.stable_topk_rows_torch` (scores [B, E]; int64 rows). With
+    DEEPINFER_TOPK_ROWS=fused, where `stable_topk`'s kernel takes the call and the rows are int64 with unit
+    column strides: one launch (`_stable_topk_rows_kernel`), where `stable_topk` and `decode_select_rows` were two
+    on an indexer layer's selection lane; else those two ops (the default until a GPU has timed it)."""
+    from deepinfer import kernels
+    from deepinfer.env import topk_rows_fused
+
+    B = scores.shape[0] if scores.dim() == 2 else -1
+    E = scores.shape[-1] if scores.dim() else 0
+    kk = min(k, E)
+    fused = (topk_rows_fused() and scores.dim() == 2 and scores.dtype == torch.bfloat16
+             and (scores.is_cuda or _interpreting()) and 0 < kk and E <= POSITION_MASK
+             and _use_stable_topk_kernel(B, kk) and entry_rows.shape[1] >= 1
+             and all(t.dtype == torch.int64 and t.shape[0] == B for t in (window_rows, visible, entry_rows))
+             and window_rows.dim() == 2 and entry_rows.dim() == 2 and visible.dim() == 1
+             and (window_rows.shape[1] <= 1 or window_rows.stride(1) == 1)
+             and (entry_rows.shape[1] <= 1 or entry_rows.stride(1) == 1))
+    dev = scores.device.type if not _interpreting() else "cuda"
+    if not fused:
+        top = kernels.get("stable_topk", dev)(scores, k)
+        return kernels.get("decode_select_rows", dev)(window_rows, top, visible, entry_rows, n_ring)
+    if k < 0:
+        raise ValueError(f"stable_topk_rows: k must be >= 0, got {k}")
+    W = window_rows.shape[1]
+    rows = scores if scores.stride(-1) == 1 else scores.contiguous()
+    out = torch.empty(B, W + kk, dtype=torch.int64, device=scores.device)
+    if B:
+        _stable_topk_rows_kernel[(B,)](rows, window_rows, visible.contiguous(), entry_rows, out, E, kk, W,
+                                       int(n_ring), rows.stride(0), window_rows.stride(0), entry_rows.stride(0),
+                                       out.stride(0), BLOCK=BLOCK, KP=max(2, triton.next_power_of_2(kk)),
+                                       WP=max(2, triton.next_power_of_2(W)), num_warps=4)
+    return out
+
+
+REGISTRATIONS = {"topk_positions": topk_positions, "stable_topk": stable_topk, "stable_topk_rows": stable_topk_rows}
