@@ -35,8 +35,6 @@ from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
 
 BF16 = torch.bfloat16
-FP8_MAX = tl.constexpr(448.0)
-FP8_AMAX_FLOOR = tl.constexpr(1e-4)
 
 
 @fast_launch
@@ -73,12 +71,7 @@ def _qkv_norm_rope_store_kernel(q_ptr, kv_ptr, qw_ptr, kvw_ptr, qr_ptr, cos_ptr,
     m = bmask[:, None] & (j[None, :] < BLOCK)
     xn = tl.load(kv_row + ch, mask=m, other=0.0).to(tl.float32)
     yn = (tl.load(kvw_ptr + ch, mask=m, other=0.0).to(tl.float32) * (xn * rk)).to(tl.bfloat16).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(yn), axis=1), FP8_AMAX_FLOOR)
-    prod = amax * (1.0 / FP8_MAX)
-    bits = prod.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    s = (e << 23).to(tl.float32, bitcast=True)
-    q8 = tl.minimum(tl.maximum(yn / s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    q8, e = kv_pack.e4m3_blocks(yn)
     base = tl.load(rows_ptr + b).to(tl.int64) * BPT
     tl.store(out8_ptr + base + ch, q8.to(tl.uint8, bitcast=True), mask=m)
     # the RoPE tail: normed, rounded to bf16, rotated in fp32 (rope._rope_kernel's arithmetic), raw bf16

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from deepinfer import env
 from deepinfer.kernels import official_fused
-from deepinfer.kernels.triton.kv_pack import FP8_AMAX_FLOOR, FP8_MAX, _fp8_geometry, _supported
+from deepinfer.kernels.triton.kv_pack import _fp8_geometry, _supported, e4m3_blocks
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
 
@@ -153,12 +153,7 @@ def _rope_encode_store(e, b, cos_ptr, sin_ptr, rows_ptr, out8_ptr, out16_ptr, BP
     j = tl.arange(0, SBLOCK)
     ch = nb[:, None] * SBLOCK + j[None, :]
     bmask = nb < NB
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), FP8_AMAX_FLOOR)
-    prod = amax * (1.0 / FP8_MAX)
-    bits = prod.to(tl.int32, bitcast=True)
-    ex = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    sc = (ex << 23).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(x / sc[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    q, ex = e4m3_blocks(x)
     base = tl.load(rows_ptr + b).to(tl.int64) * BPT
     tl.store(out8_ptr + base + ch, q.to(tl.uint8, bitcast=True), mask=bmask[:, None] & (j[None, :] < SBLOCK))
     tail = ch >= QDIM

@@ -29,6 +29,20 @@ FP8_MAX = tl.constexpr(448.0)  # jit code reads module globals only as constexpr
 FP8_AMAX_FLOOR = tl.constexpr(1e-4)
 
 
+@triton.jit
+def e4m3_blocks(x):
+    """x [blocks, BLOCK] fp32 (bf16 values) -> (E4M3 codes of x / 2^e, the E8M0 exponent bytes e [blocks] as
+    int32) per block: the pow2 ceiling of amax / 448 (amax floored at 1e-4; the product's exponent field, + 1
+    if any mantissa bit), x / scale clamped to +-448 and rounded to E4M3. The official act_quant's block
+    codec, shared by every kernel that packs FP8 cache rows (their bytes must agree to the bit)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), FP8_AMAX_FLOOR)
+    prod = amax * (1.0 / FP8_MAX)  # fp32 product with the rounded fp32 reciprocal, as the official kernel
+    bits = prod.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the pow2 ceiling
+    s = (e << 23).to(tl.float32, bitcast=True)
+    return tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv), e
+
+
 @fast_launch
 @triton.jit
 def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT, dst_ptr, keep_ptr,
@@ -47,12 +61,7 @@ def _encode_kernel(x_ptr, out8_ptr, out16_ptr, stride_x, BPT, dst_ptr, keep_ptr,
     ch = nb[:, None] * BLOCK + j[None, :]
     m = bmask[:, None] & (j[None, :] < BLOCK)
     x = tl.load(x_ptr + row * stride_x + ch, mask=m, other=0.0).to(tl.bfloat16).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), FP8_AMAX_FLOOR)
-    prod = amax * (1.0 / FP8_MAX)  # fp32 product with the rounded fp32 reciprocal, as the official kernel
-    bits = prod.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the pow2 ceiling
-    s = (e << 23).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    q, e = e4m3_blocks(x)
     if INTO:
         base = tl.load(dst_ptr + row).to(tl.int64) * BPT
     else:

@@ -121,16 +121,12 @@ def _use_stable_topk_kernel(rows: int, k: int) -> bool:
     return mode == "kernel" or rows <= STABLE_TOPK_MAX_ROWS
 
 
-@fast_launch
 @triton.jit
-def _stable_topk_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.constexpr, KP: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """`_select_in_position_order`, then the k picks read back (this program wrote them: the barrier makes
-    its threads' stores visible to each other) and sorted by (value key descending, position ascending)."""
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    src = s_ptr + row * stride_s
-    dst = out_ptr + row * stride_o
+def _stable_picks(src, dst, E, k, BLOCK: tl.constexpr, KP: tl.constexpr):
+    """`_select_in_position_order` into dst (scratch), then the k picks read back (this program wrote them: the
+    barrier makes its threads' stores visible to each other) and sorted by (value key descending, position
+    ascending) -> (positions [KP] in that order, valid [KP]). The caller's stores to dst must follow a barrier
+    (every thread has read its picks before any is overwritten)."""
     _select_in_position_order(src, dst, E, k, BLOCK)
     tl.debug_barrier()
     i = tl.arange(0, KP)
@@ -138,9 +134,20 @@ def _stable_topk_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.cons
     pos = tl.load(dst + i, mask=valid, other=0)
     key = _order_keys(tl.load(src + pos, mask=valid, other=0.0)).to(tl.int64)
     packed = tl.where(valid, (key << 32) | (0x7FFFFFFF - pos), -1)  # -1: below every pick
-    packed = tl.sort(packed, descending=True)
+    return 0x7FFFFFFF - (tl.sort(packed, descending=True) & 0xFFFFFFFF), valid
+
+
+@fast_launch
+@triton.jit
+def _stable_topk_kernel(s_ptr, out_ptr, E, k, stride_s, stride_o, BLOCK: tl.constexpr, KP: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """`_stable_picks` of a row, stored as they come."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    dst = out_ptr + row * stride_o
+    top, valid = _stable_picks(s_ptr + row * stride_s, dst, E, k, BLOCK, KP)
     tl.debug_barrier()  # every thread has read its picks before any is overwritten
-    tl.store(dst + i, 0x7FFFFFFF - (packed & 0xFFFFFFFF), mask=valid)
+    tl.store(dst + tl.arange(0, KP), top, mask=valid)
 
 
 @fast_launch
@@ -154,21 +161,13 @@ def _stable_topk_rows_kernel(s_ptr, win_ptr, vis_ptr, entry_ptr, out_ptr, E, k, 
     into the row's tail out[b, W:] (scratch until the mapped rows overwrite them)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    src = s_ptr + row * stride_s
     out = out_ptr + row * stride_o
     dst = out + W
-    _select_in_position_order(src, dst, E, k, BLOCK)
-    tl.debug_barrier()
-    i = tl.arange(0, KP)
-    valid = i < k
-    pos = tl.load(dst + i, mask=valid, other=0)
-    key = _order_keys(tl.load(src + pos, mask=valid, other=0.0)).to(tl.int64)
-    packed = tl.where(valid, (key << 32) | (0x7FFFFFFF - pos), -1)  # -1: below every pick
-    top = 0x7FFFFFFF - (tl.sort(packed, descending=True) & 0xFFFFFFFF)
+    top, valid = _stable_picks(s_ptr + row * stride_s, dst, E, k, BLOCK, KP)
     hid = top >= tl.load(vis_ptr + row)
     chosen = tl.load(entry_ptr + row * stride_e + tl.where(hid, 0, top), mask=valid, other=0)
     tl.debug_barrier()  # every thread has read its picks before any is overwritten
-    tl.store(dst + i, tl.where(hid, -1, chosen + n_ring), mask=valid)
+    tl.store(dst + tl.arange(0, KP), tl.where(hid, -1, chosen + n_ring), mask=valid)
     j = tl.arange(0, WP)
     ok = j < W
     tl.store(out + j, tl.load(win_ptr + row * stride_w + j, mask=ok, other=0), mask=ok)
