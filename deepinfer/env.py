@@ -158,39 +158,35 @@ def attn_fusions_enabled() -> bool:
 
 
 def attn_qnorm_in_kernel() -> bool:
-    """DEEPINFER_ATTN_QNORM=kernel runs V4's per-head query norm and RoPE inside the attention kernels instead of
-    as `head_rms_norm_rope`'s own launch before them ("launch", the default): at decode on the paged Triton
-    kernel's q load (`sparse_attn_sink_paged_rope`'s q_norm_eps: one launch off the step's main chain), at
-    prefill in the CUDA wgmma kernel's shared memory (op `sparse_attn_sink_qnorm`: no full write and re-read of
-    q, ~370 us a layer of an 8k prefill on an H100). Written in the fortieth session (2026-12-07) with no device
-    lent: the interpreter's tests pass (decode), the sm_90 builds compile without spills or a serialized wgmma
-    pipeline, but neither has run on a GPU, so it is opt-in until device stages s47a-c test and time it.
-    DEEPINFER_ATTN_FUSIONS=0 runs it apart either way."""
-    v = os.environ.get("DEEPINFER_ATTN_QNORM", "launch").strip().lower()
+    """DEEPINFER_ATTN_QNORM=launch runs V4's per-head query norm and RoPE as `head_rms_norm_rope`'s own launch
+    before the attention instead of inside the attention kernels ("kernel", the default since the fortieth
+    session, 2026-12-07): at decode on the paged Triton kernel's q load (`sparse_attn_sink_paged_rope`'s
+    q_norm_eps: one launch off the step's main chain), at prefill in the CUDA wgmma kernel's shared memory (op
+    `sparse_attn_sink_qnorm`: no full write and re-read of q). H100: the 8k prefill's blocks 54.7 / 54.4 ->
+    54.0 / 53.4 ms (alternated in one process); GPU tests passed. DEEPINFER_ATTN_FUSIONS=0 runs it apart too."""
+    v = os.environ.get("DEEPINFER_ATTN_QNORM", "kernel").strip().lower()
     if v not in ("kernel", "launch"):
         raise ValueError(f"DEEPINFER_ATTN_QNORM={v!r}: want kernel or launch")
     return v == "kernel"
 
 
 def compress_store_fused() -> bool:
-    """DEEPINFER_COMPRESS_STORE=fused makes the decode step's KV compressors one launch through to the cache
-    (op `compress_decode_store`: the entries' RoPE and packed store in the compressor kernel's epilogue)
-    instead of three ("apart", the default: compress_decode_step, rope32, kv_encode_into). Written in the
-    fortieth session (2026-12-07) without a device: bit-identical to the three under Triton's interpreter, not
-    yet run on a GPU, so opt-in until device stage s47b times it."""
-    v = os.environ.get("DEEPINFER_COMPRESS_STORE", "apart").strip().lower()
+    """DEEPINFER_COMPRESS_STORE=apart runs the decode step's KV compressors in three launches
+    (compress_decode_step, rope32, kv_encode_into) instead of one through to the cache ("fused", the default
+    since the fortieth session, 2026-12-07: op `compress_decode_store`, the entries' RoPE and packed store in the
+    compressor kernel's epilogue; the same bytes, GPU tests passed). The A/B switch of its timing."""
+    v = os.environ.get("DEEPINFER_COMPRESS_STORE", "fused").strip().lower()
     if v not in ("fused", "apart"):
         raise ValueError(f"DEEPINFER_COMPRESS_STORE={v!r}: want fused or apart")
     return v == "fused"
 
 
 def topk_rows_fused() -> bool:
-    """DEEPINFER_TOPK_ROWS=fused makes an indexer layer's decode selection one launch (op `stable_topk_rows`: the
-    stable top-k kernel maps its sorted picks to the attention's index rows itself) instead of two ("apart", the
-    default: stable_topk, decode_select_rows). Written in the fortieth session (2026-12-07) without a device:
-    the same integers as the two under Triton's interpreter, not yet run on a GPU, so opt-in until device stage
-    s47a times it."""
-    v = os.environ.get("DEEPINFER_TOPK_ROWS", "apart").strip().lower()
+    """DEEPINFER_TOPK_ROWS=apart runs an indexer layer's decode selection in two launches (stable_topk,
+    decode_select_rows) instead of one ("fused", the default since the fortieth session, 2026-12-07: op
+    `stable_topk_rows`, the top-k kernel maps its sorted picks to the attention's index rows; the same integers,
+    GPU tests passed). The A/B switch of its timing."""
+    v = os.environ.get("DEEPINFER_TOPK_ROWS", "fused").strip().lower()
     if v not in ("fused", "apart"):
         raise ValueError(f"DEEPINFER_TOPK_ROWS={v!r}: want fused or apart")
     return v == "fused"

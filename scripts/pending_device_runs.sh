@@ -28,12 +28,11 @@
 # and the headline (results/*_s38*); it owes s45 (the indexer's head sum, written and reverted: no device time
 # left), first. The thirty-ninth session's H100 (3 calls after an hour of refused starts) ran s46 (serial split-K:
 # passed, made opt-in; the combine's heads and stable_topk's kernel: kept) with part of s46b and s46_engine
-# (results/*_s39*). The fortieth session had no device (loans paused): it wrote the query's norm in the attention
-# kernels (opt-in DEEPINFER_ATTN_QNORM=kernel). Owed, in order: s47a (with s45 re-applied first, as s45's comment
-# says: its tests and timing ride along), s47b (the engine's tests with and without the norm in the kernels,
-# V4.1's decode, the serial split's after e5dff6a), s47c (the 8k prefill A/B), s46c (the 8k prefill with the
-# stable_topk kernel against the torch sort, its default there: the kernel is not yet timed at prefill sizes),
-# then the H200 runs below. Still owed
+# (results/*_s39*). The fortieth session's H100 (three calls, late) ran s47t (every test of its three fusions and
+# s45: passed), s47p (their A/Bs: made the defaults) and s47i (s45's timing: landed; s46c: the stable_topk kernel
+# not faster at prefill sizes, the sort stays) (results/*_s40*). Owed, in order: `headline` with the new defaults
+# (the issue's numbers: the session's attempt was refused), tests/test_engine_fast_v41_decode.py and the serial
+# split's tests after e5dff6a's refactor (s47b's second step), then the H200 runs below. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
@@ -45,7 +44,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s47a, s47b, s47c, s46, s46b, s46c, s46_engine, s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s47t, s47p, s47i, s47a, s47b, s47c, s46, s46b, s46c, s46_engine, s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -56,7 +55,37 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s47a)  # the fortieth session's (no device lent): s45 (the indexer's head sum; re-apply 0e5727f in the working tree
+s47t)  # every test the fortieth session's changes owe (with s45 re-applied in the working tree): the new kernels'
+    # GPU tests, then the engine's decode and prefill paths with the defaults (their ops' default forms changed
+    # wrappers: sparse_attn_sink_qnorm, compress_decode_store, stable_topk_rows) and with all three fusions on
+    step gpu_tests_s47_kernels 200 python -m pytest -q -m gpu tests/test_kernels_indexer_scores.py \
+        tests/test_kernels_indexer_paged.py tests/test_kernels_attn_paged.py tests/test_kernels_attn_wgmma.py \
+        tests/test_kernels_compress_decode.py tests/test_kernels_topk_positions.py
+    step gpu_tests_s47_engine 190 python -m pytest -q -m gpu tests/test_engine_fast_decode.py \
+        tests/test_engine_fast_prefill.py
+    DEEPINFER_ATTN_QNORM=kernel DEEPINFER_COMPRESS_STORE=fused DEEPINFER_TOPK_ROWS=fused step \
+        gpu_tests_s47_engine_fused 190 python -m pytest -q -m gpu tests/test_engine_fast_decode.py \
+        tests/test_engine_fast_prefill.py
+    ;;
+s47p)  # the A/Bs: decode b1 / b32 with each fusion and all three, then the 8k prefill with the query norm in the
+    # attention kernel and without
+    step decode_anatomy_s47 200 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 --top 12 \
+        --env-sets "" DEEPINFER_ATTN_QNORM=kernel DEEPINFER_COMPRESS_STORE=fused DEEPINFER_TOPK_ROWS=fused \
+        DEEPINFER_ATTN_QNORM=kernel,DEEPINFER_COMPRESS_STORE=fused,DEEPINFER_TOPK_ROWS=fused "" \
+        DEEPINFER_ATTN_QNORM=kernel,DEEPINFER_COMPRESS_STORE=fused,DEEPINFER_TOPK_ROWS=fused
+    step run_slice_prefill_qnorm 280 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 \
+        --top 12 --prefill-env-sets "" DEEPINFER_ATTN_QNORM=kernel "" DEEPINFER_ATTN_QNORM=kernel
+    ;;
+s47i)  # s45's timing: the indexer ops with the head sum change and before it (old_tree/), then s46c
+    step bench_indexer_s45 100 python benchmarks/bench_attn_kernels.py --indexer --indexer-paged
+    if [ -d old_tree ]; then
+        (cd old_tree && PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks step bench_indexer_s45_before 100 \
+            python benchmarks/bench_attn_kernels.py --indexer --indexer-paged)
+    fi
+    step run_slice_prefill_topk 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 \
+        --top 12 --prefill-env-sets "" DEEPINFER_STABLE_TOPK=kernel
+    ;;
+s47a)  # (superseded by s47t / s47p / s47i, which ran on the fortieth session's H100) the fortieth session's: s45 (the indexer's head sum; re-apply 0e5727f in the working tree
     # first, old_tree/ = HEAD before it, as s45 says) and two opt-in fusions: the query's per-head norm and RoPE
     # in the attention kernels (DEEPINFER_ATTN_QNORM=kernel; default "launch": head_rms_norm_rope's own launch):
     # decode on the paged Triton kernel's q load (sparse_attn_paged.py QNORM), prefill in the wgmma kernel's
@@ -108,7 +137,7 @@ s46b)  # the steps with the serial split and without, with stable_topk's kernel 
     step decode_anatomy_s46 300 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 128 --top 12 \
         --env-sets "" DEEPINFER_LINEAR_SERIAL_SPLIT=1 DEEPINFER_STABLE_TOPK=torch "" DEEPINFER_LINEAR_SERIAL_SPLIT=1
     ;;
-s46c)  # the 8k prefill with stable_topk's kernel (DEEPINFER_STABLE_TOPK=kernel; by default only decode-sized calls
+s46c)  # (ran in the fortieth session as s47i's last step: not faster, the sort stays) the 8k prefill with stable_topk's kernel (DEEPINFER_STABLE_TOPK=kernel; by default only decode-sized calls
     # of <= 256 rows take it) and with the torch sort (the default there: 8192 rows of the scores a call). If the
     # kernel is faster, raise topk_positions.STABLE_TOPK_MAX_ROWS
     step run_slice_prefill_topk 300 python benchmarks/run_slice.py --layers 4 --no-hf --batches --prefills 8192 \
@@ -118,7 +147,7 @@ s46_engine)  # the engine's decode paths over the serial split
     step gpu_tests_s46_engine 400 python -m pytest -q -m gpu tests/test_engine_fast_decode.py tests/test_engine_fast.py \
         tests/test_engine_fast_v41_decode.py
     ;;
-s45)  # the indexer's head sum within a thread's quad (`indexer.head_sum` as keys x q^T: the heads on the MMA's N; the
+s45)  # (ran in the fortieth session within s47t / s47i: passed, faster, landed) the indexer's head sum within a thread's quad (`indexer.head_sum` as keys x q^T: the heads on the MMA's N; the
     # sm_90 build's hot loop 1071 -> 671 instructions, 104 -> 8 shuffles). Written in the thirty-eighth session as
     # 0e5727f and reverted (8c3c599) because no device time was left to run it. Before the call, here:
     #   mkdir old_tree && git archive HEAD deepinfer benchmarks/bench_attn_kernels.py benchmarks/timing.py \

@@ -226,11 +226,12 @@ for name, d, rope, T, H, win, k_sel in cases:
                   f"{rel(got_n, want):.2e} ({100 * differ:.3f}% of elements differ)")
             assert torch.equal(got_n, want) if device == "cpu" else rel(got_n, want) <= 1e-3, (name, T, chunk)
             assert differ <= 0.01, (name, T, chunk)
+        os.environ["DEEPINFER_ATTN_QNORM"] = "launch"  # head_rms_norm_rope's own launch, then the kernel
         launched = sparse_attn_sink_paged_rope(raw, ring, comp, layout, sink, idx, scale, pos, freqs, None,
-                                               q_norm_eps=eps)  # the default: head_rms_norm_rope's own launch
+                                               q_norm_eps=eps)
         assert torch.equal(launched, sparse_attn_sink_paged_triton(normed, ring, comp, layout, sink, idx, scale,
                                                                    rope_table=table))
-        os.environ["DEEPINFER_ATTN_QNORM"] = "kernel"
+        os.environ["DEEPINFER_ATTN_QNORM"] = "kernel"  # (the default)
         op_n = sparse_attn_sink_paged_rope(raw, ring, comp, layout, sink, idx, scale, pos, freqs, None, q_norm_eps=eps)
         assert torch.equal(op_n, sparse_attn_sink_paged_triton(raw, ring, comp, layout, sink, idx, scale,
                                                                rope_table=table, q_norm_eps=eps))
@@ -307,11 +308,11 @@ def test_split_env_choice(monkeypatch):
 def test_qnorm_env_choice(monkeypatch):
     from deepinfer import env
 
-    assert not env.attn_qnorm_in_kernel()  # opt-in until a GPU has timed it (device stage s47a)
-    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "Kernel")
-    assert env.attn_qnorm_in_kernel()
-    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "launch")
+    assert env.attn_qnorm_in_kernel()  # the default since the fortieth session's H100 runs
+    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "Launch")
     assert not env.attn_qnorm_in_kernel()
+    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "kernel")
+    assert env.attn_qnorm_in_kernel()
     monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "fused")
     with pytest.raises(ValueError, match="DEEPINFER_ATTN_QNORM='fused'"):
         env.attn_qnorm_in_kernel()

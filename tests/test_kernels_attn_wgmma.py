@@ -204,8 +204,8 @@ def test_wgmma_qnorm_is_the_separate_norm_then_the_kernel(T, H, K):
 
 @gpu
 def test_qnorm_op_dispatch(monkeypatch):
-    """Op sparse_attn_sink_qnorm: DEEPINFER_ATTN_QNORM=kernel takes the QNORM build (one launch), the default
-    `head_rms_norm_rope`'s launch then the plain kernel; both the same within the note above."""
+    """Op sparse_attn_sink_qnorm: DEEPINFER_ATTN_QNORM=kernel (the default) takes the QNORM build (one launch),
+    =launch `head_rms_norm_rope`'s launch then the plain kernel; both the same within the note above."""
     wg = _wgmma()
     from deepinfer.kernels.triton import sparse_attn
 
@@ -215,6 +215,7 @@ def test_qnorm_op_dispatch(monkeypatch):
     calls = []
     real = wg.sparse_attn_wgmma
     monkeypatch.setattr(wg, "sparse_attn_wgmma", lambda *a, **k: calls.append(k.get("q_norm")) or real(*a, **k))
+    monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "launch")
     apart = sparse_attn.sparse_attn_sink_qnorm(q, kv, sink, idx, 0.05, 1e-6, pos, freqs, table)
     monkeypatch.setenv("DEEPINFER_ATTN_QNORM", "kernel")
     fused = sparse_attn.sparse_attn_sink_qnorm(q, kv, sink, idx, 0.05, 1e-6, pos, freqs, None)

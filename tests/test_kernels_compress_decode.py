@@ -286,9 +286,9 @@ def test_store_fused_is_the_three_launches_under_the_interpreter():
 def test_store_env_choice(monkeypatch):
     from deepinfer import env
 
-    assert not env.compress_store_fused()  # opt-in until a GPU has timed it (device stage s47b)
-    monkeypatch.setenv("DEEPINFER_COMPRESS_STORE", "Fused")
-    assert env.compress_store_fused()
+    assert env.compress_store_fused()  # the default since the fortieth session's H100 runs
+    monkeypatch.setenv("DEEPINFER_COMPRESS_STORE", "Apart")
+    assert not env.compress_store_fused()
     monkeypatch.setenv("DEEPINFER_COMPRESS_STORE", "one")
     with pytest.raises(ValueError, match="DEEPINFER_COMPRESS_STORE='one'"):
         env.compress_store_fused()

@@ -75,8 +75,9 @@ def _check_rows(device: str) -> None:
         visible[-1] = e
         visible = visible.to(device)
         want = stable_topk_rows_torch(s.cpu(), k, window.cpu(), visible.cpu(), entry.cpu(), 4096)
-        apart = stable_topk_rows(s, k, window, visible, entry, 4096)  # the default: two launches
-        os.environ["DEEPINFER_TOPK_ROWS"] = "fused"
+        os.environ["DEEPINFER_TOPK_ROWS"] = "apart"
+        apart = stable_topk_rows(s, k, window, visible, entry, 4096)  # two launches
+        os.environ["DEEPINFER_TOPK_ROWS"] = "fused"  # (the default)
         saved = dict(kernels._REGISTRY)
 
         def apart_op(*a, **kw):
@@ -113,9 +114,9 @@ def test_stable_topk_rows_under_the_interpreter():
 def test_topk_rows_env_choice(monkeypatch):
     from deepinfer import env
 
-    assert not env.topk_rows_fused()  # opt-in until a GPU has timed it (device stage s47a)
-    monkeypatch.setenv("DEEPINFER_TOPK_ROWS", "FUSED")
-    assert env.topk_rows_fused()
+    assert env.topk_rows_fused()  # the default since the fortieth session's H100 runs
+    monkeypatch.setenv("DEEPINFER_TOPK_ROWS", "APART")
+    assert not env.topk_rows_fused()
     monkeypatch.setenv("DEEPINFER_TOPK_ROWS", "kernel")
     with pytest.raises(ValueError, match="DEEPINFER_TOPK_ROWS='kernel'"):
         env.topk_rows_fused()
