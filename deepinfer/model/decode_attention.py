@@ -14,9 +14,12 @@ are in layout only:
 * compressed entries are addressed for every sequence at once over `max_context // r` padded columns;
   ratio-4 layers with an indexer score them per sequence straight from the packed key cache
   (`indexer_scores_paged_bf16`: invisible columns -inf), take the stable top-k (ties to the lower entry) and
-  turn the picks into index rows in one op (`decode_select_rows`);
+  turn the picks into index rows (`stable_topk_rows`: one kernel on cuda);
 * compressor state is updated by a per-slot scatter; every row pools its state, and the entry is stored only
-  where the completion mask says this token completed it (elsewhere the row's old bytes are written back).
+  where the completion mask says this token completed it (the KV compressor's step, RoPE and store one op,
+  `compress_decode_store`: one kernel on cuda);
+* the query's per-head norm and RoPE run with the attention (`sparse_attn_sink_paged_rope`'s q_norm_eps: on
+  the paged kernel's q load on cuda).
 On CUDA the compressors and the indexer run on side streams beside the query path (one chain on one side
 stream; an indexer layer's in three lanes, `select_in_lanes`, unless DEEPINFER_INDEXER_LANES=0).
 The sparse-attention index rows have the per-sequence path's order (window ascending, then the selection)
