@@ -71,8 +71,8 @@ MOE_PREFILL_KERNEL_CHOICES = ("auto", "wgmma", "triton")
 DECODE_ATTN_SPLIT_CHOICES = ("auto", "off")
 
 
-def _kernel_choice(name: str, choices: tuple[str, ...] = DECODE_KERNEL_CHOICES) -> str:
-    value = os.environ.get(name, "auto").strip().lower() or "auto"
+def _kernel_choice(name: str, choices: tuple[str, ...] = DECODE_KERNEL_CHOICES, default: str = "auto") -> str:
+    value = os.environ.get(name, default).strip().lower() or default
     if value not in choices:
         raise ValueError(f"{name}={value!r}: expected one of {choices}")
     return value
@@ -164,10 +164,7 @@ def attn_qnorm_in_kernel() -> bool:
     q_norm_eps: one launch off the step's main chain), at prefill in the CUDA wgmma kernel's shared memory (op
     `sparse_attn_sink_qnorm`: no full write and re-read of q). H100: the 8k prefill's blocks 54.7 / 54.4 ->
     54.0 / 53.4 ms (alternated in one process); GPU tests passed. DEEPINFER_ATTN_FUSIONS=0 runs it apart too."""
-    v = os.environ.get("DEEPINFER_ATTN_QNORM", "kernel").strip().lower()
-    if v not in ("kernel", "launch"):
-        raise ValueError(f"DEEPINFER_ATTN_QNORM={v!r}: want kernel or launch")
-    return v == "kernel"
+    return _kernel_choice("DEEPINFER_ATTN_QNORM", ("kernel", "launch"), "kernel") == "kernel"
 
 
 def compress_store_fused() -> bool:
@@ -175,10 +172,7 @@ def compress_store_fused() -> bool:
     (compress_decode_step, rope32, kv_encode_into) instead of one through to the cache ("fused", the default
     since the fortieth session, 2026-12-07: op `compress_decode_store`, the entries' RoPE and packed store in the
     compressor kernel's epilogue; the same bytes, GPU tests passed). The A/B switch of its timing."""
-    v = os.environ.get("DEEPINFER_COMPRESS_STORE", "fused").strip().lower()
-    if v not in ("fused", "apart"):
-        raise ValueError(f"DEEPINFER_COMPRESS_STORE={v!r}: want fused or apart")
-    return v == "fused"
+    return _kernel_choice("DEEPINFER_COMPRESS_STORE", ("fused", "apart"), "fused") == "fused"
 
 
 def topk_rows_fused() -> bool:
@@ -186,10 +180,7 @@ def topk_rows_fused() -> bool:
     decode_select_rows) instead of one ("fused", the default since the fortieth session, 2026-12-07: op
     `stable_topk_rows`, the top-k kernel maps its sorted picks to the attention's index rows; the same integers,
     GPU tests passed). The A/B switch of its timing."""
-    v = os.environ.get("DEEPINFER_TOPK_ROWS", "fused").strip().lower()
-    if v not in ("fused", "apart"):
-        raise ValueError(f"DEEPINFER_TOPK_ROWS={v!r}: want fused or apart")
-    return v == "fused"
+    return _kernel_choice("DEEPINFER_TOPK_ROWS", ("fused", "apart"), "fused") == "fused"
 
 
 def indexer_lanes_enabled() -> bool:

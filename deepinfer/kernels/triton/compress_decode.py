@@ -33,6 +33,7 @@ from deepinfer.kernels import official_fused
 from deepinfer.kernels.triton.kv_pack import _fp8_geometry, _supported, e4m3_blocks
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
+from deepinfer.kernels.triton.rope import rotate_tail
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -141,13 +142,8 @@ def _rope_encode_store(e, b, cos_ptr, sin_ptr, rows_ptr, out8_ptr, out16_ptr, BP
                        PAD: tl.constexpr):
     """Entry e [W] (fp32 of its bf16 values, W a power of two = QDIM + 2 HALF) of row b: its tail rotated and its
     layout bytes written to cache row rows[b] (see `_compress_decode_kernel`'s STORE)."""
-    NOPE: tl.constexpr = W - 2 * HALF
-    re, im = tl.split(tl.reshape(e, (W // 2, 2)))
-    pair = tl.arange(0, W // 2) - NOPE // 2  # the rope pair's index, negative for pass-through pairs
-    is_rope = pair >= 0
-    c = tl.load(cos_ptr + b * HALF + pair, mask=is_rope, other=1.0)
-    s = tl.load(sin_ptr + b * HALF + pair, mask=is_rope, other=0.0)
-    rot = tl.reshape(tl.join(re * c - im * s, re * s + im * c), (W // SBLOCK, SBLOCK))
+    rot = rotate_tail(tl.reshape(e, (1, W)), b, cos_ptr, sin_ptr, 1, W, HALF, False)  # (its tail is stored)
+    rot = tl.reshape(rot, (W // SBLOCK, SBLOCK))
     x = tl.reshape(e, (W // SBLOCK, SBLOCK))  # the quantised channels keep the entry's values
     nb = tl.arange(0, W // SBLOCK)
     j = tl.arange(0, SBLOCK)
@@ -195,7 +191,7 @@ def compress_decode_store(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tenso
     """See `official_fused.compress_decode_store` (`table`: `rope.rope_table32(block_pos, freqs)` or None). With
     DEEPINFER_COMPRESS_STORE=fused one launch (the kernel's STORE form: the entries' RoPE and packed store in
     its epilogue, where `rope32` and `kv_encode_into` were two launches more on the side chain a ratio layer's
-    attention waits for); the three launches otherwise (the default until a GPU has timed it)."""
+    attention waits for; the default); the three launches with DEEPINFER_COMPRESS_STORE=apart."""
     from deepinfer.kernels.triton import kv_pack, rope
 
     half = freqs.shape[0]

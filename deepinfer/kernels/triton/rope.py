@@ -65,6 +65,24 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, R, stride_xt, stride_xr, s
     tl.store(out_ptr + o_off, rot.to(out_ptr.dtype.element_ty), mask=m3)
 
 
+@triton.jit
+def rotate_tail(x, t, cos_ptr, sin_ptr, R: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                INVERSE: tl.constexpr):
+    """x [R, D] fp32 (bf16 values) of token t -> [R, D] fp32: every interleaved pair (2i, 2i + 1) of the last
+    2 HALF channels rotated by the token's cos / sin (`rope_table32`'s rows; INVERSE: by -angle) with
+    `_rope_kernel`'s arithmetic (re c - im s, re s + im c); the pass-through pairs by cos 1 and sin 0, which
+    callers do not store (0 x a negative sin can turn a -0.0 into +0.0). The in-kernel RoPE of the fused
+    attention and compressor kernels: one copy of the arithmetic their separate launches' bits depend on."""
+    re, im = tl.split(tl.reshape(x, (R, D // 2, 2)))
+    pair = tl.arange(0, D // 2) - (D - 2 * HALF) // 2  # the rope pair's index, negative for pass-through pairs
+    is_rope = pair >= 0
+    c = tl.load(cos_ptr + t * HALF + pair, mask=is_rope, other=1.0)[None, :]
+    s = tl.load(sin_ptr + t * HALF + pair, mask=is_rope, other=0.0)[None, :]
+    if INVERSE:
+        s = -s
+    return tl.reshape(tl.join(re * c - im * s, re * s + im * c), (R, D))
+
+
 ROPE_ELEMENTS = 4096  # rope channels per program (tokens x rows x 2*HALF): 8 KB of bf16 in, 8 KB out
 
 

@@ -21,6 +21,7 @@ from deepinfer import env
 from deepinfer.kernels.triton.fp8_gemm import sm_count
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
 from deepinfer.kernels.triton.pdl import pdl_enter
+from deepinfer.kernels.triton.rope import rotate_tail
 
 SPARSE_ATTN_BLOCK = 64  # indices per online-softmax step, as the official kernel
 
@@ -87,12 +88,7 @@ def finish_heads_rope(acc, run_max, run_sum, sink_ptr, out_ptr, t, heads, hmask,
     ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     NOPE: tl.constexpr = D - 2 * HALF
     tl.store(ptrs, out, mask=hmask[:, None] & (dims < NOPE)[None, :])
-    re, im = tl.split(tl.reshape(out.to(tl.float32), (BLOCK_H, D // 2, 2)))
-    pair = tl.arange(0, D // 2) - NOPE // 2  # the rope pair's index, negative for pass-through pairs
-    is_rope = pair >= 0
-    c = tl.load(cos_ptr + t * HALF + pair, mask=is_rope, other=1.0)[None, :]
-    sn = -tl.load(sin_ptr + t * HALF + pair, mask=is_rope, other=0.0)[None, :]  # the inverse rotation
-    rot = tl.reshape(tl.join(re * c - im * sn, re * sn + im * c), (BLOCK_H, D))
+    rot = rotate_tail(out.to(tl.float32), t, cos_ptr, sin_ptr, BLOCK_H, D, HALF, True)  # the inverse rotation
     tl.store(ptrs, rot.to(tl.bfloat16), mask=hmask[:, None] & (dims >= NOPE)[None, :])
 
 

@@ -32,6 +32,7 @@ from deepinfer.kernels.triton.kv_pack import e8m0_value, kv_decode
 from deepinfer.kernels.triton import norm_hc
 from deepinfer.kernels.triton.launch import cdiv, fast_launch
 from deepinfer.kernels.triton.pdl import pdl_enter
+from deepinfer.kernels.triton.rope import rotate_tail
 from deepinfer.kernels.triton.sparse_attn import (SPARSE_ATTN_BLOCK, _block_h, _check, _interpreting,
                                                   attend_block, finish_heads, finish_heads_rope, head_block,
                                                   sparse_attn_sink_triton)
@@ -79,14 +80,8 @@ def _norm_rope_heads(q, t, dims, cos_ptr, sin_ptr, eps, D: tl.constexpr, BLOCK_H
     rotated by cos 1 / sin 0 (which could turn a -0.0 into +0.0)."""
     x = q.to(tl.float32)
     normed = (x * norm_hc.head_rms_factor(x, D, eps)[:, None]).to(tl.bfloat16)
-    re, im = tl.split(tl.reshape(normed.to(tl.float32), (BLOCK_H, D // 2, 2)))
-    NOPE: tl.constexpr = D - 2 * HALF
-    pair = tl.arange(0, D // 2) - NOPE // 2  # the rope pair's index, negative for pass-through pairs
-    is_rope = pair >= 0
-    c = tl.load(cos_ptr + t * HALF + pair, mask=is_rope, other=1.0)[None, :]
-    sn = tl.load(sin_ptr + t * HALF + pair, mask=is_rope, other=0.0)[None, :]
-    rot = tl.reshape(tl.join(re * c - im * sn, re * sn + im * c), (BLOCK_H, D)).to(tl.bfloat16)
-    return tl.where((dims >= NOPE)[None, :], rot, normed)
+    rot = rotate_tail(normed.to(tl.float32), t, cos_ptr, sin_ptr, BLOCK_H, D, HALF, False).to(tl.bfloat16)
+    return tl.where((dims >= D - 2 * HALF)[None, :], rot, normed)
 
 
 @fast_launch

@@ -226,7 +226,7 @@ def stable_topk_rows(scores: torch.Tensor, k: int, window_rows: torch.Tensor, vi
     """Same contract as `kernels.decode_rows.stable_topk_rows_torch` (scores [B, E]; int64 rows). With
     DEEPINFER_TOPK_ROWS=fused, where `stable_topk`'s kernel takes the call and the rows are int64 with unit
     column strides: one launch (`_stable_topk_rows_kernel`), where `stable_topk` and `decode_select_rows` were two
-    on an indexer layer's selection lane; else those two ops (the default until a GPU has timed it)."""
+    on an indexer layer's selection lane (the default); else those two ops (DEEPINFER_TOPK_ROWS=apart)."""
     from deepinfer import kernels
     from deepinfer.env import topk_rows_fused
 
@@ -244,9 +244,7 @@ def stable_topk_rows(scores: torch.Tensor, k: int, window_rows: torch.Tensor, vi
     if not fused:
         top = kernels.get("stable_topk", dev)(scores, k)
         return kernels.get("decode_select_rows", dev)(window_rows, top, visible, entry_rows, n_ring)
-    if k < 0:
-        raise ValueError(f"stable_topk_rows: k must be >= 0, got {k}")
-    W = window_rows.shape[1]
+    W = window_rows.shape[1]  # (a negative k took the two ops above, which name it)
     rows = scores if scores.stride(-1) == 1 else scores.contiguous()
     out = torch.empty(B, W + kk, dtype=torch.int64, device=scores.device)
     if B:
