@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.triton.act_quant import pow2_scale
 from deepinfer.kernels.triton.fp4_quant import fp4_codec_supported, fp4_decode_supported, fp4_kv_decode, fp4_kv_encode
 from deepinfer.kernels.triton.launch import fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
@@ -35,11 +36,8 @@ def e4m3_blocks(x):
     int32) per block: the pow2 ceiling of amax / 448 (amax floored at 1e-4; the product's exponent field, + 1
     if any mantissa bit), x / scale clamped to +-448 and rounded to E4M3. The official act_quant's block
     codec, shared by every kernel that packs FP8 cache rows (their bytes must agree to the bit)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), FP8_AMAX_FLOOR)
-    prod = amax * (1.0 / FP8_MAX)  # fp32 product with the rounded fp32 reciprocal, as the official kernel
-    bits = prod.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the pow2 ceiling
-    s = (e << 23).to(tl.float32, bitcast=True)
+    s, _ = pow2_scale(tl.maximum(tl.max(tl.abs(x), axis=1), FP8_AMAX_FLOOR))  # act_quant's scale
+    e = s.to(tl.int32, bitcast=True) >> 23  # its biased exponent: the E8M0 byte
     return tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv), e
 
 
