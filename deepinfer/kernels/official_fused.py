@@ -109,9 +109,13 @@ def kv_encode_into(layout, x: torch.Tensor, store: torch.Tensor, rows: torch.Ten
 
 
 def _check_encode_into(layout, x, store, rows, keep) -> None:
-    t = x.shape[0]
     if x.dim() != 2 or x.shape[1] != layout.dim:
         raise ValueError(f"kv_encode_into: {layout.name} takes x [T, {layout.dim}], got {tuple(x.shape)}")
+    _check_store_rows(layout, x.shape[0], store, rows, keep)
+
+
+def _check_store_rows(layout, t: int, store, rows, keep) -> None:
+    """kv_encode_into's checks of the cache and the rows t values go to (the fused ops that store without an x)."""
     if store.dtype != torch.uint8 or store.dim() != 2 or store.shape[1] != layout.bytes_per_token:
         raise ValueError(f"kv_encode_into: store must be uint8 [rows, {layout.bytes_per_token}], got "
                          f"{store.dtype} {tuple(store.shape)}")

@@ -207,7 +207,7 @@ def compress_decode_store(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tenso
         kv_pack.kv_encode_into(layout, rope.rope32(entries, block_pos, freqs, table=table), store, rows, complete)
         return
     B = kv.shape[0]
-    official_fused._check_encode_into(layout, torch.empty(B, w, device="meta"), store, rows, complete)
+    official_fused._check_store_rows(layout, B, store, rows, complete)  # (w == layout.dim: `_store_fits`)
     if tuple(table.shape) != (2, B, half) or table.dtype != F32 or not table.is_contiguous():
         raise ValueError(f"compress_decode_store: table {table.dtype} {tuple(table.shape)} is not rope_table32's "
                          f"fp32 [2, {B}, {half}]")
