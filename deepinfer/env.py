@@ -183,6 +183,29 @@ def topk_rows_fused() -> bool:
     return _kernel_choice("DEEPINFER_TOPK_ROWS", ("fused", "apart"), "fused") == "fused"
 
 
+SPLIT_SUM_DEFAULT = "kernel"  # DEEPINFER_SPLIT_SUM's default (`split_sum_consumers`)
+SPLIT_SUM_CONSUMERS = ("qkv", "post", "swiglu")
+
+
+def split_sum_consumers() -> frozenset[str]:
+    """DEEPINFER_SPLIT_SUM: which consumers the batched decode step leaves a split-K linear's partials to (op
+    `fp8_linear_unsummed`, kernels/split_k.py; the same bits, one launch fewer each where the linear splits
+    K), '+'-joined: "qkv" (V4's stacked wq_a | wkv, added by `qkv_norm_rope_store`), "post" (V4's wo_b, added
+    by the next hc_pre's mix kernel, `hc_post_pre_fused`), "swiglu" (the shared expert's stacked w1 | w3,
+    added by `swiglu_bf16`); "consumer" (all of them), "kernel" (none: `_split_sum_kernel` adds them first;
+    the default, SPLIT_SUM_DEFAULT). Else a ValueError naming the choices."""
+    value = os.environ.get("DEEPINFER_SPLIT_SUM", SPLIT_SUM_DEFAULT).strip().lower() or SPLIT_SUM_DEFAULT
+    if value == "kernel":
+        return frozenset()
+    if value == "consumer":
+        return frozenset(SPLIT_SUM_CONSUMERS)
+    names = frozenset(value.split("+"))
+    if not names <= set(SPLIT_SUM_CONSUMERS):
+        raise ValueError(f"DEEPINFER_SPLIT_SUM={value!r}: expected kernel, consumer or a '+'-joined subset of "
+                         f"{SPLIT_SUM_CONSUMERS}")
+    return names
+
+
 def indexer_lanes_enabled() -> bool:
     """DEEPINFER_INDEXER_LANES=0 keeps a decode step's indexer layers' side work as one chain on one side stream
     instead of splitting it over three (the indexer's weights and the main compressor; the index-key

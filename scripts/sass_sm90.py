@@ -247,6 +247,48 @@ def _case_compress_decode(r, w, overlap, block_c, warps, store=False):
                                                           "stride_r"}, num_warps=warps, num_stages=1)
 
 
+def _case_qkv_store(splits):
+    """`_qkv_norm_rope_store_kernel` at V4-Flash's shapes (q LoRA 1024; kv 512: 448 E4M3 channels in 7 blocks
+    of 64 and a 64-channel bf16 tail, 584 bytes a ring row), its q and kv bf16 (splits 1) or the stacked
+    wq_a | wkv's fp32 split-K partials (splits 16: `split_k_load.load_summed`); the parameters a tree without
+    the partials does not have are ignored (for before / after builds)."""
+    from deepinfer.kernels.triton.attn_norm_rope import _qkv_norm_rope_store_kernel
+    op = "*bf16" if splits == 1 else "*fp32"
+    params = dict(q_ptr=op, kv_ptr=op, qw_ptr="*bf16", kvw_ptr="*bf16", qr_ptr="*bf16", cos_ptr="*fp32",
+                  sin_ptr="*fp32", rows_ptr="*i64", out8_ptr="*u8", out16_ptr="*i16", eps="fp32", stride_q="i32",
+                  stride_kv="i32", stride_qr="i32", BPT="i32", stride_s="i32", S=splits, NQ=1024, BLOCK_Q=1024,
+                  BLOCK_D=512, QDIM=448, BLOCK=64, NB=7, NB_P2=8, HALF=32, PAD=0, TWO_PROGRAMS=splits > 1, PDL=True)
+    return compile_sm90(_qkv_norm_rope_store_kernel, params, {"q_ptr", "kv_ptr", "qw_ptr", "kvw_ptr", "qr_ptr",
+                                                              "stride_q", "stride_kv", "stride_s"},
+                        num_warps=4, num_stages=3)
+
+
+def _case_swiglu(splits):
+    """`_swiglu_kernel` on the shared expert's w1 | w3 (N 2048) at decode, bf16 (splits 1, 1024 columns a program)
+    or fp32 split-K partials (16, 256 columns a program); parameters a tree without them does not have are ignored."""
+    from deepinfer.kernels.triton.swiglu import _swiglu_kernel
+    op = "*bf16" if splits == 1 else "*fp32"
+    params = dict(g_ptr=op, u_ptr=op, w_ptr="*bf16", out_ptr="*bf16", N="i32", stride_g="i32", stride_u="i32",
+                  stride_o="i32", limit="fp32", stride_s="i32", S=splits, HAS_WEIGHT=False,
+                  BLOCK=1024 if splits == 1 else 256, PDL=True)
+    return compile_sm90(_swiglu_kernel, params, {"g_ptr", "u_ptr", "out_ptr", "N", "stride_g", "stride_u", "stride_o",
+                                                 "stride_s"}, num_warps=4, num_stages=3)
+
+
+def _case_hc_post_mix(splits, pin=False):
+    """`_hc_post_mix_partial_kernel`'s decode plan (16 tokens a block, one 64-column step a program, D 4096,
+    hc 4, 24 mixes; T = 1, as Triton specializes it at b1), its f bf16 (splits 1) or wo_b's fp32 split-K partials (16); parameters a tree without
+    them does not have are ignored."""
+    from deepinfer.kernels.triton.norm_hc import _hc_post_mix_partial_kernel
+    params = dict(f_ptr="*bf16" if splits == 1 else "*fp32", r_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32",
+                  x_ptr="*bf16", fn_ptr="*fp32", part_ptr="*fp32", ssq_ptr="*fp32", T=1, D="i32", KD="i32",
+                  n_out="i32", k_chunk="i32", stride_f="i32", stride_fs="i32", FS=splits, HC=4, BLOCK_T=16,
+                  BLOCK_O=32, BLOCK_K=64, INTERPRET=False, PIN_F=pin, PDL=True)
+    return compile_sm90(_hc_post_mix_partial_kernel, params, {"f_ptr", "r_ptr", "x_ptr", "fn_ptr", "part_ptr", "D",
+                                                              "KD", "k_chunk", "stride_f", "stride_fs"},
+                        num_warps=4, num_stages=1)
+
+
 def _case_hc_collapse(sp, warps, head=False, deferred=False):
     """`_hc_sinkhorn_collapse_kernel` at D = 4096 with SP split partials and the collapse's warps (decode:
     128-256 splits, prefill: 4; 16 warps): a token's collapse program and its Sinkhorn program."""
@@ -294,6 +336,13 @@ CASES = {
     "indexer_q_rotate_w4": lambda: _case_indexer_q_rotate(4),
     "indexer_q_rotate_w8": lambda: _case_indexer_q_rotate(8),
     "indexer_q_rotate_w16": lambda: _case_indexer_q_rotate(16),
+    "qkv_store": lambda: _case_qkv_store(1),
+    "qkv_store_split16": lambda: _case_qkv_store(16),
+    "swiglu": lambda: _case_swiglu(1),
+    "swiglu_split16": lambda: _case_swiglu(16),
+    "hc_post_mix": lambda: _case_hc_post_mix(1),
+    "hc_post_mix_split16": lambda: _case_hc_post_mix(16),
+    "hc_post_mix_pinned": lambda: _case_hc_post_mix(1, pin=True),
     "hc_collapse_decode": lambda: _case_hc_collapse(256, 16),
     "hc_collapse_prefill": lambda: _case_hc_collapse(4, 16),
     "hc_collapse_head": lambda: _case_hc_collapse(4, 16, head=True),

@@ -327,6 +327,62 @@ def test_moe_route_switches_change_no_bit_of_a_b1_decode(tiny_v4_raw, cuda_kerne
             assert torch.equal(cache_tensors(models[1])[name], ref), (graphs, name)
 
 
+def _forced_split(monkeypatch):
+    """The tiny model's linears are too small to split K (K = 256: one 256-wide step of the decode kernel), so
+    its ops "fp8_linear" / "fp8_linear_unsummed" on cuda run the Triton bf16 form with 2 splits where K has
+    two 128-wide steps: the summed form through `_split_sum_kernel`, the unsummed one as a SplitK."""
+    from deepinfer import kernels
+    from deepinfer.kernels.triton import fp8_gemm
+
+    def cfg(x):
+        return {"SPLIT_K": 2 if x.shape[-1] % 256 == 0 else 1}
+
+    monkeypatch.setitem(kernels._REGISTRY, ("fp8_linear", "cuda"),
+                        lambda x, w, config=None, mma=None, out=None:
+                        fp8_gemm.fp8_linear(x, w, config=cfg(x), mma="bf16", out=out))
+    monkeypatch.setitem(kernels._REGISTRY, ("fp8_linear_unsummed", "cuda"),
+                        lambda x, w: fp8_gemm.fp8_linear_unsummed(x, w, config=cfg(x), mma="bf16"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch,off,on", [("DEEPINFER_SPLIT_SUM", "kernel", "consumer"),
+                                           ("DEEPINFER_SPLIT_SUM", "kernel", "qkv"),
+                                           ("DEEPINFER_HC_POST_MIX", "", "PIN_F:1")])
+def test_split_sum_switches_change_no_bit_of_a_decode(tiny_v4_raw, cuda_kernels, monkeypatch, switch, off, on):
+    """The split-K partials added by their consumers (DEEPINFER_SPLIT_SUM=consumer / qkv: op
+    fp8_linear_unsummed into qkv_norm_rope_store and hc_post_pre_fused; the linears forced to split,
+    `_forced_split`) against the split-sum kernel, and the post-mix kernel's f pinned to its load layout
+    (PIN_F) against not: a 4-sequence batch's decode logits and every cache tensor bit-identical after each
+    step, eager and in replayed graphs (captured with the switch as set)."""
+    from deepinfer.kernels.split_k import SplitK
+
+    cfg, raw = tiny_v4_raw
+    params = v4_params(raw, cfg, "fast", "cuda")
+    if switch == "DEEPINFER_SPLIT_SUM":
+        _forced_split(monkeypatch)
+        x = torch.randn(1, cfg.dim, device="cuda").bfloat16()
+        from deepinfer import kernels
+        assert isinstance(kernels.get("fp8_linear_unsummed", "cuda")(x, params["layers.0.attn.wo_b.weight"]), SplitK)
+    for graphs in (False, True):
+        models, tok, lens = prefilled_pair(cfg, params, LENS, "cuda")
+        mk = dict(max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1,
+                  scratch_block=BPS * (SLOTS - 1), cuda_graphs=graphs)
+        runners = []
+        for m, flag in zip(models, (off, on)):
+            monkeypatch.setenv(switch, flag)
+            runners.append(DecodeRunner(m, **mk))
+        for k in range(3):
+            seqs = [SeqContext(n + k, 1, i, i, table(i)) for i, n in enumerate(lens)]
+            monkeypatch.setenv(switch, off)
+            ref = runners[0](tok, seqs).clone()
+            monkeypatch.setenv(switch, on)
+            got = runners[1](tok, seqs).clone()
+            assert torch.equal(got, ref), (graphs, k)
+            tok = ref.argmax(-1)
+        for name, ref in cache_tensors(models[0]).items():
+            assert torch.equal(cache_tensors(models[1])[name], ref), (graphs, name)
+
+
 @pytest.mark.gpu
 def test_fast_decode_cuda_matches_the_oracle_within_its_noise(tiny_v4_raw, oracle_run, cuda_kernels):
     """Prefill by the existing path, then the oracle's greedy tokens decoded by the graphed decode path,

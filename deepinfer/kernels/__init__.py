@@ -47,6 +47,7 @@ for _name in official_fused.__all__:  # fused official-numerics steps (hc_pre_fu
 from deepinfer.kernels import quant_weights  # noqa: E402  (it imports `official`, loaded above)
 
 register("fp8_linear", quant_weights.fp8_linear_torch)
+register("fp8_linear_unsummed", quant_weights.fp8_linear_torch)  # a bf16 tensor here; a SplitK on cuda (split_k.py)
 register("fp4_moe", quant_weights.fp4_moe_torch)
 register("fp4_moe_shared", quant_weights.fp4_moe_shared_torch)
 register("grouped_proj_fp8", quant_weights.grouped_proj_fp8_torch)  # wo_a kept FP8 (model/out_lora.py)

@@ -73,7 +73,8 @@ def compress_decode(attn: V4Attention, lc: LayerCache, x: torch.Tensor, rows: De
 
 
 def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache: V4Cache) -> torch.Tensor:
-    """x [B, D] bf16 (one token per row) -> [B, D] bf16."""
+    """x [B, D] bf16 (one token per row) -> [B, D] bf16 (a `SplitK` of it where wo_b's partials are left to
+    the next hc_pre: env.split_sum_consumers)."""
     if not attn.fast:
         raise ValueError("the batched decode path runs fast numerics only")
     cfg, p, r = attn.cfg, attn.p, attn.ratio
@@ -87,7 +88,11 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
     table = rope_table(attn, rows, pos)
 
     B = x.shape[0]
-    q_lora, kv_lin = pair(qlinear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
+    # split-K partials left to their consumers (env.split_sum_consumers): the stacked wq_a | wkv's to
+    # qkv_norm_rope_store, wo_b's to the next sublayer's hc_pre (a SplitK rides in the block's PendingPost)
+    consumers = env.split_sum_consumers()
+    qkv_linear = k("fp8_linear_unsummed") if "qkv" in consumers else qlinear
+    q_lora, kv_lin = pair(qkv_linear, x, p, "wq_a_wkv.weight", "wq_a.weight", "wkv.weight")  # one GEMM, stacked
     # qr = RMSNorm(q_lora); the KV normed, rotated and written into the window ring FIRST (the query sees it;
     # nothing on the side streams reads the ring): one kernel on cuda for what were four
     qr = k("qkv_norm_rope_store")(q_lora, kv_lin, p["q_norm.weight"], p["kv_norm.weight"], attn.eps, pos,
@@ -180,5 +185,6 @@ def decode_attention(attn: V4Attention, x: torch.Tensor, rows: DecodeRows, cache
                                          attn.inv_freq, table, q_norm_eps=attn.eps)
     G = attn.G
     z = out_lora(k, o.reshape(B, G, -1), p["wo_a.weight"])  # the official bf16 einsum's math, wo_a kept FP8
-    out = qlinear(z.flatten(1), p["wo_b.weight"])
-    return out if attn.comm is None else attn.comm.attn_out(out)
+    if attn.comm is not None:
+        return attn.comm.attn_out(qlinear(z.flatten(1), p["wo_b.weight"]))
+    return k("fp8_linear_unsummed" if "post" in consumers else "fp8_linear")(z.flatten(1), p["wo_b.weight"])

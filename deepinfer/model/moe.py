@@ -44,8 +44,11 @@ class V4MoE:
 
     def _swiglu_official(self, x: torch.Tensor, pre: str, limit: float, weight: torch.Tensor | None) -> torch.Tensor:
         qlinear = kernels.get("fp8_linear", self.kdev) if self.fast else kernels.get("qlinear")
-        # one GEMM over the stacked [w1; w3] where the fast params hold it (the shared expert)
-        gate, up = pair(qlinear, x, self.p, pre + "w13.weight", pre + "w1.weight", pre + "w3.weight")
+        # one GEMM over the stacked [w1; w3] where the fast params hold it (the shared expert); its split-K
+        # partials left to the SwiGLU kernel where env.split_sum_consumers says so (the same bits)
+        w13 = kernels.get("fp8_linear_unsummed", self.kdev) if self.fast and "swiglu" in env.split_sum_consumers() \
+            else qlinear
+        gate, up = pair(w13, x, self.p, pre + "w13.weight", pre + "w1.weight", pre + "w3.weight")
         # upcast, clamps, silu * up (* weight), bf16 round: one kernel on cuda (seven torch ops in the twin)
         h = kernels.get("swiglu_bf16", self.kdev)(gate, up, limit, weight)
         return qlinear(h, self.p[pre + "w2.weight"])

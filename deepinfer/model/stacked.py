@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels import split_k
+
 
 def _rows(w) -> int:
     return w.out_features if hasattr(w, "out_features") else w.shape[0]
 
 
-def pair(op, x: torch.Tensor, p: dict, stacked: str, first: str, second: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pair(op, x: torch.Tensor, p: dict, stacked: str, first: str, second: str) -> tuple:
     both = p.get(stacked)
     if both is None:
         return op(x, p[first]), op(x, p[second])
     y = op(x, both)
     n = _rows(p[first])
-    return y[..., :n], y[..., n:]
+    return split_k.cols(y, 0, n), split_k.cols(y, n)  # y may be a SplitK (op "fp8_linear_unsummed")

@@ -29,7 +29,9 @@ import triton.language as tl
 
 from deepinfer import env
 from deepinfer.kernels import official, official_fused
-from deepinfer.kernels.triton import kv_pack, norm_hc, rope
+from deepinfer.kernels.split_k import SplitK, summed
+from deepinfer.kernels.triton import kv_pack, norm_hc, rope, split_k_load
+from deepinfer.kernels.triton.split_k_load import load_summed
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
@@ -37,31 +39,29 @@ from deepinfer.kernels.triton.pdl import pdl_enter
 BF16 = torch.bfloat16
 
 
-@fast_launch
 @triton.jit
-def _qkv_norm_rope_store_kernel(q_ptr, kv_ptr, qw_ptr, kvw_ptr, qr_ptr, cos_ptr, sin_ptr, rows_ptr, out8_ptr,
-                                out16_ptr, eps, stride_q, stride_kv, stride_qr, BPT,
-                                NQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                                QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
-                                HALF: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr = False):
-    """Program b: qr[b] = bf16(w_q * q[b] * rsqrt(mean(q[b]^2) + eps)); the kv row normed the same way and
-    rounded to bf16, its last 2 HALF channels rotated (interleaved pairs, fp32, rounded to bf16), and the
-    row's layout bytes [E4M3 of the first QDIM channels per BLOCK | the rotated tail as raw bf16 | E8M0 scale
-    bytes | zero pad] written to ring row rows[b]."""
-    pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    # q: rms_norm_bf16 (norm_hc._rms_norm_kernel's arithmetic)
+def _q_norm_part(q_ptr, qw_ptr, qr_ptr, b, eps, stride_q, stride_qr, stride_s, S: tl.constexpr, NQ: tl.constexpr,
+                 BLOCK_Q: tl.constexpr):
+    """qr[b] = bf16(w_q * q[b] * rsqrt(mean(q[b]^2) + eps)) (norm_hc._rms_norm_kernel's arithmetic)."""
     cq = tl.arange(0, BLOCK_Q)
     mq = cq < NQ
-    x = tl.load(q_ptr + b * stride_q + cq, mask=mq, other=0.0).to(tl.float32)
+    x = load_summed(q_ptr + b * stride_q + cq, mq, S, stride_s)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / NQ + eps)
     y = tl.load(qw_ptr + cq, mask=mq, other=0.0).to(tl.float32) * (x * r)
     tl.store(qr_ptr + b * stride_qr + cq, y.to(tl.bfloat16), mask=mq)
-    # kv: the row's RMS over all D channels (one flat sum, as the separate kernel), then its two parts
+
+
+@triton.jit
+def _kv_store_part(kv_ptr, kvw_ptr, cos_ptr, sin_ptr, rows_ptr, out8_ptr, out16_ptr, b, eps, stride_kv, BPT,
+                   stride_s, S: tl.constexpr, BLOCK_D: tl.constexpr, QDIM: tl.constexpr, BLOCK: tl.constexpr,
+                   NB: tl.constexpr, NB_P2: tl.constexpr, HALF: tl.constexpr, PAD: tl.constexpr):
+    """The kv row normed and rounded to bf16, its last 2 HALF channels rotated, its layout bytes into ring row
+    rows[b] (`_qkv_norm_rope_store_kernel`)."""
+    # the row's RMS over all D channels (one flat sum, as the separate kernel), then its two parts
     D: tl.constexpr = QDIM + 2 * HALF
     kv_row = kv_ptr + b * stride_kv
     cd = tl.arange(0, BLOCK_D)
-    xf = tl.load(kv_row + cd, mask=cd < D, other=0.0).to(tl.float32)
+    xf = load_summed(kv_row + cd, cd < D, S, stride_s)
     rk = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
     # the quantised channels: normed, rounded to bf16, E4M3 per BLOCK with the pow2 scale of its amax
     nb = tl.arange(0, NB_P2)
@@ -69,15 +69,15 @@ def _qkv_norm_rope_store_kernel(q_ptr, kv_ptr, qw_ptr, kvw_ptr, qr_ptr, cos_ptr,
     bmask = nb < NB
     ch = nb[:, None] * BLOCK + j[None, :]
     m = bmask[:, None] & (j[None, :] < BLOCK)
-    xn = tl.load(kv_row + ch, mask=m, other=0.0).to(tl.float32)
+    xn = load_summed(kv_row + ch, m, S, stride_s)
     yn = (tl.load(kvw_ptr + ch, mask=m, other=0.0).to(tl.float32) * (xn * rk)).to(tl.bfloat16).to(tl.float32)
     q8, e = kv_pack.e4m3_blocks(yn)
     base = tl.load(rows_ptr + b).to(tl.int64) * BPT
     tl.store(out8_ptr + base + ch, q8.to(tl.uint8, bitcast=True), mask=m)
     # the RoPE tail: normed, rounded to bf16, rotated in fp32 (rope._rope_kernel's arithmetic), raw bf16
     i = tl.arange(0, HALF)
-    re = tl.load(kv_row + QDIM + 2 * i).to(tl.float32)
-    im = tl.load(kv_row + QDIM + 2 * i + 1).to(tl.float32)
+    re = load_summed(kv_row + QDIM + 2 * i, i < HALF, S, stride_s)
+    im = load_summed(kv_row + QDIM + 2 * i + 1, i < HALF, S, stride_s)
     re = (tl.load(kvw_ptr + QDIM + 2 * i).to(tl.float32) * (re * rk)).to(tl.bfloat16).to(tl.float32)
     im = (tl.load(kvw_ptr + QDIM + 2 * i + 1).to(tl.float32) * (im * rk)).to(tl.bfloat16).to(tl.float32)
     c = tl.load(cos_ptr + b * HALF + i)
@@ -92,6 +92,35 @@ def _qkv_norm_rope_store_kernel(q_ptr, kv_ptr, qw_ptr, kvw_ptr, qr_ptr, cos_ptr,
         tl.store(out8_ptr + base + SCALES + NB + p, tl.zeros((8,), tl.uint8), mask=p < PAD)
 
 
+@fast_launch
+@triton.jit
+def _qkv_norm_rope_store_kernel(q_ptr, kv_ptr, qw_ptr, kvw_ptr, qr_ptr, cos_ptr, sin_ptr, rows_ptr, out8_ptr,
+                                out16_ptr, eps, stride_q, stride_kv, stride_qr, BPT, stride_s,
+                                S: tl.constexpr, NQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                                QDIM: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr,
+                                HALF: tl.constexpr, PAD: tl.constexpr, TWO_PROGRAMS: tl.constexpr = False,
+                                PDL: tl.constexpr = False):
+    """Program b: qr[b] = bf16(w_q * q[b] * rsqrt(mean(q[b]^2) + eps)); the kv row normed the same way and
+    rounded to bf16, its last 2 HALF channels rotated (interleaved pairs, fp32, rounded to bf16), and the
+    row's layout bytes [E4M3 of the first QDIM channels per BLOCK | the rotated tail as raw bf16 | E8M0 scale
+    bytes | zero pad] written to ring row rows[b]. S > 1: q and kv are fp32 split-K partials (stride_s apart),
+    added in order and rounded to bf16 on every load (`split_k_load.load_summed`: the sum kernel's bits).
+    TWO_PROGRAMS (grid (B, 2)): program (b, 0) does the q row, (b, 1) the kv row; each part's arithmetic and
+    layout are the one program's, so the same bits with twice the loads in flight (the partials' reads)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    if TWO_PROGRAMS:
+        if tl.program_id(1) == 0:
+            _q_norm_part(q_ptr, qw_ptr, qr_ptr, b, eps, stride_q, stride_qr, stride_s, S, NQ, BLOCK_Q)
+        else:
+            _kv_store_part(kv_ptr, kvw_ptr, cos_ptr, sin_ptr, rows_ptr, out8_ptr, out16_ptr, b, eps, stride_kv, BPT,
+                           stride_s, S, BLOCK_D, QDIM, BLOCK, NB, NB_P2, HALF, PAD)
+    else:
+        _q_norm_part(q_ptr, qw_ptr, qr_ptr, b, eps, stride_q, stride_qr, stride_s, S, NQ, BLOCK_Q)
+        _kv_store_part(kv_ptr, kvw_ptr, cos_ptr, sin_ptr, rows_ptr, out8_ptr, out16_ptr, b, eps, stride_kv, BPT,
+                       stride_s, S, BLOCK_D, QDIM, BLOCK, NB, NB_P2, HALF, PAD)
+
+
 def _fused_window(layout, kv: torch.Tensor, half: int) -> bool:
     """The fused kernel covers this layout and kv: the FP8 codec with a raw tail that is exactly the rope
     channels, kv's width the layout's."""
@@ -99,12 +128,28 @@ def _fused_window(layout, kv: torch.Tensor, half: int) -> bool:
             and kv.shape[-1] == layout.dim and layout.quant_dim % layout.block == 0)
 
 
-def qkv_norm_rope_store(q_lora: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor,
-                        eps: float, positions: torch.Tensor, freqs: torch.Tensor, table: torch.Tensor | None,
-                        layout, store: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def qkv_norm_rope_store(q_lora: "torch.Tensor | SplitK", kv: "torch.Tensor | SplitK", q_weight: torch.Tensor,
+                        kv_weight: torch.Tensor, eps: float, positions: torch.Tensor, freqs: torch.Tensor,
+                        table: torch.Tensor | None, layout, store: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Same contract as `official_fused.qkv_norm_rope_store` (`table`: `rope.rope_table32`'s cos / sin, or
-    None). One launch for bf16 rows on the FP8 window layout; the separate Triton ops otherwise."""
-    on_device = q_lora.is_cuda or interpreting()
+    None). One launch for bf16 rows on the FP8 window layout; the separate Triton ops otherwise. q_lora and
+    kv may be the two column views of one `SplitK` (the stacked wq_a | wkv from op "fp8_linear_unsummed"):
+    the fused kernel adds the partials on its loads (the split-sum kernel's bits), every other path first
+    sums them."""
+    if (isinstance(q_lora, SplitK) or isinstance(kv, SplitK)) and not _one_split(q_lora, kv):
+        q_lora, kv = summed(q_lora), summed(kv)
+    return _qkv_norm_rope_store(q_lora, kv, q_weight, kv_weight, eps, positions, freqs, table, layout, store, rows)
+
+
+def _one_split(q_lora, kv) -> bool:
+    """q_lora and kv are SplitKs of one launch's partials (the same split count and strides: one S and one
+    split stride for the kernel's two operands)."""
+    return (isinstance(q_lora, SplitK) and isinstance(kv, SplitK) and q_lora.splits == kv.splits
+            and q_lora.part.stride() == kv.part.stride())
+
+
+def _qkv_norm_rope_store(q_lora, kv, q_weight, kv_weight, eps, positions, freqs, table, layout, store, rows):
+    on_device = q_lora.device.type == "cuda" or interpreting()
     if not on_device or q_lora.dtype == torch.float64:
         return official_fused.qkv_norm_rope_store(q_lora, kv, q_weight, kv_weight, eps, positions, freqs, table,
                                                   layout, store, rows)
@@ -119,13 +164,15 @@ def qkv_norm_rope_store(q_lora: torch.Tensor, kv: torch.Tensor, q_weight: torch.
                         f"{tuple(q_lora.shape)} / kv {tuple(kv.shape)}")
     if problems:
         raise ValueError("qkv_norm_rope_store: " + "; ".join(problems))
-    fused = (env.attn_fusions_enabled() and q_lora.dtype == kv.dtype == BF16 and _fused_window(layout, kv, half)
-             and half & (half - 1) == 0
-             and q_lora.stride(1) == 1 and kv.stride(1) == 1 and store.dim() == 2 and store.is_contiguous()
+    split = isinstance(q_lora, SplitK)  # both are then (qkv_norm_rope_store)
+    fused = ((split or (q_lora.dtype == kv.dtype == BF16 and q_lora.stride(1) == 1 and kv.stride(1) == 1))
+             and env.attn_fusions_enabled() and _fused_window(layout, kv, half) and half & (half - 1) == 0
+             and store.dim() == 2 and store.is_contiguous()
              and store.dtype == torch.uint8 and store.shape[1] == layout.bytes_per_token)
     if table is None:
         table = rope.rope_table32(positions, freqs)
     if not fused:  # the same ops one by one
+        q_lora, kv = summed(q_lora), summed(kv)
         qr = norm_hc.rms_norm_bf16(q_lora, q_weight, eps)
         kvn = rope.rope32(norm_hc.rms_norm_bf16(kv, kv_weight, eps), positions, freqs, table=table, inplace=True)
         kv_pack.kv_encode_into(layout, kvn, store, rows)
@@ -138,12 +185,14 @@ def qkv_norm_rope_store(q_lora: torch.Tensor, kv: torch.Tensor, q_weight: torch.
         geo = kv_pack._fp8_geometry(layout)
         bpt = layout.bytes_per_token
         pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
-        _qkv_norm_rope_store_kernel[(B,)](
-            q_lora, kv, q_weight.contiguous(), kv_weight.contiguous(), qr, table[0], table[1], rows.contiguous(),
-            store, store.view(torch.int16), float(eps), q_lora.stride(0), kv.stride(0), qr.stride(0), bpt,
+        q_op, S, stride_s, stride_q = split_k_load.operand(q_lora)
+        kv_op, _, _, stride_kv = split_k_load.operand(kv)
+        _qkv_norm_rope_store_kernel[(B, 2 if S > 1 else 1)](
+            q_op, kv_op, q_weight.contiguous(), kv_weight.contiguous(), qr, table[0], table[1], rows.contiguous(),
+            store, store.view(torch.int16), float(eps), stride_q, stride_kv, qr.stride(0), bpt, stride_s, S=S,
             NQ=q_lora.shape[1], BLOCK_Q=next_power_of_2(q_lora.shape[1]), BLOCK_D=next_power_of_2(layout.dim),
             QDIM=geo["QDIM"], BLOCK=geo["BLOCK"], NB=geo["NB"], NB_P2=geo["NB_P2"], HALF=half, PAD=pad,
-            num_warps=4)
+            TWO_PROGRAMS=S > 1, num_warps=4)  # 4 with partials too: the sums of squares' reduction tree follows the warps
     return qr
 
 

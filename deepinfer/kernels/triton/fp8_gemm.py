@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels.split_k import SplitK
 from deepinfer.kernels.quant_weights import QuantLinearWeight, e4m3_expansion_exact, fp8_linear_torch, _check_activation
 from deepinfer.kernels.triton import fp8_linear_swap as swap
 from deepinfer.kernels.triton.act_quant import act_quant, act_quant_dequant_bf16, interpreting, quantise_rows
@@ -231,6 +232,21 @@ def _split_sum_kernel(ws_ptr, out_ptr, N, MN, stride_om, S: tl.constexpr, BLOCK:
     tl.store(out_ptr + (offs // N) * stride_om + offs % N, acc.to(tl.bfloat16), mask=mask)
 
 
+def split_sum(part: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [M, N] = the fp32 partials part [S, M, N] added in order (`_split_sum_kernel`); part's rows may be
+    strided (a column view of a stacked GEMM's partials) and are read through a contiguous copy then."""
+    split, m, n = part.shape
+    if not (part.stride(2) == 1 and part.stride(1) == n and part.stride(0) == m * n):
+        part = part.contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=part.device)
+    if m * n:
+        block = 1024
+        _split_sum_kernel[(cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
+                                                 num_warps=4)
+    return out
+
+
 @lru_cache(maxsize=16)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -330,7 +346,8 @@ def _sync_usable(w: QuantLinearWeight, device: torch.device) -> bool:
     return e4m3_expansion_exact(w)
 
 
-def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
+def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor,
+                     unsummed: bool = False) -> "torch.Tensor | SplitK":
     """fp8_linear through the mma.sync CUDA kernel (act_quant fused, exact products, fp32 sums): one launch
     when S = 1 or the split CTAs add their partials as a cluster (`use_cluster`), else fp32 partials and
     `_split_sum_kernel` (the same fixed-order sum as the Triton forms, so every way gives the same bits)."""
@@ -345,7 +362,7 @@ def _fp8_linear_sync(x: torch.Tensor, w: QuantLinearWeight, config: dict | None,
     counters = serial_counters(w, split, sync.tile_count(m, n, cfg), sync.rows_per_cta(cfg), config, x.device,
                                by_default=m <= SERIAL_MAX_ROWS)
     return _partials_then_sum(lambda dest, **serial: sync.fp8_linear_partials(x, w, dest, cfg, **serial), split,
-                              out, counters)
+                              out, counters, unsummed)
 
 
 SERIAL_COUNTER_ROW_TILES = 16  # a weight's counters cover launches of up to 16 x 8 = 128 rows of x
@@ -404,11 +421,13 @@ def use_cluster(split: int, config: dict | None, fits) -> bool:
     return fits()
 
 
-def _partials_then_sum(launch, split: int, out: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
+def _partials_then_sum(launch, split: int, out: torch.Tensor, counters: torch.Tensor | None = None,
+                       unsummed: bool = False) -> "torch.Tensor | SplitK":
     """`launch(dest)` straight into out (bf16 [M, N]) when split is 1, else into fp32 partials [split, M, N]
     that `_split_sum_kernel` adds in a fixed order into out (the CUDA forms' split-K, like the Triton ones');
     with `counters` (`serial_counters`) `launch(partials, fin=out, counters=counters)` adds them itself, in
-    the tile's last split CTA (serial split-K: the same bits, one launch)."""
+    the tile's last split CTA (serial split-K: the same bits, one launch); `unsummed`: the partials returned
+    as a SplitK instead of summed (op "fp8_linear_unsummed")."""
     if split == 1:
         return launch(out)
     m, n = out.shape
@@ -417,10 +436,7 @@ def _partials_then_sum(launch, split: int, out: torch.Tensor, counters: torch.Te
         launch(part, fin=out, counters=counters)
         return out
     launch(part)
-    block = 1024
-    _split_sum_kernel[(cdiv(m * n, block),)](part, out, n, m * n, out.stride(0), S=split, BLOCK=block,
-                                                   num_warps=4)
-    return out
+    return SplitK(part) if unsummed else split_sum(part, out)
 
 
 def _wgmma_usable(w: QuantLinearWeight, device: torch.device) -> bool:
@@ -432,7 +448,8 @@ def _wgmma_usable(w: QuantLinearWeight, device: torch.device) -> bool:
     return wg.usable(device) and wg.usable_weight(w)
 
 
-def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor) -> torch.Tensor:
+def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None, out: torch.Tensor,
+                      unsummed: bool = False) -> "torch.Tensor | SplitK":
     """fp8_linear through the wgmma CUDA kernel: one act_quant pass into its operand order, the GEMM (fp32
     partials and `_split_sum_kernel` when it splits K: the same fixed-order sum as every form)."""
     from deepinfer.kernels.cuda import fp8_linear_wgmma as wg
@@ -448,7 +465,7 @@ def _fp8_linear_wgmma(x: torch.Tensor, w: QuantLinearWeight, config: dict | None
     counters = serial_counters(w, split, wg.tile_count(m, w.out_features, cfg), wg.rows_per_cta(cfg), config,
                                x.device)
     return _partials_then_sum(lambda dest, **serial: wg.fp8_linear_partials(a, w, dest, cfg, **serial), split,
-                              out, counters)
+                              out, counters, unsummed)
 
 
 def _prefill_linear_form() -> str:
@@ -504,6 +521,21 @@ def auto_form(m: int, n: int, k: int, block: int = 128) -> str:
 
 def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Op "fp8_linear" (`_fp8_linear`'s docstring)."""
+    return _fp8_linear(x, w, config, mma, out)
+
+
+def fp8_linear_unsummed(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None,
+                        mma: str | None = None) -> "torch.Tensor | SplitK":
+    """Op "fp8_linear_unsummed": `fp8_linear`, except that where a form would add its split-K partials in
+    `_split_sum_kernel` they come back as a `SplitK` (the same bits once added: kernels/split_k.py) for the
+    consumer kernel to add; a bf16 tensor where the form adds them itself or does not split. The torch twin
+    (CPU) is fp8_linear's."""
+    return _fp8_linear(x, w, config, mma, None, unsummed=True)
+
+
+def _fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None, mma: str | None = None,
+                out: torch.Tensor | None = None, unsummed: bool = False) -> "torch.Tensor | SplitK":
     """Op "fp8_linear" on CUDA tensors; CPU tensors go to the torch twin (or, under TRITON_INTERPRET=1,
     through the kernels in Triton's interpreter, for tests at tiny shapes). config: launch override (the
     benchmark's sweep; see `plan`, or for "sync" kernels/cuda/fp8_linear_mma.plan). mma: "bf16" (exact
@@ -536,10 +568,10 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
         return _fp8_linear_prefill(x, w, config, out)
     if mma == "sync" or (mma == "auto" and m <= SYNC_MAX_M and _decode_linear_form() == "mma"
                          and _sync_usable(w, x.device)):
-        return _fp8_linear_sync(x, w, config, out)
+        return _fp8_linear_sync(x, w, config, out, unsummed)
     if mma == "wgmma" or (mma == "auto" and WGMMA_MIN_M <= m <= WGMMA_MAX_M and _batch_form() == "auto"
                           and _wgmma_usable(w, x.device)):
-        return _fp8_linear_wgmma(x, w, config, out)
+        return _fp8_linear_wgmma(x, w, config, out, unsummed)
     if mma == "auto":
         mma = auto_form(m, n, k, w.block)
     cfg = plan(m, n, k, w.block, w.act_block, mma, sm_count(x.device), config)
@@ -573,10 +605,8 @@ def fp8_linear(x: torch.Tensor, w: QuantLinearWeight, config: dict | None = None
                                  stride_om, stride_os, K=k, WBLOCK=w.block, CHUNK=w.act_block, KB=kb,
                                  A_DEQUANT=not fused, K_SPLIT=k // split, SPLIT_OUT=split > 1, **cfg)
     if split > 1:
-        block = 1024
-        _split_sum_kernel[(cdiv(m * n, block),)](dest, out, n, m * n, out.stride(0), S=split, BLOCK=block,
-                                                       num_warps=4)
+        return SplitK(dest) if unsummed else split_sum(dest, out)
     return out
 
 
-REGISTRATIONS = {"fp8_linear": fp8_linear}
+REGISTRATIONS = {"fp8_linear": fp8_linear, "fp8_linear_unsummed": fp8_linear_unsummed}

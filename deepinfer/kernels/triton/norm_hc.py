@@ -29,7 +29,10 @@ import triton.language as tl
 
 from deepinfer import env
 from deepinfer.kernels import official, official_fused, torch_ops
+from deepinfer.kernels.split_k import SplitK, summed
+from deepinfer.kernels.triton import split_k_load
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
+from deepinfer.kernels.triton.split_k_load import load_summed, pinned
 from deepinfer.kernels.triton.pdl import pdl_enter
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -286,12 +289,15 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
 @fast_launch
 @triton.jit
 def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, ssq_ptr, T, D, KD,
-                                n_out, k_chunk, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
-                                BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                                n_out, k_chunk, stride_f, stride_fs, FS: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
+                                BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PIN_F: tl.constexpr = False,
+                                PDL: tl.constexpr = False):
     """`_hc_mix_partial_kernel` whose x is made here: the previous sublayer's hc_post (`_hc_post_kernel`'s
     arithmetic, post_k * f + sum over j of comb[j, k] * r_j in fp32, rounded to bf16) of the columns this
     program reads, stored into x [T, HC * D] (every column by exactly one program) and used for the partials.
-    A step of BLOCK_K columns lies in one stream k (D % BLOCK_K == 0, checked by the launcher)."""
+    A step of BLOCK_K columns lies in one stream k (D % BLOCK_K == 0, checked by the launcher). FS > 1: f is
+    the sublayer's fp32 split-K partials (stride_fs apart), added in order and rounded to bf16 on the load
+    (`split_k_load.load_summed`: the split-sum kernel's bits)."""
     pdl_enter(PDL)
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
@@ -310,7 +316,12 @@ def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr,
         stream = c0 // D  # this step's output stream k
         dd = ks - stream * D
         m2 = tmask[:, None] & kmask[None, :]
-        f = tl.load(f_ptr + t64[:, None] * D + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        if FS > 1:  # (bf16 f: rows D apart, the launcher makes it contiguous)
+            f = load_summed(f_ptr + t64[:, None] * stride_f + dd[None, :], m2, FS, stride_fs)
+        else:
+            f = load_summed(f_ptr + t64[:, None] * D + dd[None, :], m2, FS, stride_fs)
+        if FS > 1 or PIN_F:
+            f = pinned(f, INTERPRET)  # one layout conversion of the sum, not one per partial
         live = tmask & (c0 < KD)
         post = tl.load(post_ptr + t64 * HC + stream, mask=live, other=0.0)
         # sum over j in ascending order, one stream's [BLOCK_T, BLOCK_K] tile at a time (a [HC, ...] tile of
@@ -346,7 +357,7 @@ _MIX_PROGRAMS = 264  # 2 programs per SM of the H200 (132 SMs)
 COLLAPSE_WARPS = 4  # the Sinkhorn-collapse kernel's warps: H200 2026-12-02 (bench_attn_kernels.py --hc-mix, the
 # whole hc_pre op, D=4096; results/hc_collapse_warps_h200_2026-12-02.log): T=1 13.9 us against 15.3 with one
 # warp per 1024 of hc * D (16), T=8 14.4 vs 17.7, T=128 18.2 vs 21.2, T=8192 201 vs 254 (8 warps: about the same)
-_MIX_KEYS = ("BLOCK_T", "BLOCK_K", "SPLITS", "num_warps", "num_stages", "COLLAPSE_WARPS")
+_MIX_KEYS = ("BLOCK_T", "BLOCK_K", "SPLITS", "num_warps", "num_stages", "COLLAPSE_WARPS", "PIN_F")
 
 
 def mix_plan(T: int, KD: int, config: dict | None = None) -> dict:
@@ -497,23 +508,25 @@ POST_MIX_PLAN = dict(BLOCK_K=64, num_stages=1)  # and one step of 64 columns a p
 # DEEPINFER_HC_POST_MIX overrides its keys for A/B runs (env.hc_post_mix_plan)
 
 
-def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+def hc_post_pre_fused(f: "torch.Tensor | SplitK", residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                       fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor, hc: int,
                       iters: int, hc_eps: float, norm_eps: float,
                       config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Op "hc_post_pre_fused" (twin `official_fused.hc_post_pre_fused`): one sublayer's hc_post and the next
     sublayer's hc_pre -> (x [T, hc, D] bf16 the new residual streams, y, post, comb as `hc_pre_fused`). Two
     launches where there were three at decode (up to POST_MIX_MAX_T tokens): the mix kernel makes the columns
-    of x it reads (`_hc_post_mix_partial_kernel`) instead of a separate hc_post pass writing them first."""
+    of x it reads (`_hc_post_mix_partial_kernel`) instead of a separate hc_post pass writing them first. f may
+    be a `SplitK` (the attention's wo_b from op "fp8_linear_unsummed"): that kernel adds its partials on its
+    loads (the split-sum kernel's bits); the other paths sum them first."""
     if _fallback(f, residual, post, comb):
-        return official_fused.hc_post_pre_fused(f, residual, post, comb, fn, scale, base, norm_weight, hc, iters,
-                                                hc_eps, norm_eps)
+        return official_fused.hc_post_pre_fused(summed(f), residual, post, comb, fn, scale, base, norm_weight, hc,
+                                                iters, hc_eps, norm_eps)
     T, hc_r, D = residual.shape if residual.dim() == 3 else (0, 0, 0)
     plan = mix_plan(T, hc * D, {**POST_MIX_PLAN, "SPLITS": max(1, hc * D // 64), **env.hc_post_mix_plan(),
                                 **(config or {})}) if T else None
     if (not env.attn_fusions_enabled() or residual.dtype != BF16 or f.dtype != BF16 or hc_r != hc or not T
             or T > POST_MIX_MAX_T or D % plan["BLOCK_K"] or tuple(f.shape) != (T, D)):  # the two ops in turn
-        x = hc_post_fused(f, residual, post, comb)
+        x = hc_post_fused(summed(f), residual, post, comb)
         return (x,) + tuple(hc_pre_fused(x, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps, config))
     _need(tuple(post.shape) == (T, hc) and tuple(comb.shape) == (T, hc, hc),
           f"hc_post_pre: want post [{T}, {hc}] and comb [{T}, {hc}, {hc}], got {tuple(post.shape)}, {tuple(comb.shape)}")
@@ -526,11 +539,12 @@ def hc_post_pre_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tenso
     KD, n_out, splits = hc * D, fn.shape[0], plan["SPLITS"]
     part = torch.empty(splits, T, n_out, dtype=F32, device=dev)
     ssq = torch.empty(splits, T, dtype=F32, device=dev)
+    f_op, fs, stride_fs, stride_f = split_k_load.operand(f if isinstance(f, SplitK) else f.contiguous())
     _hc_post_mix_partial_kernel[(cdiv(T, plan["BLOCK_T"]), splits)](
-        f.contiguous(), residual.contiguous(), post.to(F32).contiguous(), comb.to(F32).contiguous(), x,
-        fn.to(F32).contiguous(), part, ssq, T, D, KD, n_out, plan["K_CHUNK"], HC=hc, BLOCK_T=plan["BLOCK_T"],
+        f_op, residual.contiguous(), post.to(F32).contiguous(), comb.to(F32).contiguous(), x,
+        fn.to(F32).contiguous(), part, ssq, T, D, KD, n_out, plan["K_CHUNK"], stride_f, stride_fs, FS=fs, HC=hc, BLOCK_T=plan["BLOCK_T"],
         BLOCK_O=max(16, next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"], INTERPRET=_interpreting(),
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        PIN_F=bool(plan.get("PIN_F", 0)), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post2, comb2, iters, hc_eps, norm_eps)
     return x, y, post2, comb2
 
@@ -603,10 +617,11 @@ def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     return _hc_post(f, residual, post, comb, dtype)
 
 
-def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """hc_post rounded once to bf16, as the official block does: f [T, D] (bf16 sublayer output, read as fp32),
-    residual [T, hc, D] bf16 -> [T, hc, D] bf16."""
-    return _hc_post(f, residual, post, comb, BF16)
+def hc_post_fused(f: "torch.Tensor | SplitK", residual: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor) -> torch.Tensor:
+    """hc_post rounded once to bf16, as the official block does: f [T, D] (bf16 sublayer output, read as fp32;
+    a SplitK is summed first), residual [T, hc, D] bf16 -> [T, hc, D] bf16."""
+    return _hc_post(summed(f), residual, post, comb, BF16)
 
 
 REGISTRATIONS = {

@@ -17,23 +17,28 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import official
+from deepinfer.kernels.split_k import SplitK, summed
+from deepinfer.kernels.triton import split_k_load
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
 from deepinfer.kernels.triton.pdl import pdl_enter
+from deepinfer.kernels.triton.split_k_load import load_summed
 
 BF16 = torch.bfloat16
 
 
 @fast_launch
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, w_ptr, out_ptr, N, stride_g, stride_u, stride_o, limit,
-                   HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _swiglu_kernel(g_ptr, u_ptr, w_ptr, out_ptr, N, stride_g, stride_u, stride_o, limit, stride_s,
+                   S: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """S > 1: gate and up are fp32 split-K partials (stride_s apart), added in order and rounded to bf16 on the
+    load (`split_k_load.load_summed`: the split-sum kernel's bits)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    g = load_summed(g_ptr + row * stride_g + cols, ok, S, stride_s)
+    u = load_summed(u_ptr + row * stride_u + cols, ok, S, stride_s)
     if limit > 0:
         u = tl.clamp(u, -limit, limit)
         g = tl.minimum(g, limit)
@@ -43,10 +48,20 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, out_ptr, N, stride_g, stride_u, stride_o
     tl.store(out_ptr + row * stride_o + cols, h.to(tl.bfloat16), mask=ok)
 
 
-def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor, limit: float,
+SPLIT_BLOCK = 256  # columns a program when it adds split-K partials (16 x 2 x 256 fp32 to read, not 16 x 2 x 1024)
+
+
+def swiglu_bf16(gate: "torch.Tensor | SplitK", up: "torch.Tensor | SplitK", limit: float,
                 weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `official.swiglu_bf16`: gate, up bf16 [T, N], weight None or [T, 1] -> bf16 [T, N]."""
-    if gate.dtype != BF16 or up.dtype != BF16 or not (gate.is_cuda or interpreting()) or gate.dim() != 2:
+    """Same contract as `official.swiglu_bf16`: gate, up bf16 [T, N], weight None or [T, 1] -> bf16 [T, N].
+    gate and up may be the two column views of one `SplitK` (the stacked w1 | w3 from op
+    "fp8_linear_unsummed"): the kernel adds the partials on its loads (the split-sum kernel's bits); other
+    SplitKs are summed first."""
+    split = isinstance(gate, SplitK) and isinstance(up, SplitK) and gate.splits == up.splits \
+        and gate.part.stride() == up.part.stride()
+    if not split:
+        gate, up = summed(gate), summed(up)
+    if gate.dtype != BF16 or up.dtype != BF16 or not (gate.device.type == "cuda" or interpreting()) or gate.dim() != 2:
         return official.swiglu_bf16(gate, up, limit, weight)
     if up.shape != gate.shape or up.device != gate.device:
         raise ValueError(f"swiglu_bf16: gate {tuple(gate.shape)} on {gate.device} and up {tuple(up.shape)} on "
@@ -55,17 +70,18 @@ def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor, limit: float,
     if weight is not None and (weight.numel() != T or weight.device != gate.device):
         raise ValueError(f"swiglu_bf16: weight {tuple(weight.shape)} must hold one value per row of gate "
                          f"{tuple(gate.shape)}, on {gate.device}")
-    if gate.stride(1) != 1:
+    if not split and gate.stride(1) != 1:
         gate = gate.contiguous()
-    if up.stride(1) != 1:
+    if not split and up.stride(1) != 1:
         up = up.contiguous()
     out = torch.empty((T, N), dtype=BF16, device=gate.device)
     if T and N:
-        w = weight.reshape(T).contiguous() if weight is not None else gate  # never read without HAS_WEIGHT
-        block = min(1024, next_power_of_2(N))
-        _swiglu_kernel[(T, cdiv(N, block))](gate, up, w, out, N, gate.stride(0), up.stride(0), out.stride(0),
-                                                   float(limit), HAS_WEIGHT=weight is not None, BLOCK=block,
-                                                   num_warps=4)
+        g_op, S, stride_s, stride_g = split_k_load.operand(gate)
+        u_op, _, _, stride_u = split_k_load.operand(up)
+        w = weight.reshape(T).contiguous() if weight is not None else out  # never read without HAS_WEIGHT
+        block = min(SPLIT_BLOCK if S > 1 else 1024, next_power_of_2(N))
+        _swiglu_kernel[(T, cdiv(N, block))](g_op, u_op, w, out, N, stride_g, stride_u, out.stride(0), float(limit),
+                                            stride_s, S=S, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=4)
     return out
 
 
