@@ -206,6 +206,14 @@ def split_sum_consumers() -> frozenset[str]:
     return names
 
 
+def qkv_programs() -> str:
+    """DEEPINFER_QKV_PROGRAMS: programs a token of the fused `qkv_norm_rope_store` kernel: "2" (the q row and
+    the kv row in two programs, side by side), "1" (one after the other in one), "auto" (the default: 2 where
+    it adds split-K partials, 1 otherwise; attn_norm_rope.QKV_TWO_PROGRAMS). The same bits either way; the A/B
+    switch of its timing. Else a ValueError."""
+    return _kernel_choice("DEEPINFER_QKV_PROGRAMS", ("auto", "1", "2"))
+
+
 def indexer_lanes_enabled() -> bool:
     """DEEPINFER_INDEXER_LANES=0 keeps a decode step's indexer layers' side work as one chain on one side stream
     instead of splitting it over three (the indexer's weights and the main compressor; the index-key

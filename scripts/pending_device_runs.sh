@@ -66,7 +66,8 @@ s48b)  # the forty-first session's split-K consumers (op fp8_linear_unsummed: DE
         --env-sets "" DEEPINFER_SPLIT_SUM=qkv DEEPINFER_SPLIT_SUM=post DEEPINFER_SPLIT_SUM=swiglu \
         DEEPINFER_HC_POST_MIX=PIN_F:1 DEEPINFER_SPLIT_SUM=consumer,DEEPINFER_HC_POST_MIX=PIN_F:1 \
         DEEPINFER_SPLIT_SUM=consumer,DEEPINFER_HC_POST_MIX=PIN_F:1 DEEPINFER_HC_POST_MIX=PIN_F:1 \
-        DEEPINFER_SPLIT_SUM=swiglu DEEPINFER_SPLIT_SUM=post DEEPINFER_SPLIT_SUM=qkv ""
+        DEEPINFER_SPLIT_SUM=swiglu DEEPINFER_SPLIT_SUM=post DEEPINFER_SPLIT_SUM=qkv "" DEEPINFER_QKV_PROGRAMS=2 \
+        DEEPINFER_QKV_PROGRAMS=2,DEEPINFER_HC_POST_MIX=PIN_F:1
     ;;
 s48a)  # owed since e5dff6a's refactor: the serial split's GPU tests (the three files, as s46 ran them), then the
     # headline on this card (the forty-first session's first H200 call)

@@ -90,6 +90,20 @@ def _check(device: str, plant: str = "") -> None:
                                                      layout, got_store, rows)
             assert torch.equal(cpu(got), cpu(want)), ("qr", case, S)
             assert torch.equal(cpu(got_store), cpu(want_store)), ("ring rows", case, S)
+        # bf16 inputs in two programs a token (DEEPINFER_QKV_PROGRAMS=2) = in one
+        import os
+
+        q_lora, kv = summed(sk.cols(0, nq)), summed(sk.cols(nq))
+        outs = []
+        for programs in ("1", "2"):
+            os.environ["DEEPINFER_QKV_PROGRAMS"] = programs
+            try:
+                st = store.clone()
+                outs.append((attn_norm_rope.qkv_norm_rope_store(q_lora, kv, qw, kvw, 1e-6, pos, freqs, None, layout,
+                                                                st, rows), st))
+            finally:
+                del os.environ["DEEPINFER_QKV_PROGRAMS"]
+        assert torch.equal(cpu(outs[0][0]), cpu(outs[1][0])) and torch.equal(cpu(outs[0][1]), cpu(outs[1][1])), case
 
     # swiglu_bf16 on the column views of one SplitK (the shared expert's stacked w1 | w3) = on the summed views
     for T, N, weighted in [(1, 2048, False), (5, 96, True)]:

@@ -121,6 +121,10 @@ def _qkv_norm_rope_store_kernel(q_ptr, kv_ptr, qw_ptr, kvw_ptr, qr_ptr, cos_ptr,
                        stride_s, S, BLOCK_D, QDIM, BLOCK, NB, NB_P2, HALF, PAD)
 
 
+QKV_TWO_PROGRAMS = False  # the fused kernel's q and kv rows in two programs also on bf16 inputs (with split-K
+# partials always: twice the loads in flight); DEEPINFER_QKV_PROGRAMS overrides it for A/B runs
+
+
 def _fused_window(layout, kv: torch.Tensor, half: int) -> bool:
     """The fused kernel covers this layout and kv: the FP8 codec with a raw tail that is exactly the rope
     channels, kv's width the layout's."""
@@ -187,12 +191,14 @@ def _qkv_norm_rope_store(q_lora, kv, q_weight, kv_weight, eps, positions, freqs,
         pad = bpt - layout.value_bytes - 2 * layout.raw_dim - layout.scale_bytes
         q_op, S, stride_s, stride_q = split_k_load.operand(q_lora)
         kv_op, _, _, stride_kv = split_k_load.operand(kv)
-        _qkv_norm_rope_store_kernel[(B, 2 if S > 1 else 1)](
+        choice = env.qkv_programs()
+        two = choice == "2" or (choice == "auto" and (S > 1 or QKV_TWO_PROGRAMS))
+        _qkv_norm_rope_store_kernel[(B, 2 if two else 1)](
             q_op, kv_op, q_weight.contiguous(), kv_weight.contiguous(), qr, table[0], table[1], rows.contiguous(),
             store, store.view(torch.int16), float(eps), stride_q, stride_kv, qr.stride(0), bpt, stride_s, S=S,
             NQ=q_lora.shape[1], BLOCK_Q=next_power_of_2(q_lora.shape[1]), BLOCK_D=next_power_of_2(layout.dim),
             QDIM=geo["QDIM"], BLOCK=geo["BLOCK"], NB=geo["NB"], NB_P2=geo["NB_P2"], HALF=half, PAD=pad,
-            TWO_PROGRAMS=S > 1, num_warps=4)  # 4 with partials too: the sums of squares' reduction tree follows the warps
+            TWO_PROGRAMS=two, num_warps=4)  # 4 with partials too: the sums of squares' reduction tree follows the warps
     return qr
 
 
