@@ -45,7 +45,7 @@
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/tests:$PWD/benchmarks
 OUT=${OUT:-/tmp/out}
-stage=${1:?stage: s48b, s48a, s47t, s47p, s47i, s47a, s47b, s47c, s46, s46b, s46c, s46_engine, s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
+stage=${1:?stage: s48c, s48b, s48a, s47t, s47p, s47i, s47a, s47b, s47c, s46, s46b, s46c, s46_engine, s45, s44, s42, s41, ncu_experts, s39, s38, s38_slice, v41_hc, headline, timeline, slice_defaults, s30d, s30c, s30b, s30_tests, s30_bench, s29d, crossover, s28b, s28c, s28a, s27f, s27e, s27d, s27c, s27b, s27a, s26d, s26c, s26b, s26a, s25b, s25, s24b, s24a, fp8_prefill, s23b, s23c, prefill_ab, tests, anatomy, linears, prefill or slice}
 
 step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its tail
     local name=$1 secs=$2
@@ -56,18 +56,23 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
+s48c)  # s48b cut to what ~170 s of a call holds (the budget left after refused starts): the split consumers' and
+    # PIN_F's bit-identity GPU tests (kernels, the engine's decode), then the b1 / b32 steps with them, alternated
+    step gpu_tests_s48c 110 python -m pytest -q -m gpu tests/test_kernels_split_k.py tests/test_engine_fast_decode.py \
+        -k "split"
+    step decode_anatomy_s48c 120 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 --top 14 \
+        --env-sets "" DEEPINFER_SPLIT_SUM=consumer,DEEPINFER_HC_POST_MIX=PIN_F:1 DEEPINFER_HC_POST_MIX=PIN_F:1 \
+        DEEPINFER_SPLIT_SUM=qkv ""
+    ;;
 s48b)  # the forty-first session's split-K consumers (op fp8_linear_unsummed: DEEPINFER_SPLIT_SUM=qkv | post |
     # swiglu | consumer) and the post-mix kernel's pinned f (DEEPINFER_HC_POST_MIX=PIN_F:1): their GPU tests (bit
     # identity against the split-sum kernel / the unpinned build), then the b1 / b8 / b32 steps with each, alternated
     step gpu_tests_s48 240 python -m pytest -q -m gpu tests/test_kernels_split_k.py tests/test_kernels_hc_post_pre.py \
         tests/test_kernels_attn_norm_rope.py tests/test_kernels_swiglu.py tests/test_engine_fast_decode.py \
         -k "split or hc_post or norm_rope or swiglu"
-    step decode_anatomy_s48b 330 python benchmarks/decode_anatomy.py --layers 4 --batches 1 8 32 --top 14 \
+    step decode_anatomy_s48b 240 python benchmarks/decode_anatomy.py --layers 4 --batches 1 8 32 --top 14 \
         --env-sets "" DEEPINFER_SPLIT_SUM=qkv DEEPINFER_SPLIT_SUM=post DEEPINFER_SPLIT_SUM=swiglu \
-        DEEPINFER_HC_POST_MIX=PIN_F:1 DEEPINFER_SPLIT_SUM=consumer,DEEPINFER_HC_POST_MIX=PIN_F:1 \
-        DEEPINFER_SPLIT_SUM=consumer,DEEPINFER_HC_POST_MIX=PIN_F:1 DEEPINFER_HC_POST_MIX=PIN_F:1 \
-        DEEPINFER_SPLIT_SUM=swiglu DEEPINFER_SPLIT_SUM=post DEEPINFER_SPLIT_SUM=qkv "" DEEPINFER_QKV_PROGRAMS=2 \
-        DEEPINFER_QKV_PROGRAMS=2,DEEPINFER_HC_POST_MIX=PIN_F:1
+        DEEPINFER_HC_POST_MIX=PIN_F:1 DEEPINFER_QKV_PROGRAMS=2 DEEPINFER_SPLIT_SUM=consumer,DEEPINFER_HC_POST_MIX=PIN_F:1 ""
     ;;
 s48a)  # owed since e5dff6a's refactor: the serial split's GPU tests (the three files, as s46 ran them), then the
     # headline on this card (the forty-first session's first H200 call)
