@@ -361,9 +361,11 @@ def test_split_sum_switches_change_no_bit_of_a_decode(tiny_v4_raw, cuda_kernels,
     params = v4_params(raw, cfg, "fast", "cuda")
     if switch == "DEEPINFER_SPLIT_SUM":
         _forced_split(monkeypatch)
-        x = torch.randn(1, cfg.dim, device="cuda").bfloat16()
         from deepinfer import kernels
-        assert isinstance(kernels.get("fp8_linear_unsummed", "cuda")(x, params["layers.0.attn.wo_b.weight"]), SplitK)
+
+        w = params["layers.0.attn.wo_b.weight"]
+        x = torch.randn(1, w.in_features, device="cuda").bfloat16()
+        assert isinstance(kernels.get("fp8_linear_unsummed", "cuda")(x, w), SplitK)  # the switch has partials to leave
     for graphs in (False, True):
         models, tok, lens = prefilled_pair(cfg, params, LENS, "cuda")
         mk = dict(max_batch=len(LENS), max_context=BPS * 128, scratch_slot=SLOTS - 1,
