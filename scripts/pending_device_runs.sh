@@ -56,13 +56,12 @@ step() {  # step NAME SECONDS COMMAND...: run it into $OUT/NAME.log, print its t
 }
 
 case $stage in
-s48c)  # s48b cut to what ~170 s of a call holds (the budget left after refused starts): the split consumers' and
+s48c)  # s48b cut to what ~130 s of a call holds (the budget left after refused starts): the split consumers' and
     # PIN_F's bit-identity GPU tests (kernels, the engine's decode), then the b1 / b32 steps with them, alternated
-    step gpu_tests_s48c 110 python -m pytest -q -m gpu tests/test_kernels_split_k.py tests/test_engine_fast_decode.py \
+    step gpu_tests_s48c 90 python -m pytest -q -m gpu tests/test_kernels_split_k.py tests/test_engine_fast_decode.py \
         -k "split"
-    step decode_anatomy_s48c 120 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 --top 14 \
-        --env-sets "" DEEPINFER_SPLIT_SUM=consumer,DEEPINFER_HC_POST_MIX=PIN_F:1 DEEPINFER_HC_POST_MIX=PIN_F:1 \
-        DEEPINFER_SPLIT_SUM=qkv ""
+    step decode_anatomy_s48c 80 python benchmarks/decode_anatomy.py --layers 4 --batches 1 32 --top 14 \
+        --env-sets "" DEEPINFER_SPLIT_SUM=consumer,DEEPINFER_HC_POST_MIX=PIN_F:1 DEEPINFER_HC_POST_MIX=PIN_F:1 ""
     ;;
 s48b)  # the forty-first session's split-K consumers (op fp8_linear_unsummed: DEEPINFER_SPLIT_SUM=qkv | post |
     # swiglu | consumer) and the post-mix kernel's pinned f (DEEPINFER_HC_POST_MIX=PIN_F:1): their GPU tests (bit
