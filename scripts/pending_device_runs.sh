@@ -31,9 +31,11 @@
 # (results/*_s39*). The fortieth session's H100 (three calls, late) ran s47t (every test of its three fusions and
 # s45: passed), s47p (their A/Bs: made the defaults) and s47i (s45's timing: landed; s46c: the stable_topk kernel
 # not faster at prefill sizes, the sort stays); a second H100 ran `headline` with the new defaults and V4.1's
-# decode GPU tests (passed) (results/*_s40*). Owed, in order: the serial split's tests after e5dff6a's refactor
-# (tests/test_kernels_fp8_linear_mma.py, _wgmma.py, test_kernels_grouped_proj.py), the slice against transformers
-# with the new defaults (`slice_defaults`), then the H200 runs below. Still owed
+# decode GPU tests (passed) (results/*_s40*). The forty-first session's H100 (two calls, then an hour of refused
+# starts) ran s48a (the serial split's tests after e5dff6a: 80 passed; the headline) and the split consumers' first
+# form's A/B (results/*_s41*). Owed, in order: s48c (or the whole s48b: the split consumers' GPU tests and A/B, the
+# code never run on a GPU in its final form), the slice against transformers with the current defaults
+# (`slice_defaults`), then the H200 runs below. Still owed
 # on an H200 (no run of these sessions got one): anatomy
 # (with --env-sets "" DEEPINFER_PDL=0), prefill and slice with the current defaults; the H200's b1 roofline figure
 # (28%) predates PDL. Also on an H200: the experts' form crossover that set fp4_moe.WGMMA_SLOTS_PER_EXPERT on the
