@@ -353,8 +353,9 @@ def test_split_sum_switches_change_no_bit_of_a_decode(tiny_v4_raw, cuda_kernels,
     """The split-K partials added by their consumers (DEEPINFER_SPLIT_SUM=consumer / qkv: op
     fp8_linear_unsummed into qkv_norm_rope_store and hc_post_pre_fused; the linears forced to split,
     `_forced_split`) against the split-sum kernel, and the post-mix kernel's f pinned to its load layout
-    (PIN_F) against not, the fused qkv kernel in two programs a token against one: a 4-sequence batch's decode logits and every cache tensor bit-identical after each
-    step, eager and in replayed graphs (captured with the switch as set)."""
+    (PIN_F) against not, the fused qkv kernel in two programs a token against one: a 4-sequence batch's decode
+    logits and every cache tensor bit-identical after each step, eager and in replayed graphs (captured with the
+    switch as set)."""
     from deepinfer.kernels.split_k import SplitK
 
     cfg, raw = tiny_v4_raw

@@ -5,10 +5,11 @@ same bits as the split-sum kernel followed by the same consumer on its bf16 resu
 * `SplitK` itself: its checks, its column views, `total()` (the partials added in order, rounded once).
 * Under the Triton interpreter: op "fp8_linear_unsummed" returns a SplitK where the Triton form splits K and
   its total is fp8_linear's output bit for bit; `qkv_norm_rope_store` on the two column views of a SplitK
-  (the stacked wq_a | wkv), `swiglu_bf16` on those of the shared expert's w1 | w3, and `hc_post_pre_fused` on a SplitK f give the same bits as on the summed tensors
-  (qr and the ring rows; x, y, post, comb; the post-mix kernel's PIN_F plan too); a planted bug (the kernels told one partial fewer) is caught.
-* On the GPU (-m gpu): the same, compiled; the engine's b1 decode with DEEPINFER_SPLIT_SUM=consumer against
-  "kernel": logits and every cache tensor bit-identical, eager and from replayed graphs."""
+  (the stacked wq_a | wkv), `swiglu_bf16` on those of the shared expert's w1 | w3, and `hc_post_pre_fused` on
+  a SplitK f give the same bits as on the summed tensors (qr and the ring rows; x, y, post, comb; the post-mix
+  kernel's PIN_F plan too); a planted bug (the kernels told one partial fewer) is caught.
+* On the GPU (-m gpu): the same, compiled. (The engine's decode with each switch against the sum kernel is
+  tests/test_engine_fast_decode.py's `test_split_sum_switches_change_no_bit_of_a_decode`.)"""
 from __future__ import annotations
 
 import pytest

@@ -8,8 +8,8 @@ Why: at decode a split-K linear is two launches, the GEMM into partials and a su
 step's main chain (5 a V4 layer at b1). A consumer kernel that reads its input once per element can add the
 partials itself, in the same order and with the same one rounding, so the values it sees are the same bits:
 op "fp8_linear_unsummed" (kernels/triton/fp8_gemm.py) returns a SplitK where the sum kernel would run, and
-the consumers that take one (`hc_post_pre_fused`, `qkv_norm_rope_store`) add the partials on their loads;
-everything else calls `summed`.
+the consumers that take one (`hc_post_pre_fused`, `qkv_norm_rope_store`, `swiglu_bf16`) add the partials on
+their loads; everything else calls `summed`.
 Must not: import triton (the sum runs through fp8_gemm on CUDA or the interpreter, imported on use).
 """
 from __future__ import annotations
@@ -53,9 +53,10 @@ class SplitK:
         return SplitK(self.part[:, :, lo:hi])
 
     def total(self) -> torch.Tensor:
-        """The bf16 [M, N] result: the partials added in order in fp32, rounded once."""
+        """The bf16 [M, N] result: the partials added in order in fp32, rounded once (on cuda by
+        `fp8_gemm._split_sum_kernel`; elsewhere by torch, the same bits: its fp32 adds and round-to-nearest-even)."""
         part = self.part
-        if part.is_cuda or _interpreting():
+        if part.is_cuda:
             from deepinfer.kernels.triton.fp8_gemm import split_sum
 
             return split_sum(part)
@@ -75,7 +76,8 @@ def cols(x: "torch.Tensor | SplitK", lo: int, hi: int | None = None) -> "torch.T
     return x.cols(lo, hi) if isinstance(x, SplitK) else x[..., lo:hi]
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def one_launch(a, b) -> bool:
+    """a and b are SplitKs a consumer kernel can take as two operands of one S and one split stride (the column
+    views of one stacked GEMM's partials: `model/stacked.py`)."""
+    return (isinstance(a, SplitK) and isinstance(b, SplitK) and a.splits == b.splits
+            and a.part.stride() == b.part.stride())

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from deepinfer import env
 from deepinfer.kernels import official, official_fused
-from deepinfer.kernels.split_k import SplitK, summed
+from deepinfer.kernels.split_k import SplitK, one_launch, summed
 from deepinfer.kernels.triton import kv_pack, norm_hc, rope, split_k_load
 from deepinfer.kernels.triton.split_k_load import load_summed
 from deepinfer.kernels.triton.act_quant import interpreting
@@ -140,16 +140,9 @@ def qkv_norm_rope_store(q_lora: "torch.Tensor | SplitK", kv: "torch.Tensor | Spl
     kv may be the two column views of one `SplitK` (the stacked wq_a | wkv from op "fp8_linear_unsummed"):
     the fused kernel adds the partials on its loads (the split-sum kernel's bits), every other path first
     sums them."""
-    if (isinstance(q_lora, SplitK) or isinstance(kv, SplitK)) and not _one_split(q_lora, kv):
+    if not one_launch(q_lora, kv):
         q_lora, kv = summed(q_lora), summed(kv)
     return _qkv_norm_rope_store(q_lora, kv, q_weight, kv_weight, eps, positions, freqs, table, layout, store, rows)
-
-
-def _one_split(q_lora, kv) -> bool:
-    """q_lora and kv are SplitKs of one launch's partials (the same split count and strides: one S and one
-    split stride for the kernel's two operands)."""
-    return (isinstance(q_lora, SplitK) and isinstance(kv, SplitK) and q_lora.splits == kv.splits
-            and q_lora.part.stride() == kv.part.stride())
 
 
 def _qkv_norm_rope_store(q_lora, kv, q_weight, kv_weight, eps, positions, freqs, table, layout, store, rows):

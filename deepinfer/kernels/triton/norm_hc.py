@@ -289,8 +289,9 @@ def _hc_sinkhorn_collapse_kernel(part_ptr, ssq_ptr, scale_ptr, base_ptr, x_ptr, 
 @fast_launch
 @triton.jit
 def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr, part_ptr, ssq_ptr, T, D, KD,
-                                n_out, k_chunk, stride_f, stride_fs, FS: tl.constexpr, HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
-                                BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PIN_F: tl.constexpr = False,
+                                n_out, k_chunk, stride_f, stride_fs, FS: tl.constexpr, HC: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                                INTERPRET: tl.constexpr, PIN_F: tl.constexpr = False,
                                 PDL: tl.constexpr = False):
     """`_hc_mix_partial_kernel` whose x is made here: the previous sublayer's hc_post (`_hc_post_kernel`'s
     arithmetic, post_k * f + sum over j of comb[j, k] * r_j in fp32, rounded to bf16) of the columns this
@@ -316,9 +317,9 @@ def _hc_post_mix_partial_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, x_ptr, fn_ptr,
         stream = c0 // D  # this step's output stream k
         dd = ks - stream * D
         m2 = tmask[:, None] & kmask[None, :]
-        if FS > 1:  # (bf16 f: rows D apart, the launcher makes it contiguous)
+        if FS > 1:
             f = load_summed(f_ptr + t64[:, None] * stride_f + dd[None, :], m2, FS, stride_fs)
-        else:
+        else:  # bf16 f, made contiguous by the launcher: rows D apart (the build before the partials, to the byte)
             f = load_summed(f_ptr + t64[:, None] * D + dd[None, :], m2, FS, stride_fs)
         if FS > 1 or PIN_F:
             f = pinned(f, INTERPRET)  # one layout conversion of the sum, not one per partial
@@ -542,8 +543,9 @@ def hc_post_pre_fused(f: "torch.Tensor | SplitK", residual: torch.Tensor, post: 
     f_op, fs, stride_fs, stride_f = split_k_load.operand(f if isinstance(f, SplitK) else f.contiguous())
     _hc_post_mix_partial_kernel[(cdiv(T, plan["BLOCK_T"]), splits)](
         f_op, residual.contiguous(), post.to(F32).contiguous(), comb.to(F32).contiguous(), x,
-        fn.to(F32).contiguous(), part, ssq, T, D, KD, n_out, plan["K_CHUNK"], stride_f, stride_fs, FS=fs, HC=hc, BLOCK_T=plan["BLOCK_T"],
-        BLOCK_O=max(16, next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"], INTERPRET=_interpreting(),
+        fn.to(F32).contiguous(), part, ssq, T, D, KD, n_out, plan["K_CHUNK"], stride_f, stride_fs, FS=fs, HC=hc,
+        BLOCK_T=plan["BLOCK_T"], BLOCK_O=max(16, next_power_of_2(n_out)), BLOCK_K=plan["BLOCK_K"],
+        INTERPRET=_interpreting(),
         PIN_F=bool(plan.get("PIN_F", 0)), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     _collapse(part, ssq, plan, x, scale, base, norm_weight, y, post2, comb2, iters, hc_eps, norm_eps)
     return x, y, post2, comb2

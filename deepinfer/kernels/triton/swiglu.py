@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import official
-from deepinfer.kernels.split_k import SplitK, summed
+from deepinfer.kernels.split_k import SplitK, one_launch, summed
 from deepinfer.kernels.triton import split_k_load
 from deepinfer.kernels.triton.act_quant import interpreting
 from deepinfer.kernels.triton.launch import cdiv, fast_launch, next_power_of_2
@@ -57,8 +57,7 @@ def swiglu_bf16(gate: "torch.Tensor | SplitK", up: "torch.Tensor | SplitK", limi
     gate and up may be the two column views of one `SplitK` (the stacked w1 | w3 from op
     "fp8_linear_unsummed"): the kernel adds the partials on its loads (the split-sum kernel's bits); other
     SplitKs are summed first."""
-    split = isinstance(gate, SplitK) and isinstance(up, SplitK) and gate.splits == up.splits \
-        and gate.part.stride() == up.part.stride()
+    split = one_launch(gate, up)
     if not split:
         gate, up = summed(gate), summed(up)
     if gate.dtype != BF16 or up.dtype != BF16 or not (gate.device.type == "cuda" or interpreting()) or gate.dim() != 2:
